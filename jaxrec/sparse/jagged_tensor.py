@@ -1,0 +1,238 @@
+"""JaggedTensor: one ragged feature with a static capacity."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import validation as v
+from .capacity import bucket_capacity
+from .formatting import jagged_repr
+
+
+@jax.tree_util.register_pytree_node_class
+class JaggedTensor:
+    """A ragged batch of ``B`` bags stored in a fixed-capacity buffer.
+
+    ::
+
+        lengths = [1, 2]        values = [5, 7, 1, pad, pad, ...]   (capacity C)
+                   |  |                   ^  ^^^^  padding: never read
+                 bag0 bag1
+
+    Args:
+        values: ``[C, ...]`` ids (integer) or embeddings (floating). Entries past
+            ``sum(lengths)`` are padding and never contribute to a result.
+        weights: optional ``[C]`` floating per-value weights.
+        lengths: ``[B]`` integer bag lengths. Give ``lengths`` or ``offsets``.
+        offsets: ``[B + 1]`` TorchRec offsets (``[0, cumsum(lengths)]``).
+        validate: check values on the host (negative lengths, capacity
+            overflow). ``None`` checks only host inputs (numpy arrays, lists),
+            which never forces a device-to-host copy.
+
+    Example:
+        >>> jt = JaggedTensor(values=[5, 7, 1], lengths=[1, 2])
+        >>> jt.offsets().tolist()
+        [0, 1, 3]
+    """
+
+    __slots__ = ("_values", "_lengths", "_weights")
+
+    def __init__(
+        self,
+        values: Any,
+        weights: Any = None,
+        lengths: Any = None,
+        offsets: Any = None,
+        *,
+        validate: bool | None = None,
+    ):
+        if lengths is None:
+            if offsets is None:
+                raise ValueError("JaggedTensor needs lengths or offsets; pass lengths=[...]")
+            lengths = v.lengths_from_offsets(offsets)
+        host = all(v.is_host(x) for x in (values, lengths) if x is not None)
+        values = v.as_values_array(values, "values")
+        lengths = v.as_int_array(lengths, "lengths")
+        if values.ndim < 1:
+            raise ValueError(f"values must be at least 1-D, got {values.shape=}")
+        v.check_rank(lengths, 1, "lengths")
+        if weights is not None:
+            weights = v.as_float_array(weights, "weights")
+            if weights.shape != values.shape[:1]:
+                raise ValueError(
+                    f"weights must match values' leading size: {weights.shape=} vs {values.shape=}"
+                )
+        if validate or (validate is None and host):
+            v.check_lengths_values(v.to_host(lengths), values.shape[0])
+        self._values, self._lengths, self._weights = values, lengths, weights
+
+    # pytree: arrays are leaves; nothing else is stored.
+    def tree_flatten(self):
+        return (self._values, self._lengths, self._weights), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        obj = object.__new__(cls)
+        obj._values, obj._lengths, obj._weights = children
+        return obj
+
+    # ----- accessors (TorchRec names) -----
+    def values(self) -> jax.Array:
+        """``[C, ...]`` buffer; entries past ``sum(lengths)`` are padding."""
+        return self._values
+
+    def lengths(self) -> jax.Array:
+        return self._lengths
+
+    def lengths_or_none(self) -> jax.Array:
+        return self._lengths
+
+    def offsets(self) -> jax.Array:
+        """``[B + 1]`` offsets ``[0, cumsum(lengths)]``, computed in-graph."""
+        return lengths_to_offsets(self._lengths)
+
+    def offsets_or_none(self) -> jax.Array:
+        return self.offsets()
+
+    def weights(self) -> jax.Array:
+        if self._weights is None:
+            raise ValueError("this JaggedTensor has no weights; build it with weights=...")
+        return self._weights
+
+    def weights_or_none(self) -> jax.Array | None:
+        return self._weights
+
+    def capacity(self) -> int:
+        """Static length of the values buffer."""
+        return self._values.shape[0]
+
+    def num_bags(self) -> int:
+        """Static batch size ``B``."""
+        return self._lengths.shape[0]
+
+    def valid_mask(self) -> jax.Array:
+        """``[C]`` bool, True where a value belongs to a bag (not padding)."""
+        return jnp.arange(self.capacity()) < jnp.sum(self._lengths)
+
+    def segment_ids(self) -> jax.Array:
+        """``[C]`` bag index of each value; padding gets ``B`` (out of range)."""
+        return segment_ids_from_lengths(self._lengths, self.capacity())
+
+    # ----- conversions -----
+    def to_dense(self) -> list[np.ndarray]:
+        """Host-side list of the ``B`` bags' values (TorchRec's ``to_dense``)."""
+        return _split_host(self._values, self._lengths)
+
+    def to_dense_weights(self) -> list[np.ndarray] | None:
+        if self._weights is None:
+            return None
+        return _split_host(self._weights, self._lengths)
+
+    def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0) -> jax.Array:
+        """``[B, N, ...]`` with each bag left-aligned and padded with ``padding_value``.
+
+        ``N`` is ``desired_length`` (longer bags are truncated) or, on the host
+        only, the longest bag.
+        """
+        return _padded(self._values, self._lengths, desired_length, padding_value)
+
+    def to_padded_dense_weights(
+        self, desired_length: int | None = None, padding_value: float = 0.0
+    ) -> jax.Array | None:
+        if self._weights is None:
+            return None
+        return _padded(self._weights, self._lengths, desired_length, padding_value)
+
+    @staticmethod
+    def from_dense(
+        values: Sequence[Any],
+        weights: Sequence[Any] | None = None,
+        *,
+        capacity: int | None = None,
+    ) -> JaggedTensor:
+        """Builds from a host list of per-bag arrays; capacity is bucketed unless given.
+
+        Example:
+            >>> jt = JaggedTensor.from_dense([[5], [7, 1]])
+            >>> jt.lengths().tolist(), jt.capacity()
+            ([1, 2], 8)
+        """
+        bags = [np.asarray(x) for x in values]
+        lengths = np.array([b.shape[0] for b in bags], dtype=np.int32)
+        total = int(lengths.sum())
+        cap = bucket_capacity(total) if capacity is None else capacity
+        if total > cap:
+            raise ValueError(f"the bags hold {total} values but capacity={cap}; raise capacity")
+        flat = _pad_to(np.concatenate(bags) if bags else np.zeros(0, np.int32), cap)
+        w = None
+        if weights is not None:
+            w = _pad_to(np.concatenate([np.asarray(x, np.float32) for x in weights]), cap)
+        return JaggedTensor(values=flat, lengths=lengths, weights=w)
+
+    @staticmethod
+    def from_dense_lengths(values: Any, lengths: Any, weights: Any = None) -> JaggedTensor:
+        """From a padded ``[B, N, ...]`` array and ``[B]`` lengths (jit-able; capacity ``B*N``)."""
+        values = jnp.asarray(values)
+        lengths = v.as_int_array(lengths, "lengths")
+        b, n = values.shape[:2]
+        lengths = jnp.minimum(lengths, n)
+        mask = jnp.arange(n)[None, :] < lengths[:, None]
+        dest = jnp.where(mask, lengths_to_offsets(lengths)[:-1, None] + jnp.arange(n), b * n)
+        dest = dest.reshape(-1)
+        flat = jnp.zeros((b * n, *values.shape[2:]), values.dtype)
+        flat = flat.at[dest].set(values.reshape(b * n, *values.shape[2:]), mode="drop")
+        w = None
+        if weights is not None:
+            w = jnp.zeros((b * n,), jnp.asarray(weights).dtype)
+            w = w.at[dest].set(jnp.asarray(weights).reshape(-1), mode="drop")
+        return JaggedTensor(values=flat, lengths=lengths, weights=w)
+
+    def __repr__(self) -> str:
+        if any(v.is_traced(x) for x in (self._values, self._lengths)):
+            return f"JaggedTensor(capacity={self.capacity()}, num_bags={self.num_bags()}, traced)"
+        w = None if self._weights is None else np.asarray(self._weights)
+        return jagged_repr(np.asarray(self._values), np.asarray(self._lengths), w)
+
+
+def lengths_to_offsets(lengths: jax.Array) -> jax.Array:
+    zero = jnp.zeros((1,), lengths.dtype)
+    return jnp.concatenate([zero, jnp.cumsum(lengths, dtype=lengths.dtype)])
+
+
+def segment_ids_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
+    """``[capacity]`` bag index of each position; positions past the total get ``B``.
+
+    Uses a searchsorted over offsets, which handles empty bags.
+    """
+    ends = jnp.cumsum(lengths)
+    pos = jnp.arange(capacity, dtype=ends.dtype)
+    return jnp.searchsorted(ends, pos, side="right").astype(jnp.int32)
+
+
+def _split_host(x: Any, lengths: Any) -> list[np.ndarray]:
+    x, lengths = v.to_host(x), v.to_host(lengths)
+    return np.split(x[: int(lengths.sum())], np.cumsum(lengths)[:-1])
+
+
+def _pad_to(x: np.ndarray, cap: int) -> np.ndarray:
+    out = np.zeros((cap, *x.shape[1:]), x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+def _padded(values, lengths, desired_length, padding_value) -> jax.Array:
+    if desired_length is None:
+        desired_length = int(v.to_host(lengths).max(initial=0))
+    n = desired_length
+    starts = lengths_to_offsets(lengths)[:-1]
+    idx = starts[:, None] + jnp.arange(n)[None, :]
+    mask = jnp.arange(n)[None, :] < lengths[:, None]
+    rows = jnp.take(values, jnp.where(mask, idx, 0), axis=0, mode="clip")
+    mask = mask.reshape(mask.shape + (1,) * (values.ndim - 1))
+    return jnp.where(mask, rows, jnp.asarray(padding_value, values.dtype))

@@ -1,0 +1,430 @@
+"""KeyedJaggedTensor: many ragged features in one buffer with static per-key capacities."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import validation as v
+from .capacity import resolve_capacities
+from .formatting import keyed_jagged_repr
+from .jagged_tensor import JaggedTensor, lengths_to_offsets
+
+Capacities = Mapping[str, int] | Sequence[int] | int | None
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyedJaggedTensor:
+    """``F`` ragged features (keys) over a batch of ``B`` samples.
+
+    ::
+
+        #          0       1        2   <-- batch (stride B = 3)
+        # "f1"   [0,1]   None     [2]
+        # "f2"   [3]     [4]      [5,6,7]
+        #
+        # lengths = [2, 0, 1, 1, 1, 3]           key-major, [F * B]
+        # values  = [0, 1, 2, p, | 3, 4, 5, 6, 7, p, p, p]
+        #            '- f1: capacity 4  '- f2: capacity 8   (p = padding)
+
+    Key ``k`` owns the static slice ``values[cap_start[k] : cap_start[k] + cap[k]]``,
+    its bags packed at the front of it. ``lengths()`` and ``offsets()`` are
+    TorchRec's (``offsets`` index a packed buffer, as in TorchRec; use
+    ``to_dict()`` or ``segment_ids()`` to address this buffer). Keys,
+    capacities and the stride are static pytree metadata.
+
+    Args:
+        keys: feature names, unique.
+        values: ``[sum(capacities)]`` integer ids.
+        weights: optional ``[sum(capacities)]`` floating weights.
+        lengths: ``[F * B]`` integer bag lengths, key-major. Or ``offsets``.
+        offsets: ``[F * B + 1]`` TorchRec offsets.
+        stride: batch size ``B``; defaults to ``len(lengths) // F``.
+        capacities: per-key capacities (a sequence, a mapping or one int).
+            ``None`` means TorchRec's packed layout (capacity = length of each
+            key), which needs concrete lengths.
+        validate: value checks on the host; ``None`` checks host inputs only.
+
+    Example:
+        >>> kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=[0, 1, 2, 3, 4, 5, 6, 7],
+        ...                         lengths=[2, 0, 1, 1, 1, 3])
+        >>> kjt["f2"].to_dense()[2].tolist()
+        [5, 6, 7]
+    """
+
+    __slots__ = ("_keys", "_caps", "_stride", "_values", "_lengths", "_weights")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: Any,
+        weights: Any = None,
+        lengths: Any = None,
+        offsets: Any = None,
+        stride: int | None = None,
+        *,
+        capacities: Capacities = None,
+        validate: bool | None = None,
+    ):
+        keys = _check_keys(keys)
+        if lengths is None:
+            if offsets is None:
+                raise ValueError("KeyedJaggedTensor needs lengths or offsets; pass lengths=[...]")
+            lengths = v.lengths_from_offsets(offsets)
+        host = v.is_host(values) and v.is_host(lengths)
+        values = v.as_int_array(values, "values")
+        lengths = v.as_int_array(lengths, "lengths")
+        v.check_rank(values, 1, "values")
+        v.check_rank(lengths, 1, "lengths")
+        if weights is not None:
+            weights = v.as_float_array(weights, "weights")
+            if weights.shape != values.shape:
+                raise ValueError(f"weights must match values: {weights.shape=} vs {values.shape=}")
+        stride = _resolve_stride(len(keys), lengths.shape[0], stride)
+        if capacities is None:
+            caps = _packed_capacities(keys, lengths, stride, values.shape[0])
+        else:
+            lpk = [0] * len(keys)  # overflow is checked below, with the values
+            caps = resolve_capacities(keys, lpk, capacities)
+            if sum(caps) != values.shape[0]:
+                raise ValueError(
+                    f"sum(capacities)={sum(caps)} must equal the values length {values.shape[0]}"
+                )
+        self._keys, self._caps, self._stride = keys, caps, stride
+        self._values, self._lengths, self._weights = values, lengths, weights
+        if validate or (validate is None and host):
+            self.validate()
+
+    # ----- pytree -----
+    def tree_flatten(self):
+        return (self._values, self._lengths, self._weights), (self._keys, self._caps, self._stride)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj._keys, obj._caps, obj._stride = aux
+        obj._values, obj._lengths, obj._weights = children
+        return obj
+
+    @classmethod
+    def _make(cls, keys, caps, stride, values, lengths, weights) -> KeyedJaggedTensor:
+        """Internal constructor: no conversion, no checks."""
+        return cls.tree_unflatten((tuple(keys), tuple(caps), stride), (values, lengths, weights))
+
+    # ----- static metadata -----
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def stride(self) -> int:
+        return self._stride
+
+    def capacity_per_key(self) -> tuple[int, ...]:
+        return self._caps
+
+    def capacity_offsets(self) -> tuple[int, ...]:
+        """``[F + 1]`` static start of each key's slice in ``values()``."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self._caps, dtype=np.int64)]))
+
+    # ----- arrays -----
+    def values(self) -> jax.Array:
+        return self._values
+
+    def lengths(self) -> jax.Array:
+        return self._lengths
+
+    def lengths_or_none(self) -> jax.Array:
+        return self._lengths
+
+    def offsets(self) -> jax.Array:
+        """``[F * B + 1]`` TorchRec offsets ``[0, cumsum(lengths)]`` (packed layout)."""
+        return lengths_to_offsets(self._lengths)
+
+    def offsets_or_none(self) -> jax.Array:
+        return self.offsets()
+
+    def weights(self) -> jax.Array:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights; build it with weights=...")
+        return self._weights
+
+    def weights_or_none(self) -> jax.Array | None:
+        return self._weights
+
+    def length_per_key(self) -> jax.Array:
+        """``[F]`` number of values per key (an array: TorchRec returns a list)."""
+        return self._lengths.reshape(len(self._keys), self._stride).sum(axis=1)
+
+    def offset_per_key(self) -> jax.Array:
+        """``[F + 1]`` packed start of each key, ``[0, cumsum(length_per_key)]``."""
+        return lengths_to_offsets(self.length_per_key())
+
+    def segment_ids(self) -> jax.Array:
+        """``[C]`` global bag index ``k * B + b`` of every value; padding gets ``F * B``.
+
+        This is how lookups address this buffer: one sorted segment id per
+        value, across all keys.
+        """
+        f, b = len(self._keys), self._stride
+        starts = np.asarray(self.capacity_offsets()[:-1], np.int32)
+        key_of = np.repeat(np.arange(f, dtype=np.int32), self._caps)
+        local = np.arange(sum(self._caps), dtype=np.int32) - starts[key_of]
+        per_key = self._lengths.reshape(f, b)
+        ends = jnp.cumsum(per_key, axis=1)  # [F, B] local bag ends
+        global_ends = (ends + starts[:, None]).reshape(-1)
+        pos = jnp.arange(sum(self._caps), dtype=global_ends.dtype)
+        seg = jnp.searchsorted(global_ends, pos, side="right").astype(jnp.int32)
+        total = ends[:, -1] if b else jnp.zeros((f,), per_key.dtype)
+        valid = local < total[key_of]
+        return jnp.where(valid, seg, f * b)
+
+    # ----- per-key views -----
+    def to_dict(self) -> dict[str, JaggedTensor]:
+        """``{key: JaggedTensor}`` by static slicing (no copies of the data layout)."""
+        return {k: self[k] for k in self._keys}
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        i = self._key_index(key)
+        lo, hi = self.capacity_offsets()[i], self.capacity_offsets()[i + 1]
+        b = self._stride
+        w = None if self._weights is None else self._weights[lo:hi]
+        return JaggedTensor.tree_unflatten(
+            None, (self._values[lo:hi], self._lengths[i * b : (i + 1) * b], w)
+        )
+
+    def _key_index(self, key: str) -> int:
+        try:
+            return self._keys.index(key)
+        except ValueError:
+            raise KeyError(f"{key!r} is not a key of this KeyedJaggedTensor; keys are {list(self._keys)}") from None
+
+    # ----- builders (host-side, TorchRec names) -----
+    @staticmethod
+    def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """Concatenates per-key JaggedTensors; each keeps its own capacity."""
+        keys = _check_keys(list(jt_dict))
+        jts = list(jt_dict.values())
+        if not jts:
+            return KeyedJaggedTensor.empty()
+        strides = {jt.num_bags() for jt in jts}
+        if len(strides) != 1:
+            sizes = {k: jt.num_bags() for k, jt in jt_dict.items()}
+            raise ValueError(f"all features need the same batch size (stride); got {sizes}")
+        weighted = [jt.weights_or_none() is not None for jt in jts]
+        if any(weighted) and not all(weighted):
+            raise ValueError("either every JaggedTensor has weights or none does")
+        for k, jt in jt_dict.items():
+            if jt.values().ndim != 1:
+                raise ValueError(f"feature {k!r} values must be 1-D ids, got {jt.values().shape=}")
+        values = jnp.concatenate([jnp.asarray(jt.values()) for jt in jts])
+        if not jnp.issubdtype(values.dtype, jnp.integer):
+            raise TypeError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype=}")
+        lengths = jnp.concatenate([jt.lengths() for jt in jts])
+        weights = jnp.concatenate([jt.weights() for jt in jts]) if all(weighted) else None
+        caps = tuple(jt.capacity() for jt in jts)
+        return KeyedJaggedTensor._make(keys, caps, strides.pop(), values, lengths, weights)
+
+    @staticmethod
+    def from_lengths_sync(
+        keys: Sequence[str],
+        values: Any,
+        lengths: Any,
+        weights: Any = None,
+        stride: int | None = None,
+        *,
+        capacities: Capacities = None,
+    ) -> KeyedJaggedTensor:
+        """From TorchRec's packed layout; each key gets a bucketed capacity unless given.
+
+        Example:
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3], [1, 0, 2, 0])
+            >>> kjt.capacity_per_key(), kjt.lengths().tolist()
+            ((8, 8), [1, 0, 2, 0])
+        """
+        keys = _check_keys(keys)
+        vals = v.to_host(values)
+        lens = v.to_host(lengths)
+        if not np.issubdtype(lens.dtype, np.integer) or not np.issubdtype(vals.dtype, np.integer):
+            bad = "lengths" if not np.issubdtype(lens.dtype, np.integer) else "values"
+            arr = lens if bad == "lengths" else vals
+            raise TypeError(f"{bad} must have an integer dtype, got {arr.dtype=}")
+        if vals.ndim != 1 or lens.ndim != 1:
+            raise ValueError(f"values and lengths must be 1-D, got {vals.shape=}, {lens.shape=}")
+        stride = _resolve_stride(len(keys), lens.shape[0], stride)
+        v.check_lengths_values(lens, vals.shape[0])
+        lpk = lens.reshape(len(keys), stride).sum(axis=1) if keys else np.zeros(0, np.int64)
+        caps = resolve_capacities(keys, lpk.tolist(), capacities)
+        w = None if weights is None else np.asarray(v.as_float_array(v.to_host(weights), "weights"))
+        if w is not None and w.shape != vals.shape:
+            raise ValueError(f"weights must match values: {w.shape=} vs {vals.shape=}")
+        out_v, out_w = _repack(vals, w, lpk, caps)
+        return KeyedJaggedTensor(
+            keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False
+        )
+
+    @staticmethod
+    def from_offsets_sync(
+        keys: Sequence[str],
+        values: Any,
+        offsets: Any,
+        weights: Any = None,
+        stride: int | None = None,
+        *,
+        capacities: Capacities = None,
+    ) -> KeyedJaggedTensor:
+        """Like ``from_lengths_sync`` but from TorchRec offsets ``[F * B + 1]``."""
+        lengths = v.lengths_from_offsets(v.to_host(offsets))
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys, values, lengths, weights, stride, capacities=capacities
+        )
+
+    @staticmethod
+    def empty(is_weighted: bool = False, stride: int = 0, values_dtype: Any = jnp.int32) -> KeyedJaggedTensor:
+        weights = jnp.zeros((0,), jnp.float32) if is_weighted else None
+        return KeyedJaggedTensor._make(
+            (), (), stride, jnp.zeros((0,), values_dtype), jnp.zeros((0,), jnp.int32), weights
+        )
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """No keys, same stride and dtypes (TorchRec's ``empty_like``)."""
+        w = kjt.weights_or_none()
+        return KeyedJaggedTensor._make(
+            (),
+            (),
+            kjt.stride(),
+            jnp.zeros((0,), kjt.values().dtype),
+            jnp.zeros((0,), kjt.lengths().dtype),
+            None if w is None else jnp.zeros((0,), w.dtype),
+        )
+
+    # ----- reshaping (all static slicing and concatenation) -----
+    def permute(self, indices: Sequence[int]) -> KeyedJaggedTensor:
+        """Reorders (or repeats, or drops) keys: key ``i`` of the result is ``keys()[indices[i]]``."""
+        f = len(self._keys)
+        for i in indices:
+            if not 0 <= i < f:
+                raise ValueError(f"permute index {i} is out of range for {f} keys")
+        parts = [self[self._keys[i]] for i in indices]
+        return _concat_parts(
+            [self._keys[i] for i in indices], parts, self._stride, self._weights is not None, self
+        )
+
+    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+        """Splits keys into consecutive groups of the given sizes."""
+        if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
+            raise ValueError(f"segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
+        out, start = [], 0
+        for n in segments:
+            out.append(self.permute(range(start, start + n)))
+            start += n
+        return out
+
+    @staticmethod
+    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Concatenates the keys of several KJTs with the same stride."""
+        if not kjt_list:
+            raise ValueError("concat needs at least one KeyedJaggedTensor")
+        strides = {k.stride() for k in kjt_list}
+        if len(strides) != 1:
+            raise ValueError(f"concat needs one stride, got strides {sorted(strides)}")
+        weighted = {k.weights_or_none() is not None for k in kjt_list}
+        if len(weighted) != 1:
+            raise ValueError("concat needs every KeyedJaggedTensor weighted or none")
+        keys = [key for k in kjt_list for key in k.keys()]
+        _check_keys(keys)
+        parts = [k[key] for k in kjt_list for key in k.keys()]
+        return _concat_parts(keys, parts, strides.pop(), weighted.pop(), kjt_list[0])
+
+    # ----- checks and printing -----
+    def validate(self) -> None:
+        """Host value check: non-negative lengths and every key within its capacity."""
+        lens = v.to_host(self._lengths)
+        v.check_lengths_values(lens, sum(self._caps))
+        if not self._keys:
+            return
+        lpk = lens.reshape(len(self._keys), self._stride).sum(axis=1)
+        resolve_capacities(self._keys, lpk.tolist(), self._caps)
+
+    def __repr__(self) -> str:
+        if any(v.is_traced(x) for x in (self._values, self._lengths)):
+            return (
+                f"KeyedJaggedTensor(keys={list(self._keys)}, stride={self._stride}, "
+                f"capacities={self._caps}, traced)"
+            )
+        items = []
+        for k, jt in self.to_dict().items():
+            w = jt.weights_or_none()
+            items.append((k, np.asarray(jt.values()), np.asarray(jt.lengths()), None if w is None else np.asarray(w)))
+        return keyed_jagged_repr(items)
+
+
+def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a sequence of str, got the single string {keys!r}; wrap it in a list")
+    keys = tuple(keys)
+    for k in keys:
+        if not isinstance(k, str):
+            raise TypeError(f"keys must be str, got {k!r} of type {type(k).__name__}")
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"duplicate keys {dup}; every feature name must appear once")
+    return keys
+
+
+def _resolve_stride(num_keys: int, num_lengths: int, stride: int | None) -> int:
+    if stride is None:
+        if num_keys == 0:
+            if num_lengths:
+                raise ValueError(f"got {num_lengths} lengths but no keys")
+            return 0
+        stride = num_lengths // num_keys
+    if num_lengths != num_keys * stride:
+        raise ValueError(
+            f"lengths has {num_lengths} entries but {num_keys} keys x stride {stride} = "
+            f"{num_keys * stride}; lengths must be key-major [F * B]"
+        )
+    return stride
+
+
+def _packed_capacities(keys, lengths, stride, num_values) -> tuple[int, ...]:
+    """Capacities of TorchRec's packed layout: each key exactly its length."""
+    if v.is_traced(lengths):
+        raise ValueError(
+            "without capacities=, the layout comes from concrete lengths; under jax.jit "
+            "pass capacities=(...) (static per-key sizes) or build the KJT outside jit"
+        )
+    if not keys:
+        return ()
+    lens = v.to_host(lengths)
+    v.check_lengths_values(lens, num_values)
+    caps = [int(x) for x in lens.reshape(len(keys), stride).sum(axis=1)]
+    caps[-1] += num_values - sum(caps)  # trailing padding belongs to the last key
+    return tuple(caps)
+
+
+def _repack(vals: np.ndarray, w: np.ndarray | None, lpk: np.ndarray, caps) -> tuple:
+    """Moves each key's packed values into the front of its capacity slot."""
+    dtype = vals.dtype if vals.dtype.itemsize <= 4 or jax.config.jax_enable_x64 else np.int64
+    out_v = np.zeros(sum(caps), dtype)
+    out_w = None if w is None else np.zeros(sum(caps), np.float32)
+    src = np.concatenate([[0], np.cumsum(lpk)]).astype(np.int64)
+    dst = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
+    for k, n in enumerate(lpk):
+        out_v[dst[k] : dst[k] + n] = vals[src[k] : src[k] + n]
+        if w is not None:
+            out_w[dst[k] : dst[k] + n] = w[src[k] : src[k] + n]
+    return out_v, out_w
+
+
+def _concat_parts(keys, parts: list[JaggedTensor], stride, weighted, like) -> KeyedJaggedTensor:
+    if not parts:
+        return KeyedJaggedTensor.empty_like(like)
+    values = jnp.concatenate([p.values() for p in parts])
+    lengths = jnp.concatenate([p.lengths() for p in parts])
+    weights = jnp.concatenate([p.weights() for p in parts]) if weighted else None
+    caps = [p.capacity() for p in parts]
+    return KeyedJaggedTensor._make(keys, caps, stride, values, lengths, weights)

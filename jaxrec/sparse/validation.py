@@ -1,0 +1,122 @@
+"""Array conversion and input checks shared by the sparse types.
+
+Shape and dtype checks run at trace time on every call. Value checks (negative
+lengths, overflowing capacities) need concrete values, so they run on the host
+path only: when the caller passes numpy arrays or lists, or asks with
+``validate=True``. Traced values are never pulled to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def is_host(x: Any) -> bool:
+    """True for inputs that live on the host (numpy arrays, lists, scalars)."""
+    return isinstance(x, np.ndarray | list | tuple | int | float | np.generic)
+
+
+def to_host(x: Any) -> np.ndarray:
+    if is_traced(x):
+        raise TypeError(
+            "this method needs concrete values but got a traced array; call it outside "
+            "jax.jit (it is a host-side helper)"
+        )
+    return np.asarray(x)
+
+
+def _int32_ok(a: np.ndarray) -> bool:
+    if a.size == 0:
+        return True
+    return int(a.min()) >= np.iinfo(np.int32).min and int(a.max()) <= np.iinfo(np.int32).max
+
+
+def as_int_array(x: Any, name: str) -> jax.Array:
+    """Converts ids or lengths to a JAX integer array, checking the dtype.
+
+    64-bit host integers are narrowed to int32 when JAX runs without x64 (the
+    default); values that do not fit are an error rather than a silent wrap.
+    """
+    if is_traced(x) or isinstance(x, jax.Array):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype, got {x.dtype=}; cast it with .astype(jnp.int32)")
+        return x
+    a = np.asarray(x)
+    if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
+        a = a.astype(np.int32)  # an empty Python list carries no dtype
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {a.dtype=}; ids and lengths are integers")
+    if a.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        if not _int32_ok(a):
+            raise ValueError(
+                f"{name} holds values outside int32 range (max {a.max()}) and JAX x64 is off; "
+                "hash or remap ids into the table's range before building the input"
+            )
+        a = a.astype(np.int32)
+    return jnp.asarray(a)
+
+
+def as_float_array(x: Any, name: str) -> jax.Array:
+    if is_traced(x) or isinstance(x, jax.Array):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype=}")
+        return x
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.floating):
+        if np.issubdtype(a.dtype, np.integer) and not isinstance(x, np.ndarray):
+            a = a.astype(np.float32)  # plain Python lists of ints are fine as weights
+        else:
+            raise TypeError(f"{name} must have a floating dtype, got {a.dtype=}")
+    if a.dtype == np.float64 and not jax.config.jax_enable_x64:
+        a = a.astype(np.float32)
+    return jnp.asarray(a)
+
+
+def as_values_array(x: Any, name: str) -> jax.Array:
+    """Values of a JaggedTensor: ids (integer) or embeddings (floating)."""
+    if is_traced(x) or isinstance(x, jax.Array):
+        return x
+    a = np.asarray(x)
+    if np.issubdtype(a.dtype, np.integer) or (a.size == 0 and a.dtype == np.float64):
+        return as_int_array(a if a.size else a.astype(np.int32), name)
+    return as_float_array(a, name)
+
+
+def check_rank(x: jax.Array, rank: int, name: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name} must be {rank}-D, got {x.shape=}")
+
+
+def check_lengths_values(lengths: np.ndarray, capacity: int, name: str = "lengths") -> None:
+    """Host value check: no negative lengths, total within capacity."""
+    if lengths.size and lengths.min() < 0:
+        bad = int(np.flatnonzero(lengths < 0)[0])
+        raise ValueError(f"{name} must be non-negative, got {name}[{bad}]={lengths[bad]}")
+    total = int(lengths.sum())
+    if total > capacity:
+        raise ValueError(
+            f"sum({name})={total} exceeds the capacity {capacity} (values length); "
+            "pass values at least as long as sum(lengths) or a larger capacity"
+        )
+
+
+def lengths_from_offsets(offsets: Any) -> Any:
+    """Lengths from TorchRec offsets ``[0, o_1, ..., o_n]``, checking them on the host."""
+    if is_host(offsets):
+        o = np.asarray(offsets)
+        if o.ndim != 1 or o.size == 0:
+            raise ValueError(f"offsets must be 1-D with at least one entry, got {o.shape=}")
+        if o[0] != 0:
+            raise ValueError(f"offsets must start at 0, got offsets[0]={o[0]}")
+        if o.size > 1 and np.any(np.diff(o) < 0):
+            raise ValueError("offsets must be non-decreasing; got a negative bag length")
+        return np.diff(o)
+    return jnp.diff(offsets)
