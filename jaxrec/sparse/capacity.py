@@ -77,7 +77,9 @@ def resolve_capacities(
     else:
         caps = [int(c) for c in capacities]
         if len(caps) != len(keys):
-            raise ValueError(f"capacities has {len(caps)} entries for {len(keys)} keys {list(keys)}")
+            raise ValueError(
+                f"capacities has {len(caps)} entries for {len(keys)} keys {list(keys)}"
+            )
     for key, n, cap in zip(keys, length_per_key, caps, strict=True):
         if n > cap:
             raise ValueError(

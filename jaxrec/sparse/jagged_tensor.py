@@ -134,7 +134,9 @@ class JaggedTensor:
             return None
         return _split_host(self._weights, self._lengths)
 
-    def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0) -> jax.Array:
+    def to_padded_dense(
+        self, desired_length: int | None = None, padding_value: float = 0
+    ) -> jax.Array:
         """``[B, N, ...]`` with each bag left-aligned and padded with ``padding_value``.
 
         ``N`` is ``desired_length`` (longer bags are truncated) or, on the host

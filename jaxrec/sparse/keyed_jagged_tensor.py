@@ -199,7 +199,9 @@ class KeyedJaggedTensor:
         try:
             return self._keys.index(key)
         except ValueError:
-            raise KeyError(f"{key!r} is not a key of this KeyedJaggedTensor; keys are {list(self._keys)}") from None
+            raise KeyError(
+                f"{key!r} is not a key of this KeyedJaggedTensor; keys are {list(self._keys)}"
+            ) from None
 
     # ----- builders (host-side, TorchRec names) -----
     @staticmethod
@@ -282,7 +284,9 @@ class KeyedJaggedTensor:
         )
 
     @staticmethod
-    def empty(is_weighted: bool = False, stride: int = 0, values_dtype: Any = jnp.int32) -> KeyedJaggedTensor:
+    def empty(
+        is_weighted: bool = False, stride: int = 0, values_dtype: Any = jnp.int32
+    ) -> KeyedJaggedTensor:
         weights = jnp.zeros((0,), jnp.float32) if is_weighted else None
         return KeyedJaggedTensor._make(
             (), (), stride, jnp.zeros((0,), values_dtype), jnp.zeros((0,), jnp.int32), weights
@@ -303,7 +307,7 @@ class KeyedJaggedTensor:
 
     # ----- reshaping (all static slicing and concatenation) -----
     def permute(self, indices: Sequence[int]) -> KeyedJaggedTensor:
-        """Reorders (or repeats, or drops) keys: key ``i`` of the result is ``keys()[indices[i]]``."""
+        """Reorders (or repeats, or drops) keys: result key ``i`` is ``keys()[indices[i]]``."""
         f = len(self._keys)
         for i in indices:
             if not 0 <= i < f:
@@ -316,7 +320,9 @@ class KeyedJaggedTensor:
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Splits keys into consecutive groups of the given sizes."""
         if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
-            raise ValueError(f"segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
+            raise ValueError(
+                f"segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys"
+            )
         out, start = [], 0
         for n in segments:
             out.append(self.permute(range(start, start + n)))
@@ -358,13 +364,22 @@ class KeyedJaggedTensor:
         items = []
         for k, jt in self.to_dict().items():
             w = jt.weights_or_none()
-            items.append((k, np.asarray(jt.values()), np.asarray(jt.lengths()), None if w is None else np.asarray(w)))
+            items.append(
+                (
+                    k,
+                    np.asarray(jt.values()),
+                    np.asarray(jt.lengths()),
+                    None if w is None else np.asarray(w),
+                )
+            )
         return keyed_jagged_repr(items)
 
 
 def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
     if isinstance(keys, str):
-        raise TypeError(f"keys must be a sequence of str, got the single string {keys!r}; wrap it in a list")
+        raise TypeError(
+            f"keys must be a sequence of str, got the single string {keys!r}; wrap it in a list"
+        )
     keys = tuple(keys)
     for k in keys:
         if not isinstance(k, str):

@@ -53,7 +53,7 @@ class KeyedTensor:
         key_dim %= values.ndim
         if values.shape[key_dim] != sum(lpk):
             raise ValueError(
-                f"values.shape[{key_dim}]={values.shape[key_dim]} but sum(length_per_key)={sum(lpk)}"
+                f"values.shape[{key_dim}]={values.shape[key_dim]} != sum(length_per_key)={sum(lpk)}"
             )
         self._keys, self._length_per_key, self._key_dim, self._values = keys, lpk, key_dim, values
 
@@ -93,7 +93,9 @@ class KeyedTensor:
         try:
             i = self._keys.index(key)
         except ValueError:
-            raise KeyError(f"{key!r} is not a key of this KeyedTensor; keys are {list(self._keys)}") from None
+            raise KeyError(
+                f"{key!r} is not a key of this KeyedTensor; keys are {list(self._keys)}"
+            ) from None
         off = self.offset_per_key()
         return jax.lax.slice_in_dim(self._values, off[i], off[i + 1], axis=self._key_dim)
 
@@ -101,7 +103,9 @@ class KeyedTensor:
         return {k: self[k] for k in self._keys}
 
     @staticmethod
-    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[jax.Array]:
+    def regroup(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
+    ) -> list[jax.Array]:
         """One concatenated array per group of keys, drawn from several KeyedTensors.
 
         Example:

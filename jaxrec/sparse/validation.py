@@ -47,13 +47,17 @@ def as_int_array(x: Any, name: str) -> jax.Array:
     """
     if is_traced(x) or isinstance(x, jax.Array):
         if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise TypeError(f"{name} must have an integer dtype, got {x.dtype=}; cast it with .astype(jnp.int32)")
+            raise TypeError(
+                f"{name} must have an integer dtype, got {x.dtype=}; cast with .astype(jnp.int32)"
+            )
         return x
     a = np.asarray(x)
     if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
         a = a.astype(np.int32)  # an empty Python list carries no dtype
     if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name} must have an integer dtype, got {a.dtype=}; ids and lengths are integers")
+        raise TypeError(
+            f"{name} must have an integer dtype, got {a.dtype=}; ids and lengths are integers"
+        )
     if a.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
         if not _int32_ok(a):
             raise ValueError(

@@ -1,0 +1,15 @@
+"""jaxrec: TorchRec rebuilt natively for JAX."""
+
+from .configs import DataType as DataType
+from .configs import EmbeddingBagConfig as EmbeddingBagConfig
+from .configs import EmbeddingConfig as EmbeddingConfig
+from .configs import PoolingType as PoolingType
+from .modules import EmbeddingBagCollection as EmbeddingBagCollection
+from .modules import EmbeddingCollection as EmbeddingCollection
+from .modules import EmbeddingTable as EmbeddingTable
+from .ops import BoundsCheckMode as BoundsCheckMode
+from .sparse import JaggedTensor as JaggedTensor
+from .sparse import KeyedJaggedTensor as KeyedJaggedTensor
+from .sparse import KeyedTensor as KeyedTensor
+
+__version__ = "0.1.0"

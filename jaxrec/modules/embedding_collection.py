@@ -1,0 +1,95 @@
+"""EmbeddingCollection: unpooled (sequence) lookups, one gather per table group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_table
+from ..ops import BoundsCheckMode, grouped_sequence_lookup
+from ..sparse import JaggedTensor, KeyedJaggedTensor
+from .tables import TableStorage
+
+
+class EmbeddingCollection(TableStorage):
+    """A collection of sequence embedding tables (TorchRec's ``EmbeddingCollection``).
+
+    Returns ``{embedding_name: JaggedTensor}`` whose values are ``[C_k, D]``
+    (one row per id, the feature's capacity; padding rows are zero) and whose
+    lengths are the feature's lengths. With ``need_indices`` the ids are
+    returned in the JaggedTensor's ``weights`` slot, as TorchRec does. Tables
+    may have different dims (TorchRec requires one); ``embedding_dim()`` then
+    raises.
+
+    Args:
+        tables: ``EmbeddingConfig`` per table.
+        need_indices: also return the ids of each feature.
+        rngs: ``nnx.Rngs`` for initialisation.
+        dtype: output dtype (rows are gathered in the table dtype, then cast).
+        bounds_check_mode: out-of-range id handling (default WARNING: zero rows, logged).
+        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingConfig],
+        need_indices: bool = False,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
+        implementation: str | None = None,
+    ):
+        tables = check_tables(tables, EmbeddingConfig)
+        super().__init__(
+            tables,
+            prefix="embeddings",
+            rngs=rngs,
+            bounds_check_mode=bounds_check_mode,
+            implementation=implementation,
+        )
+        self._need_indices = need_indices
+        self.dtype = dtype
+
+    def __call__(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        rows: list = [None] * len(self.embedding_names)
+        for g in self.groups:
+            per_slot = grouped_sequence_lookup(
+                self.weights[g.name].value,
+                features,
+                g.slots,
+                bounds_check_mode=self.bounds_check_mode,
+                implementation=self.implementation,
+            )
+            for out, slot, emb in zip(g.outputs, g.slots, per_slot, strict=True):
+                rows[out] = (slot.key, emb)
+        result = {}
+        for name, (key, emb) in zip(self.embedding_names, rows, strict=True):
+            jt = features[key]
+            ids = jt.values() if self._need_indices else None
+            result[name] = JaggedTensor.tree_unflatten(
+                None, (emb.astype(self.dtype), jt.lengths(), ids)
+            )
+        return result
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self.table_configs)
+
+    def embedding_dim(self) -> int:
+        dims = {t.embedding_dim for t in self.table_configs}
+        if len(dims) != 1:
+            raise ValueError(
+                f"tables have several embedding dims {sorted(dims)}; there is no single one"
+            )
+        return dims.pop()
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return get_embedding_names_by_table(self.table_configs)
+
+    def need_indices(self) -> bool:
+        return self._need_indices

@@ -1,0 +1,188 @@
+"""Stacked table storage shared by the embedding collections (FBGEMM's TBE layout).
+
+Tables sharing ``(embedding_dim, dtype)`` live in one ``[sum(num_embeddings), D]``
+buffer per group; ``state_dict`` shows them per table, in TorchRec's keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
+from ..ops import BoundsCheckMode, FeatureSlot
+
+
+class EmbeddingTable(nnx.Variable):
+    """Embedding weights. Deliberately not an ``nnx.Param``: dense optimizers
+    filtering on ``nnx.Param`` skip tables, which get sparse updates instead."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableGroup:
+    """Tables stacked in one buffer, and the feature slots that read them.
+
+    ``outputs[i]`` is the position of ``slots[i]`` in the collection's output order.
+    """
+
+    name: str
+    embedding_dim: int
+    dtype: str
+    tables: tuple[str, ...]
+    row_offsets: tuple[int, ...]
+    num_rows: int
+    slots: tuple[FeatureSlot, ...]
+    outputs: tuple[int, ...]
+
+
+def group_tables(tables: Sequence[BaseEmbeddingConfig]) -> tuple[TableGroup, ...]:
+    """Groups tables by ``(embedding_dim, dtype)`` in first-seen order."""
+    members: dict[tuple[int, str], list[int]] = {}
+    for i, t in enumerate(tables):
+        members.setdefault((t.embedding_dim, t.data_type.value), []).append(i)
+    first_output = np.cumsum([0] + [t.num_features() for t in tables]).tolist()
+    groups = []
+    for (dim, dtype), idx in members.items():
+        offsets, slots, outputs, row = [], [], [], 0
+        for i in idx:
+            t = tables[i]
+            offsets.append(row)
+            for j, feature in enumerate(t.feature_names):
+                pooling = getattr(t, "pooling", PoolingType.SUM)  # sequence tables: unused
+                slots.append(
+                    FeatureSlot(
+                        key=feature,
+                        row_offset=row,
+                        num_embeddings=t.num_embeddings,
+                        pooling=pooling,
+                    )
+                )
+                outputs.append(first_output[i] + j)
+            row += t.num_embeddings
+        groups.append(
+            TableGroup(
+                name=f"{dtype.lower()}_d{dim}",
+                embedding_dim=dim,
+                dtype=dtype,
+                tables=tuple(tables[i].name for i in idx),
+                row_offsets=tuple(offsets),
+                num_rows=row,
+                slots=tuple(slots),
+                outputs=tuple(outputs),
+            )
+        )
+    return tuple(groups)
+
+
+def init_table(config: BaseEmbeddingConfig, key: jax.Array) -> jax.Array:
+    """``[num_embeddings, embedding_dim]`` initial weights in the table's dtype."""
+    shape = (config.num_embeddings, config.embedding_dim)
+    if config.init_fn is not None:
+        w = jnp.asarray(config.init_fn(key, shape, config.dtype))
+        if w.shape != shape:
+            raise ValueError(
+                f"init_fn of table {config.name!r} returned {w.shape=}, expected {shape}"
+            )
+        return w.astype(config.dtype)
+    lo, hi = config.get_weight_init_min(), config.get_weight_init_max()
+    return jax.random.uniform(key, shape, jnp.float32, lo, hi).astype(config.dtype)
+
+
+class TableStorage(nnx.Module):
+    """Grouped table buffers plus TorchRec-style per-table views.
+
+    Args:
+        tables: table configs, in the collection's order.
+        prefix: ``state_dict`` key prefix (``"embedding_bags"`` or ``"embeddings"``).
+        rngs: ``nnx.Rngs``; each table draws its own key from ``rngs.params``.
+        bounds_check_mode: out-of-range id handling for lookups.
+        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[BaseEmbeddingConfig],
+        *,
+        prefix: str,
+        rngs: nnx.Rngs,
+        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
+        implementation: str | None = None,
+    ):
+        self.table_configs = tuple(tables)
+        self.groups = group_tables(self.table_configs)
+        self.prefix = prefix
+        self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
+        self.implementation = implementation
+        self.embedding_names = tuple(n for ns in get_embedding_names_by_table(tables) for n in ns)
+        self.weights = nnx.Dict(
+            {g.name: EmbeddingTable(self._init_group(g, rngs)) for g in self.groups}
+        )
+
+    def _config(self, name: str) -> BaseEmbeddingConfig:
+        return next(t for t in self.table_configs if t.name == name)
+
+    def _init_group(self, group: TableGroup, rngs: nnx.Rngs) -> jax.Array:
+        configs = [self._config(n) for n in group.tables]
+        keys = [rngs.params() for _ in configs]
+
+        @jax.jit
+        def build(keys):  # one program: the concatenation is written in place
+            return jnp.concatenate([init_table(c, k) for c, k in zip(configs, keys, strict=True)])
+
+        return build(keys)
+
+    def reset_parameters(self, rngs: nnx.Rngs) -> None:
+        for g in self.groups:
+            self.weights[g.name].value = self._init_group(g, rngs)
+
+    def _locate(self, table: str) -> tuple[TableGroup, int, int]:
+        for g in self.groups:
+            if table in g.tables:
+                i = g.tables.index(table)
+                return g, g.row_offsets[i], self._config(table).num_embeddings
+        raise KeyError(table)
+
+    def state_dict(self) -> dict[str, jax.Array]:
+        """``{"<prefix>.<table>.weight": [num_embeddings, embedding_dim]}`` in table order."""
+        out = {}
+        for t in self.table_configs:
+            g, lo, n = self._locate(t.name)
+            out[f"{self.prefix}.{t.name}.weight"] = self.weights[g.name].value[lo : lo + n]
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, jax.typing.ArrayLike], strict: bool = True
+    ) -> None:
+        """Sets table weights from TorchRec-style keys (numpy, JAX or torch-converted arrays).
+
+        With ``strict``, every table must be given and no unknown key is allowed.
+        """
+        expected = {f"{self.prefix}.{t.name}.weight": t for t in self.table_configs}
+        unknown = sorted(set(state_dict) - set(expected))
+        missing = sorted(set(expected) - set(state_dict))
+        if strict and (unknown or missing):
+            raise ValueError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unknown}; "
+                f"expected exactly {sorted(expected)}"
+            )
+        new = {g.name: self.weights[g.name].value for g in self.groups}
+        for key, t in expected.items():
+            if key not in state_dict:
+                continue
+            w = (
+                np.asarray(state_dict[key])
+                if not isinstance(state_dict[key], jax.Array)
+                else state_dict[key]
+            )
+            shape = (t.num_embeddings, t.embedding_dim)
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{key}: expected shape {shape}, got {tuple(w.shape)}")
+            g, lo, _ = self._locate(t.name)
+            new[g.name] = new[g.name].at[lo : lo + t.num_embeddings].set(jnp.asarray(w, t.dtype))
+        for name, w in new.items():
+            self.weights[name].value = w

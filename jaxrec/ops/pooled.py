@@ -1,0 +1,65 @@
+"""Pooled (embedding-bag) lookup: gather rows and sum them per bag."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .dispatch import dispatch
+
+
+def embedding_bag(
+    weights: jax.Array,
+    rows: jax.Array,
+    segment_ids: jax.Array,
+    num_segments: int,
+    per_value_scale: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Sums ``weights[rows]`` per segment, accumulating in float32.
+
+    This is the kernel-level op behind every pooled lookup: callers have
+    already offset rows into a stacked buffer and masked padding.
+
+    Args:
+        weights: ``[R, D]`` table (or stacked tables), any float dtype.
+        rows: ``[C]`` integer rows in ``[0, R)``.
+        segment_ids: ``[C]`` output segment of each row; ids ``>= num_segments``
+            (padding, dropped ids) contribute nothing.
+        num_segments: static number of output rows ``S``.
+        per_value_scale: optional ``[C]`` float multiplier (per-sample weights).
+        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+
+    Returns:
+        ``[S, D]`` float32 sums.
+    """
+    return dispatch(
+        "embedding_bag",
+        implementation,
+        embedding_bag_xla,
+        weights,
+        rows,
+        segment_ids,
+        num_segments,
+        per_value_scale,
+    )
+
+
+def embedding_bag_xla(weights, rows, segment_ids, num_segments, per_value_scale=None):
+    emb = jnp.take(weights, rows, axis=0, mode="clip").astype(jnp.float32)
+    if per_value_scale is not None:
+        emb = emb * per_value_scale.astype(jnp.float32)[:, None]
+    return jax.ops.segment_sum(emb, segment_ids, num_segments=num_segments)
+
+
+def embedding_gather(
+    weights: jax.Array, rows: jax.Array, valid: jax.Array, *, implementation: str | None = None
+) -> jax.Array:
+    """``[C, D]`` rows ``weights[rows]`` with invalid positions zeroed (sequence lookup)."""
+    return dispatch("embedding_gather", implementation, embedding_gather_xla, weights, rows, valid)
+
+
+def embedding_gather_xla(weights, rows, valid):
+    emb = jnp.take(weights, rows, axis=0, mode="clip")
+    return jnp.where(valid[:, None], emb, jnp.zeros((), emb.dtype))

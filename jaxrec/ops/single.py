@@ -1,0 +1,68 @@
+"""Single-table lookups over plain arrays (no KeyedJaggedTensor, no Flax)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..configs import PoolingType
+from ..sparse.jagged_tensor import segment_ids_from_lengths
+from .bounds import BoundsCheckMode, check_ids
+from .pooled import embedding_bag, embedding_gather
+
+
+def pooled_lookup(
+    table: jax.Array,
+    values: jax.Array,
+    lengths: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    pooling: PoolingType = PoolingType.SUM,
+    bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``torch.nn.EmbeddingBag`` over a jagged batch.
+
+    Args:
+        table: ``[V, D]``.
+        values: ``[C]`` ids; entries past ``sum(lengths)`` are padding.
+        lengths: ``[B]`` bag lengths.
+        weights: optional ``[C]`` per-sample weights.
+        pooling: SUM or MEAN (MEAN of an empty bag is zero).
+
+    Returns:
+        ``[B, D]`` float32.
+
+    Example:
+        >>> t = jnp.arange(8.0).reshape(4, 2)
+        >>> pooled_lookup(t, jnp.array([1, 3]), jnp.array([2]), pooling=PoolingType.MEAN).tolist()
+        [[4.0, 5.0]]
+    """
+    b, c = lengths.shape[0], values.shape[0]
+    seg = segment_ids_from_lengths(lengths, c)
+    valid = check_ids(values, seg < b, table.shape[0], bounds_check_mode, "pooled_lookup")
+    rows = jnp.where(valid, values, 0)
+    seg = jnp.where(valid, seg, b)
+    out = embedding_bag(table, rows, seg, b, weights, implementation=implementation)
+    if PoolingType(pooling) is PoolingType.MEAN:
+        out = out / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None]
+    elif PoolingType(pooling) is not PoolingType.SUM:
+        raise ValueError(f"pooling must be SUM or MEAN, got {pooling}")
+    return out
+
+
+def sequence_lookup(
+    table: jax.Array,
+    values: jax.Array,
+    lengths: jax.Array,
+    *,
+    bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
+    implementation: str | None = None,
+) -> jax.Array:
+    """``torch.nn.Embedding`` over a jagged buffer: ``[C, D]``, padding rows zero."""
+    c = values.shape[0]
+    valid = jnp.arange(c) < jnp.sum(lengths)
+    valid = check_ids(values, valid, table.shape[0], bounds_check_mode, "sequence_lookup")
+    return embedding_gather(
+        table, jnp.where(valid, values, 0), valid, implementation=implementation
+    )
