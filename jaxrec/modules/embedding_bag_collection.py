@@ -76,7 +76,7 @@ class EmbeddingBagCollection(TableStorage):
         pieces: list[jax.Array | None] = [None] * len(self.embedding_names)
         for g in self.groups:
             pooled = grouped_pooled_lookup(
-                self.weights[g.name].value,
+                self.weights[g.name].get_value(),
                 features,
                 g.slots,
                 is_weighted=self._is_weighted,

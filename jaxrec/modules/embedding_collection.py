@@ -60,7 +60,7 @@ class EmbeddingCollection(TableStorage):
         rows: list = [None] * len(self.embedding_names)
         for g in self.groups:
             per_slot = grouped_sequence_lookup(
-                self.weights[g.name].value,
+                self.weights[g.name].get_value(),
                 features,
                 g.slots,
                 bounds_check_mode=self.bounds_check_mode,

@@ -138,7 +138,7 @@ class TableStorage(nnx.Module):
 
     def reset_parameters(self, rngs: nnx.Rngs) -> None:
         for g in self.groups:
-            self.weights[g.name].value = self._init_group(g, rngs)
+            self.weights[g.name].set_value(self._init_group(g, rngs))
 
     def _locate(self, table: str) -> tuple[TableGroup, int, int]:
         for g in self.groups:
@@ -152,7 +152,7 @@ class TableStorage(nnx.Module):
         out = {}
         for t in self.table_configs:
             g, lo, n = self._locate(t.name)
-            out[f"{self.prefix}.{t.name}.weight"] = self.weights[g.name].value[lo : lo + n]
+            out[f"{self.prefix}.{t.name}.weight"] = self.weights[g.name].get_value()[lo : lo + n]
         return out
 
     def load_state_dict(
@@ -170,7 +170,7 @@ class TableStorage(nnx.Module):
                 f"load_state_dict: missing keys {missing}, unexpected keys {unknown}; "
                 f"expected exactly {sorted(expected)}"
             )
-        new = {g.name: self.weights[g.name].value for g in self.groups}
+        new = {g.name: self.weights[g.name].get_value() for g in self.groups}
         for key, t in expected.items():
             if key not in state_dict:
                 continue
@@ -185,4 +185,4 @@ class TableStorage(nnx.Module):
             g, lo, _ = self._locate(t.name)
             new[g.name] = new[g.name].at[lo : lo + t.num_embeddings].set(jnp.asarray(w, t.dtype))
         for name, w in new.items():
-            self.weights[name].value = w
+            self.weights[name].set_value(w)

@@ -1,0 +1,365 @@
+"""Pooled-lookup benchmark: jaxrec's EmbeddingBagCollection forward vs TorchRec's.
+
+Prints one JSON line per (configuration, implementation), then one line per
+jaxrec implementation with its speed-up over TorchRec and the largest output
+difference (the run exits 1 if outputs disagree, so small presets are tests).
+
+Example:
+    python bench/lookup.py --preset tiny
+    python bench/lookup.py --preset default --reps 10
+    python bench/lookup.py --T 4 --E 100000 --D 64 --B 1024 --L 20 --alpha 1.1 --weighted
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxrec
+from jaxrec import (
+    BoundsCheckMode,
+    DataType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
+
+BENCH = "lookup"
+JAXREC_IMPLS = {"xla": "xla", "pallas": "pallas", "auto": None}
+IMPLS = (*JAXREC_IMPLS, "torchrec")
+# Machine epsilon per table dtype, for the parity tolerance.
+EPS = {"fp32": 2.0**-23, "fp16": 2.0**-10, "bf16": 2.0**-7}
+
+
+# ----- jaxrec -----
+def build_jaxrec(spec: LookupSpec, *, seed: int = 0, bounds_check: str = "WARNING"):
+    """An ``EmbeddingBagCollection`` of ``T`` tables ``"t<i>"`` reading features ``"f<i>"``."""
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}",
+            num_embeddings=spec.E,
+            embedding_dim=spec.D,
+            feature_names=[f"f{t}"],
+            data_type=DataType[spec.dtype.upper()],
+            pooling=PoolingType[spec.pooling],
+        )
+        for t in range(spec.T)
+    ]
+    return EmbeddingBagCollection(
+        tables,
+        is_weighted=spec.weighted,
+        rngs=nnx.Rngs(seed),
+        bounds_check_mode=BoundsCheckMode[bounds_check],
+    )
+
+
+def jaxrec_kjt(spec: LookupSpec, inputs: dict) -> KeyedJaggedTensor:
+    """The inputs as a jaxrec KJT, each key's capacity exactly ``B * L`` (no padding)."""
+    return KeyedJaggedTensor(
+        inputs["keys"],
+        inputs["values"],
+        inputs["weights"],
+        lengths=inputs["lengths"],
+        capacities=[spec.B * spec.L] * spec.T,
+    )
+
+
+def jaxrec_forward(ebc: EmbeddingBagCollection, implementation: str | None) -> Callable:
+    """``fn(kjt) -> [B, T * D]``: a ``jax.jit`` over the split state (merge only at trace)."""
+    ebc.implementation = implementation  # a static attribute: part of the graphdef
+    graphdef, state = nnx.split(ebc)
+
+    @jax.jit
+    def forward(state, kjt):
+        return nnx.merge(graphdef, state)(kjt).values()
+
+    return lambda kjt: forward(state, kjt)
+
+
+# ----- torchrec -----
+def torchrec_available() -> bool:
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_torchrec(spec: LookupSpec, ebc: EmbeddingBagCollection):
+    """TorchRec's ``EmbeddingBagCollection`` holding ``ebc``'s weights.
+
+    Built on the meta device and filled with ``assign=True``, one table at a
+    time, so peak memory is one extra table beyond the two collections.
+    TorchRec stores every non-FP32 table as fp16 (bf16 included); the weights
+    are cast to whatever dtype it chose.
+    """
+    import torch
+    import torchrec
+
+    tables = [
+        torchrec.EmbeddingBagConfig(
+            name=c.name,
+            num_embeddings=c.num_embeddings,
+            embedding_dim=c.embedding_dim,
+            feature_names=list(c.feature_names),
+            data_type=torchrec.DataType[spec.dtype.upper()],
+            pooling=torchrec.PoolingType[spec.pooling],
+        )
+        for c in ebc.embedding_bag_configs()
+    ]
+    tebc = torchrec.EmbeddingBagCollection(
+        tables, is_weighted=spec.weighted, device=torch.device("meta")
+    )
+    state = ebc.state_dict()
+    for key in list(state):
+        param = tebc.state_dict()[key]
+        host = np.array(state.pop(key))  # copy; frees the JAX slice below
+        if spec.dtype == "bf16":  # torch.from_numpy has no bfloat16
+            w = torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+        else:
+            w = torch.from_numpy(host)
+        tebc.load_state_dict({key: w.to(param.dtype)}, strict=False, assign=True)
+        del host, w
+    return tebc
+
+
+def torchrec_kjt(inputs: dict):
+    import torch
+    import torchrec
+
+    weights = inputs["weights"]
+    return torchrec.KeyedJaggedTensor(
+        keys=inputs["keys"],
+        values=torch.from_numpy(inputs["values"]),
+        lengths=torch.from_numpy(inputs["lengths"]),
+        weights=None if weights is None else torch.from_numpy(weights),
+    )
+
+
+# ----- timing and reporting -----
+def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
+    """Wall times in ms of ``fn()`` (which must block until its result is ready)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def copy_gbps(nbytes: int, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth (read + write) of an ``nbytes`` buffer: the ceiling."""
+    x = jnp.zeros((max(nbytes // 4, 1),), jnp.float32)
+    copy = jax.jit(lambda x: x + 1)
+    med = statistics.median(time_ms(lambda: copy(x).block_until_ready(), reps, 2))
+    return 2 * x.nbytes / (med * 1e-3) / 1e9
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def record(spec: LookupSpec, impl: str, times: Sequence[float], **extra) -> dict:
+    """One JSON-able result: spec fields, environment, timings and FBGEMM-counted GB/s."""
+    med = statistics.median(times)
+    dev = jax.devices()[0]
+    return {
+        "bench": BENCH,
+        "impl": impl,
+        **spec.as_dict(),
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "cpu": cpu_model(),
+        "jax_version": jax.__version__,
+        "jaxrec_version": jaxrec.__version__,
+        "reps": len(times),
+        "median_ms": round(med, 4),
+        "min_ms": round(min(times), 4),
+        "max_ms": round(max(times), 4),
+        "bytes_read": spec.bytes_read(),
+        "gbps": round(spec.bytes_read() / (med * 1e-3) / 1e9, 3),
+        **extra,
+    }
+
+
+def tolerance(spec: LookupSpec) -> float:
+    """Max abs difference allowed: a few ulps of each table's init bound, times ``L``."""
+    bound = (1.0 / spec.E) ** 0.5  # TorchRec's (and jaxrec's) default init range
+    return 4 * EPS[spec.dtype] * spec.L * bound
+
+
+def run(
+    spec: LookupSpec,
+    impls: Sequence[str] = ("xla", "torchrec"),
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    seed: int = 0,
+    bounds_check: str = "WARNING",
+) -> list[dict]:
+    """Benchmarks ``spec`` with each implementation; returns the JSON records.
+
+    Args:
+        spec: the workload.
+        impls: jaxrec implementations (``"xla"``, ``"pallas"``, ``"auto"``) and/or
+            ``"torchrec"`` (left out when TorchRec is not importable).
+        reps: timed repetitions.
+        warmup: untimed calls first (the first one compiles).
+        seed: seeds the inputs and the weights.
+        bounds_check: jaxrec's ``BoundsCheckMode`` name.
+
+    Returns:
+        One record per implementation, then per jaxrec implementation a
+        ``ratio_jaxrec_over_torchrec`` record when TorchRec ran.
+    """
+    bad = sorted(set(impls) - set(IMPLS))
+    if bad:
+        raise ValueError(f"unknown impls {bad}; choose from {IMPLS}")
+    inputs = make_inputs(spec, seed)
+    ebc = build_jaxrec(spec, seed=seed, bounds_check=bounds_check)
+    kjt = jaxrec_kjt(spec, inputs)
+    on_gpu = jax.devices()[0].platform != "cpu"
+    records, outputs = [], {}
+    for impl in (i for i in impls if i in JAXREC_IMPLS):
+        fwd = jaxrec_forward(ebc, JAXREC_IMPLS[impl])
+        try:
+            outputs[impl] = np.asarray(fwd(kjt), np.float32)
+        except NotImplementedError as e:  # e.g. no Pallas kernel on this backend
+            print(json.dumps({"bench": BENCH, "impl": impl, "skipped": str(e)}), flush=True)
+            continue
+        times = time_ms(lambda f=fwd: f(kjt).block_until_ready(), reps, warmup)
+        extra = {"bounds_check_mode": bounds_check}
+        if on_gpu:
+            extra["copy_gbps_ceiling"] = round(copy_gbps(spec.bytes_read()), 3)
+        records.append(record(spec, impl, times, **extra))
+        print(json.dumps(records[-1]), flush=True)
+    if "torchrec" in impls and torchrec_available():
+        records += _run_torchrec(spec, ebc, inputs, outputs, records, reps, warmup)
+    return records
+
+
+def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list[dict]:
+    import torch
+    import torchrec
+
+    if spec.weighted and spec.pooling == "MEAN":  # torch.nn.EmbeddingBag refuses it
+        line = {"bench": BENCH, "impl": "torchrec", "skipped": "weighted MEAN is unsupported"}
+        print(json.dumps(line), flush=True)
+        return []
+    torch.set_num_threads(os.cpu_count() or 1)
+    tebc = build_torchrec(spec, ebc)
+    gc.collect()
+    tkjt = torchrec_kjt(inputs)
+    with torch.no_grad():
+        ref = tebc(tkjt).values().float().numpy()
+        times = time_ms(lambda: tebc(tkjt), reps, warmup)
+    weight_dtype = str(next(iter(tebc.parameters())).dtype).removeprefix("torch.")
+    rec = record(
+        spec,
+        "torchrec",
+        times,
+        torch_version=torch.__version__,
+        torchrec_version=getattr(torchrec, "__version__", "unknown"),
+        torch_threads=torch.get_num_threads(),
+        torch_weight_dtype=weight_dtype,
+        device_kind="cpu",
+        platform="cpu",
+    )
+    del tebc
+    gc.collect()
+    print(json.dumps(rec), flush=True)
+    out = [rec]
+    tol = tolerance(spec)
+    for jrec in jax_records:
+        diff = float(np.max(np.abs(outputs[jrec["impl"]] - ref))) if ref.size else 0.0
+        line = {
+            "bench": BENCH,
+            "impl": jrec["impl"],
+            **spec.as_dict(),
+            "platform": jrec["platform"],
+            "ratio_jaxrec_over_torchrec": round(rec["median_ms"] / jrec["median_ms"], 3),
+            "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
+            "max_abs_diff": diff,
+            "tolerance": tol,
+            "outputs_agree": diff <= tol,
+        }
+        print(json.dumps(line), flush=True)
+        out.append(line)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help=f"comma-separated, from {sorted(PRESETS)}")
+    for name, typ in (("T", int), ("E", int), ("D", int), ("B", int), ("L", int)):
+        p.add_argument(f"--{name}", type=typ, help="overrides the preset")
+    p.add_argument("--alpha", type=float, help="Zipf exponent; 0 is uniform")
+    p.add_argument("--weighted", action="store_true", default=None)
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--pooling", choices=("SUM", "MEAN"))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bounds-check", default="WARNING", choices=[m.name for m in BoundsCheckMode])
+    p.add_argument("--impl", default="xla,torchrec", help=f"comma-separated, from {IMPLS}")
+    return p.parse_args(argv)
+
+
+def specs_from_args(args: argparse.Namespace) -> list[LookupSpec]:
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(LookupSpec)
+        if getattr(args, f.name, None) is not None
+    }
+    names = args.preset.split(",")
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        raise SystemExit(f"unknown presets {unknown}; choose from {sorted(PRESETS)}")
+    return [dataclasses.replace(PRESETS[n], **overrides) for n in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    agree = True
+    for spec in specs_from_args(args):
+        records = run(
+            spec,
+            args.impl.split(","),
+            reps=args.reps,
+            warmup=args.warmup,
+            seed=args.seed,
+            bounds_check=args.bounds_check,
+        )
+        agree &= all(r.get("outputs_agree", True) for r in records)
+        gc.collect()
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
