@@ -307,8 +307,14 @@ class KeyedJaggedTensor:
 
     # ----- reshaping (all static slicing and concatenation) -----
     def permute(self, indices: Sequence[int]) -> KeyedJaggedTensor:
-        """Reorders (or repeats, or drops) keys: result key ``i`` is ``keys()[indices[i]]``."""
+        """Reorders (or drops) keys: result key ``i`` is ``keys()[indices[i]]``.
+
+        Unlike TorchRec, an index may not repeat (keys stay unique, so
+        ``to_dict()`` is well defined); rename with ``from_jt_dict`` instead.
+        """
         f = len(self._keys)
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"permute indices {list(indices)} repeats keys; keys must stay unique")
         for i in indices:
             if not 0 <= i < f:
                 raise ValueError(f"permute index {i} is out of range for {f} keys")

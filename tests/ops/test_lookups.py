@@ -60,7 +60,10 @@ def test_pooled_lookup_property(batch, max_len, pooling, weighted, seed):
     if weighted:
         flat_w = jnp.asarray(np.concatenate([np.concatenate([[], *w]), [9.0] * 3]), jnp.float32)
     out = pooled_lookup(
-        jnp.asarray(table), jnp.asarray(vals), jnp.asarray(lengths, jnp.int32), flat_w,
+        jnp.asarray(table),
+        jnp.asarray(vals),
+        jnp.asarray(lengths, jnp.int32),
+        flat_w,
         pooling=PoolingType(pooling),
     )
     assert vals.shape[0] == cap
@@ -89,8 +92,9 @@ def _grouped_case(rng, dims_dtype=jnp.float32, batch=5, weighted=False):
     per_bag_w = None
     if weighted:
         off = np.concatenate([[0], np.cumsum(lengths)])
-        per_bag_w = [[w[off[k * batch + b] : off[k * batch + b + 1]] for b in range(batch)]
-                     for k in range(3)]
+        per_bag_w = [
+            [w[off[k * batch + b] : off[k * batch + b + 1]] for b in range(batch)] for k in range(3)
+        ]
     return stacked, kjt, slots, tables, key_of, bags, per_bag_w
 
 
@@ -99,14 +103,18 @@ def _grouped_case(rng, dims_dtype=jnp.float32, batch=5, weighted=False):
 def test_grouped_pooled_lookup(dtype, weighted):
     rng = np.random.default_rng(1)
     stacked, kjt, slots, tables, key_of, bags, w = _grouped_case(rng, dtype, weighted=weighted)
-    out = jax.jit(
-        lambda t, k: grouped_pooled_lookup(t, k, slots, is_weighted=weighted)
-    )(stacked, kjt)
+    out = jax.jit(lambda t, k: grouped_pooled_lookup(t, k, slots, is_weighted=weighted))(
+        stacked, kjt
+    )
     assert out.shape == (5, 4, 4) and out.dtype == jnp.float32
     for s, slot in enumerate(slots):
         ref_table = np.asarray(jnp.asarray(tables[s], dtype).astype(jnp.float32))
-        ref = pooled(ref_table, bags[key_of[s]], PoolingType(slot.pooling).value,
-                     None if w is None else w[key_of[s]])
+        ref = pooled(
+            ref_table,
+            bags[key_of[s]],
+            PoolingType(slot.pooling).value,
+            None if w is None else w[key_of[s]],
+        )
         np.testing.assert_allclose(out[:, s], ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
@@ -125,7 +133,9 @@ def test_missing_key_and_weights_errors():
     rng = np.random.default_rng(3)
     stacked, kjt, slots, *_ = _grouped_case(rng)
     with pytest.raises(ValueError, match="lack keys \\['nope'\\]"):
-        grouped_pooled_lookup(stacked, kjt, [FeatureSlot(key="nope", row_offset=0, num_embeddings=3)])
+        grouped_pooled_lookup(
+            stacked, kjt, [FeatureSlot(key="nope", row_offset=0, num_embeddings=3)]
+        )
     with pytest.raises(ValueError, match="carry no weights"):
         grouped_pooled_lookup(stacked, kjt, slots, is_weighted=True)
     with pytest.raises(ValueError, match="implementation must be"):
@@ -135,6 +145,7 @@ def test_missing_key_and_weights_errors():
 
 
 # ---- bounds checking ----
+
 
 def _bad_batch():
     table = jnp.arange(12.0).reshape(6, 2)

@@ -30,8 +30,10 @@ def test_recompile_guard_same_bucket_traces_once():
     compiles once per capacity tuple, and batches inside one bucket trace once."""
     keys = ["f0", "f1", "f2"]
     ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=50, feature_names=[k])
-         for i, k in enumerate(keys)],
+        [
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=50, feature_names=[k])
+            for i, k in enumerate(keys)
+        ],
         rngs=nnx.Rngs(0),
     )
     graphdef, state = nnx.split(ebc)

@@ -62,7 +62,9 @@ def test_from_offsets_sync_with_weights_and_explicit_capacities():
     assert kjt["b"].weights()[:2].tolist() == [1.5, 2.5]
     assert '"weights": [[0.5], []]' in repr(kjt)
     with pytest.raises(ValueError, match="key 'b' has 2 values but its capacity is 1"):
-        KeyedJaggedTensor.from_offsets_sync(["a", "b"], [1, 2, 3], [0, 1, 1, 3, 3], capacities=[2, 1])
+        KeyedJaggedTensor.from_offsets_sync(
+            ["a", "b"], [1, 2, 3], [0, 1, 1, 3, 3], capacities=[2, 1]
+        )
 
 
 def test_random_roundtrip_against_lists():
@@ -125,7 +127,9 @@ def test_constructor_under_jit_needs_capacities():
         jax.jit(build)(jnp.arange(4), jnp.array([1, 1, 1, 1]))
 
     def build_caps(values, lengths):
-        return KeyedJaggedTensor(["a", "b"], values, lengths=lengths, capacities=(2, 2)).segment_ids()
+        return KeyedJaggedTensor(
+            ["a", "b"], values, lengths=lengths, capacities=(2, 2)
+        ).segment_ids()
 
     assert jax.jit(build_caps)(jnp.arange(4), jnp.array([1, 1, 0, 1])).tolist() == [0, 1, 3, 4]
 
