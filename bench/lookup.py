@@ -4,7 +4,9 @@ Prints one JSON line per (configuration, implementation), then one line per
 jaxrec implementation with its speed-up over TorchRec and the largest output
 difference (the run exits 1 if outputs disagree, so small presets are tests).
 
-Example:
+Run from the repository root with jaxrec installed (``pip install -e .``) or
+on the path (``PYTHONPATH=.``)::
+
     python bench/lookup.py --preset tiny
     python bench/lookup.py --preset default --reps 10
     python bench/lookup.py --T 4 --E 100000 --D 64 --B 1024 --L 20 --alpha 1.1 --weighted
@@ -106,7 +108,8 @@ def build_torchrec(spec: LookupSpec, ebc: EmbeddingBagCollection):
     """TorchRec's ``EmbeddingBagCollection`` holding ``ebc``'s weights.
 
     Built on the meta device and filled with ``assign=True``, one table at a
-    time, so peak memory is one extra table beyond the two collections.
+    time: each ``state_dict`` slice is copied to the host and dropped in turn,
+    so memory peaks near two copies of the weights plus one table.
     TorchRec stores every non-FP32 table as fp16 (bf16 included); the weights
     are cast to whatever dtype it chose.
     """
@@ -140,16 +143,22 @@ def build_torchrec(spec: LookupSpec, ebc: EmbeddingBagCollection):
     return tebc
 
 
-def torchrec_kjt(inputs: dict):
+def torchrec_kjt(inputs: dict, weight_dtype=None):
+    """The inputs as a TorchRec KJT; per-sample weights cast to ``weight_dtype``.
+
+    ``torch.nn.EmbeddingBag`` needs per-sample weights in the table's dtype.
+    """
     import torch
     import torchrec
 
     weights = inputs["weights"]
+    if weights is not None:
+        weights = torch.from_numpy(weights).to(weight_dtype or torch.float32)
     return torchrec.KeyedJaggedTensor(
         keys=inputs["keys"],
         values=torch.from_numpy(inputs["values"]),
         lengths=torch.from_numpy(inputs["lengths"]),
-        weights=None if weights is None else torch.from_numpy(weights),
+        weights=weights,
     )
 
 
@@ -243,6 +252,7 @@ def run(
         raise ValueError(f"unknown impls {bad}; choose from {IMPLS}")
     inputs = make_inputs(spec, seed)
     ebc = build_jaxrec(spec, seed=seed, bounds_check=bounds_check)
+    jax.block_until_ready(nnx.state(ebc))  # init transients freed before anything else
     kjt = jaxrec_kjt(spec, inputs)
     on_gpu = jax.devices()[0].platform != "cpu"
     records, outputs = [], {}
@@ -275,11 +285,11 @@ def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list
     torch.set_num_threads(os.cpu_count() or 1)
     tebc = build_torchrec(spec, ebc)
     gc.collect()
-    tkjt = torchrec_kjt(inputs)
+    weight_dtype = next(iter(tebc.parameters())).dtype
+    tkjt = torchrec_kjt(inputs, weight_dtype)
     with torch.no_grad():
         ref = tebc(tkjt).values().float().numpy()
         times = time_ms(lambda: tebc(tkjt), reps, warmup)
-    weight_dtype = str(next(iter(tebc.parameters())).dtype).removeprefix("torch.")
     rec = record(
         spec,
         "torchrec",
@@ -287,12 +297,10 @@ def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list
         torch_version=torch.__version__,
         torchrec_version=getattr(torchrec, "__version__", "unknown"),
         torch_threads=torch.get_num_threads(),
-        torch_weight_dtype=weight_dtype,
+        torch_weight_dtype=str(weight_dtype).removeprefix("torch."),
         device_kind="cpu",
         platform="cpu",
     )
-    del tebc
-    gc.collect()
     print(json.dumps(rec), flush=True)
     out = [rec]
     tol = tolerance(spec)
