@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -73,22 +72,24 @@ class EmbeddingBagCollection(TableStorage):
         """Pooled embeddings ``[B, sum(D)]`` as a KeyedTensor keyed by embedding name."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        pieces: list[jax.Array | None] = [None] * len(self.embedding_names)
-        for g in self.groups:
-            pooled = grouped_pooled_lookup(
+        pooled = [
+            grouped_pooled_lookup(
                 self.weights[g.name].get_value(),
                 features,
                 g.slots,
                 is_weighted=self._is_weighted,
                 bounds_check_mode=self.bounds_check_mode,
                 implementation=self.implementation,
-            )  # [B, S, D]
-            if len(self.groups) == 1 and list(g.outputs) == list(range(len(g.outputs))):
-                values = pooled.reshape(pooled.shape[0], -1)
-                break
-            for j, out in enumerate(g.outputs):
-                pieces[out] = pooled[:, j, :]
+            )  # [B, S_g, D_g]
+            for g in self.groups
+        ]
+        if len(pooled) == 1:  # one group holds every table, already in output order
+            values = pooled[0].reshape(pooled[0].shape[0], -1)
         else:
+            pieces: list = [None] * len(self.embedding_names)
+            for g, p in zip(self.groups, pooled, strict=True):
+                for j, out in enumerate(g.outputs):
+                    pieces[out] = p[:, j, :]
             values = jnp.concatenate(pieces, axis=1)
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)

@@ -173,22 +173,24 @@ class TableStorage(nnx.Module):
                 f"load_state_dict: missing keys {missing}, unexpected keys {unknown}; "
                 f"expected exactly {sorted(expected)}"
             )
-        new = {g.name: self.weights[g.name].get_value() for g in self.groups}
-        for key, t in expected.items():
-            if key not in state_dict:
-                continue
-            w = (
-                np.asarray(state_dict[key])
-                if not isinstance(state_dict[key], jax.Array)
-                else state_dict[key]
-            )
-            shape = (t.num_embeddings, t.embedding_dim)
-            if tuple(w.shape) != shape:
-                raise ValueError(f"{key}: expected shape {shape}, got {tuple(w.shape)}")
-            g, lo, _ = self._locate(t.name)
-            new[g.name] = new[g.name].at[lo : lo + t.num_embeddings].set(jnp.asarray(w, t.dtype))
-        for name, w in new.items():
-            self.weights[name].set_value(w)
+        for g in self.groups:
+            pieces, changed = [], False
+            current = self.weights[g.name].get_value()
+            for name, lo in zip(g.tables, g.row_offsets, strict=True):
+                t = self._config(name)
+                key = f"{self.prefix}.{name}.weight"
+                if key not in state_dict:
+                    pieces.append(current[lo : lo + t.num_embeddings])
+                    continue
+                w = state_dict[key]
+                w = w if isinstance(w, jax.Array) else np.asarray(w)
+                shape = (t.num_embeddings, t.embedding_dim)
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"{key}: expected shape {shape}, got {tuple(w.shape)}")
+                pieces.append(jnp.asarray(w, t.dtype))
+                changed = True
+            if changed:  # one concatenation per group, not one copy per table
+                self.weights[g.name].set_value(jnp.concatenate(pieces))
 
 
 def _uniform_group(configs: Sequence[BaseEmbeddingConfig], keys: Sequence[jax.Array]) -> jax.Array:

@@ -57,15 +57,18 @@ class MonotoneCapacities:
 
 def resolve_capacities(
     keys: Sequence[str],
-    length_per_key: Sequence[int],
+    length_per_key: Sequence[int] | None,
     capacities: Mapping[str, int] | Sequence[int] | int | None,
 ) -> tuple[int, ...]:
     """Per-key capacities from a user setting, checking that every key fits.
 
     ``None`` buckets each key's total length; an ``int`` is one capacity for
-    every key; a mapping or sequence gives each key its own.
+    every key; a mapping or sequence gives each key its own. Without
+    ``length_per_key`` nothing is checked against the data.
     """
     if capacities is None:
+        if length_per_key is None:
+            raise ValueError("capacities=None needs the lengths to bucket")
         return tuple(bucket_capacity(int(n)) for n in length_per_key)
     if isinstance(capacities, int):
         caps = [capacities] * len(keys)
@@ -80,7 +83,9 @@ def resolve_capacities(
             raise ValueError(
                 f"capacities has {len(caps)} entries for {len(keys)} keys {list(keys)}"
             )
-    for key, n, cap in zip(keys, length_per_key, caps, strict=True):
+    if any(c < 0 for c in caps):
+        raise ValueError(f"capacities must be non-negative, got {caps}")
+    for key, n, cap in zip(keys, length_per_key or [0] * len(keys), caps, strict=True):
         if n > cap:
             raise ValueError(
                 f"key {key!r} has {n} values but its capacity is {cap}; "

@@ -88,8 +88,7 @@ class KeyedJaggedTensor:
         if capacities is None:
             caps = _packed_capacities(keys, lengths, stride, values.shape[0])
         else:
-            lpk = [0] * len(keys)  # overflow is checked below, with the values
-            caps = resolve_capacities(keys, lpk, capacities)
+            caps = resolve_capacities(keys, None, capacities)  # overflow: validate() below
             if sum(caps) != values.shape[0]:
                 raise ValueError(
                     f"sum(capacities)={sum(caps)} must equal the values length {values.shape[0]}"

@@ -129,3 +129,27 @@ def test_kjt_and_keyed_tensor_match_torchrec():
         strict=True,
     ):
         np.testing.assert_allclose(a, b.numpy())
+
+
+def test_load_torchrec_state_dict_into_jaxrec():
+    tables = [
+        jr.EmbeddingBagConfig(
+            name="t",
+            embedding_dim=6,
+            num_embeddings=12,
+            feature_names=["f"],
+            pooling=jr.PoolingType.MEAN,
+        )
+    ]
+    tebc = torchrec.EmbeddingBagCollection(
+        tables=torch_configs(tables, torchrec.EmbeddingBagConfig)
+    )
+    ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(5))
+    ebc.load_state_dict({k: v.detach() for k, v in tebc.state_dict().items()})  # torch tensors
+    rng = np.random.default_rng(3)
+    values, lengths = batch(rng, ["f"], {"f": 12})
+    ours = ebc(jr.KeyedJaggedTensor.from_lengths_sync(["f"], values, lengths))
+    theirs = tebc(to_torch_kjt(["f"], values, lengths))
+    np.testing.assert_allclose(
+        ours.values(), theirs.values().detach().numpy(), rtol=1e-5, atol=1e-6
+    )
