@@ -6,11 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..configs import EmbeddingBagConfig, check_tables
 from ..ops import BoundsCheckMode, grouped_pooled_lookup
 from ..sparse import KeyedJaggedTensor, KeyedTensor
+from ..train.tape import tap
 from .tables import TableStorage
 
 
@@ -91,9 +93,14 @@ class EmbeddingBagCollection(TableStorage):
                 for j, out in enumerate(g.outputs):
                     pieces[out] = p[:, j, :]
             values = jnp.concatenate(pieces, axis=1)
+        values = tap(self, values, features)  # a train step's gradient probe
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )
+
+    def output_columns(self) -> tuple[int, ...]:
+        """Static start column of each embedding in the output values, plus the end."""
+        return tuple(np.cumsum([0, *self.length_per_embedding]).tolist())
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self.table_configs)

@@ -11,6 +11,7 @@ from flax import nnx
 from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, grouped_sequence_lookup
 from ..sparse import JaggedTensor, KeyedJaggedTensor
+from ..train.tape import tap
 from .tables import TableStorage
 
 
@@ -68,6 +69,8 @@ class EmbeddingCollection(TableStorage):
             )
             for out, slot, emb in zip(g.outputs, g.slots, per_slot, strict=True):
                 rows[out] = (slot.key, emb)
+        tapped = tap(self, tuple(emb for _, emb in rows), features)  # train-step probe
+        rows = [(key, emb) for (key, _), emb in zip(rows, tapped, strict=True)]
         result = {}
         for name, (key, emb) in zip(self.embedding_names, rows, strict=True):
             jt = features[key]

@@ -1,0 +1,101 @@
+"""Sparse backward: output gradients -> per-id row gradients -> de-duplicated rows.
+
+The gradient of a lookup with respect to its table touches only the rows the
+batch read. These functions map the gradient of the pooled (or sequence)
+output back to one gradient row per id, then sum duplicates so that each
+touched row gets exactly one update (FBGEMM's EXACT semantics). Nothing here
+is table-sized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..configs import PoolingType
+from ..sparse import KeyedJaggedTensor
+from .bounds import BoundsCheckMode
+from .grouped import FeatureSlot, _rows_and_mask, _slot_positions
+
+
+def pooled_row_grads(
+    out_grad: jax.Array,
+    features: KeyedJaggedTensor,
+    slots: Sequence[FeatureSlot],
+    *,
+    is_weighted: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-id gradients of a grouped pooled lookup.
+
+    Args:
+        out_grad: ``[B, S, D]`` gradient of the loss w.r.t. the pooled output.
+        features: the batch that was looked up.
+        slots: the ``S`` slots of the lookup.
+        is_weighted: the lookup multiplied rows by per-sample weights.
+
+    Returns:
+        ``rows [C]`` (stacked-buffer rows), ``grads [C, D]`` float32 and
+        ``valid [C]`` (False for padding and out-of-range ids, whose grads are 0).
+        Each id's gradient is its bag's output gradient, times its weight,
+        divided by the bag length for MEAN.
+    """
+    b, s = features.stride(), len(slots)
+    ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
+    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
+    scale = jnp.where(valid, 1.0, 0.0)
+    if is_weighted:
+        scale = scale * w.astype(jnp.float32)
+    means = np.asarray([PoolingType(sl.pooling) is PoolingType.MEAN for sl in slots])
+    if means.any():
+        keys = features.keys()
+        lengths = features.lengths().reshape(len(keys), b)
+        per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])]  # [S, B]
+        inv = 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32)
+        bag_c = jnp.clip(bag, 0, b - 1)
+        scale = scale * jnp.where(means[slot_of], inv[slot_of, bag_c], 1.0)
+    flat = out_grad.astype(jnp.float32).reshape(b * s, -1)
+    seg = jnp.where(valid, bag * s + slot_of, 0)
+    grads = jnp.take(flat, seg, axis=0) * scale[:, None]
+    return rows, grads, valid
+
+
+def sequence_row_grads(
+    out_grads: Sequence[jax.Array],
+    features: KeyedJaggedTensor,
+    slots: Sequence[FeatureSlot],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-id gradients of a grouped sequence lookup (``out_grads[i]``: ``[cap_i, D]``)."""
+    ids, _, slot_of, _, valid, _ = _slot_positions(features, slots)
+    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
+    grads = jnp.concatenate([g.astype(jnp.float32) for g in out_grads])
+    return rows, jnp.where(valid[:, None], grads, 0.0), valid
+
+
+def dedup_rows(
+    rows: jax.Array, grads: jax.Array, valid: jax.Array, num_rows: int, size: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Sums gradients of repeated rows: one entry per touched row.
+
+    Args:
+        rows: ``[C]`` row ids.
+        grads: ``[C, D]`` per-occurrence gradients.
+        valid: ``[C]``; invalid entries are ignored.
+        num_rows: rows of the table; the fill id is ``num_rows`` (out of range on
+            the high side, so a scatter with ``mode="drop"`` skips it and it can
+            never alias a real row).
+        size: static number of unique slots (default ``C``, always enough).
+
+    Returns:
+        ``unique [size]`` sorted row ids padded with ``num_rows``, and
+        ``summed [size, D]`` float32 gradients (zero for padding).
+    """
+    size = rows.shape[0] if size is None else size
+    keyed = jnp.where(valid, rows, num_rows)
+    unique, inverse = jnp.unique(keyed, size=size, fill_value=num_rows, return_inverse=True)
+    summed = jax.ops.segment_sum(
+        jnp.where(valid[:, None], grads, 0.0), inverse.reshape(-1), num_segments=size
+    )
+    return unique, summed

@@ -1,0 +1,15 @@
+"""Fused sparse optimizers (FBGEMM's set, optax idioms) and the combined optimizer."""
+
+from .base import SparseOptimizer as SparseOptimizer
+from .base import WeightDecayMode as WeightDecayMode
+from .base import apply_rows as apply_rows
+from .optimizers import adagrad as adagrad
+from .optimizers import adam as adam
+from .optimizers import lamb as lamb
+from .optimizers import lars_sgd as lars_sgd
+from .optimizers import partial_rowwise_adam as partial_rowwise_adam
+from .optimizers import partial_rowwise_lamb as partial_rowwise_lamb
+from .optimizers import rowwise_adagrad as rowwise_adagrad
+from .optimizers import sgd as sgd
+from .combined import CombinedOptimizer as CombinedOptimizer
+from .combined import CombinedOptState as CombinedOptState

@@ -1,0 +1,123 @@
+"""The sparse-optimizer interface (optax idioms, row-wise).
+
+A sparse optimizer updates only the rows a batch touched. Its state is a
+``NamedTuple`` whose first field is an int32 ``count`` (training steps taken,
+one counter per table group as in FBGEMM) and whose other fields are per-row
+arrays with leading dimension ``num_rows``: ``[rows, dim]`` for element-wise
+state, ``[rows]`` for row-wise state (sized as FBGEMM sizes them).
+
+``update(rows, grads, state_rows, count)`` is a pure function over gathered
+rows ``[U, D]``, their summed gradients ``[U, D]`` (float32) and the state
+slices of those rows; ``count`` is the step number after this update (1 on
+the first step). The same function serves the XLA scatter path, Pallas kernels
+and sharded tables.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ScalarOrSchedule = float | optax.Schedule
+
+
+class WeightDecayMode(enum.Enum):
+    """FBGEMM's weight decay modes. NONE ignores ``weight_decay``."""
+
+    NONE = "NONE"
+    L2 = "L2"  # added to the gradient before the update (and to accumulators)
+    DECOUPLE = "DECOUPLE"  # w -= lr * weight_decay * w, beside the update
+
+
+class SparseOptimizer(NamedTuple):
+    """A row-wise optimizer: ``init(num_rows, dim)`` and ``update(...)``.
+
+    Attributes:
+        init: ``(num_rows, dim) -> state`` (``count`` 0, per-row arrays).
+        update: ``(rows [U, D], grads [U, D] f32, state_rows, count) ->
+            (new_rows [U, D] f32, new_state_rows)``.
+        name: FBGEMM's ``EmbOptimType`` name, for printing.
+        learning_rate: the learning rate or schedule, for printing.
+        hyperparams: the other hyper-parameters, for printing.
+    """
+
+    init: Callable[[int, int], Any]
+    update: Callable[..., tuple[jax.Array, Any]]
+    name: str
+    learning_rate: ScalarOrSchedule
+    hyperparams: dict
+
+    # Hashed and compared by identity, so an optimizer can be a static argument
+    # of ``jax.jit`` (the ``hyperparams`` dict would make the tuple hash fail).
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+
+def lr_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+    """The learning rate for step ``count`` (1-based); optax schedules see ``count - 1``."""
+    if callable(learning_rate):
+        return jnp.asarray(learning_rate(count - 1), jnp.float32)
+    return jnp.asarray(learning_rate, jnp.float32)
+
+
+def row_fields(state: Any) -> tuple[str, ...]:
+    """Names of the per-row fields of a state (every field but ``count``)."""
+    return tuple(f for f in state._fields if f != "count")
+
+
+def gather_state(state: Any, rows: jax.Array) -> Any:
+    """State slices of ``rows`` (out-of-range rows read zeros)."""
+    return state._replace(
+        **{f: getattr(state, f).at[rows].get(mode="fill", fill_value=0) for f in row_fields(state)}
+    )
+
+
+def scatter_state(state: Any, rows: jax.Array, new_rows: Any) -> Any:
+    """Writes row slices back; out-of-range rows (fill ids) are dropped."""
+    return state._replace(
+        **{
+            f: getattr(state, f).at[rows].set(getattr(new_rows, f), mode="drop")
+            for f in row_fields(state)
+        }
+    )
+
+
+def apply_rows(
+    optimizer: SparseOptimizer,
+    table: jax.Array,
+    state: Any,
+    rows: jax.Array,
+    grads: jax.Array,
+) -> tuple[jax.Array, Any]:
+    """Applies one optimizer step to the touched ``rows`` of ``table``.
+
+    Args:
+        optimizer: the sparse optimizer.
+        table: ``[R, D]`` weights (any float dtype; updated in float32, cast back).
+        state: the optimizer state for ``table`` (per-row fields ``[R, ...]``).
+        rows: ``[U]`` unique row ids; ids ``>= R`` (fill) are skipped.
+        grads: ``[U, D]`` summed gradients of those rows.
+
+    Returns:
+        The updated ``(table, state)``. Untouched rows are unchanged; under
+        ``jit`` with donated inputs, XLA updates both in place.
+    """
+    count = state.count + 1
+    w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+    new_w, new_state_rows = optimizer.update(
+        w, grads.astype(jnp.float32), gather_state(state, rows), count
+    )
+    table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
+    state = scatter_state(state, rows, new_state_rows)._replace(count=count)
+    return table, state

@@ -1,0 +1,336 @@
+"""FBGEMM's fused embedding optimizers (``EmbOptimType``) as row-wise updates.
+
+Every factory returns a :class:`SparseOptimizer`. Formulas follow FBGEMM's
+``fbgemm_gpu/codegen/genscript/optimizers.py`` (``split_precomputation`` +
+``split_weight_update``; quoted in each docstring); ``g`` is the row's gradient
+summed over every occurrence in the batch, ``w`` the row before the update,
+``t`` the table group's step count (FBGEMM's ``iter``, 1 on the first step).
+State is float32 whatever the table dtype.
+
+Not carried over from FBGEMM: stochastic rounding of fp16/bf16 tables (jaxrec
+rounds to nearest), ``gradient_clipping``, row-wise Adagrad's ``max_norm``
+post-update and counter-based modes, and Adam's ``use_rowwise_bias_correction``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .base import ScalarOrSchedule, SparseOptimizer, WeightDecayMode, lr_at
+
+
+def _mode(mode) -> WeightDecayMode:
+    """``mode`` as a :class:`WeightDecayMode` (a member or its value, e.g. ``"L2"``)."""
+    try:
+        return WeightDecayMode(mode)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in WeightDecayMode)
+        raise ValueError(
+            f"weight_decay_mode={mode!r} is not a WeightDecayMode; pass WeightDecayMode.NONE, "
+            f".L2 or .DECOUPLE (or one of {choices})."
+        ) from None
+
+
+def _decayed_grad(g, w, weight_decay, mode):
+    return g + weight_decay * w if mode is WeightDecayMode.L2 else g
+
+
+def _decoupled(w, lr, weight_decay, mode):
+    return w - lr * weight_decay * w if mode is WeightDecayMode.DECOUPLE else w
+
+
+def _norm(x):
+    return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+
+
+# ----- SGD -----
+class SgdState(NamedTuple):
+    count: jax.Array
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: float = 0.0,
+    weight_decay_mode: WeightDecayMode = WeightDecayMode.NONE,
+) -> SparseOptimizer:
+    """EXACT_SGD: ``w -= lr * g``.
+
+    FBGEMM (``sgd``): ``weight_new.fma_(grad, -learning_rate)``. FBGEMM's SGD
+    takes no weight decay (its TBE ignores ``weight_decay`` here); jaxrec adds it
+    as an extension, off by default: L2 ``g += wd*w`` (as ``torch.optim.SGD``),
+    DECOUPLE ``w -= lr*wd*w`` beside the step.
+    """
+    mode = _mode(weight_decay_mode)
+
+    def init(num_rows, dim):
+        del num_rows, dim
+        return SgdState(count=jnp.zeros((), jnp.int32))
+
+    def update(w, g, state, count):
+        lr = lr_at(learning_rate, count)
+        g = _decayed_grad(g, w, weight_decay, mode)
+        return _decoupled(w, lr, weight_decay, mode) - lr * g, state
+
+    hp = {"weight_decay": weight_decay, "weight_decay_mode": mode.value}
+    return SparseOptimizer(init, update, "EXACT_SGD", learning_rate, hp)
+
+
+# ----- Adagrad -----
+class AdagradState(NamedTuple):
+    count: jax.Array
+    momentum1: jax.Array  # [rows, dim] sum of squared gradients
+
+
+def adagrad(
+    learning_rate: ScalarOrSchedule,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mode: WeightDecayMode = WeightDecayMode.NONE,
+) -> SparseOptimizer:
+    """EXACT_ADAGRAD: ``m += g*g``; ``w -= lr * g / (sqrt(m) + eps)`` (eps outside the sqrt).
+
+    FBGEMM (``adagrad``): ``m_t += grad * grad;``
+    ``weight_new -= learning_rate * grad / (sqrtf(m_t) + eps)``. FBGEMM's Adagrad
+    takes no weight decay; jaxrec adds it as an extension, off by default: L2
+    ``g += wd*w`` before both lines (as ``torch.optim.Adagrad``), DECOUPLE
+    ``w -= lr*wd*w`` beside the step.
+    """
+    mode = _mode(weight_decay_mode)
+
+    def init(num_rows, dim):
+        return AdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
+
+    def update(w, g, state, count):
+        lr = lr_at(learning_rate, count)
+        g = _decayed_grad(g, w, weight_decay, mode)
+        m = state.momentum1 + g * g
+        w = _decoupled(w, lr, weight_decay, mode) - lr * g / (jnp.sqrt(m) + eps)
+        return w, state._replace(momentum1=m)
+
+    hp = {"eps": eps, "weight_decay": weight_decay, "weight_decay_mode": mode.value}
+    return SparseOptimizer(init, update, "EXACT_ADAGRAD", learning_rate, hp)
+
+
+# ----- Row-wise Adagrad -----
+class RowwiseAdagradState(NamedTuple):
+    count: jax.Array
+    momentum1: jax.Array  # [rows] one accumulator per row
+
+
+def rowwise_adagrad(
+    learning_rate: ScalarOrSchedule,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mode: WeightDecayMode = WeightDecayMode.NONE,
+) -> SparseOptimizer:
+    """EXACT_ROWWISE_ADAGRAD, one accumulator per row.
+
+    ``g2 = g + wd*w`` (L2) else ``g``; ``m += mean_d(g2*g2)``;
+    ``mult = lr / (sqrt(m) + eps)``; ``w = c*w - mult*g`` with the raw ``g``,
+    where ``c = 1 - mult*wd`` (L2), ``1 - lr*wd`` (DECOUPLE), ``1`` (NONE).
+
+    FBGEMM (``rowwise_adagrad``): ``g_avg_square = sum(gx*gx, ...) / D`` (``gx +=
+    weight_decay * weight.x`` when ``weight_decay_mode == 1``);
+    ``multiplier = learning_rate / (sqrtf(new_sum_square_grads) + eps)``;
+    ``correction = 1.0 - multiplier * weight_decay`` (mode 1),
+    ``1.0 - learning_rate * weight_decay`` (mode 2), else ``1.0``;
+    ``weight_new = correction * weight_new - multiplier * grad``.
+    """
+    mode = _mode(weight_decay_mode)
+
+    def init(num_rows, dim):
+        del dim
+        return RowwiseAdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows,), jnp.float32))
+
+    def update(w, g, state, count):
+        lr = lr_at(learning_rate, count)
+        g2 = _decayed_grad(g, w, weight_decay, mode)
+        m = state.momentum1 + jnp.mean(g2 * g2, axis=-1)
+        mult = (lr / (jnp.sqrt(m) + eps))[:, None]
+        if mode is WeightDecayMode.L2:
+            c = 1.0 - mult * weight_decay
+        elif mode is WeightDecayMode.DECOUPLE:
+            c = 1.0 - lr * weight_decay
+        else:
+            c = 1.0
+        return c * w - mult * g, state._replace(momentum1=m)
+
+    hp = {"eps": eps, "weight_decay": weight_decay, "weight_decay_mode": mode.value}
+    return SparseOptimizer(init, update, "EXACT_ROWWISE_ADAGRAD", learning_rate, hp)
+
+
+# ----- Adam family -----
+class AdamState(NamedTuple):
+    count: jax.Array
+    momentum1: jax.Array  # [rows, dim]
+    momentum2: jax.Array  # [rows, dim], or [rows] for the partial row-wise variants
+
+
+def _adam_moments(g, state, b1, b2, rowwise_v):
+    m = b1 * state.momentum1 + (1.0 - b1) * g
+    g2 = jnp.mean(g * g, axis=-1) if rowwise_v else g * g
+    v = b2 * state.momentum2 + (1.0 - b2) * g2
+    return m, v
+
+
+def _adam_direction(m, v, count, b1, b2, eps, rowwise_v):
+    t = count.astype(jnp.float32)
+    m_hat = m / (1.0 - b1**t)
+    v_hat = v / (1.0 - b2**t)
+    if rowwise_v:
+        v_hat = v_hat[:, None]
+    return m_hat / (jnp.sqrt(v_hat) + eps)
+
+
+def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb):
+    def init(num_rows, dim):
+        v_shape = (num_rows,) if rowwise_v else (num_rows, dim)
+        return AdamState(
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((num_rows, dim), jnp.float32),
+            jnp.zeros(v_shape, jnp.float32),
+        )
+
+    def update(w, g, state, count):
+        lr = lr_at(learning_rate, count)
+        m, v = _adam_moments(g, state, b1, b2, rowwise_v)
+        rtw = _adam_direction(m, v, count, b1, b2, eps, rowwise_v) + weight_decay * w
+        if lamb:
+            # Trust ratio ||w|| / ||r|| per row, unguarded in FBGEMM: ||w|| = 0 gives 0
+            # (the row stays put, as there); ||r|| = 0 gives inf * 0 = NaN there, 0 here.
+            w_norm, r_norm = _norm(w), _norm(rtw)
+            ratio = jnp.where(r_norm > 0, w_norm / jnp.where(r_norm > 0, r_norm, 1.0), 0.0)
+            rtw = ratio * rtw
+        return w - lr * rtw, state._replace(momentum1=m, momentum2=v)
+
+    hp = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    return SparseOptimizer(init, update, name, learning_rate, hp)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> SparseOptimizer:
+    """ADAM, lazy (touched rows only), bias-corrected with the group's step count ``t``.
+
+    ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
+    ``w -= lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd*w)``.
+
+    FBGEMM (``adam``): ``weight_new -= learning_rate * (m_t / (1.0 - powf(beta1,
+    iter)) / (sqrtf((v_t / (1.0 - powf(beta2, iter)))) + eps) + weight_decay *
+    weight_new)``. ``weight_decay`` is always on (decoupled-style, scaled by ``lr``).
+    """
+    return _adam_family("ADAM", learning_rate, b1, b2, eps, weight_decay, False, False)
+
+
+def partial_rowwise_adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> SparseOptimizer:
+    """PARTIAL_ROWWISE_ADAM: Adam with a row-wise second moment.
+
+    ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*mean_d(g*g)`` (``v`` is ``[rows]``);
+    ``w -= lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd*w)``.
+
+    FBGEMM (``partial_rowwise_adam``): ``v_t = g_avg_square * (1.0 - beta2) +
+    momentum2[idx] * beta2``; ``v_hat_t = v_t / (1.0 - powf(beta2, iter))``;
+    ``weight_new -= learning_rate * (m_t / (1.0 - powf(beta1, iter)) /
+    (sqrtf(v_hat_t) + eps) + weight_decay * weight_new)``.
+    """
+    return _adam_family(
+        "PARTIAL_ROWWISE_ADAM", learning_rate, b1, b2, eps, weight_decay, True, False
+    )
+
+
+def lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> SparseOptimizer:
+    """LAMB: the Adam update scaled per row by the trust ratio ``||w|| / ||r||``.
+
+    ``m``, ``v`` as in :func:`adam`; ``r = m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps)
+    + wd*w``; ``w -= lr * (||w||/||r||) * r``.
+
+    FBGEMM (``lamb``): ``grad = (m1 / (1.0 - powf(beta1, iter))) / (sqrtf((m2 /
+    (1.0 - powf(beta2, iter)))) + eps) + weight_decay * weight``;
+    ``true_ratio = weight_norm / rtw_norm``;
+    ``weight_new.fma_(grad, -learning_rate * true_ratio)``. Zero norms as there
+    where that is finite: a row with ``||w|| = 0`` (e.g. zero-initialised) never
+    moves. Guarded where FBGEMM gives NaN: ``||r|| = 0`` (e.g. a zero gradient on
+    a row's first step with ``wd = 0``) leaves the row unchanged.
+    """
+    return _adam_family("LAMB", learning_rate, b1, b2, eps, weight_decay, False, True)
+
+
+def partial_rowwise_lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> SparseOptimizer:
+    """PARTIAL_ROWWISE_LAMB: LAMB with a row-wise second moment.
+
+    ``v = b2*v + (1-b2)*mean_d(g*g)`` (``[rows]``), otherwise as :func:`lamb`
+    (same zero-norm handling).
+
+    FBGEMM (``partial_rowwise_lamb``): ``m2 = beta2 * momentum2[idx] + (1.0 -
+    beta2) * g_avg_square``; ``m2_hat = 1.0 / (sqrtf((m2 / (1.0 - powf(beta2,
+    iter)))) + eps)``; ``grad = (m1 / (1.0 - powf(beta1, iter))) * m2_hat +
+    weight_decay * weight``; ``weight_new.fma_(grad, -learning_rate * true_ratio)``.
+    """
+    return _adam_family(
+        "PARTIAL_ROWWISE_LAMB", learning_rate, b1, b2, eps, weight_decay, True, True
+    )
+
+
+# ----- LARS-SGD -----
+class LarsSgdState(NamedTuple):
+    count: jax.Array
+    momentum1: jax.Array  # [rows, dim]
+
+
+def lars_sgd(
+    learning_rate: ScalarOrSchedule,
+    eta: float = 0.001,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+) -> SparseOptimizer:
+    """LARS_SGD: per-row adaptive rate with momentum.
+
+    ``lr_row = lr * eta * ||w|| / (||g|| + wd*||w||)``;
+    ``m = momentum*m + lr_row*(g + wd*w)``; ``w -= m``.
+
+    FBGEMM (``lars_sgd``): ``adjusted_lr = learning_rate * eta * weight_norm /
+    (grad_norm + weight_decay * weight_norm)``; ``m1 = momentum * m1 +
+    adjusted_lr * (grad + weight_decay * weight_new)``; ``weight_new -= m1``.
+    ``||w|| = 0`` gives ``lr_row = 0`` as there. Guarded where FBGEMM gives NaN:
+    a zero denominator (``||g|| = 0`` and ``wd*||w|| = 0``) uses ``lr_row = 0``,
+    so ``m = momentum*m``.
+    """
+
+    def init(num_rows, dim):
+        return LarsSgdState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
+
+    def update(w, g, state, count):
+        lr = lr_at(learning_rate, count)
+        w_norm, g_norm = _norm(w), _norm(g)
+        denom = g_norm + weight_decay * w_norm
+        row_lr = jnp.where(denom > 0, lr * eta * w_norm / jnp.where(denom > 0, denom, 1), 0.0)
+        m = momentum * state.momentum1 + row_lr * (g + weight_decay * w)
+        return w - m, state._replace(momentum1=m)
+
+    hp = {"eta": eta, "momentum": momentum, "weight_decay": weight_decay}
+    return SparseOptimizer(init, update, "LARS_SGD", learning_rate, hp)

@@ -1,0 +1,7 @@
+"""Sparse training: the train step that never builds a dense table gradient."""
+
+from .step import TrainState as TrainState
+from .step import init_train_state as init_train_state
+from .step import make_eval_step as make_eval_step
+from .step import make_train_step as make_train_step
+from .step import merge_model as merge_model

@@ -1,0 +1,48 @@
+"""Applies fused sparse optimizers to the rows one step touched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..optim.base import gather_state, scatter_state
+from ..optim.combined import SubGroup
+
+
+def update_subgroup(
+    sub: SubGroup,
+    row_offsets: tuple[int, ...],
+    table: jax.Array,
+    state: Any,
+    rows: jax.Array,
+    grads: jax.Array,
+) -> tuple[jax.Array, Any]:
+    """One optimizer step on the subgroup's touched rows of a stacked buffer.
+
+    Args:
+        sub: the tables of the group this optimizer owns.
+        row_offsets: static first row of each table of the group.
+        table: ``[R, D]`` stacked buffer.
+        state: the subgroup's optimizer state.
+        rows: ``[U]`` unique rows (fill ``R``), ``grads``: ``[U, D]`` summed.
+    """
+    r = table.shape[0]
+    if sub.covers_group:
+        table_rows, state_rows = rows, rows
+    else:  # map group rows to this subgroup's state rows; other tables' rows are skipped
+        starts = np.asarray(row_offsets, np.int32)
+        t = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, len(starts) - 1)
+        member = jnp.asarray(np.asarray(sub.member))[t] & (rows < r)
+        local = rows - starts[t] + jnp.asarray(np.asarray(sub.state_offsets, np.int32))[t]
+        table_rows = jnp.where(member, rows, r)
+        state_rows = jnp.where(member, local, sub.num_rows)
+    count = state.count + 1
+    w = table.at[table_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+    new_w, new_state = sub.optimizer.update(
+        w, grads.astype(jnp.float32), gather_state(state, state_rows), count
+    )
+    table = table.at[table_rows].set(new_w.astype(table.dtype), mode="drop")
+    return table, scatter_state(state, state_rows, new_state)._replace(count=count)

@@ -1,0 +1,161 @@
+"""The sparse train step: dense grads by autodiff, table rows by the fused sparse path.
+
+The step never forms d loss / d table (a dense ``[rows, dim]`` scatter). It
+differentiates the loss with respect to the dense params and to a zero probe
+added to every embedding collection's output (see ``tape.py``), maps each
+probe gradient to per-id row gradients, sums duplicate ids and applies each
+table's fused optimizer to the touched rows of its donated buffer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from ..modules.tables import EmbeddingTable
+from ..ops.backward import dedup_rows, pooled_row_grads, sequence_row_grads
+from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
+from .sparse_update import update_subgroup
+from .tape import Tape
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes (a pytree; donated to the step)."""
+
+    params: nnx.State  # nnx.Param variables
+    tables: nnx.State  # EmbeddingTable buffers
+    rest: nnx.State  # every other variable (batch stats, rng counters, ...)
+    opt_state: CombinedOptState
+
+
+def init_train_state(
+    model: nnx.Module, optimizer: CombinedOptimizer
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Splits ``model`` into its graph definition and a :class:`TrainState`."""
+    graphdef, params, tables, rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)
+    return graphdef, TrainState(params, tables, rest, optimizer.init(model))
+
+
+def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
+    """The model with the state's current values."""
+    return nnx.merge(graphdef, state.params, state.tables, state.rest)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: CombinedOptimizer,
+    loss_fn: Callable[[nnx.Module, Any], Any],
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array, Any]]:
+    """Builds a jitted train step ``step(state, batch) -> (state, loss, aux)``.
+
+    Args:
+        graphdef: from :func:`init_train_state`.
+        optimizer: dense optax transformation + sparse optimizers.
+        loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
+            ``has_aux``). The model may call its embedding collections anywhere,
+            any number of times (gradients of every call are summed).
+        donate: donate the state (tables and optimizer state update in place).
+
+    Example:
+        >>> graphdef, state = init_train_state(model, optimizer)
+        >>> step = make_train_step(graphdef, optimizer, loss_fn)
+        >>> state, loss, _ = step(state, batch)
+    """
+
+    def step(state: TrainState, batch: Any):
+        probes, _ = _probe_shapes(graphdef, state, loss_fn, batch)
+
+        def run(params, probes):
+            model = nnx.merge(graphdef, params, state.tables, state.rest)
+            with Tape(model, probes) as tape:
+                out = loss_fn(model, batch)
+            loss, aux = out if has_aux else (out, None)
+            rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)[3]
+            calls.extend((c.path, c.module) for c in tape.calls)
+            return loss, (aux, [c.features for c in tape.calls], rest)
+
+        calls: list = []
+        grad_fn = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
+        (loss, (aux, features, rest)), (g_params, g_probes) = grad_fn(state.params, probes)
+        updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
+        params = optax.apply_updates(state.params, updates)
+        tables, sparse_state = _sparse_update(
+            optimizer, state.tables, state.opt_state.sparse, calls, features, g_probes
+        )
+        new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
+        return new, loss, aux
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, fn: Callable[[nnx.Module, Any], Any]
+) -> Callable[[TrainState, Any], Any]:
+    """Jitted ``fn(model, batch)`` over a :class:`TrainState` (no update, no donation)."""
+    return jax.jit(lambda state, batch: fn(merge_model(graphdef, state), batch))
+
+
+def _probe_shapes(graphdef, state, loss_fn, batch):
+    """Zero probes shaped like every collection call's output (shape-only trace)."""
+    shapes: list = []
+
+    def forward(params):
+        model = nnx.merge(graphdef, params, state.tables, state.rest)
+        with Tape(model) as tape:
+            loss_fn(model, batch)
+        shapes.extend(c.shapes for c in tape.calls)
+        return 0
+
+    jax.eval_shape(forward, state.params)
+    probes = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sh) for sh in shapes]
+    return probes, shapes
+
+
+def _row_grads(module, features, g):
+    """``(group name, rows, grads, valid)`` per table group of one collection call."""
+    out = []
+    pooled = hasattr(module, "output_columns")
+    cols = module.output_columns() if pooled else None
+    for grp in module.groups:
+        if pooled:
+            gg = jnp.stack([g[:, cols[o] : cols[o + 1]] for o in grp.outputs], axis=1)
+            parts = pooled_row_grads(gg, features, grp.slots, is_weighted=module.is_weighted())
+        else:
+            parts = sequence_row_grads([g[o] for o in grp.outputs], features, grp.slots)
+        out.append((grp, *parts))
+    return out
+
+
+def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes):
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tables)
+    index = {
+        tuple(k.key for k in p if hasattr(k, "key")): i for i, (p, _) in enumerate(leaves_with_path)
+    }
+    leaves = [leaf for _, leaf in leaves_with_path]
+    sparse_state = dict(sparse_state)
+    pending: dict = defaultdict(list)
+    owners: dict = {}
+    for (path, module), feats, g in zip(calls, features, g_probes, strict=True):
+        for grp, rows, grads, valid in _row_grads(module, feats, g):
+            pending[(path, grp.name)].append((rows, grads, valid))
+            owners[(path, grp.name)] = (module, grp)
+    for (path, name), parts in pending.items():
+        module, grp = owners[(path, name)]
+        rows, grads, valid = (jnp.concatenate(x) for x in zip(*parts, strict=True))
+        unique, summed = dedup_rows(rows, grads, valid, grp.num_rows)
+        i = index[(*path, "weights", name)]
+        for k, sub in enumerate(optimizer.subgroups(module, grp)):
+            key = state_key(path, name, k)
+            leaves[i], sparse_state[key] = update_subgroup(
+                sub, grp.row_offsets, leaves[i], sparse_state[key], unique, summed
+            )
+    return jax.tree_util.tree_unflatten(treedef, leaves), sparse_state

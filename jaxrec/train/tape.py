@@ -1,0 +1,65 @@
+"""The gradient tape: how a train step sees every embedding lookup in a model.
+
+During a sparse train step, each embedding collection call passes its output
+through :func:`tap`. The step first traces the loss once with shapes only to
+learn every call's output shape, then differentiates the loss with respect to
+a zero "probe" added to each output: the probe's gradient is d loss / d output,
+from which the sparse path builds per-row gradients. Outside a train step
+``tap`` is the identity. Tables are never differentiated.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
+
+
+@dataclasses.dataclass
+class Call:
+    """One collection call seen by the tape."""
+
+    path: tuple  # module path in the model
+    module: Any  # the collection (for its static layout only)
+    features: Any  # the KeyedJaggedTensor it looked up
+    shapes: Any  # pytree of ShapeDtypeStruct of its tapped output
+
+
+class Tape:
+    """Records collection calls; adds ``probes[i]`` to the i-th call's output."""
+
+    def __init__(self, model: nnx.Module, probes: list | None = None):
+        self.paths = {id(m): p for p, m in nnx.iter_modules(model)}
+        self.probes = probes
+        self.calls: list[Call] = []
+
+    def __enter__(self) -> Tape:
+        self._token = _TAPE.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TAPE.reset(self._token)
+
+
+def tap(module: nnx.Module, output: Any, features: Any) -> Any:
+    """Identity, except inside a train step's tape (see module docstring)."""
+    tape = _TAPE.get()
+    if tape is None:
+        return output
+    if id(module) not in tape.paths:
+        raise ValueError(
+            f"{type(module).__name__} was called inside a train step but is not part of "
+            "the model being trained; make it an attribute of the model"
+        )
+    i = len(tape.calls)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
+    tape.calls.append(Call(tape.paths[id(module)], module, features, shapes))
+    if tape.probes is None:
+        return output
+    return jax.tree.map(jnp.add, output, tape.probes[i])
