@@ -3,6 +3,8 @@
 from .base import SparseOptimizer as SparseOptimizer
 from .base import WeightDecayMode as WeightDecayMode
 from .base import apply_rows as apply_rows
+from .combined import CombinedOptimizer as CombinedOptimizer
+from .combined import CombinedOptState as CombinedOptState
 from .optimizers import adagrad as adagrad
 from .optimizers import adam as adam
 from .optimizers import lamb as lamb
@@ -11,5 +13,3 @@ from .optimizers import partial_rowwise_adam as partial_rowwise_adam
 from .optimizers import partial_rowwise_lamb as partial_rowwise_lamb
 from .optimizers import rowwise_adagrad as rowwise_adagrad
 from .optimizers import sgd as sgd
-from .combined import CombinedOptimizer as CombinedOptimizer
-from .combined import CombinedOptState as CombinedOptState

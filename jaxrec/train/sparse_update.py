@@ -33,7 +33,7 @@ def update_subgroup(
     if sub.covers_group:
         table_rows, state_rows = rows, rows
     else:  # map group rows to this subgroup's state rows; other tables' rows are skipped
-        starts = np.asarray(row_offsets, np.int32)
+        starts = jnp.asarray(np.asarray(row_offsets, np.int32))
         t = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, len(starts) - 1)
         member = jnp.asarray(np.asarray(sub.member))[t] & (rows < r)
         local = rows - starts[t] + jnp.asarray(np.asarray(sub.state_offsets, np.int32))[t]

@@ -89,7 +89,7 @@ def make_train_step(
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
         tables, sparse_state = _sparse_update(
-            optimizer, state.tables, state.opt_state.sparse, calls, features, g_probes
+            optimizer, state.tables, state.opt_state.sparse, calls, features, g_probes, loss
         )
         new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
         return new, loss, aux
@@ -135,13 +135,20 @@ def _row_grads(module, features, g):
     return out
 
 
-def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes):
+def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes, loss):
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tables)
     index = {
         tuple(k.key for k in p if hasattr(k, "key")): i for i, (p, _) in enumerate(leaves_with_path)
     }
     leaves = [leaf for _, leaf in leaves_with_path]
     sparse_state = dict(sparse_state)
+    # A data dependency of every row update on the loss orders the forward's
+    # table reads before the in-place scatters. Without it, when the output
+    # gradient does not depend on the looked-up rows (a linear head), XLA:CPU
+    # copies each table (2 GB for 4M x 128) to keep the old one alive; an
+    # optimization_barrier does not prevent that. The where() keeps a non-finite
+    # loss from turning updates into NaN.
+    finite_loss = jnp.where(jnp.isfinite(loss), loss, 0.0)
     pending: dict = defaultdict(list)
     owners: dict = {}
     for (path, module), feats, g in zip(calls, features, g_probes, strict=True):
@@ -152,6 +159,7 @@ def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes):
         module, grp = owners[(path, name)]
         rows, grads, valid = (jnp.concatenate(x) for x in zip(*parts, strict=True))
         unique, summed = dedup_rows(rows, grads, valid, grp.num_rows)
+        summed = summed + 0.0 * finite_loss  # see below
         i = index[(*path, "weights", name)]
         for k, sub in enumerate(optimizer.subgroups(module, grp)):
             key = state_key(path, name, k)
