@@ -15,14 +15,11 @@ on the path (``PYTHONPATH=.``)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,59 +27,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jaxrec
-from jaxrec import (
-    BoundsCheckMode,
-    DataType,
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    KeyedJaggedTensor,
-    PoolingType,
-)
+from jaxrec import BoundsCheckMode, EmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
+from common import (  # noqa: E402
+    EPS,
+    add_spec_args,
+    build_jaxrec,
+    build_torchrec,
+    jaxrec_kjt,
+    record,
+    specs_from_args,
+    time_ms,
+    torchrec_available,
+    torchrec_kjt,
+)
+from specs import LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "lookup"
 JAXREC_IMPLS = {"xla": "xla", "pallas": "pallas", "auto": None}
 IMPLS = (*JAXREC_IMPLS, "torchrec")
-# Machine epsilon per table dtype, for the parity tolerance.
-EPS = {"fp32": 2.0**-23, "fp16": 2.0**-10, "bf16": 2.0**-7}
 
 
 # ----- jaxrec -----
-def build_jaxrec(spec: LookupSpec, *, seed: int = 0, bounds_check: str = "WARNING"):
-    """An ``EmbeddingBagCollection`` of ``T`` tables ``"t<i>"`` reading features ``"f<i>"``."""
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{t}",
-            num_embeddings=spec.E,
-            embedding_dim=spec.D,
-            feature_names=[f"f{t}"],
-            data_type=DataType[spec.dtype.upper()],
-            pooling=PoolingType[spec.pooling],
-        )
-        for t in range(spec.T)
-    ]
-    return EmbeddingBagCollection(
-        tables,
-        is_weighted=spec.weighted,
-        rngs=nnx.Rngs(seed),
-        bounds_check_mode=BoundsCheckMode[bounds_check],
-    )
-
-
-def jaxrec_kjt(spec: LookupSpec, inputs: dict) -> KeyedJaggedTensor:
-    """The inputs as a jaxrec KJT, each key's capacity exactly ``B * L`` (no padding)."""
-    return KeyedJaggedTensor(
-        inputs["keys"],
-        inputs["values"],
-        inputs["weights"],
-        lengths=inputs["lengths"],
-        capacities=[spec.B * spec.L] * spec.T,
-    )
-
-
 def jaxrec_forward(ebc: EmbeddingBagCollection, implementation: str | None) -> Callable:
     """``fn(kjt) -> [B, T * D]``: a ``jax.jit`` over the split state (merge only at trace)."""
     ebc.implementation = implementation  # a static attribute: part of the graphdef
@@ -95,86 +62,7 @@ def jaxrec_forward(ebc: EmbeddingBagCollection, implementation: str | None) -> C
     return lambda kjt: forward(state, kjt)
 
 
-# ----- torchrec -----
-def torchrec_available() -> bool:
-    try:
-        import torchrec  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def build_torchrec(spec: LookupSpec, ebc: EmbeddingBagCollection):
-    """TorchRec's ``EmbeddingBagCollection`` holding ``ebc``'s weights.
-
-    Built on the meta device and filled with ``assign=True``, one table at a
-    time: each ``state_dict`` slice is copied to the host and dropped in turn,
-    so memory peaks near two copies of the weights plus one table.
-    TorchRec stores every non-FP32 table as fp16 (bf16 included); the weights
-    are cast to whatever dtype it chose.
-    """
-    import torch
-    import torchrec
-
-    tables = [
-        torchrec.EmbeddingBagConfig(
-            name=c.name,
-            num_embeddings=c.num_embeddings,
-            embedding_dim=c.embedding_dim,
-            feature_names=list(c.feature_names),
-            data_type=torchrec.DataType[spec.dtype.upper()],
-            pooling=torchrec.PoolingType[spec.pooling],
-        )
-        for c in ebc.embedding_bag_configs()
-    ]
-    tebc = torchrec.EmbeddingBagCollection(
-        tables, is_weighted=spec.weighted, device=torch.device("meta")
-    )
-    state = ebc.state_dict()
-    for key in list(state):
-        param = tebc.state_dict()[key]
-        host = np.array(state.pop(key))  # copy; frees the JAX slice below
-        if spec.dtype == "bf16":  # torch.from_numpy has no bfloat16
-            w = torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
-        else:
-            w = torch.from_numpy(host)
-        tebc.load_state_dict({key: w.to(param.dtype)}, strict=False, assign=True)
-        del host, w
-    return tebc
-
-
-def torchrec_kjt(inputs: dict, weight_dtype=None):
-    """The inputs as a TorchRec KJT; per-sample weights cast to ``weight_dtype``.
-
-    ``torch.nn.EmbeddingBag`` needs per-sample weights in the table's dtype.
-    """
-    import torch
-    import torchrec
-
-    weights = inputs["weights"]
-    if weights is not None:
-        weights = torch.from_numpy(weights).to(weight_dtype or torch.float32)
-    return torchrec.KeyedJaggedTensor(
-        keys=inputs["keys"],
-        values=torch.from_numpy(inputs["values"]),
-        lengths=torch.from_numpy(inputs["lengths"]),
-        weights=weights,
-    )
-
-
 # ----- timing and reporting -----
-def time_ms(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
-    """Wall times in ms of ``fn()`` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def copy_gbps(nbytes: int, reps: int = 10) -> float:
     """Device-to-device copy bandwidth (read + write) of an ``nbytes`` buffer: the ceiling."""
     x = jnp.zeros((max(nbytes // 4, 1),), jnp.float32)
@@ -183,38 +71,12 @@ def copy_gbps(nbytes: int, reps: int = 10) -> float:
     return 2 * x.nbytes / (med * 1e-3) / 1e9
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def record(spec: LookupSpec, impl: str, times: Sequence[float], **extra) -> dict:
-    """One JSON-able result: spec fields, environment, timings and FBGEMM-counted GB/s."""
-    med = statistics.median(times)
-    dev = jax.devices()[0]
-    return {
-        "bench": BENCH,
-        "impl": impl,
-        **spec.as_dict(),
-        "device_kind": dev.device_kind,
-        "platform": dev.platform,
-        "cpu": cpu_model(),
-        "jax_version": jax.__version__,
-        "jaxrec_version": jaxrec.__version__,
-        "reps": len(times),
-        "median_ms": round(med, 4),
-        "min_ms": round(min(times), 4),
-        "max_ms": round(max(times), 4),
-        "bytes_read": spec.bytes_read(),
-        "gbps": round(spec.bytes_read() / (med * 1e-3) / 1e9, 3),
-        **extra,
-    }
+def lookup_record(spec: LookupSpec, impl: str, times: Sequence[float], **extra) -> dict:
+    """A ``record`` plus FBGEMM-counted forward bytes and GB/s."""
+    gbps = spec.bytes_read() / (statistics.median(times) * 1e-3) / 1e9
+    return record(
+        BENCH, spec, impl, times, bytes_read=spec.bytes_read(), gbps=round(gbps, 3), **extra
+    )
 
 
 def tolerance(spec: LookupSpec) -> float:
@@ -267,7 +129,7 @@ def run(
         extra = {"bounds_check_mode": bounds_check}
         if on_gpu:
             extra["copy_gbps_ceiling"] = round(copy_gbps(spec.bytes_read()), 3)
-        records.append(record(spec, impl, times, **extra))
+        records.append(lookup_record(spec, impl, times, **extra))
         print(json.dumps(records[-1]), flush=True)
     if "torchrec" in impls and torchrec_available():
         records += _run_torchrec(spec, ebc, inputs, outputs, records, reps, warmup)
@@ -290,7 +152,7 @@ def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list
     with torch.no_grad():
         ref = tebc(tkjt).values().float().numpy()
         times = time_ms(lambda: tebc(tkjt), reps, warmup)
-    rec = record(
+    rec = lookup_record(
         spec,
         "torchrec",
         times,
@@ -324,32 +186,13 @@ def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help=f"comma-separated, from {sorted(PRESETS)}")
-    for name, typ in (("T", int), ("E", int), ("D", int), ("B", int), ("L", int)):
-        p.add_argument(f"--{name}", type=typ, help="overrides the preset")
-    p.add_argument("--alpha", type=float, help="Zipf exponent; 0 is uniform")
-    p.add_argument("--weighted", action="store_true", default=None)
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
-    p.add_argument("--pooling", choices=("SUM", "MEAN"))
+    add_spec_args(p)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bounds-check", default="WARNING", choices=[m.name for m in BoundsCheckMode])
     p.add_argument("--impl", default="xla,torchrec", help=f"comma-separated, from {IMPLS}")
     return p.parse_args(argv)
-
-
-def specs_from_args(args: argparse.Namespace) -> list[LookupSpec]:
-    overrides = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(LookupSpec)
-        if getattr(args, f.name, None) is not None
-    }
-    names = args.preset.split(",")
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown:
-        raise SystemExit(f"unknown presets {unknown}; choose from {sorted(PRESETS)}")
-    return [dataclasses.replace(PRESETS[n], **overrides) for n in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
