@@ -1,0 +1,14 @@
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_intro_example_prints_the_tutorial_numbers():
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(ROOT / "examples" / "intro.py")],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "[[0.6299 0.5843 0.4988 0.6115]]" in out  # EmbeddingBag mean over ids [1, 3]
+    assert "Lengths:  [3 4 2 2]" in out and "(2, 128)" in out
