@@ -90,6 +90,9 @@ class CombinedOptimizer:
         self._check_overrides(model)
         sparse = {}
         for path, module in embedding_modules(model):
+            if hasattr(module, "init_optimizer_state"):  # sharded collections
+                sparse.update(module.init_optimizer_state(self, path))
+                continue
             for g in module.groups:
                 for k, sg in enumerate(self.subgroups(module, g)):
                     sparse[state_key(path, g.name, k)] = sg.optimizer.init(
@@ -148,7 +151,7 @@ def embedding_modules(model: nnx.Module) -> Iterator[tuple[tuple, Any]]:
     from ..modules.tables import TableStorage
 
     for path, module in nnx.iter_modules(model):
-        if isinstance(module, TableStorage):
+        if isinstance(module, TableStorage) or hasattr(module, "init_optimizer_state"):
             yield path, module
 
 

@@ -74,8 +74,8 @@ def make_train_step(
     def step(state: TrainState, batch: Any):
         probes, _ = _probe_shapes(graphdef, state, loss_fn, batch)
 
-        def run(params, probes):
-            model = nnx.merge(graphdef, params, state.tables, state.rest)
+        def run(params, probes, tables, rest):  # everything as arguments: nnx may mutate rest
+            model = nnx.merge(graphdef, params, tables, rest, copy=True)
             with Tape(model, probes) as tape:
                 out = loss_fn(model, batch)
             loss, aux = out if has_aux else (out, None)
@@ -85,7 +85,9 @@ def make_train_step(
 
         calls: list = []
         grad_fn = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
-        (loss, (aux, features, rest)), (g_params, g_probes) = grad_fn(state.params, probes)
+        (loss, (aux, features, rest)), (g_params, g_probes) = grad_fn(
+            state.params, probes, state.tables, state.rest
+        )
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
         tables, sparse_state = _sparse_update(
@@ -108,14 +110,14 @@ def _probe_shapes(graphdef, state, loss_fn, batch):
     """Zero probes shaped like every collection call's output (shape-only trace)."""
     shapes: list = []
 
-    def forward(params):
-        model = nnx.merge(graphdef, params, state.tables, state.rest)
+    def forward(params, tables, rest):
+        model = nnx.merge(graphdef, params, tables, rest, copy=True)
         with Tape(model) as tape:
             loss_fn(model, batch)
         shapes.extend(c.shapes for c in tape.calls)
         return 0
 
-    jax.eval_shape(forward, state.params)
+    jax.eval_shape(forward, state.params, state.tables, state.rest)
     probes = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sh) for sh in shapes]
     return probes, shapes
 
@@ -151,7 +153,22 @@ def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes, l
     finite_loss = jnp.where(jnp.isfinite(loss), loss, 0.0)
     pending: dict = defaultdict(list)
     owners: dict = {}
+    seen_sharded = set()
     for (path, module), feats, g in zip(calls, features, g_probes, strict=True):
+        if hasattr(module, "sparse_update"):  # a sharded collection updates its own shards
+            if path in seen_sharded:
+                raise NotImplementedError(
+                    f"the sharded collection at {path} was called twice in one step"
+                )
+            seen_sharded.add(path)
+            names = list(module.weights)
+            current = {n: leaves[index[(*path, "weights", n)]] for n in names}
+            new, sparse_state = module.sparse_update(
+                optimizer, path, current, sparse_state, feats, g + 0.0 * finite_loss
+            )
+            for n in names:
+                leaves[index[(*path, "weights", n)]] = new[n]
+            continue
         for grp, rows, grads, valid in _row_grads(module, feats, g):
             pending[(path, grp.name)].append((rows, grads, valid))
             owners[(path, grp.name)] = (module, grp)

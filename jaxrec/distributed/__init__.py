@@ -1,0 +1,19 @@
+"""Sharded embedding collections on a device mesh (TorchRec's ``torchrec.distributed``)."""
+
+from .model_parallel import DistributedModelParallel as DistributedModelParallel
+from .model_parallel import shard_batch as shard_batch
+from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
+from .sharding_plan import column_wise as column_wise
+from .sharding_plan import construct_module_sharding_plan as construct_module_sharding_plan
+from .sharding_plan import data_parallel as data_parallel
+from .sharding_plan import grid_shard as grid_shard
+from .sharding_plan import row_wise as row_wise
+from .sharding_plan import table_column_wise as table_column_wise
+from .sharding_plan import table_row_wise as table_row_wise
+from .sharding_plan import table_wise as table_wise
+from .types import EmbeddingComputeKernel as EmbeddingComputeKernel
+from .types import EmbeddingModuleShardingPlan as EmbeddingModuleShardingPlan
+from .types import ParameterSharding as ParameterSharding
+from .types import ShardingPlan as ShardingPlan
+from .types import ShardingType as ShardingType
+from .types import ShardMetadata as ShardMetadata
