@@ -24,7 +24,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     mesh: jax.sharding.Mesh,
     *,
     capacity: int | None = None,
-    overflow: str = "error",
+    overflow: str = "warn",
 ) -> nnx.Module:
     """Shards every ``EmbeddingBagCollection`` of ``model`` that ``plan`` names.
 

@@ -16,6 +16,7 @@ from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.tables import EmbeddingTable, group_tables
 from ..ops import check_ids, grouped_pooled_lookup
 from ..ops.backward import dedup_rows, pooled_row_grads
+from ..ops.bounds import logger
 from ..optim.combined import SubGroup, state_key
 from ..sparse import KeyedJaggedTensor, KeyedTensor
 from ..train.sparse_update import update_subgroup
@@ -46,8 +47,11 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         mesh: a ``jax.sharding.Mesh`` (Auto axis types); ranks are its flat device order.
         capacity: ids per destination rank per width group for row-sliced shards;
             ``None`` means the features' whole capacity (never overflows).
-        overflow: ``"error"`` (default) fails the step when ids do not fit the
-            capacity; ``"count"`` drops them and adds them to ``overflow_count``.
+        overflow: ids that do not fit the capacity are dropped and added to
+            ``overflow_count`` (per device); ``"warn"`` (default) also logs a
+            warning on the ``jaxrec`` logger, ``"count"`` only counts. (A
+            failing host callback aborts multi-device XLA:CPU programs, so
+            there is no raising mode: check ``overflow_count``.)
     """
 
     def __init__(
@@ -57,10 +61,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         mesh: jax.sharding.Mesh,
         *,
         capacity: int | None = None,
-        overflow: str = "error",
+        overflow: str = "warn",
     ):
-        if overflow not in ("error", "count"):
-            raise ValueError(f"overflow must be 'error' or 'count', got {overflow!r}")
+        if overflow not in ("warn", "count"):
+            raise ValueError(f"overflow must be 'warn' or 'count', got {overflow!r}")
         self.table_configs = ebc.table_configs
         self.prefix = ebc.prefix
         self.layout = build_layout(self.table_configs, plan, mesh.size)
@@ -167,6 +171,9 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             check_vma=False,
         )
         values, overflow = fwd(tables, features)
+        if self.overflow_mode == "warn":  # one host callback, only when ids were dropped
+            total = jnp.sum(overflow)
+            jax.lax.cond(total > 0, lambda: jax.debug.callback(_warn_overflow, total), lambda: None)
         self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
         values = tap(self, values, features)  # a train step's gradient probe
         return KeyedTensor(
@@ -186,10 +193,6 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             partials = dist.local_lookup(tables[g.name], rows, seg, scale, g.max_slots, b)
             out = dist.assemble(dist.output_dist(partials, self.axis), g, self.layout, out)
             overflow += ov
-        if self.overflow_mode == "error":  # per device, only when something was dropped
-            jax.lax.cond(
-                overflow > 0, lambda: jax.debug.callback(_raise_overflow, overflow), lambda: None
-            )
         cols = dist.column_offsets(self.layout)
         for rg in self.replicated_groups:
             pooled = grouped_pooled_lookup(
@@ -317,10 +320,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         return out
 
 
-def _raise_overflow(overflow) -> None:
+def _warn_overflow(overflow) -> None:
     if int(overflow):
-        raise ValueError(
-            f"row-wise input_dist dropped {int(overflow)} ids on a device "
-            "that did not fit the per-destination capacity; raise capacity= or pass "
-            "overflow='count' to drop and count them"
+        logger.warning(
+            "row-wise input_dist dropped %d ids that did not fit the per-destination "
+            "capacity (counted in overflow_count); raise capacity=",
+            int(overflow),
         )

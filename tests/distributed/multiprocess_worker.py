@@ -1,0 +1,206 @@
+"""One process of the two-process sharding test (see ``test_multiprocess.py``).
+
+Run as ``python multiprocess_worker.py <process_id> <port>`` in two processes
+on one machine: each owns 2 CPU devices, gloo carries the collectives, and
+the 4 devices form one global mesh ``("x",)`` (ranks 0-1 on process 0, 2-3 on
+process 1). Every process:
+
+1. shards ``sharding_cases.Model``'s EBC (row-wise, table-wise, column-wise
+   and data-parallel tables) over the global mesh with
+   ``DistributedModelParallel`` and trains ``STEPS`` steps; each process
+   places only its own devices' local batches
+   (``jax.make_array_from_process_local_data``);
+2. trains the unsharded model on the full global batch (every process
+   generates all of it from the same seed) on its first local device;
+3. prints the largest differences (losses, tables, dense params) as one JSON
+   line and exits 1 if any exceeds ``TOL``.
+
+Work-arounds (see each function): ``shard_batch`` wants every device's batch
+on every process, so ``place_local`` places only this process's; the sharded
+EBC's ``state_dict()`` cannot read buffers spanning processes, so
+``logical_tables`` gathers them first; ``place_like_step_output`` avoids a
+second compilation of the step.
+
+Exit code 77 means gloo CPU collectives are unavailable in this jaxlib.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharding_cases import CAP, Model, batches, loss_fn  # noqa: E402
+
+from jaxrec import distributed as d  # noqa: E402
+from jaxrec import optim, train  # noqa: E402
+from jaxrec.sparse import KeyedJaggedTensor  # noqa: E402
+
+NUM_PROCESSES = 2
+LOCAL_DEVICES = 2
+WORLD = NUM_PROCESSES * LOCAL_DEVICES
+STEPS = 2
+TOL = 1e-5
+GLOO_UNAVAILABLE = 77
+PLAN = {
+    "t1": d.row_wise(),  # 50 rows over all 4 ranks, both processes
+    "t2": d.table_wise(2),  # on process 1
+    "t3": d.column_wise([1, 2]),  # one column block per process
+    "t4": d.data_parallel(),
+}
+
+
+def optimizer():
+    return optim.CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
+
+
+def place_local(local_batches, mesh):
+    """``shard_batch`` for one process: only this process's devices' batches.
+
+    KJT leaves become ``[world, ...]`` and arrays ``[world * B, ...]``, sharded
+    over the mesh like ``shard_batch``'s output.
+    """
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    is_kjt = lambda x: isinstance(x, KeyedJaggedTensor)
+
+    def put(*xs):
+        if is_kjt(xs[0]):
+            return jax.tree.map(
+                lambda *ls: jax.make_array_from_process_local_data(
+                    sharding, np.stack([np.asarray(v) for v in ls])
+                ),
+                *xs,
+            )
+        local = np.concatenate([np.asarray(x) for x in xs])
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    return jax.tree.map(put, *local_batches, is_leaf=is_kjt)
+
+
+def place_like_step_output(state, mesh):
+    """Places the leaves that start on one device as the step returns them.
+
+    ``overflow_count`` (sharded) and the dense optimizer's scalars (replicated)
+    start on one device; left there, the second step compiles again.
+    """
+
+    def put(path, x):
+        if not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            return x
+        spec = P("x") if "overflow_count" in jax.tree_util.keystr(path) else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def fixed_capacity(batch, capacity: int):
+    """The global batch with every key's capacity fixed: one compilation for all steps."""
+    kjt, y = batch
+    values = np.asarray(kjt.values())
+    starts, per_key = kjt.capacity_offsets(), np.asarray(kjt.length_per_key())
+    packed = np.concatenate(  # each key's valid ids, without its padding
+        [values[s : s + n] for s, n in zip(starts[:-1], per_key, strict=True)]
+    )
+    fixed = KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), packed, np.asarray(kjt.lengths()), capacities=[capacity] * len(kjt.keys())
+    )
+    return fixed, y
+
+
+def logical_tables(ebc) -> dict[str, np.ndarray]:
+    """``state_dict()`` of a sharded EBC whose buffers span both processes."""
+    try:
+        return {k: np.asarray(v) for k, v in ebc.state_dict().items()}
+    except RuntimeError as e:  # fetching a non-fully-addressable array
+        print(f"state_dict() cannot gather across processes: {str(e)[:120]}...", flush=True)
+    for var in ebc.weights.values():
+        var.set_value(multihost_utils.process_allgather(var.get_value(), tiled=True))
+    return {k: np.asarray(v) for k, v in ebc.state_dict().items()}
+
+
+def dense_params(model) -> list[np.ndarray]:
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in leaves]
+
+
+def main(process_id: int, port: int) -> int:
+    try:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=NUM_PROCESSES,
+            process_id=process_id,
+            local_device_ids=list(range(LOCAL_DEVICES)),
+        )
+        devices = jax.devices()
+    except Exception as e:
+        if "gloo" in str(e).lower():
+            print(f"gloo CPU collectives unavailable: {e}", flush=True)
+            return GLOO_UNAVAILABLE
+        raise
+    assert len(devices) == WORLD and jax.local_device_count() == LOCAL_DEVICES, devices
+    # Ranks are the mesh's flat device order: this process's devices are contiguous.
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mine = [i for i, dev in enumerate(mesh.devices.flat) if dev.process_index == process_id]
+
+    # Sharded: only this process's local batches are placed.
+    rng = np.random.default_rng(0)
+    model = Model(rngs=nnx.Rngs(1))
+    plan = d.ShardingPlan(
+        {"ebc": d.construct_module_sharding_plan(model.ebc, PLAN, world_size=WORLD)}
+    )
+    model = d.DistributedModelParallel(model, plan, mesh)
+    opt = optimizer()
+    graphdef, state = train.init_train_state(model, opt)
+    state = place_like_step_output(state, mesh)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    losses, globals_ = [], []
+    for _ in range(STEPS):
+        local, glob = batches(rng, world=WORLD)
+        globals_.append(fixed_capacity(glob, WORLD * CAP))
+        state, loss, _ = step(state, place_local([local[i] for i in mine], mesh))
+        losses.append(float(loss))  # the loss is replicated: every process can read it
+    sharded = train.merge_model(graphdef, state)
+    tables, params = logical_tables(sharded.ebc), dense_params(sharded)
+
+    # Unsharded, on the global batches, on this process's first device.
+    with jax.default_device(jax.local_devices()[0]):
+        opt = optimizer()
+        graphdef, state = train.init_train_state(Model(rngs=nnx.Rngs(1)), opt)
+        step = train.make_train_step(graphdef, opt, loss_fn)
+        ref_losses = []
+        for glob in globals_:
+            state, loss, _ = step(state, glob)
+            ref_losses.append(float(loss))
+        ref = train.merge_model(graphdef, state)
+        ref_tables = {k: np.asarray(v) for k, v in ref.ebc.state_dict().items()}
+        ref_params = [np.asarray(x) for x in jax.tree.leaves(nnx.state(ref, nnx.Param))]
+
+    diffs = {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        **{k: float(np.max(np.abs(tables[k] - ref_tables[k]))) for k in ref_tables},
+        "dense_params": max(
+            float(np.max(np.abs(a - b))) for a, b in zip(params, ref_params, strict=True)
+        ),
+    }
+    ok = all(v <= TOL for v in diffs.values())
+    report = {"process": process_id, "losses": losses, "max_abs_diff": diffs, "ok": ok}
+    print(json.dumps(report), flush=True)
+    multihost_utils.sync_global_devices("done")  # neither process leaves the other mid-collective
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
