@@ -10,7 +10,9 @@ state, ``[rows]`` for row-wise state (sized as FBGEMM sizes them).
 rows ``[U, D]``, their summed gradients ``[U, D]`` (float32) and the state
 slices of those rows; ``count`` is the step number after this update (1 on
 the first step). The same function serves the XLA scatter path, Pallas kernels
-and sharded tables.
+and sharded tables. Pallas kernels pad ``D`` to a power of two with zero
+columns and pass the keyword ``dim=D``: row-wise means divide by it (padded
+columns must not change any real column; their outputs are discarded).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class SparseOptimizer(NamedTuple):
 
     Attributes:
         init: ``(num_rows, dim) -> state`` (``count`` 0, per-row arrays).
-        update: ``(rows [U, D], grads [U, D] f32, state_rows, count) ->
-            (new_rows [U, D] f32, new_state_rows)``.
+        update: ``(rows [U, D], grads [U, D] f32, state_rows, count, *, dim=None) ->
+            (new_rows [U, D] f32, new_state_rows)``; ``dim`` is the logical
+            width when rows arrive zero-padded (optional for custom optimizers).
         name: FBGEMM's ``EmbOptimType`` name, for printing.
         learning_rate: the learning rate or schedule, for printing.
         hyperparams: the other hyper-parameters, for printing.

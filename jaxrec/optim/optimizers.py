@@ -46,6 +46,11 @@ def _norm(x):
     return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
 
 
+def _row_mean(x, dim):
+    """Mean over the last axis; ``dim`` is the logical width when rows are zero-padded."""
+    return jnp.mean(x, axis=-1) if dim is None else jnp.sum(x, axis=-1) / dim
+
+
 # ----- SGD -----
 class SgdState(NamedTuple):
     count: jax.Array
@@ -69,7 +74,7 @@ def sgd(
         del num_rows, dim
         return SgdState(count=jnp.zeros((), jnp.int32))
 
-    def update(w, g, state, count):
+    def update(w, g, state, count, *, dim=None):
         lr = lr_at(learning_rate, count)
         g = _decayed_grad(g, w, weight_decay, mode)
         return _decoupled(w, lr, weight_decay, mode) - lr * g, state
@@ -103,7 +108,7 @@ def adagrad(
     def init(num_rows, dim):
         return AdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
 
-    def update(w, g, state, count):
+    def update(w, g, state, count, *, dim=None):
         lr = lr_at(learning_rate, count)
         g = _decayed_grad(g, w, weight_decay, mode)
         m = state.momentum1 + g * g
@@ -145,10 +150,10 @@ def rowwise_adagrad(
         del dim
         return RowwiseAdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows,), jnp.float32))
 
-    def update(w, g, state, count):
+    def update(w, g, state, count, *, dim=None):
         lr = lr_at(learning_rate, count)
         g2 = _decayed_grad(g, w, weight_decay, mode)
-        m = state.momentum1 + jnp.mean(g2 * g2, axis=-1)
+        m = state.momentum1 + _row_mean(g2 * g2, dim)
         mult = (lr / (jnp.sqrt(m) + eps))[:, None]
         if mode is WeightDecayMode.L2:
             c = 1.0 - mult * weight_decay
@@ -169,9 +174,9 @@ class AdamState(NamedTuple):
     momentum2: jax.Array  # [rows, dim], or [rows] for the partial row-wise variants
 
 
-def _adam_moments(g, state, b1, b2, rowwise_v):
+def _adam_moments(g, state, b1, b2, rowwise_v, dim):
     m = b1 * state.momentum1 + (1.0 - b1) * g
-    g2 = jnp.mean(g * g, axis=-1) if rowwise_v else g * g
+    g2 = _row_mean(g * g, dim) if rowwise_v else g * g
     v = b2 * state.momentum2 + (1.0 - b2) * g2
     return m, v
 
@@ -194,9 +199,9 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
             jnp.zeros(v_shape, jnp.float32),
         )
 
-    def update(w, g, state, count):
+    def update(w, g, state, count, *, dim=None):
         lr = lr_at(learning_rate, count)
-        m, v = _adam_moments(g, state, b1, b2, rowwise_v)
+        m, v = _adam_moments(g, state, b1, b2, rowwise_v, dim)
         rtw = _adam_direction(m, v, count, b1, b2, eps, rowwise_v) + weight_decay * w
         if lamb:
             # Trust ratio ||w|| / ||r|| per row, unguarded in FBGEMM: ||w|| = 0 gives 0
@@ -324,7 +329,7 @@ def lars_sgd(
     def init(num_rows, dim):
         return LarsSgdState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
 
-    def update(w, g, state, count):
+    def update(w, g, state, count, *, dim=None):
         lr = lr_at(learning_rate, count)
         w_norm, g_norm = _norm(w), _norm(g)
         denom = g_norm + weight_decay * w_norm

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..ops.dispatch import dispatch
 from ..optim.base import gather_state, scatter_state
 from ..optim.combined import SubGroup
 
@@ -19,6 +20,8 @@ def update_subgroup(
     state: Any,
     rows: jax.Array,
     grads: jax.Array,
+    *,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, Any]:
     """One optimizer step on the subgroup's touched rows of a stacked buffer.
 
@@ -28,6 +31,8 @@ def update_subgroup(
         table: ``[R, D]`` stacked buffer.
         state: the subgroup's optimizer state.
         rows: ``[U]`` unique rows (fill ``R``), ``grads``: ``[U, D]`` summed.
+        implementation: ``None`` (the fused Pallas kernel on GPU, XLA elsewhere),
+            ``"xla"`` or ``"pallas"``.
     """
     r = table.shape[0]
     if sub.covers_group:
@@ -39,10 +44,25 @@ def update_subgroup(
         local = rows - starts[t] + jnp.asarray(np.asarray(sub.state_offsets, np.int32))[t]
         table_rows = jnp.where(member, rows, r)
         state_rows = jnp.where(member, local, sub.num_rows)
+    return dispatch(
+        "sparse_update",
+        implementation,
+        update_rows_xla,
+        sub.optimizer,
+        table,
+        state,
+        table_rows,
+        grads,
+        state_rows,
+    )
+
+
+def update_rows_xla(optimizer, table, state, rows, grads, state_rows):
+    """The XLA row update: gather, ``optimizer.update``, scatter (``mode="drop"`` skips fills)."""
     count = state.count + 1
-    w = table.at[table_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
-    new_w, new_state = sub.optimizer.update(
+    w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+    new_w, new_state = optimizer.update(
         w, grads.astype(jnp.float32), gather_state(state, state_rows), count
     )
-    table = table.at[table_rows].set(new_w.astype(table.dtype), mode="drop")
+    table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
     return table, scatter_state(state, state_rows, new_state)._replace(count=count)

@@ -1,0 +1,37 @@
+"""Pallas GPU kernels: table-batched pooled lookup, sequence lookup, fused sparse update.
+
+Backend choice: **Triton lowering** (``jax.experimental.pallas.triton``).
+The kernels are gathers of whole rows at data-dependent addresses; Triton
+expresses them directly (a masked load from a tensor of row pointers, any
+SM from sm_80 on) and lowers identically on CI's JAX 0.10.2 and the GPU
+machines' JAX 0.11.x, where it is deprecated but still supported. Mosaic GPU
+(the long-term backend) needs sm_90+, schedules warpgroups and moves data by
+TMA/async copies of static-shaped tiles; a per-row gather there means one
+copy per row (or Blackwell's TMA gather), a larger rewrite we would tune
+only with a GPU in hand. Both lower on this CPU-only machine
+(``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so moving
+later is a per-kernel change behind the same wrappers and references.
+
+Triton needs power-of-two block shapes: ``D`` (any multiple of 4) is covered
+by ``next_pow2(D)`` lanes with the surplus masked, and the optimizers' row
+means take ``dim=D`` (see ``jaxrec.optim.base``).
+
+Every kernel sits beside a pure-jnp ``*_reference`` and a jitted wrapper
+(validation, static ``tiling``, ``interpret`` flag). ``jaxrec.ops`` dispatches
+to them (``implementation=None`` picks them on GPU); importing this package
+registers them, which ``jaxrec.ops.dispatch`` does lazily.
+"""
+
+from .pooled import pooled_lookup as pooled_lookup
+from .pooled import pooled_lookup_reference as pooled_lookup_reference
+from .pooled import ranges_from_segments as ranges_from_segments
+from .register import register as _register
+from .sequence import sequence_lookup as sequence_lookup
+from .sequence import sequence_lookup_reference as sequence_lookup_reference
+from .tiling import Tiling as Tiling
+from .update import fused_backward_update as fused_backward_update
+from .update import fused_backward_update_reference as fused_backward_update_reference
+from .update import sparse_update as sparse_update
+from .update import sparse_update_reference as sparse_update_reference
+
+_register()

@@ -1,0 +1,91 @@
+"""Adapters from ``jaxrec.ops`` entry points to the Pallas kernels, and their registration.
+
+``jaxrec.ops.dispatch`` imports this package the first time a Pallas kernel
+may be wanted (``implementation="pallas"``, or ``None`` on a GPU backend), so
+importing jaxrec stays cheap on CPU. On GPU the kernels are compiled; on any
+other backend a forced ``"pallas"`` runs them in the Pallas interpreter (slow:
+for tests). Forward kernels get a ``custom_vjp`` whose backward is the XLA
+path's autodiff (the gradient oracle), so ``jax.grad`` through a lookup works
+whichever forward ran.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..ops.dispatch import register_pallas
+from ..ops.pooled import embedding_bag_xla, embedding_gather_xla
+from .pooled import pooled_lookup, ranges_from_segments
+from .sequence import sequence_lookup
+from .update import sparse_update
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bag(weights, rows, segment_ids, num_segments, scale):
+    starts, ends = ranges_from_segments(segment_ids, num_segments)
+    scale = jnp.where(segment_ids < num_segments, scale.astype(jnp.float32), 0.0)
+    return pooled_lookup(weights, rows, starts, ends, scale, segment_ids, interpret=_interpret())
+
+
+def _bag_fwd(weights, rows, segment_ids, num_segments, scale):
+    return _bag(weights, rows, segment_ids, num_segments, scale), (
+        weights,
+        rows,
+        segment_ids,
+        scale,
+    )
+
+
+def _bag_bwd(num_segments, res, g):
+    weights, rows, segment_ids, scale = res
+    _, vjp = jax.vjp(
+        lambda w, s: embedding_bag_xla(w, rows, segment_ids, num_segments, s), weights, scale
+    )
+    dw, ds = vjp(g)
+    return dw, None, None, ds
+
+
+_bag.defvjp(_bag_fwd, _bag_bwd)
+
+
+def embedding_bag_pallas(weights, rows, segment_ids, num_segments, per_value_scale=None):
+    """``jaxrec.ops.embedding_bag`` on :func:`pooled_lookup` (segments -> ranges first)."""
+    scale = jnp.ones(rows.shape, jnp.float32) if per_value_scale is None else per_value_scale
+    return _bag(weights, rows, segment_ids.astype(jnp.int32), num_segments, scale)
+
+
+@jax.custom_vjp
+def embedding_gather_pallas(weights, rows, valid):
+    """``jaxrec.ops.embedding_gather`` on :func:`sequence_lookup`."""
+    return sequence_lookup(weights, rows, valid, interpret=_interpret())
+
+
+def _gather_fwd(weights, rows, valid):
+    return embedding_gather_pallas(weights, rows, valid), (weights, rows, valid)
+
+
+def _gather_bwd(res, g):
+    weights, rows, valid = res
+    _, vjp = jax.vjp(lambda w: embedding_gather_xla(w, rows, valid), weights)
+    return (*vjp(g), None, None)
+
+
+embedding_gather_pallas.defvjp(_gather_fwd, _gather_bwd)
+
+
+def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None):
+    """``jaxrec.train.sparse_update``'s row update on :func:`sparse_update`."""
+    return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=_interpret())
+
+
+def register() -> None:
+    register_pallas("embedding_bag", embedding_bag_pallas)
+    register_pallas("embedding_gather", embedding_gather_pallas)
+    register_pallas("sparse_update", sparse_update_pallas)

@@ -1,0 +1,76 @@
+"""Tiling parameters and shape helpers shared by the Pallas kernels.
+
+Triton (the backend, see ``jaxrec/pallas/__init__.py``) needs every block
+dimension to be a power of two, so the embedding dim ``D`` is covered by a
+column block of ``next_pow2(D)`` lanes and the surplus lanes are masked.
+Tuning knobs are frozen dataclasses passed as static arguments; sweeps over
+them live in ``bench/gpu_lookup.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pl_triton
+
+FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiling:
+    """Static launch parameters of one kernel.
+
+    Attributes:
+        block_rows: bags (forward), positions (gather) or unique rows (update)
+            handled by one program; a power of two.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining stages.
+    """
+
+    block_rows: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+
+    def compiler_params(self) -> pl_triton.CompilerParams:
+        return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_table(weights: jax.Array, name: str = "weights") -> int:
+    """Validates a ``[R, D]`` float table and returns ``D``.
+
+    Raises:
+        TypeError: not a float32/float16/bfloat16 array.
+        ValueError: not 2-D.
+        NotImplementedError: ``D`` is not a multiple of 4 (the kernels' contract;
+            the dispatcher then falls back to XLA).
+    """
+    if weights.ndim != 2:
+        raise ValueError(f"{name} must be [rows, dim], got {name}.shape={weights.shape}")
+    if weights.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {weights.dtype}")
+    d = weights.shape[1]
+    if d % 4:
+        raise NotImplementedError(
+            f"Pallas kernels need dim % 4 == 0, got {name}.shape={weights.shape}"
+        )
+    return d
+
+
+def check_vector(x: jax.Array, name: str, length: int | None = None, kind: str = "i") -> None:
+    if x.ndim != 1 or (length is not None and x.shape[0] != length):
+        want = f"[{length}]" if length is not None else "1-D"
+        raise ValueError(f"{name} must be {want}, got {name}.shape={x.shape}")
+    if jnp.dtype(x.dtype).kind not in kind:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected kind {kind!r}")

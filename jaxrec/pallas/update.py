@@ -1,0 +1,281 @@
+"""Fused sparse backward + optimizer update, in place, as a Pallas kernel.
+
+Exact semantics (FBGEMM's EXACT_*): every touched row gets one update with the
+sum of all its occurrences' gradients. Occurrences are grouped into *runs*,
+one per unique row (a sort, done by XLA before the launch); each program owns
+``block_rows`` runs, sums their occurrences' gradients in float32 (reading the
+output gradient directly, so no ``[C, D]`` per-id gradient is materialised),
+then applies the optimizer's own row update (``jaxrec.optim``, traced into
+the kernel) and writes the rows back into the table and state buffers, which
+are aliased input -> output (``input_output_aliases``): untouched rows are
+never read or written, and with donated buffers nothing is copied.
+
+Two entry points share the kernel:
+
+* :func:`sparse_update`: rows already unique and gradients summed (the train
+  step's ``dedup_rows`` output); one occurrence per run.
+* :func:`fused_backward_update`: from the output gradient, per-id output rows,
+  scales and table rows: sorts, forms runs and updates in one launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from ..ops.backward import dedup_rows
+from ..optim.base import SparseOptimizer, apply_rows, row_fields
+from .tiling import Tiling, check_table, check_vector, next_pow2
+
+DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
+
+
+def sparse_update_kernel(
+    *refs, optimizer, state_type, fields, num_runs, num_rows, num_state_rows, dim, block_runs, runs
+):
+    """One optimizer step over ``block_runs`` unique rows.
+
+    Refs, in order: ``grad_src [N, D] f32``, ``run_rows [U] i32`` (table row,
+    ``>= R`` skips), ``run_state_rows [U] i32``, ``count [1] i32``, then when
+    ``runs``: ``run_starts [U + 1] i32``, ``occ_src [M] i32`` (grad_src row of
+    each sorted occurrence), ``occ_scale [M] f32``; then the table ``[R, D]``
+    and one ref per state field (``[R_s, D]`` or ``[R_s]``) as inputs, and
+    the same again as (aliased) outputs.
+    """
+    k = len(fields)
+    grad_ref, rows_ref, srows_ref, count_ref, *rest = refs
+    if runs:
+        starts_ref, src_ref, scale_ref, *rest = rest
+    rest = rest[1 + k :]  # skip the aliased inputs: read and write through the outputs
+    table_ref, state_refs = rest[0], rest[1:]
+    u = pl.program_id(0) * block_runs + jnp.arange(block_runs, dtype=jnp.int32)
+    ok = u < num_runs
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+    row = pl_triton.load(rows_ref.at[u], mask=ok, other=num_rows)
+    srow = pl_triton.load(srows_ref.at[u], mask=ok, other=num_state_rows)
+    live = ok & (row >= 0) & (row < num_rows) & (srow >= 0) & (srow < num_state_rows)
+    # Skipped lanes keep out-of-range indices (see pooled.py): never clamped.
+    row = jnp.where(live, row, num_rows)
+    srow = jnp.where(live, srow, num_state_rows)
+    m2 = live[:, None] & col_ok[None, :]
+    if runs:
+        start = pl_triton.load(starts_ref.at[u], mask=live, other=0)
+        length = jnp.maximum(pl_triton.load(starts_ref.at[u + 1], mask=live, other=0) - start, 0)
+
+        def body(j, g):
+            on = live & (j < length)
+            pos = jnp.where(on, start + j, 0)
+            src = pl_triton.load(src_ref.at[pos], mask=on, other=0)
+            sc = pl_triton.load(scale_ref.at[pos], mask=on, other=0.0)
+            gg = pl_triton.load(
+                grad_ref.at[src[:, None], cols[None, :]],
+                mask=on[:, None] & col_ok[None, :],
+                other=0.0,
+            )
+            return g + gg * sc[:, None]
+
+        g = jnp.zeros((block_runs, cols.shape[0]), jnp.float32)
+        g = jax.lax.fori_loop(0, jnp.max(length), body, g)
+    else:
+        g = pl_triton.load(grad_ref.at[u[:, None], cols[None, :]], mask=m2, other=0.0)
+    w = pl_triton.load(table_ref.at[row[:, None], cols[None, :]], mask=m2, other=0.0)
+    slices = {}
+    for f, ref in zip(fields, state_refs, strict=True):
+        if len(ref.shape) == 2:
+            slices[f] = pl_triton.load(ref.at[srow[:, None], cols[None, :]], mask=m2, other=0.0)
+        else:
+            slices[f] = pl_triton.load(ref.at[srow], mask=live, other=0.0)
+    count = count_ref[0]
+    state_rows = state_type(**{"count": count, **slices})
+    extra = {} if cols.shape[0] == dim else {"dim": dim}
+    new_w, new_state = optimizer.update(w.astype(jnp.float32), g, state_rows, count, **extra)
+    pl_triton.store(
+        table_ref.at[row[:, None], cols[None, :]], new_w.astype(table_ref.dtype), mask=m2
+    )
+    for f, ref in zip(fields, state_refs, strict=True):
+        val = getattr(new_state, f).astype(ref.dtype)
+        if len(ref.shape) == 2:
+            pl_triton.store(ref.at[srow[:, None], cols[None, :]], val, mask=m2)
+        else:
+            pl_triton.store(ref.at[srow], val, mask=live)
+
+
+def _check_optimizer(optimizer, state, dim):
+    if not isinstance(optimizer, SparseOptimizer):
+        raise TypeError(f"optimizer must be a jaxrec.optim SparseOptimizer, got {optimizer!r}")
+    if next_pow2(dim) != dim and "dim" not in inspect.signature(optimizer.update).parameters:
+        raise NotImplementedError(
+            f"{optimizer.name}'s update takes no dim= keyword, needed for dim={dim} "
+            "(padded to a power of two)"
+        )
+    for f in row_fields(state):
+        x = getattr(state, f)
+        if x.dtype != jnp.float32 or x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[1] != dim):
+            raise NotImplementedError(
+                f"state field {f!r} must be float32 [rows] or [rows, {dim}], got "
+                f"{x.dtype}{list(x.shape)}"
+            )
+
+
+def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, tiling, interpret):
+    dim = table.shape[1]
+    fields = row_fields(state)
+    num_state_rows = getattr(state, fields[0]).shape[0] if fields else table.shape[0]
+    count = state.count + 1
+    u = run_rows.shape[0]
+    kernel = functools.partial(
+        sparse_update_kernel,
+        optimizer=optimizer,
+        state_type=type(state),
+        fields=fields,
+        num_runs=u,
+        num_rows=table.shape[0],
+        num_state_rows=num_state_rows,
+        dim=dim,
+        block_runs=tiling.block_rows,
+        runs=runs is not None,
+    )
+    inputs = [grad_src.astype(jnp.float32), run_rows, run_state_rows, count.reshape(1)]
+    inputs += list(runs) if runs is not None else []
+    buffers = [table] + [getattr(state, f) for f in fields]
+    first = len(inputs)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
+        grid=(pl.cdiv(u, tiling.block_rows),),
+        input_output_aliases={first + i: i for i in range(len(buffers))},
+        compiler_params=tiling.compiler_params(),
+        interpret=interpret,
+        name="jaxrec_sparse_update",
+    )(*inputs, *buffers)
+    new_state = state._replace(count=count, **dict(zip(fields, out[1:], strict=True)))
+    return out[0], new_state
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "interpret"))
+def sparse_update(
+    optimizer: SparseOptimizer,
+    table: jax.Array,
+    state: Any,
+    rows: jax.Array,
+    grads: jax.Array,
+    state_rows: jax.Array | None = None,
+    *,
+    tiling: Tiling = DEFAULT_TILING,
+    interpret: bool = False,
+) -> tuple[jax.Array, Any]:
+    """One optimizer step on unique ``rows`` of ``table``, in place (``apply_rows`` as a kernel).
+
+    Args:
+        optimizer: a ``jaxrec.optim`` sparse optimizer (static; its row update
+            runs inside the kernel).
+        table: ``[R, D]`` float32/float16/bfloat16 (``D % 4 == 0``).
+        state: its state (per-row float32 fields ``[R_s, D]`` or ``[R_s]``).
+        rows: ``[U]`` **unique** table rows (``dedup_rows`` output); rows outside
+            ``[0, R)`` (the fill ``R``) are skipped.
+        grads: ``[U, D]`` summed gradients.
+        state_rows: ``[U]`` state rows of each row (default ``rows``), for
+            optimizers that own part of a stacked buffer; out of range skips.
+        tiling: static launch parameters (``block_rows`` rows per program).
+        interpret: run in the Pallas interpreter.
+
+    Returns:
+        ``(table, state)`` updated, ``count`` advanced. Donate both to update
+        in place.
+
+    Raises:
+        NotImplementedError: unsupported dim or state layout (callers fall back).
+    """
+    dim = check_table(table, "table")
+    _check_optimizer(optimizer, state, dim)
+    check_vector(rows, "rows")
+    u = rows.shape[0]
+    if grads.shape != (u, dim):
+        raise ValueError(f"grads must be [{u}, {dim}], got grads.shape={grads.shape}")
+    state_rows = rows if state_rows is None else state_rows
+    check_vector(state_rows, "state_rows", u)
+    if u == 0:
+        return table, state._replace(count=state.count + 1)
+    rows, state_rows = rows.astype(jnp.int32), state_rows.astype(jnp.int32)
+    return _launch(optimizer, table, state, grads, rows, state_rows, None, tiling, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "interpret"))
+def fused_backward_update(
+    optimizer: SparseOptimizer,
+    table: jax.Array,
+    state: Any,
+    out_grad: jax.Array,
+    segment_ids: jax.Array,
+    scale: jax.Array,
+    rows: jax.Array,
+    valid: jax.Array,
+    *,
+    tiling: Tiling = DEFAULT_TILING,
+    interpret: bool = False,
+) -> tuple[jax.Array, Any]:
+    """Backward of a lookup fused with the optimizer step, exact and in place.
+
+    Occurrence ``c`` contributes ``out_grad[segment_ids[c]] * scale[c]`` to
+    table row ``rows[c]`` (the per-id gradient of ``pooled_row_grads``); the
+    contributions of each row are summed, then each touched row is updated once.
+
+    Args:
+        optimizer: a ``jaxrec.optim`` sparse optimizer (static).
+        table: ``[R, D]`` table; ``state``: its optimizer state.
+        out_grad: ``[S, D]`` gradient of the lookup output (any float dtype).
+        segment_ids: ``[C]`` output row of each occurrence (in ``[0, S)`` where valid).
+        scale: ``[C]`` float multiplier (per-sample weight, 1/length for MEAN).
+        rows: ``[C]`` table rows; ``valid``: ``[C]`` bool, False skips.
+        tiling, interpret: as :func:`sparse_update`.
+
+    Returns:
+        ``(table, state)`` updated, ``count`` advanced.
+    """
+    dim = check_table(table, "table")
+    _check_optimizer(optimizer, state, dim)
+    c = rows.shape[0]
+    for name, x, kind in (("segment_ids", segment_ids, "iu"), ("rows", rows, "iu")):
+        check_vector(x, name, c, kind)
+    check_vector(scale, "scale", c, "f")
+    check_vector(valid, "valid", c, "b")
+    if out_grad.ndim != 2 or out_grad.shape[1] != dim:
+        raise ValueError(f"out_grad must be [S, {dim}], got out_grad.shape={out_grad.shape}")
+    if c == 0 or out_grad.shape[0] == 0:
+        return table, state._replace(count=state.count + 1)
+    r = table.shape[0]
+    keyed = jnp.where(valid, rows.astype(jnp.int32), r)
+    order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
+    sorted_rows = keyed[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
+    (starts,) = jnp.nonzero(first, size=c + 1, fill_value=c)
+    starts = starts.astype(jnp.int32)
+    run_rows = jnp.where(starts[:-1] < c, sorted_rows[jnp.minimum(starts[:-1], c - 1)], r)
+    src = segment_ids.astype(jnp.int32)[order]
+    occ_scale = jnp.where(valid, scale.astype(jnp.float32), 0.0)[order]
+    runs = (starts, jnp.where(sorted_rows < r, src, 0), occ_scale)
+    return _launch(optimizer, table, state, out_grad, run_rows, run_rows, runs, tiling, interpret)
+
+
+def sparse_update_reference(optimizer, table, state, rows, grads, state_rows=None):
+    """Pure-jnp :func:`sparse_update`: ``jaxrec.optim.apply_rows`` (shared state rows only)."""
+    if state_rows is not None:
+        raise NotImplementedError("the reference maps table rows to state rows 1:1")
+    return apply_rows(optimizer, table, state, rows, grads)
+
+
+def fused_backward_update_reference(
+    optimizer, table, state, out_grad, segment_ids, scale, rows, valid
+):
+    """Pure-jnp :func:`fused_backward_update`: per-id grads, ``dedup_rows``, ``apply_rows``."""
+    seg = jnp.where(valid, segment_ids, 0)
+    grads = jnp.take(out_grad.astype(jnp.float32), seg, axis=0) * scale.astype(jnp.float32)[:, None]
+    unique, summed = dedup_rows(rows, grads, valid, table.shape[0])
+    return apply_rows(optimizer, table, state, unique, summed)
