@@ -1,0 +1,97 @@
+"""What the planner reasons about: tables with their inputs, and sharding options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...configs import BaseEmbeddingConfig
+from ...optim import SparseOptimizer
+from ..types import ShardingType
+from .constraints import ParameterConstraints
+from .storage import DTYPE_BYTES
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableInfo:
+    """One table of one module, with its constraints, optimizer and id capacities."""
+
+    module: str  # module path ("" for a bare collection)
+    config: BaseEmbeddingConfig
+    constraints: ParameterConstraints
+    optimizer: SparseOptimizer
+    feature_caps: tuple[int, ...]  # ids per device per feature (static KJT capacities)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.{self.name}" if self.module else self.name
+
+    @property
+    def rows(self) -> int:
+        return self.config.num_embeddings
+
+    @property
+    def dim(self) -> int:
+        return self.config.embedding_dim
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.config.data_type]
+
+    @property
+    def ids(self) -> int:
+        return sum(self.feature_caps)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_caps)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """A block ``[row0, row0 + nrows) x [col0, col0 + ncols)`` of a table."""
+
+    row0: int
+    nrows: int
+    col0: int
+    ncols: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingOption:
+    """One way to shard one table, before ranks are chosen.
+
+    ``placement`` says what the partitioner chooses: ``"replicated"`` (data
+    parallel, nothing), ``"fixed"`` (shard ``i`` on ``ranks[i]``: row-wise),
+    ``"free"`` (each shard on any allowed rank, distinct ranks: table-wise,
+    column-wise) or ``"host"`` (``blocks`` groups of consecutive shards, each
+    group on its own host: shard ``j`` of a full group on the host's local rank
+    ``j``, a smaller group on distinct ranks of the host).
+
+    Estimates are standalone (the table as if alone in its width group):
+    ``per_device_bytes`` is its largest shard, ``total_bytes`` all its shards
+    (times the world size for replicas), ``perf`` seconds summed over shards.
+    """
+
+    table: TableInfo
+    sharding_type: ShardingType
+    shards: tuple[ShardSpec, ...]
+    placement: str
+    ranks: tuple[int, ...] = ()  # "fixed": one per shard; "free": the allowed ranks
+    blocks: int = 0  # "host"
+    per_device_bytes: float = 0.0
+    total_bytes: float = 0.0
+    perf: float = 0.0
+
+    @property
+    def label(self) -> str:
+        t = self.sharding_type.value
+        cols = {s.ncols for s in self.shards}
+        if self.sharding_type in (
+            ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD
+        ):  # fmt: skip
+            return f"{t}/{len({(s.col0, s.ncols) for s in self.shards})}x{max(cols)}"
+        return t

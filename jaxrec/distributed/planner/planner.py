@@ -1,0 +1,279 @@
+"""EmbeddingShardingPlanner: tables + topology + constraints -> ShardingPlan."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ...configs import BaseEmbeddingConfig
+from ..types import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+)
+from .constraints import ParameterConstraints
+from .cost_model import CostModel
+from .enumerator import enumerate_options
+from .options import ShardingOption, TableInfo
+from .partitioner import GreedyPerfPartitioner, Placement
+from .proposers import GreedyProposer, GridSearchProposer, Proposer, UniformProposer
+from .stats import PlanStats, infeasible_message
+from .storage import resolve_optimizer, table_optimizer
+from .topology import Topology
+
+
+class PlannerError(ValueError):
+    """No plan fits; the message says which tables, how big, and what would fit."""
+
+
+def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]:
+    """``{module path: tables}`` from a model, a collection, a table list or such a dict.
+
+    Paths are joined with ``.`` as ``DistributedModelParallel`` expects; a
+    bare table list is module ``""``.
+    """
+    if isinstance(model_or_tables, Mapping):
+        return {str(k): list(v) for k, v in model_or_tables.items()}
+    if isinstance(model_or_tables, Sequence) and not isinstance(model_or_tables, str):
+        tables = list(model_or_tables)
+        bad = [type(t).__name__ for t in tables if not isinstance(t, BaseEmbeddingConfig)]
+        if bad:
+            raise TypeError(f"plan() takes a model or a list of table configs, got items {bad}")
+        return {"": tables}
+    from flax import nnx
+
+    from ...modules.embedding_bag_collection import EmbeddingBagCollection
+
+    if not isinstance(model_or_tables, nnx.Module):
+        raise TypeError(
+            "plan() takes an nnx.Module, a list of EmbeddingBagConfig or {module path: tables}, "
+            f"got {type(model_or_tables).__name__}"
+        )
+    out = {}
+    for path, module in nnx.iter_modules(model_or_tables):
+        if isinstance(module, EmbeddingBagCollection):
+            out[".".join(map(str, path))] = list(module.table_configs)
+    if not out:
+        raise ValueError("the model has no EmbeddingBagCollection to plan")
+    return out
+
+
+class EmbeddingShardingPlanner:
+    """Plans how every embedding table is sharded (TorchRec's ``EmbeddingShardingPlanner``).
+
+    Pipeline: the enumerator lists each table's options with storage and perf
+    estimates; each proposer proposes one option per table; the partitioner
+    gives every shard a rank and estimates the padded memory and step time;
+    the fastest proposal that fits wins (ties: less memory, then the first
+    found). Everything is deterministic.
+
+    Args:
+        topology: the devices (default ``Topology.from_devices()``).
+        constraints: ``{table name: ParameterConstraints}``; a key
+            ``"<module path>.<table>"`` wins over the bare table name.
+        optimizer: the fused sparse optimizer whose state is sized: a
+            ``SparseOptimizer``, a ``CombinedOptimizer`` (per-table overrides)
+            or a name (``"adam"``); default row-wise Adagrad (4 bytes per row).
+        capacity: the ``capacity=`` given to ``DistributedModelParallel`` (ids
+            per destination rank per width group), ``None`` for the natural one.
+        reserved_hbm_fraction: share of each device's memory kept for dense
+            parameters and activations (TorchRec's storage reservation, 15%).
+        proposers: default greedy, uniform and a bounded grid search.
+
+    Example:
+        >>> planner = EmbeddingShardingPlanner(Topology(world_size=8), optimizer="adam")
+        >>> plan = planner.plan(model)
+        >>> print(planner.last_stats)
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        *,
+        optimizer: Any = None,
+        capacity: int | None = None,
+        reserved_hbm_fraction: float = 0.15,
+        proposers: Sequence[Proposer] | None = None,
+        partitioner: GreedyPerfPartitioner | None = None,
+    ):
+        if not 0 <= reserved_hbm_fraction < 1:
+            raise ValueError(
+                f"reserved_hbm_fraction must be in [0, 1), got {reserved_hbm_fraction}"
+            )
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        self.topology = topology
+        self.constraints = dict(constraints or {})
+        self.optimizer = resolve_optimizer(optimizer)
+        self.capacity = capacity
+        self.reserved_hbm_fraction = reserved_hbm_fraction
+        self.proposers = proposers
+        self.partitioner = partitioner or GreedyPerfPartitioner()
+        self.last_placement: Placement | None = None
+        self.last_stats: PlanStats | None = None
+
+    def _table_infos(self, modules, topo: Topology, constraints) -> list[TableInfo]:
+        infos = []
+        known = set()
+        for path, tables in modules.items():
+            for t in tables:
+                key = f"{path}.{t.name}" if path else t.name
+                known |= {key, t.name}
+                c = constraints.get(key, constraints.get(t.name)) or ParameterConstraints()
+                f = t.num_features()
+                pf = c.per_feature("pooling_factors", f, 1.0)
+                npool = c.per_feature("num_poolings", f, 1.0)
+                bs = c.per_feature("batch_sizes", f, topo.batch_size)
+                caps = c.per_feature("feature_capacities", f, None)
+                caps = tuple(
+                    int(cap) if cap is not None else max(1, math.ceil(b * p * q))
+                    for cap, b, p, q in zip(caps, bs, pf, npool, strict=True)
+                )
+                opt = table_optimizer(self.optimizer, t.name)
+                infos.append(TableInfo(path, t, c, opt, caps))
+        unknown = sorted(set(constraints) - known)
+        if unknown:
+            raise ValueError(f"constraints name unknown tables {unknown}")
+        names = [i.key for i in infos]
+        dup = sorted({k for k in names if names.count(k) > 1})
+        if dup:
+            raise ValueError(f"tables {dup} appear twice in one module")
+        return infos
+
+    def plan(
+        self,
+        model_or_tables: Any,
+        topology: Topology | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+    ) -> ShardingPlan:
+        """The best plan found; raises :class:`PlannerError` when nothing fits.
+
+        Args:
+            model_or_tables: an ``nnx.Module`` (every ``EmbeddingBagCollection``
+                in it, keyed by module path), a list of ``EmbeddingBagConfig``
+                (module ``""``) or ``{module path: [configs]}``.
+            topology, constraints: override the constructor's.
+        """
+        start = time.perf_counter()
+        topo = topology or self.topology or Topology.from_devices()
+        cons = self.constraints if constraints is None else dict(constraints)
+        modules = collect_tables(model_or_tables)
+        tables = self._table_infos(modules, topo, cons)
+        cost = CostModel(topo, self.capacity)
+        usable = topo.hbm_cap * (1 - self.reserved_hbm_fraction)
+        options = [enumerate_options(t, cost) for t in tables]
+        empty = [t.key for t, o in zip(tables, options, strict=True) if not o]
+        if empty:
+            raise PlannerError(
+                f"tables {empty}: their constraints allow no sharding on {topo.world_size} "
+                "devices (check sharding_types, compute_kernels, ranks, min_partition)"
+            )
+        proposers = self.proposers or (
+            GreedyProposer(), UniformProposer(), GridSearchProposer()
+        )  # fmt: skip
+        best: tuple | None = None
+        closest: Placement | None = None
+        seen: dict[tuple, Placement] = {}
+        counts: dict[str, int] = {}
+        for p in proposers:
+            p.load(options, usable)
+            while (proposal := p.propose()) is not None:
+                key = tuple(id(o) for o in proposal)
+                placed = seen.get(key)
+                if placed is None:
+                    placed = seen[key] = self.partitioner.partition(proposal, cost, usable)
+                    counts[p.name] = counts.get(p.name, 0) + 1
+                p.feedback(placed.feasible, placed.perf.total, placed.overflow)
+                if placed.feasible:
+                    rank = (placed.perf.total, placed.hbm)
+                    if best is None or rank < best[0]:
+                        best = (rank, placed, p.name)
+                elif closest is None or placed.hbm < closest.hbm:
+                    closest = placed
+        elapsed = time.perf_counter() - start
+        if best is None:
+            raise PlannerError(infeasible_message(tables, options, closest, cost, usable, cons))
+        placed = best[1]
+        self.last_placement = placed
+        self.last_stats = PlanStats(
+            placed, cost, self.reserved_hbm_fraction, counts, best[2], elapsed
+        )
+        return to_sharding_plan(placed, modules)
+
+
+def _parameter_sharding(o: ShardingOption, ranks: Sequence[int]) -> ParameterSharding:
+    if o.placement == "replicated":
+        return ParameterSharding(
+            sharding_type=ShardingType.DATA_PARALLEL,
+            compute_kernel=EmbeddingComputeKernel.DENSE,
+            ranks=tuple(ranks),
+        )
+    spec = tuple(
+        ShardMetadata(shard_offsets=(s.row0, s.col0), shard_sizes=(s.nrows, s.ncols), placement=r)
+        for s, r in zip(o.shards, ranks, strict=True)
+    )
+    return ParameterSharding(
+        sharding_type=o.sharding_type,
+        compute_kernel=EmbeddingComputeKernel.FUSED,
+        ranks=tuple(ranks),
+        sharding_spec=spec,
+    )
+
+
+def to_sharding_plan(placed: Placement, modules: Mapping[str, Sequence]) -> ShardingPlan:
+    """The ``ShardingPlan`` of a placement, modules and tables in the input's order."""
+    by_key = {o.table.key: (o, r) for o, r in zip(placed.options, placed.shard_ranks, strict=True)}
+    plan = {}
+    for path, tables in modules.items():
+        plan[path] = {
+            t.name: _parameter_sharding(*by_key[f"{path}.{t.name}" if path else t.name])
+            for t in tables
+        }
+    return ShardingPlan(plan)
+
+
+def plan_for_model(
+    model: Any,
+    mesh: Any,
+    *,
+    optimizer: Any = None,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+    batch_size: int | None = None,
+    capacity: int | None = None,
+    topology: Topology | None = None,
+    **planner_kwargs: Any,
+) -> ShardingPlan:
+    """Plans every ``EmbeddingBagCollection`` of ``model`` for ``mesh``.
+
+    What ``DistributedModelParallel`` calls when given no plan. The topology
+    comes from ``mesh`` (its flat device order is the rank order; with more
+    than one mesh axis the last axis is a host, as the plan builders assume),
+    unless ``topology`` is given.
+
+    Args:
+        model: an ``nnx.Module`` (or a bare ``EmbeddingBagCollection``).
+        mesh: the ``jax.sharding.Mesh`` the model will be sharded over.
+        optimizer: the sparse optimizer (or ``CombinedOptimizer``) the model
+            will train with, to size its state; default row-wise Adagrad.
+        constraints: ``{table: ParameterConstraints}``.
+        batch_size: samples per device per step (default 512, TorchRec's).
+        capacity: the same ``capacity=`` as given to ``DistributedModelParallel``.
+        topology: overrides what is read from the mesh.
+        **planner_kwargs: other :class:`EmbeddingShardingPlanner` arguments.
+    """
+    if topology is None:
+        devices = list(mesh.devices.flat)
+        local = mesh.devices.shape[-1] if mesh.devices.ndim > 1 else None
+        extra = {} if batch_size is None else {"batch_size": batch_size}
+        topology = Topology.from_devices(devices, local_world_size=local, **extra)
+    elif topology.world_size != mesh.size:
+        raise ValueError(f"topology.world_size={topology.world_size} but the mesh has {mesh.size}")
+    planner = EmbeddingShardingPlanner(
+        topology, constraints, optimizer=optimizer, capacity=capacity, **planner_kwargs
+    )
+    return planner.plan(model)

@@ -1,0 +1,182 @@
+"""Printed planner output: per-device memory and time, each table's choice, and
+the explanation of an infeasible problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from ..types import ShardingType
+from .cost_model import CostModel
+from .options import ShardingOption, TableInfo
+from .partitioner import Placement
+from .storage import format_bytes as fb
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    rs = sorted(set(ranks))
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+class PlanStats:
+    """The planner's report on its chosen plan; ``str()`` is the printed table."""
+
+    def __init__(self, placed: Placement, cost: CostModel, reserved: float, counts: Mapping,
+                 winner: str, seconds: float):  # fmt: skip
+        self.placement = placed
+        self.cost = cost
+        self.reserved = reserved
+        self.proposals = dict(counts)
+        self.winner = winner
+        self.seconds = seconds
+
+    def warnings(self) -> list[str]:
+        out = []
+        for g in self.placement.groups:
+            if len(g.optimizers) > 1:
+                out.append(
+                    f"width group {g.key} mixes optimizers {list(g.optimizers)} (tables "
+                    f"{list(g.tables)}): ShardedEmbeddingBagCollection needs one optimizer per "
+                    "(dim, dtype) group"
+                )
+        return out
+
+    def __str__(self) -> str:
+        p, topo = self.placement, self.cost.topology
+        mem, perf = p.memory, p.perf
+        opts = sorted({o.table.optimizer.name for o in p.options})
+        lines = [
+            f"jaxrec sharding plan: {len(p.options)} tables on {topo.world_size} devices "
+            f"({topo.num_hosts} host(s) x {topo.local_world_size}), {topo.compute_device}, "
+            f"batch {topo.batch_size} per device",
+            f"HBM {fb(topo.hbm_cap)} per device, {fb(p.usable_bytes)} usable "
+            f"({self.reserved:.0%} reserved); optimizer state sized for {', '.join(opts)}",
+            "proposals evaluated: "
+            + ", ".join(f"{k} {v}" for k, v in self.proposals.items())
+            + f"; best from {self.winner}; planned in {self.seconds:.2f} s",
+            "",
+            "per device, padded as jaxrec allocates (every device runs the same shapes):",
+            f"  HBM: tables {fb(mem[0])} + optimizer state {fb(mem[1])} + buffers {fb(mem[2])}"
+            f" = {fb(p.hbm)} of {fb(p.usable_bytes)} ({p.hbm / p.usable_bytes:.1%})",
+            f"  step estimate {_ms(perf.total)} ms = fwd compute {_ms(perf.fwd_compute)} + fwd "
+            f"comms {_ms(perf.fwd_comms)} + bwd compute {_ms(perf.bwd_compute)} + bwd comms "
+            f"{_ms(perf.bwd_comms)}",
+            "",
+            " rank | own HBM (unpadded) | own time (ms) | shards",
+        ]
+        shards = [0] * topo.world_size
+        for o, rs in zip(p.options, p.shard_ranks, strict=True):
+            for s, r in zip(o.shards, rs, strict=False):
+                if s.nrows and s.ncols:
+                    shards[r] += 1
+            if o.placement == "replicated":
+                for r in range(topo.world_size):
+                    shards[r] += 1
+        for r in range(topo.world_size):
+            lines.append(
+                f" {r:>4} | {fb(p.own_memory[r]):>18} | {_ms(p.own_perf[r]):>13} | {shards[r]}"
+            )
+        lines.append(f" balance (max / mean own time): {p.balance:.3f}")
+        lines += [
+            "",
+            " table | rows x dim | sharding | ranks | largest shard | standalone ms",
+        ]
+        for o, rs in zip(p.options, p.shard_ranks, strict=True):
+            t = o.table
+            lines.append(
+                f" {t.key} | {t.rows} x {t.dim} {t.config.data_type.value} | {o.label} | "
+                f"{_ranks(rs)} | {fb(o.per_device_bytes)} | {_ms(o.perf)}"
+            )
+        if p.groups:
+            lines += ["", " width group |  rows/rank | ids/destination | slots | "
+                          "HBM | ms"]  # fmt: skip
+            for g in p.groups:
+                lines.append(
+                    f" {g.key[0]} x {g.key[1]} | {g.rows_per_rank} | {g.ids_per_destination:.0f}"
+                    f" | {g.slots} | {fb(sum(g.memory))} | {_ms(g.perf.total)}"
+                )
+        for w in self.warnings():
+            lines.append(f"WARNING: {w}")
+        return "\n".join(lines)
+
+
+def _full_size(t: TableInfo, cost: CostModel) -> float:
+    return t.rows * (t.dim * t.itemsize + cost.state_per_row(t, t.dim))
+
+
+def infeasible_message(
+    tables: Sequence[TableInfo],
+    options: Sequence[Sequence[ShardingOption]],
+    closest: Placement | None,
+    cost: CostModel,
+    usable: float,
+    constraints: Mapping,
+) -> str:
+    """Which tables do not fit, how big they are, the closest plan, and what would fit."""
+    topo = cost.topology
+    lines = [f"no sharding plan fits {topo.world_size} device(s) with {fb(usable)} usable HBM each"]
+    smallest = {
+        t.key: min(o, key=lambda x: x.per_device_bytes)
+        for t, o in zip(tables, options, strict=True)
+    }
+    alone = [t for t in tables if smallest[t.key].per_device_bytes > usable]
+    over = set(closest.overflow) if closest else set()
+    bad = alone or [t for t in tables if t.key in over]
+    lines.append("tables that do not fit:" if alone else "tables the best plan could not place:")
+    for t in bad:
+        s = smallest[t.key]
+        allowed = sorted({o.sharding_type.value for o in options[tables.index(t)]})
+        lines.append(
+            f"  {t.key}: {t.rows} x {t.dim} {t.config.data_type.value}, table + optimizer state "
+            f"{fb(_full_size(t, cost))}; smallest per-device footprint {fb(s.per_device_bytes)} "
+            f"as {s.label} (allowed: {allowed})"
+        )
+    if closest is not None:
+        mem = closest.memory
+        lines.append(
+            f"best capacity found: the closest plan needs {fb(closest.hbm)} per device (tables "
+            f"{fb(mem[0])}, optimizer state {fb(mem[1])}, buffers {fb(mem[2])}) against "
+            f"{fb(usable)} usable"
+        )
+    need = closest.hbm if closest else max(s.per_device_bytes for s in smallest.values())
+    lines.append("suggestions:")
+    devices = math.ceil(topo.world_size * need / usable)
+    if devices > topo.world_size:
+        lines.append(
+            f"  - more devices: about {devices} (sharded tables shrink with the device count; "
+            "buffers do not)"
+        )
+    split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+    no_rw = [t.key for t in bad
+             if not any(o.sharding_type in split for o in options[tables.index(t)])]  # fmt: skip
+    if no_rw:
+        lines.append(
+            f"  - allow row_wise (or table_row_wise) sharding for {no_rw}: their constraints "
+            "exclude every row split"
+        )
+    from ... import optim
+
+    lean = optim.rowwise_adagrad(0.01)
+    state_now = sum(t.rows * cost.state_per_row(t, t.dim) for t in bad)
+    state_lean = sum(
+        t.rows * cost.state_per_row(dataclasses.replace(t, optimizer=lean), t.dim) for t in bad
+    )
+    if state_now > state_lean:
+        lines.append(
+            f"  - a smaller optimizer state: these tables' state is {fb(state_now)}; with row-wise "
+            f"Adagrad it would be {fb(state_lean)}, with SGD 0"
+        )
+    if closest is not None and closest.memory[2] > 0.25 * closest.hbm:
+        lines.append(
+            "  - smaller id buffers: lower batch_size or feature_capacities, or pass capacity= "
+            f"(buffers are {fb(closest.memory[2])} per device)"
+        )
+    lines.append("  - more HBM per device or a smaller reserved_hbm_fraction")
+    return "\n".join(lines)
