@@ -1,0 +1,222 @@
+"""The sharding planner: fit, capacity, errors, determinism, constraints, balance, speed."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from planner_cases import GiB, MiB, padded_table_bytes, random_tables
+
+import jaxrec as jr
+from jaxrec import optim
+from jaxrec.distributed import ShardingPlan, ShardingType, table_wise
+from jaxrec.distributed import construct_module_sharding_plan as construct
+from jaxrec.distributed.layout import build_layout
+from jaxrec.distributed.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    PlannerError,
+    Topology,
+    state_bytes_per_row,
+)
+
+ST = ShardingType
+
+
+def _cfg(name, rows, dim, **kw):
+    return jr.EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim, **kw)
+
+
+def _plan(tables, topo, **kw):
+    planner = EmbeddingShardingPlanner(topo, kw.pop("constraints", None), **kw)
+    plan = planner.plan(tables)
+    build_layout(tables, plan.plan[""], topo.world_size)  # shards tile every table
+    return planner, plan
+
+
+def test_state_bytes_per_row():
+    assert state_bytes_per_row(optim.rowwise_adagrad(0.1), 64) == 4
+    assert state_bytes_per_row(optim.adam(0.1), 64) == 8 * 64
+    assert state_bytes_per_row(optim.partial_rowwise_adam(0.1), 64) == 4 * 64 + 4
+    assert state_bytes_per_row(optim.sgd(0.1), 64) == 0
+
+
+def test_table_bigger_than_a_device_is_never_whole_on_one():
+    topo = Topology(world_size=8, hbm_cap=1 * GiB, batch_size=64)
+    big = _cfg("big", 3_000_000, 128)  # 1.43 GiB of weights alone
+    tables = [big, _cfg("small", 1000, 128)]
+    for opt in ("sgd", "rowwise_adagrad", "adam"):
+        _, plan = _plan(tables, topo, optimizer=opt)
+        p = plan.plan[""]["big"]
+        assert p.sharding_type is not ST.DATA_PARALLEL
+        shards = [s for s in p.sharding_spec if s.shard_sizes[0] and s.shard_sizes[1]]
+        assert len({s.placement for s in shards}) > 1
+        assert all(s.shard_sizes != (big.num_embeddings, big.embedding_dim) for s in shards)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "adam"])
+def test_per_device_memory_never_exceeds_capacity(seed, opt):
+    tables = random_tables(seed, 40)
+    topo = Topology(world_size=8, hbm_cap=6 * GiB, batch_size=256)
+    planner, plan = _plan(tables, topo, optimizer=opt)
+    placed = planner.last_placement
+    usable = topo.hbm_cap * 0.85
+    assert placed.hbm <= usable
+    o = optim.adam(0.1) if opt == "adam" else optim.rowwise_adagrad(0.1)
+    recomputed = padded_table_bytes(plan, tables, 8, lambda nc: state_bytes_per_row(o, nc))
+    assert recomputed == pytest.approx(placed.memory[0] + placed.memory[1], rel=1e-9)
+    assert recomputed + placed.memory[2] <= usable
+
+
+def test_infeasible_error_explains():
+    topo = Topology(world_size=4, hbm_cap=2 * GiB, batch_size=64)
+    tables = [_cfg("huge", 20_000_000, 64), _cfg("ok", 1000, 64)]
+    cons = {"huge": ParameterConstraints(sharding_types=["table_wise", "column_wise"])}
+    with pytest.raises(PlannerError) as e:
+        EmbeddingShardingPlanner(topo, cons, optimizer="adam").plan(tables)
+    msg = str(e.value)
+    assert "huge" in msg and "GiB" in msg and "'ok'" not in msg
+    assert "best capacity found" in msg
+    assert "more devices" in msg
+    assert "allow row_wise" in msg
+    assert "smaller optimizer state" in msg and "row-wise Adagrad" in msg
+
+
+def test_infeasible_together_names_the_tables_that_did_not_fit():
+    topo = Topology(world_size=2, hbm_cap=1 * GiB, batch_size=64)
+    tables = [_cfg(f"t{i}", 1_000_000, 64) for i in range(8)]  # 2 GiB with state: 1 GiB/device
+    with pytest.raises(PlannerError, match="could not place") as e:
+        EmbeddingShardingPlanner(topo, optimizer="sgd").plan(tables)
+    assert "about 3" in str(e.value) or "about 4" in str(e.value)  # devices suggested
+
+
+def test_deterministic():
+    tables = random_tables(3, 60)
+    topo = Topology(world_size=16, local_world_size=8, hbm_cap=8 * GiB)
+    a = EmbeddingShardingPlanner(topo, optimizer="adam").plan(tables).to_json()
+    b = EmbeddingShardingPlanner(topo, optimizer="adam").plan(list(tables)).to_json()
+    assert a == b
+
+
+def test_constraints_respected():
+    tables = [
+        _cfg("rw", 50_000, 64),
+        _cfg("cw", 10_000, 64),
+        _cfg("pinned", 10_000, 32),
+        _cfg("dp", 100, 16),
+        _cfg("dense_only", 100, 16),
+        _cfg("free", 200_000, 32),
+    ]
+    cons = {
+        "rw": ParameterConstraints(sharding_types=["row_wise"]),
+        "cw": ParameterConstraints(sharding_types=[ST.COLUMN_WISE], min_partition=16),
+        "pinned": ParameterConstraints(sharding_types=["table_wise"], ranks=[5, 6]),
+        "dp": ParameterConstraints(sharding_types=["data_parallel"]),
+        "dense_only": ParameterConstraints(compute_kernels=["dense"]),
+    }
+    _, plan = _plan(tables, Topology(world_size=8), constraints=cons)
+    p = plan.plan[""]
+    assert p["rw"].sharding_type is ST.ROW_WISE and p["rw"].ranks == tuple(range(8))
+    assert p["cw"].sharding_type is ST.COLUMN_WISE
+    assert all(s.shard_sizes[1] >= 16 for s in p["cw"].sharding_spec)
+    assert p["pinned"].sharding_type is ST.TABLE_WISE and p["pinned"].ranks[0] in (5, 6)
+    assert p["dp"].sharding_type is ST.DATA_PARALLEL
+    assert p["dense_only"].sharding_type is ST.DATA_PARALLEL
+
+
+def test_constraint_errors():
+    with pytest.raises(ValueError, match="unknown value 'diagonal'"):
+        ParameterConstraints(sharding_types=["diagonal"])
+    with pytest.raises(ValueError, match="jaxrec does not"):
+        ParameterConstraints(hbm_only=False)
+    with pytest.raises(ValueError, match="unknown tables"):
+        EmbeddingShardingPlanner(Topology(world_size=2), {"nope": ParameterConstraints()}).plan(
+            [_cfg("a", 10, 8)]
+        )
+    with pytest.raises(PlannerError, match="allow no sharding"):
+        cons = {"a": ParameterConstraints(sharding_types=["grid_shard"])}
+        EmbeddingShardingPlanner(Topology(world_size=2), cons).plan([_cfg("a", 10, 8)])
+
+
+def test_multi_host_types_and_json_round_trip():
+    tables = random_tables(4, 12)
+    cons = {
+        "t0": ParameterConstraints(sharding_types=["table_row_wise"]),
+        "t1": ParameterConstraints(sharding_types=["grid_shard"], min_partition=8),
+        "t2": ParameterConstraints(sharding_types=["table_column_wise"], min_partition=8),
+    }
+    topo = Topology(world_size=16, local_world_size=4, hbm_cap=16 * GiB)
+    _, plan = _plan(tables, topo, constraints=cons)
+    p = plan.plan[""]
+    assert p["t0"].sharding_type is ST.TABLE_ROW_WISE
+    assert len({r // 4 for r in p["t0"].ranks}) == 1
+    assert p["t1"].sharding_type is ST.GRID_SHARD
+    assert p["t2"].sharding_type is ST.TABLE_COLUMN_WISE
+    assert len({r // 4 for r in p["t2"].ranks}) == 1
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan
+    assert json.loads(again.to_json()) == json.loads(plan.to_json())
+
+
+def test_symmetric_workload_is_balanced():
+    tables = [_cfg(f"t{i}", 100_000, 64, feature_names=[f"f{i}"]) for i in range(32)]
+    cons = {t.name: ParameterConstraints(pooling_factors=[10.0]) for t in tables}
+    planner, _ = _plan(tables, Topology(world_size=8), constraints=cons)
+    own = np.asarray(planner.last_placement.own_perf)
+    assert own.max() / own.mean() <= 1.1
+    mem = np.asarray(planner.last_placement.own_memory)
+    assert mem.max() / mem.mean() <= 1.1
+
+
+def test_skewed_workload_beats_table_wise_round_robin():
+    rng = np.random.default_rng(0)
+    tables, cons = [], {}
+    for i in range(24):
+        big = i % 6 == 0
+        tables.append(_cfg(f"t{i}", 2_000_000 if big else 20_000, 64))
+        cons[f"t{i}"] = ParameterConstraints(
+            pooling_factors=[100.0 if big else float(rng.integers(1, 3))]
+        )
+    topo = Topology(world_size=8, hbm_cap=32 * GiB)
+    planner, plan = _plan(tables, topo, constraints=cons)
+    ebc_like = type("M", (), {"table_configs": tables})
+    rr = construct(
+        ebc_like, {t.name: table_wise(i % 8) for i, t in enumerate(tables)}, world_size=8
+    )
+    rr_stats = planner.estimate(ShardingPlan({"": rr}), tables)
+    ours = planner.last_placement
+    assert ours.perf.total < rr_stats.placement.perf.total
+    assert ours.hbm <= rr_stats.placement.hbm
+    assert "the given plan" in str(rr_stats)
+
+
+def test_capacity_shrinks_buffers():
+    tables = [_cfg("a", 1_000_000, 64), _cfg("b", 1_000_000, 64)]
+    cons = {t: ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[50.0])
+            for t in ("a", "b")}  # fmt: skip
+    topo = Topology(world_size=8, batch_size=1024)
+    natural, _ = _plan(tables, topo, constraints=cons)
+    capped, _ = _plan(tables, topo, constraints=cons, capacity=4096)
+    assert capped.last_placement.memory[2] < natural.last_placement.memory[2]
+    assert capped.last_placement.perf.total < natural.last_placement.perf.total
+
+
+def test_planning_is_fast():
+    tables = random_tables(5, 200)
+    topo = Topology(world_size=32, local_world_size=8, hbm_cap=80 * GiB)
+    start = time.perf_counter()
+    planner, _ = _plan(tables, topo)
+    assert time.perf_counter() - start < 5.0
+    text = str(planner.last_stats)
+    assert "step estimate" in text and "balance" in text
+
+
+def test_topology():
+    t = Topology(world_size=16, local_world_size=8)
+    assert t.num_hosts == 2 and t.hbm_cap == 32 * GiB and t.batch_size == 512
+    with pytest.raises(ValueError, match="must divide"):
+        Topology(world_size=8, local_world_size=3)
+    d = Topology.from_devices(batch_size=128)
+    assert d.world_size == 8 and d.compute_device == "cpu" and d.batch_size == 128
+    assert Topology.from_devices(hbm_cap=MiB).hbm_cap == MiB
