@@ -220,3 +220,49 @@ def test_topology():
     d = Topology.from_devices(batch_size=128)
     assert d.world_size == 8 and d.compute_device == "cpu" and d.batch_size == 128
     assert Topology.from_devices(hbm_cap=MiB).hbm_cap == MiB
+
+
+# Per-device collective operand bytes of bench/sharded.py's train step (T=8 tables of
+# 100000 x 64, B=512, L=10, 8 devices; "2x4" = 2 hosts), from
+# bench/results/sharded_cpu8_2026-11-22.jsonl, where they equal the compiled HLO's.
+BENCH_BYTES = {
+    "table_wise": (491520, 1048576, 0),
+    "row_wise": (3932160, 8388608, 0),
+    "column_wise": (983040, 1048576, 0),
+    "data_parallel": (0, 0, 10690560),
+    "table_row_wise": (1966080, 4194304, 0),
+    "table_column_wise": (1966080, 1048576, 0),
+    "grid_shard": (3932160, 4194304, 0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BENCH_BYTES))
+def test_comm_estimate_matches_the_compiled_collectives(kind):
+    from jaxrec import distributed as d
+    from jaxrec.distributed.planner.perf import comm_bytes
+
+    gen = {
+        "table_wise": lambda t: d.table_wise(t % 8),
+        "row_wise": lambda t: d.row_wise(),
+        "column_wise": lambda t: d.column_wise([2 * t % 8, (2 * t + 1) % 8]),
+        "data_parallel": lambda t: d.data_parallel(),
+        "table_row_wise": lambda t: d.table_row_wise(t % 2),
+        "table_column_wise": lambda t: d.table_column_wise(t % 2),
+        "grid_shard": lambda t: d.grid_shard([0, 1]),
+    }[kind]
+    tables = [_cfg(f"t{t}", 100_000, 64, feature_names=[f"f{t}"]) for t in range(8)]
+    hosts = 2 if kind in ("table_row_wise", "table_column_wise", "grid_shard") else 1
+    topo = Topology(world_size=8, local_world_size=8 // hosts, batch_size=512)
+    ebc_like = type("M", (), {"table_configs": tables})
+    plan = construct(ebc_like, {f"t{t}": gen(t) for t in range(8)}, world_size=8,
+                     local_size=8 // hosts)  # fmt: skip
+    cons = {t.name: ParameterConstraints(feature_capacities=[512 * 10]) for t in tables}
+    stats = EmbeddingShardingPlanner(topo, cons).estimate(ShardingPlan({"": plan}), tables)
+    got = comm_bytes(stats.placement, topo)
+    ids, blocks, gather = BENCH_BYTES[kind]
+    assert got == {
+        "ids_all_to_all": ids,
+        "fwd_output_all_to_all": blocks,
+        "bwd_grad_all_to_all": blocks,
+        "dp_row_grad_all_gather": gather,
+    }

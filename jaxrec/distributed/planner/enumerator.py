@@ -92,10 +92,13 @@ def enumerate_options(table: TableInfo, cost: CostModel) -> list[ShardingOption]
                     for r0, nr in _blocks(rows, lo)
                 )
                 out.append((st, shards, "host", tuple(ok_hosts), h))
-    return [_estimate(table, cost, *o) for o in out]
+    return [estimate_option(table, cost, *o) for o in out]
 
 
-def _estimate(table, cost: CostModel, st, shards, placement, ranks, blocks) -> ShardingOption:
+def estimate_option(
+    table: TableInfo, cost: CostModel, st, shards, placement, ranks, blocks=0
+) -> ShardingOption:
+    """A ``ShardingOption`` with its standalone storage and perf estimates."""
     if placement == "replicated":
         (w, s, io), perf = cost.replicated(table)
         per_device, total, seconds = w + s + io, (w + s + io) * cost.topology.world_size, perf.total

@@ -8,9 +8,10 @@ follow jaxrec's collectives (``embedding_dist.py``):
 - sharded width group, per id of per-destination capacity ``C`` (``N * C``
   entries on every device, padding included: shapes are static):
   forward ``all_to_all`` of ids, the lookup reading one row per id; backward
-  the same ``all_to_all`` again (the update recomputes input_dist), row
-  gradients, sort-based de-duplication and the fused update reading and
-  writing rows and optimizer state;
+  row gradients, sort-based de-duplication and the fused update reading and
+  writing rows and optimizer state (the update's input_dist repeats the
+  forward's with the same inputs, and XLA's CSE merges the two, so ids move
+  once per step: ``bench/sharded.py`` checks this against the HLO);
 - per slot (a feature reading a shard) on the busiest rank: the partial
   ``[N, B, columns]`` float32 blocks ``all_to_all``-ed back in the forward and
   their gradients in the backward;
@@ -60,10 +61,8 @@ def sharded_perf_coeffs(
     per_id = Perf(
         fwd_compute=n * (row + ID_BYTES) / hbm,
         fwd_comms=n * ID_BYTES * a2a,
-        bwd_compute=n
-        * (2 * ncols * F32 + ID_BYTES + SORT_BYTES + 2 * ncols * F32 + 2 * row + 2 * state_per_row)
-        / hbm,
-        bwd_comms=n * ID_BYTES * a2a,
+        bwd_compute=n * (4 * ncols * F32 + SORT_BYTES + 2 * row + 2 * state_per_row) / hbm,
+        bwd_comms=0.0,
     )
     block = n * b * ncols * F32
     per_slot = Perf(
@@ -89,3 +88,26 @@ def replicated_perf(
         / hbm,
         bwd_comms=ids * grad * topo.gather_seconds_per_byte(),
     )
+
+
+def comm_bytes(placement, topo: Topology) -> dict[str, int]:
+    """Operand bytes each device hands to collectives per step, by stage.
+
+    The same accounting as ``bench/sharded.py``'s ``plan_bytes`` (checked
+    there against the compiled HLO): per width group ``3 * N * C * 4`` bytes
+    of ids, ``N * S * B * columns * 4`` of partial blocks forward and of their
+    gradients backward; per data-parallel table ``ids * (4 + dim * 4 + 1)``
+    of gathered row gradients (sent to each of the ``N - 1`` peers).
+    """
+    n, b = topo.world_size, topo.batch_size
+    out = {"ids_all_to_all": 0, "fwd_output_all_to_all": 0, "bwd_grad_all_to_all": 0,
+           "dp_row_grad_all_gather": 0}  # fmt: skip
+    for g in placement.groups:
+        blocks = n * g.slots * b * g.key[0] * F32
+        out["ids_all_to_all"] += int(n * g.ids_per_destination * ID_BYTES)
+        out["fwd_output_all_to_all"] += blocks
+        out["bwd_grad_all_to_all"] += blocks
+    for o in placement.options:
+        if o.placement == "replicated":
+            out["dp_row_grad_all_gather"] += o.table.ids * (4 + o.table.dim * F32 + 1)
+    return out

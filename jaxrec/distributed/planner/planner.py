@@ -17,8 +17,8 @@ from ..types import (
 )
 from .constraints import ParameterConstraints
 from .cost_model import CostModel
-from .enumerator import enumerate_options
-from .options import ShardingOption, TableInfo
+from .enumerator import enumerate_options, estimate_option
+from .options import ShardingOption, ShardSpec, TableInfo
 from .partitioner import GreedyPerfPartitioner, Placement
 from .proposers import GreedyProposer, GridSearchProposer, Proposer, UniformProposer
 from .stats import PlanStats, infeasible_message
@@ -204,6 +204,44 @@ class EmbeddingShardingPlanner:
             placed, cost, self.reserved_hbm_fraction, counts, best[2], elapsed
         )
         return to_sharding_plan(placed, modules)
+
+    def estimate(
+        self,
+        plan: ShardingPlan,
+        model_or_tables: Any,
+        topology: Topology | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+    ) -> PlanStats:
+        """The same estimates and printed stats for a given (e.g. hand-written) plan.
+
+        Constraints here only supply input statistics (pooling factors,
+        capacities); the plan's choices are taken as they are.
+        """
+        start = time.perf_counter()
+        topo = topology or self.topology or Topology.from_devices()
+        cons = self.constraints if constraints is None else dict(constraints)
+        modules = collect_tables(model_or_tables)
+        tables = self._table_infos(modules, topo, cons)
+        cost = CostModel(topo, self.capacity)
+        usable = topo.hbm_cap * (1 - self.reserved_hbm_fraction)
+        options = []
+        for t in tables:
+            ps = (plan.get_plan_for_module(t.module) or {}).get(t.name)
+            if ps is None:
+                raise ValueError(f"the plan has no sharding for table {t.key!r}")
+            if ps.sharding_type is ShardingType.DATA_PARALLEL:
+                shards, placement, ranks = (ShardSpec(0, t.rows, 0, t.dim),), "replicated", ()
+            else:
+                shards = tuple(
+                    ShardSpec(s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1],
+                              s.shard_sizes[1])
+                    for s in ps.sharding_spec
+                )  # fmt: skip
+                placement, ranks = "fixed", tuple(s.placement for s in ps.sharding_spec)
+            options.append(estimate_option(t, cost, ps.sharding_type, shards, placement, ranks))
+        placed = self.partitioner.partition(options, cost, usable)
+        elapsed = time.perf_counter() - start
+        return PlanStats(placed, cost, self.reserved_hbm_fraction, {}, "the given plan", elapsed)
 
 
 def _parameter_sharding(o: ShardingOption, ranks: Sequence[int]) -> ParameterSharding:

@@ -11,11 +11,12 @@ from ..types import ShardingType
 from .cost_model import CostModel
 from .options import ShardingOption, TableInfo
 from .partitioner import Placement
+from .perf import comm_bytes
 from .storage import format_bytes as fb
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}"
+    return f"{seconds * 1e3:.4g}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -68,16 +69,19 @@ class PlanStats:
             f"  step estimate {_ms(perf.total)} ms = fwd compute {_ms(perf.fwd_compute)} + fwd "
             f"comms {_ms(perf.fwd_comms)} + bwd compute {_ms(perf.bwd_compute)} + bwd comms "
             f"{_ms(perf.bwd_comms)}",
+            "  collective operand bytes per device per step: "
+            + ", ".join(f"{k} {fb(v)}" for k, v in comm_bytes(p, topo).items() if v),
             "",
             " rank | own HBM (unpadded) | own time (ms) | shards",
         ]
         shards = [0] * topo.world_size
         for o, rs in zip(p.options, p.shard_ranks, strict=True):
-            for s, r in zip(o.shards, rs, strict=False):
-                if s.nrows and s.ncols:
-                    shards[r] += 1
             if o.placement == "replicated":
-                for r in range(topo.world_size):
+                rs, specs = range(topo.world_size), [o.shards[0]] * topo.world_size
+            else:
+                specs = o.shards
+            for s, r in zip(specs, rs, strict=True):
+                if s.nrows and s.ncols:
                     shards[r] += 1
         for r in range(topo.world_size):
             lines.append(

@@ -13,7 +13,6 @@ device's row gradients.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ...configs import DataType
@@ -95,8 +94,8 @@ def sharded_memory_coeffs(
 ) -> tuple[float, float, float]:
     """Bytes per padded row, per id of per-destination capacity, per slot, of a width group.
 
-    Per id: the send and receive ``[N, C]`` id buffers, their recomputation's
-    row gradients ``[N*C, columns]`` float32 and the de-duplication's sorted copy.
+    Per id: the send and receive ``[N, C]`` id buffers, the row gradients
+    ``[N*C, columns]`` float32 with their de-duplicated copy, and the sort keys.
     Per slot: the forward partial blocks sent and received and the backward's
     gradient blocks, each ``[N, B, columns]`` float32.
     """
@@ -126,8 +125,3 @@ def format_bytes(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {unit}"
     return f"{x:.0f} B"
-
-
-def total_state_bytes(tables: Mapping[str, tuple[int, int, int]]) -> int:
-    """Sum of ``rows * state_per_row`` over ``{name: (rows, dim, state_per_row)}``."""
-    return sum(r * s for r, _, s in tables.values())
