@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from jaxrec.distributed import ShardingPlan
+from jaxrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from jaxrec.distributed.planner.__main__ import main
+from jaxrec.distributed.planner.table_specs import load_table_specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -28,6 +30,12 @@ def test_dry_run_example_json(tmp_path):
     assert "step estimate" in r.stdout and "t_cat_2" in r.stdout
     plan = ShardingPlan.from_json(out.read_text())
     assert set(plan.plan[""]) == {f"t_cat_{i}" for i in range(26)}
+    # The same plan in this process: deterministic across processes.
+    tables, cons, settings = load_table_specs(ROOT / "examples/planner_tables.json")
+    planner = EmbeddingShardingPlanner(
+        Topology(**settings["topology"]), cons, optimizer=settings["optimizer"]
+    )
+    assert planner.plan(tables) == plan
 
 
 def test_dry_run_csv_and_infeasible(tmp_path, capsys):

@@ -18,4 +18,5 @@ from .proposers import Proposer as Proposer
 from .proposers import UniformProposer as UniformProposer
 from .stats import PlanStats as PlanStats
 from .storage import state_bytes_per_row as state_bytes_per_row
+from .table_specs import load_table_specs as load_table_specs
 from .topology import Topology as Topology

@@ -26,6 +26,9 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ",".join(map(str, rs))
 
 
+SHOWN = 8  # tables listed in an infeasibility report
+
+
 class PlanStats:
     """The planner's report on its chosen plan; ``str()`` is the printed table."""
 
@@ -133,8 +136,9 @@ def infeasible_message(
     alone = [t for t in tables if smallest[t.key].per_device_bytes > usable]
     over = set(closest.overflow) if closest else set()
     bad = alone or [t for t in tables if t.key in over]
+    bad = sorted(bad, key=lambda t: (-_full_size(t, cost), t.key))
     lines.append("tables that do not fit:" if alone else "tables the best plan could not place:")
-    for t in bad:
+    for t in bad[:SHOWN]:
         s = smallest[t.key]
         allowed = sorted({o.sharding_type.value for o in options[tables.index(t)]})
         lines.append(
@@ -142,6 +146,13 @@ def infeasible_message(
             f"{fb(_full_size(t, cost))}; smallest per-device footprint {fb(s.per_device_bytes)} "
             f"as {s.label} (allowed: {allowed})"
         )
+    if len(bad) > SHOWN:
+        lines.append(f"  ... and {len(bad) - SHOWN} smaller tables")
+    total = sum(_full_size(t, cost) for t in tables)
+    lines.append(
+        f"all {len(tables)} tables with optimizer state: {fb(total)}; the devices hold "
+        f"{topo.world_size} x {fb(usable)} = {fb(topo.world_size * usable)}"
+    )
     if closest is not None:
         mem = closest.memory
         lines.append(

@@ -49,9 +49,9 @@ class Topology:
         hbm_mem_bw, ddr_mem_bw: bytes/s of device and host memory.
         intra_host_bw, cross_host_bw: bytes/s per device for collectives.
         batch_size: samples per device per step.
-        bwd_compute_multiplier: unused by jaxrec's byte-count estimates; kept
-            for TorchRec users (backward cost is counted from the bytes the
-            fused update moves).
+
+    TorchRec's ``bwd_compute_multiplier`` has no counterpart: the backward is
+    costed from the bytes jaxrec's fused update moves.
 
     Example:
         >>> Topology(world_size=8, hbm_cap=16 * GiB, batch_size=1024).num_hosts
@@ -68,7 +68,6 @@ class Topology:
     intra_host_bw: float = INTRA_HOST_BW
     cross_host_bw: float = CROSS_HOST_BW
     batch_size: int = BATCH_SIZE
-    bwd_compute_multiplier: float = 2.0
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
