@@ -78,7 +78,7 @@ def test_infeasible_error_explains():
     msg = str(e.value)
     assert "huge" in msg and "GiB" in msg and "'ok'" not in msg
     assert "best capacity found" in msg
-    assert "more devices" in msg
+    assert "more devices alone will not help: ['huge']" in msg
     assert "allow row_wise" in msg
     assert "smaller optimizer state" in msg and "row-wise Adagrad" in msg
 

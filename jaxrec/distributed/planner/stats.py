@@ -162,15 +162,20 @@ def infeasible_message(
         )
     need = closest.hbm if closest else max(s.per_device_bytes for s in smallest.values())
     lines.append("suggestions:")
+    split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+    no_rw = [t.key for t in bad
+             if not any(o.sharding_type in split for o in options[tables.index(t)])]  # fmt: skip
     devices = math.ceil(topo.world_size * need / usable)
-    if devices > topo.world_size:
+    if alone and len(no_rw) == len(alone):
+        lines.append(
+            f"  - more devices alone will not help: {no_rw} cannot be split by rows under "
+            "their constraints"
+        )
+    elif devices > topo.world_size:
         lines.append(
             f"  - more devices: about {devices} (sharded tables shrink with the device count; "
             "buffers do not)"
         )
-    split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
-    no_rw = [t.key for t in bad
-             if not any(o.sharding_type in split for o in options[tables.index(t)])]  # fmt: skip
     if no_rw:
         lines.append(
             f"  - allow row_wise (or table_row_wise) sharding for {no_rw}: their constraints "
