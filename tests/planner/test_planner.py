@@ -266,3 +266,16 @@ def test_comm_estimate_matches_the_compiled_collectives(kind):
         "bwd_grad_all_to_all": blocks,
         "dp_row_grad_all_gather": gather,
     }
+
+
+def test_width_groups_pad_per_collection():
+    """Two collections pad separately: {path: tables} plans both, keyed by path."""
+    a = [_cfg("x", 1_000_000, 64), _cfg("y", 10, 64)]
+    b = [_cfg("x", 1_000, 64)]  # the same table name in another collection
+    planner = EmbeddingShardingPlanner(Topology(world_size=2))
+    plan = planner.plan({"tower_a.ebc": a, "tower_b.ebc": b})
+    assert set(plan.plan) == {"tower_a.ebc", "tower_b.ebc"}
+    assert set(plan.plan["tower_b.ebc"]) == {"x"}
+    keys = {g.key[0] for g in planner.last_placement.groups}
+    assert keys <= {"tower_a.ebc", "tower_b.ebc"}
+    assert "tower_b.ebc.x" in str(planner.last_stats)

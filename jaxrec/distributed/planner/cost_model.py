@@ -54,8 +54,8 @@ class CostModel:
         return state_bytes_per_row(table.optimizer, ncols, self._state)
 
     def group_key(self, table: TableInfo, ncols: int) -> tuple:
-        """Shards stack by ``(columns, dtype)`` (``layout.py``)."""
-        return (ncols, table.config.data_type.value)
+        """Shards stack by ``(columns, dtype)`` within one collection (``layout.py``)."""
+        return (table.module, ncols, table.config.data_type.value)
 
     def group_cost(self, table: TableInfo, ncols: int) -> GroupCost:
         key = (ncols, table.itemsize, self.state_per_row(table, ncols))

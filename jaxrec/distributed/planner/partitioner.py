@@ -42,7 +42,7 @@ class _Group:
 class GroupStats:
     """One width group after placement: its padded per-rank sizes and costs."""
 
-    key: tuple
+    key: tuple  # (module path, columns, dtype)
     tables: tuple[str, ...]
     rows_per_rank: int
     ids_per_destination: float

@@ -103,7 +103,7 @@ def comm_bytes(placement, topo: Topology) -> dict[str, int]:
     out = {"ids_all_to_all": 0, "fwd_output_all_to_all": 0, "bwd_grad_all_to_all": 0,
            "dp_row_grad_all_gather": 0}  # fmt: skip
     for g in placement.groups:
-        blocks = n * g.slots * b * g.key[0] * F32
+        blocks = n * g.slots * b * g.key[1] * F32
         out["ids_all_to_all"] += int(n * g.ids_per_destination * ID_BYTES)
         out["fwd_output_all_to_all"] += blocks
         out["bwd_grad_all_to_all"] += blocks

@@ -105,9 +105,11 @@ class PlanStats:
             lines += ["", " width group |  rows/rank | ids/destination | slots | "
                           "HBM | ms"]  # fmt: skip
             for g in p.groups:
+                where = f"{g.key[0]}: " if g.key[0] else ""
                 lines.append(
-                    f" {g.key[0]} x {g.key[1]} | {g.rows_per_rank} | {g.ids_per_destination:.0f}"
-                    f" | {g.slots} | {fb(sum(g.memory))} | {_ms(g.perf.total)}"
+                    f" {where}{g.key[1]} x {g.key[2]} | {g.rows_per_rank} | "
+                    f"{g.ids_per_destination:.0f} | {g.slots} | {fb(sum(g.memory))} | "
+                    f"{_ms(g.perf.total)}"
                 )
         for w in self.warnings():
             lines.append(f"WARNING: {w}")
