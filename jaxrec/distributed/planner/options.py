@@ -80,7 +80,7 @@ class ShardingOption:
     sharding_type: ShardingType
     shards: tuple[ShardSpec, ...]
     placement: str
-    ranks: tuple[int, ...] = ()  # "fixed": one per shard; "free": the allowed ranks
+    ranks: tuple[int, ...] = ()  # "fixed": one per shard; "free": allowed ranks; "host": hosts
     blocks: int = 0  # "host"
     per_device_bytes: float = 0.0
     total_bytes: float = 0.0

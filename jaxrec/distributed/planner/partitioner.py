@@ -6,10 +6,10 @@ the per-group maxima over ranks. The partitioner places options in order
 (row-wise first, then host blocks and free shards, largest first) and puts
 each shard where it raises the padded step time and padded memory least,
 each measured as a fraction of a perfectly balanced device; ties go to the
-rank with the least load of its own, then the lowest rank. A placement that
-would exceed the usable memory of a device is taken only when no rank can
-hold the shard; the table is then reported as not fitting, and placement
-goes on so that the memory the proposal would need is known.
+rank with the least load of its own, then the lowest rank. A shard that no
+rank can hold within the usable memory is set aside and its table reported as
+not fitting; once everything else is placed, the set-aside shards are placed
+anyway (where they hurt least) so that the memory the proposal needs is known.
 """
 
 from __future__ import annotations
