@@ -16,6 +16,10 @@ group, its stacked shards ``[rows_per_rank, ncols]``.
 Table-wise and column-wise shards receive every id of their features (their
 capacity equals the features' capacities, so nothing can overflow); row-wise
 shards receive only their rows, within a capacity the user may lower.
+
+A sequence (unpooled) lookup is the same engine with one "bag" per id
+position: ``B`` becomes the largest feature capacity and a slot's partial
+block holds one row per position of its feature.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from ..sparse import KeyedJaggedTensor
 from .layout import ShardedLayout, Slot, WidthGroup
 
 
-def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, weighted: bool):
+def num_bags(kjt: KeyedJaggedTensor, sequence: bool) -> int:
+    """Bags per slot block: the batch, or (sequence) the largest feature capacity."""
+    return max(kjt.capacity_per_key()) if sequence else kjt.stride()
+
+
+def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, weighted: bool, sequence: bool):
     """Rows, bags, scales and mask of one slot's ids on this device."""
     keys = kjt.keys()
     k = keys.index(slot.key)
@@ -40,14 +49,16 @@ def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, weighted: bool):
     ids = kjt.values()[lo:hi]
     seg = seg_all[lo:hi]
     valid = (seg < f * b) & (ids >= slot.row0) & (ids < slot.row0 + slot.nrows)
-    bag = jnp.clip(seg - k * b, 0, b - 1)
+    rows = jnp.where(valid, ids - slot.row0 + slot.local_offset, 0).astype(jnp.int32)
     scale = jnp.where(valid, 1.0, 0.0)
+    if sequence:  # one bag per id position
+        return rows, jnp.arange(hi - lo, dtype=jnp.int32), scale, valid
+    bag = jnp.clip(seg - k * b, 0, b - 1)
     if weighted:
         scale = scale * kjt.weights()[lo:hi].astype(jnp.float32)
     if slot.mean:
         lengths = kjt.lengths()[k * b : (k + 1) * b]
         scale = scale / jnp.maximum(lengths, 1).astype(jnp.float32)[bag]
-    rows = jnp.where(valid, ids - slot.row0 + slot.local_offset, 0).astype(jnp.int32)
     return rows, bag, scale, valid
 
 
@@ -58,7 +69,12 @@ def natural_capacity(kjt: KeyedJaggedTensor, group: WidthGroup) -> int:
 
 
 def input_dist(
-    kjt: KeyedJaggedTensor, group: WidthGroup, axis, capacity: int, weighted: bool
+    kjt: KeyedJaggedTensor,
+    group: WidthGroup,
+    axis,
+    capacity: int,
+    weighted: bool,
+    sequence: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sends every id to the rank holding its row; returns what this rank received.
 
@@ -67,11 +83,11 @@ def input_dist(
         ``S * B`` for empty entries), ``scale [N, cap]`` float32, each indexed by
         source device, and this device's overflow count (ids that did not fit).
     """
-    b, s = kjt.stride(), group.max_slots
+    b, s = num_bags(kjt, sequence), group.max_slots
     seg_all = kjt.segment_ids()
     send_rows, send_seg, send_scale, overflow = [], [], [], jnp.zeros((), jnp.int32)
     for slots in group.slots:  # one destination rank at a time (static)
-        parts = [_slot_entries(kjt, seg_all, sl, weighted) for sl in slots]
+        parts = [_slot_entries(kjt, seg_all, sl, weighted, sequence) for sl in slots]
         if parts:
             rows = jnp.concatenate([p[0] for p in parts])
             seg = jnp.concatenate([j * b + p[1] for j, p in enumerate(parts)])
@@ -111,27 +127,20 @@ def column_offsets(layout: ShardedLayout) -> np.ndarray:
     return np.cumsum([0, *layout.dims])
 
 
-def assemble(received: jax.Array, group: WidthGroup, layout: ShardedLayout, out: jax.Array):
-    """Adds every rank's partial blocks into the output columns ``out [B, sum(D)]``."""
-    cols = column_offsets(layout)
+def assemble(received: jax.Array, group: WidthGroup, add) -> None:
+    """Hands every rank's partial block of every slot to ``add(slot, block [B, ncols])``."""
     for p, slots in enumerate(group.slots):
         for j, sl in enumerate(slots):
-            c = cols[sl.output] + sl.col0
-            out = out.at[:, c : c + group.ncols].add(received[p, j])
-    return out
+            add(sl, received[p, j])
 
 
-def grads_to_ranks(out_grad: jax.Array, group: WidthGroup, layout: ShardedLayout, axis):
-    """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its slots."""
-    cols = column_offsets(layout)
-    b, s = out_grad.shape[0], group.max_slots
+def grads_to_ranks(read, group: WidthGroup, b: int, axis) -> jax.Array:
+    """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
+    slots, where ``read(slot)`` is this device's ``[B, ncols]`` output gradient block."""
     blocks = []
     for slots in group.slots:
-        per = [
-            out_grad[:, cols[sl.output] + sl.col0 : cols[sl.output] + sl.col0 + group.ncols]
-            for sl in slots
-        ]
-        per += [jnp.zeros((b, group.ncols), out_grad.dtype)] * (s - len(per))
+        per = [read(sl) for sl in slots]
+        per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
         blocks.append(jnp.stack(per))
     return jax.lax.all_to_all(jnp.stack(blocks), axis, 0, 0, tiled=True)
 

@@ -6,43 +6,58 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
+from ..modules.embedding_collection import EmbeddingCollection
 from ..sparse import KeyedJaggedTensor
 from .sharded_ebc import ShardedEmbeddingBagCollection
+from .sharded_ec import ShardedEmbeddingCollection
 from .types import ShardingPlan
+
+SHARDERS = {
+    EmbeddingBagCollection: ShardedEmbeddingBagCollection,
+    EmbeddingCollection: ShardedEmbeddingCollection,
+}
 
 
 def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     model: nnx.Module,
-    plan: ShardingPlan,
+    plan: ShardingPlan | None,
     mesh: jax.sharding.Mesh,
     *,
     capacity: int | None = None,
-    overflow: str = "warn",
+    overflow: str = "raise",
+    optimizer: Any = None,
 ) -> nnx.Module:
-    """Shards every ``EmbeddingBagCollection`` of ``model`` that ``plan`` names.
+    """Shards every embedding collection of ``model`` that ``plan`` names.
 
-    The collections are replaced in place by :class:`ShardedEmbeddingBagCollection`
+    ``EmbeddingBagCollection`` s become :class:`ShardedEmbeddingBagCollection`
+    and ``EmbeddingCollection`` s :class:`ShardedEmbeddingCollection`, in place
     (plan keys are module paths joined with ``.``, e.g. ``"sparse_arch.ebc"``);
-    every other variable is replicated over ``mesh``. Train with
-    :func:`jaxrec.train.make_train_step` on batches from :func:`shard_batch`:
-    dense gradients come out of XLA's SPMD partitioning already averaged over
-    the global batch (the loss is a mean over it), fused updates run on the
-    local shards.
+    every other variable is replicated over ``mesh``. With ``plan=None`` the
+    planner (:func:`jaxrec.distributed.planner.plan_for_model`) plans every
+    ``EmbeddingBagCollection``, sizing optimizer state for ``optimizer`` (the
+    sparse or combined optimizer you will train with; default row-wise Adagrad).
+    Train with :func:`jaxrec.train.make_train_step` on batches from
+    :func:`shard_batch`: dense gradients come out of XLA's SPMD partitioning
+    already averaged over the global batch (the loss is a mean over it), fused
+    updates run on the local shards. ``capacity`` and ``overflow``: see
+    :class:`ShardedEmbeddingBagCollection`.
     """
+    if plan is None:
+        from .planner import plan_for_model
+
+        plan = plan_for_model(model, mesh, optimizer=optimizer, capacity=capacity)
     found = set()
     for path, module in list(nnx.iter_modules(model)):
         name = ".".join(map(str, path))
-        if isinstance(module, EmbeddingBagCollection) and name in plan.plan:
-            sharded = ShardedEmbeddingBagCollection(
-                module, plan.plan[name], mesh, capacity=capacity, overflow=overflow
-            )
+        sharder = SHARDERS.get(type(module))
+        if sharder is not None and name in plan.plan:
+            sharded = sharder(module, plan.plan[name], mesh, capacity=capacity, overflow=overflow)
             parent = model
             for key in path[:-1]:
                 parent = (
@@ -58,7 +73,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     unknown = sorted(set(plan.plan) - found)
     if unknown:
         raise ValueError(
-            f"the plan names modules {unknown} that are not EmbeddingBagCollections of the model"
+            f"the plan names modules {unknown} that are not embedding collections of the model"
         )
     replicated = NamedSharding(mesh, P())
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Not(_is_sharded_table))):
@@ -77,14 +92,21 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
     device order): a pytree of KeyedJaggedTensors (same keys, capacities and
     stride on every device) and arrays ``[B, ...]``. KJT leaves become
     ``[world, ...]`` (one local KJT per device); arrays become ``[world * B, ...]``.
+    Multi-process: pass either every device's batch, or only this process's
+    devices' batches (in mesh order); each process then supplies its own.
     """
-    if len(local_batches) != mesh.size:
+    devices = list(mesh.devices.flat)
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    if len(local_batches) not in (len(devices), len(mine)):
         raise ValueError(
-            f"need one local batch per device: got {len(local_batches)} for {mesh.size}"
+            f"need one local batch per device: got {len(local_batches)} for {len(devices)} "
+            f"devices ({len(mine)} in this process)"
         )
     spec = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    if len(local_batches) == len(devices) and len(mine) < len(devices):
+        local_batches = [b for b, d in zip(local_batches, devices, strict=True) if d in mine]
     is_kjt = lambda x: isinstance(x, KeyedJaggedTensor)
-    first = local_batches[0]
+    put = jax.device_put if len(mine) == len(devices) else jax.make_array_from_process_local_data
 
     def stack(*xs):
         if is_kjt(xs[0]):
@@ -95,8 +117,12 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
                     f"got {sorted(metas)}"
                 )
             return jax.tree.map(
-                lambda *ls: jax.device_put(np.stack([np.asarray(v) for v in ls]), spec), *xs
+                lambda *ls: _put(put, np.stack([np.asarray(v) for v in ls]), spec), *xs
             )
-        return jax.device_put(jnp.concatenate([jnp.asarray(x) for x in xs]), spec)
+        return _put(put, np.concatenate([np.asarray(x) for x in xs]), spec)
 
-    return jax.tree.map(stack, first, *local_batches[1:], is_leaf=is_kjt)
+    return jax.tree.map(stack, local_batches[0], *local_batches[1:], is_leaf=is_kjt)
+
+
+def _put(put, x: np.ndarray, spec: NamedSharding) -> jax.Array:
+    return put(x, spec) if put is jax.device_put else put(spec, x)

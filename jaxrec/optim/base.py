@@ -13,6 +13,9 @@ the first step). The same function serves the XLA scatter path, Pallas kernels
 and sharded tables. Pallas kernels pad ``D`` to a power of two with zero
 columns and pass the keyword ``dim=D``: row-wise means divide by it (padded
 columns must not change any real column; their outputs are discarded).
+Column-sharded tables see a slice of each row: they pass ``dim`` (the full
+widths, ``[U]``) and ``row_sum``, a function completing per-row partial sums
+``[U]`` across the row's shards, so row-wise state and norms equal unsharded.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ class SparseOptimizer(NamedTuple):
 
     Attributes:
         init: ``(num_rows, dim) -> state`` (``count`` 0, per-row arrays).
-        update: ``(rows [U, D], grads [U, D] f32, state_rows, count, *, dim=None) ->
-            (new_rows [U, D] f32, new_state_rows)``; ``dim`` is the logical
-            width when rows arrive zero-padded (optional for custom optimizers).
+        update: ``(rows [U, D], grads [U, D] f32, state_rows, count, *, dim=None,
+            row_sum=None) -> (new_rows [U, D] f32, new_state_rows)``; ``dim`` is
+            the logical width when rows arrive zero-padded or column-split and
+            ``row_sum`` completes per-row sums across column shards (both
+            optional for custom optimizers that reduce nothing over a row).
         name: FBGEMM's ``EmbOptimType`` name, for printing.
         learning_rate: the learning rate or schedule, for printing.
         hyperparams: the other hyper-parameters, for printing.

@@ -8,9 +8,11 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .base import SparseOptimizer
 
@@ -98,7 +100,19 @@ class CombinedOptimizer:
                     sparse[state_key(path, g.name, k)] = sg.optimizer.init(
                         sg.num_rows, g.embedding_dim
                     )
-        return CombinedOptState(self.dense.init(nnx.state(model, nnx.Param)), sparse)
+        dense = self.dense.init(nnx.state(model, nnx.Param))
+        meshes = {m.mesh for _, m in embedding_modules(model) if hasattr(m, "mesh")}
+        if len(meshes) == 1:  # a sharded model: scalars (step counts) replicated, as after a step
+            replicated = NamedSharding(meshes.pop(), PartitionSpec())
+            dense = jax.tree.map(
+                lambda x: (
+                    jax.device_put(x, replicated)
+                    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
+                    else x
+                ),
+                dense,
+            )
+        return CombinedOptState(dense, sparse)
 
     def _check_overrides(self, model: nnx.Module) -> None:
         names = {t.name for _, m in embedding_modules(model) for t in m.table_configs}

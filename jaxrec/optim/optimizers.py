@@ -42,13 +42,22 @@ def _decoupled(w, lr, weight_decay, mode):
     return w - lr * weight_decay * w if mode is WeightDecayMode.DECOUPLE else w
 
 
-def _norm(x):
-    return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+def _row_sum(x, row_sum):
+    """Sum over the last axis; ``row_sum`` completes it across column shards of a row."""
+    s = jnp.sum(x, axis=-1)
+    return s if row_sum is None else row_sum(s)
 
 
-def _row_mean(x, dim):
-    """Mean over the last axis; ``dim`` is the logical width when rows are zero-padded."""
-    return jnp.mean(x, axis=-1) if dim is None else jnp.sum(x, axis=-1) / dim
+def _norm(x, row_sum=None):
+    return jnp.sqrt(_row_sum(x * x, row_sum))[:, None]
+
+
+def _row_mean(x, dim, row_sum=None):
+    """Mean over the logical row: ``dim`` is its width when rows are zero-padded or split
+    by columns (an int or a ``[U]`` array), ``row_sum`` adds the other shards' sums."""
+    if dim is None and row_sum is None:
+        return jnp.mean(x, axis=-1)
+    return _row_sum(x, row_sum) / (x.shape[-1] if dim is None else dim)
 
 
 # ----- SGD -----
@@ -74,7 +83,7 @@ def sgd(
         del num_rows, dim
         return SgdState(count=jnp.zeros((), jnp.int32))
 
-    def update(w, g, state, count, *, dim=None):
+    def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
         g = _decayed_grad(g, w, weight_decay, mode)
         return _decoupled(w, lr, weight_decay, mode) - lr * g, state
@@ -108,7 +117,7 @@ def adagrad(
     def init(num_rows, dim):
         return AdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
 
-    def update(w, g, state, count, *, dim=None):
+    def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
         g = _decayed_grad(g, w, weight_decay, mode)
         m = state.momentum1 + g * g
@@ -150,10 +159,10 @@ def rowwise_adagrad(
         del dim
         return RowwiseAdagradState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows,), jnp.float32))
 
-    def update(w, g, state, count, *, dim=None):
+    def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
         g2 = _decayed_grad(g, w, weight_decay, mode)
-        m = state.momentum1 + _row_mean(g2 * g2, dim)
+        m = state.momentum1 + _row_mean(g2 * g2, dim, row_sum)
         mult = (lr / (jnp.sqrt(m) + eps))[:, None]
         if mode is WeightDecayMode.L2:
             c = 1.0 - mult * weight_decay
@@ -174,9 +183,9 @@ class AdamState(NamedTuple):
     momentum2: jax.Array  # [rows, dim], or [rows] for the partial row-wise variants
 
 
-def _adam_moments(g, state, b1, b2, rowwise_v, dim):
+def _adam_moments(g, state, b1, b2, rowwise_v, dim, row_sum):
     m = b1 * state.momentum1 + (1.0 - b1) * g
-    g2 = _row_mean(g * g, dim) if rowwise_v else g * g
+    g2 = _row_mean(g * g, dim, row_sum) if rowwise_v else g * g
     v = b2 * state.momentum2 + (1.0 - b2) * g2
     return m, v
 
@@ -199,14 +208,14 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
             jnp.zeros(v_shape, jnp.float32),
         )
 
-    def update(w, g, state, count, *, dim=None):
+    def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
-        m, v = _adam_moments(g, state, b1, b2, rowwise_v, dim)
+        m, v = _adam_moments(g, state, b1, b2, rowwise_v, dim, row_sum)
         rtw = _adam_direction(m, v, count, b1, b2, eps, rowwise_v) + weight_decay * w
         if lamb:
             # Trust ratio ||w|| / ||r|| per row, unguarded in FBGEMM: ||w|| = 0 gives 0
             # (the row stays put, as there); ||r|| = 0 gives inf * 0 = NaN there, 0 here.
-            w_norm, r_norm = _norm(w), _norm(rtw)
+            w_norm, r_norm = _norm(w, row_sum), _norm(rtw, row_sum)
             ratio = jnp.where(r_norm > 0, w_norm / jnp.where(r_norm > 0, r_norm, 1.0), 0.0)
             rtw = ratio * rtw
         return w - lr * rtw, state._replace(momentum1=m, momentum2=v)
@@ -329,9 +338,9 @@ def lars_sgd(
     def init(num_rows, dim):
         return LarsSgdState(jnp.zeros((), jnp.int32), jnp.zeros((num_rows, dim), jnp.float32))
 
-    def update(w, g, state, count, *, dim=None):
+    def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
-        w_norm, g_norm = _norm(w), _norm(g)
+        w_norm, g_norm = _norm(w, row_sum), _norm(g, row_sum)
         denom = g_norm + weight_decay * w_norm
         row_lr = jnp.where(denom > 0, lr * eta * w_norm / jnp.where(denom > 0, denom, 1), 0.0)
         m = momentum * state.momentum1 + row_lr * (g + weight_decay * w)

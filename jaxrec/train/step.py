@@ -65,6 +65,10 @@ def make_train_step(
             any number of times (gradients of every call are summed).
         donate: donate the state (tables and optimizer state update in place).
 
+    Raises:
+        CapacityOverflowError: a sharded collection built with ``overflow="raise"``
+            (the default) dropped row-wise ids for lack of capacity in this step.
+
     Example:
         >>> graphdef, state = init_train_state(model, optimizer)
         >>> step = make_train_step(graphdef, optimizer, loss_fn)
@@ -81,11 +85,12 @@ def make_train_step(
             loss, aux = out if has_aux else (out, None)
             rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)[3]
             calls.extend((c.path, c.module) for c in tape.calls)
-            return loss, (aux, [c.features for c in tape.calls], rest)
+            dropped = sum(tape.overflow) if tape.overflow else None
+            return loss, (aux, [c.features for c in tape.calls], rest, dropped)
 
         calls: list = []
         grad_fn = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
-        (loss, (aux, features, rest)), (g_params, g_probes) = grad_fn(
+        (loss, (aux, features, rest, dropped)), (g_params, g_probes) = grad_fn(
             state.params, probes, state.tables, state.rest
         )
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
@@ -94,9 +99,36 @@ def make_train_step(
             optimizer, state.tables, state.opt_state.sparse, calls, features, g_probes, loss
         )
         new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
+        return new, loss, aux, dropped
+
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+
+    def train_step(state: TrainState, batch: Any):
+        new, loss, aux, dropped = jitted(state, batch)
+        if dropped is not None and int(dropped) > 0:  # one scalar sync, sharded models only
+            raise CapacityOverflowError(int(dropped), new)
         return new, loss, aux
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    train_step.lower = jitted.lower  # for inspecting the compiled program
+    train_step.jitted = jitted
+    return train_step
+
+
+class CapacityOverflowError(RuntimeError):
+    """A sharded collection dropped ids that did not fit its per-destination capacity.
+
+    The step was applied without them; ``state`` is the state after it (the
+    input state was donated).
+    """
+
+    def __init__(self, dropped: int, state: TrainState):
+        super().__init__(
+            f"row-wise input_dist dropped {dropped} ids that did not fit the per-destination "
+            "capacity in this step; pass a larger capacity= to DistributedModelParallel "
+            "(or overflow='warn' / 'count' to train on and count them in overflow_count)"
+        )
+        self.dropped = dropped
+        self.state = state
 
 
 def make_eval_step(
@@ -164,7 +196,12 @@ def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes, l
             names = list(module.weights)
             current = {n: leaves[index[(*path, "weights", n)]] for n in names}
             new, sparse_state = module.sparse_update(
-                optimizer, path, current, sparse_state, feats, g + 0.0 * finite_loss
+                optimizer,
+                path,
+                current,
+                sparse_state,
+                feats,
+                jax.tree.map(lambda x: x + 0.0 * finite_loss, g),
             )
             for n in names:
                 leaves[index[(*path, "weights", n)]] = new[n]

@@ -38,6 +38,7 @@ class Tape:
         self.paths = {id(m): p for p, m in nnx.iter_modules(model)}
         self.probes = probes
         self.calls: list[Call] = []
+        self.overflow: list = []  # dropped-id counts of sharded calls that raise
 
     def __enter__(self) -> Tape:
         self._token = _TAPE.set(self)
@@ -63,3 +64,16 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
     if tape.probes is None:
         return output
     return jax.tree.map(jnp.add, output, tape.probes[i])
+
+
+def report_overflow(dropped: Any) -> bool:
+    """Hands a sharded call's dropped-id count to the train step, which raises on it.
+
+    Returns False outside a train step (the caller then logs instead).
+    """
+    tape = _TAPE.get()
+    if tape is None:
+        return False
+    if tape.probes is not None:  # the differentiated pass, not the shape-only one
+        tape.overflow.append(dropped)
+    return True

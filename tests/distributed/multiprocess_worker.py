@@ -8,18 +8,14 @@ process 1). Every process:
 1. shards ``sharding_cases.Model``'s EBC (row-wise, table-wise, column-wise
    and data-parallel tables) over the global mesh with
    ``DistributedModelParallel`` and trains ``STEPS`` steps; each process
-   places only its own devices' local batches
-   (``jax.make_array_from_process_local_data``);
+   places only its own devices' local batches with ``shard_batch``;
 2. trains the unsharded model on the full global batch (every process
    generates all of it from the same seed) on its first local device;
 3. prints the largest differences (losses, tables, dense params) as one JSON
    line and exits 1 if any exceeds ``TOL``.
 
-Work-arounds (see each function): ``shard_batch`` wants every device's batch
-on every process, so ``place_local`` places only this process's; the sharded
-EBC's ``state_dict()`` cannot read buffers spanning processes, so
-``logical_tables`` gathers them first; ``place_like_step_output`` avoids a
-second compilation of the step.
+Each process passes only its own devices' batches to ``shard_batch`` and
+reads the logical tables with ``state_dict()`` (gathered across processes).
 
 Exit code 77 means gloo CPU collectives are unavailable in this jaxlib.
 """
@@ -39,8 +35,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharding_cases import CAP, Model, batches, loss_fn  # noqa: E402
@@ -67,45 +61,6 @@ def optimizer():
     return optim.CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
 
 
-def place_local(local_batches, mesh):
-    """``shard_batch`` for one process: only this process's devices' batches.
-
-    KJT leaves become ``[world, ...]`` and arrays ``[world * B, ...]``, sharded
-    over the mesh like ``shard_batch``'s output.
-    """
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    is_kjt = lambda x: isinstance(x, KeyedJaggedTensor)
-
-    def put(*xs):
-        if is_kjt(xs[0]):
-            return jax.tree.map(
-                lambda *ls: jax.make_array_from_process_local_data(
-                    sharding, np.stack([np.asarray(v) for v in ls])
-                ),
-                *xs,
-            )
-        local = np.concatenate([np.asarray(x) for x in xs])
-        return jax.make_array_from_process_local_data(sharding, local)
-
-    return jax.tree.map(put, *local_batches, is_leaf=is_kjt)
-
-
-def place_like_step_output(state, mesh):
-    """Places the leaves that start on one device as the step returns them.
-
-    ``overflow_count`` (sharded) and the dense optimizer's scalars (replicated)
-    start on one device; left there, the second step compiles again.
-    """
-
-    def put(path, x):
-        if not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
-            return x
-        spec = P("x") if "overflow_count" in jax.tree_util.keystr(path) else P()
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(put, state)
-
-
 def fixed_capacity(batch, capacity: int):
     """The global batch with every key's capacity fixed: one compilation for all steps."""
     kjt, y = batch
@@ -118,17 +73,6 @@ def fixed_capacity(batch, capacity: int):
         kjt.keys(), packed, np.asarray(kjt.lengths()), capacities=[capacity] * len(kjt.keys())
     )
     return fixed, y
-
-
-def logical_tables(ebc) -> dict[str, np.ndarray]:
-    """``state_dict()`` of a sharded EBC whose buffers span both processes."""
-    try:
-        return {k: np.asarray(v) for k, v in ebc.state_dict().items()}
-    except RuntimeError as e:  # fetching a non-fully-addressable array
-        print(f"state_dict() cannot gather across processes: {str(e)[:120]}...", flush=True)
-    for var in ebc.weights.values():
-        var.set_value(multihost_utils.process_allgather(var.get_value(), tiled=True))
-    return {k: np.asarray(v) for k, v in ebc.state_dict().items()}
 
 
 def dense_params(model) -> list[np.ndarray]:
@@ -164,16 +108,16 @@ def main(process_id: int, port: int) -> int:
     model = d.DistributedModelParallel(model, plan, mesh)
     opt = optimizer()
     graphdef, state = train.init_train_state(model, opt)
-    state = place_like_step_output(state, mesh)
     step = train.make_train_step(graphdef, opt, loss_fn)
     losses, globals_ = [], []
     for _ in range(STEPS):
         local, glob = batches(rng, world=WORLD)
         globals_.append(fixed_capacity(glob, WORLD * CAP))
-        state, loss, _ = step(state, place_local([local[i] for i in mine], mesh))
+        state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
         losses.append(float(loss))  # the loss is replicated: every process can read it
     sharded = train.merge_model(graphdef, state)
-    tables, params = logical_tables(sharded.ebc), dense_params(sharded)
+    tables = {k: np.asarray(v) for k, v in sharded.ebc.state_dict().items()}
+    params = dense_params(sharded)
 
     # Unsharded, on the global batches, on this process's first device.
     with jax.default_device(jax.local_devices()[0]):

@@ -13,8 +13,6 @@ from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d, mesh_2d
 from jaxrec import distributed as d
 from jaxrec import optim, train
 
-COLUMN_SPLIT = {"column_wise", "table_column_wise", "grid_shard", "mixed"}
-
 
 def sharded_model(name, weighted=False, **kwargs):
     gens, hosts = PLANS[name]
@@ -24,7 +22,11 @@ def sharded_model(name, weighted=False, **kwargs):
     return d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh, **kwargs), mesh
 
 
-SPARSE = {"adam": optim.adam(0.05), "rowwise_adagrad": optim.rowwise_adagrad(0.1)}
+SPARSE = {
+    "adam": optim.adam(0.05),
+    "rowwise_adagrad": optim.rowwise_adagrad(0.1),
+    "partial_rowwise_lamb": optim.partial_rowwise_lamb(0.05),
+}
 STEPS = 2
 
 
@@ -47,21 +49,21 @@ def reference(weighted: bool, opt_name: str):
     return first, losses, {k: np.asarray(v) for k, v in model.ebc.state_dict().items()}, params
 
 
+# Every type with Adam; row-wise reductions (Adagrad's accumulator, LAMB's norms)
+# wherever rows or columns are split, column splits included.
 CASES = [(name, "adam") for name in PLANS] + [
-    ("table_wise", "rowwise_adagrad"),
-    ("row_wise", "rowwise_adagrad"),
-    ("table_row_wise", "rowwise_adagrad"),
-]
+    (name, "rowwise_adagrad")
+    for name in ("row_wise", "column_wise", "table_column_wise", "grid_shard", "mixed")
+] + [("grid_shard", "partial_rowwise_lamb")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "opt_name"), CASES)
 def test_training_equals_unsharded(name, opt_name):
     """Forward output, losses, tables and dense params equal unsharded training.
 
-    Row-wise Adagrad keeps one accumulator per shard row, as TorchRec does, so
-    it equals unsharded training only where no table is split by columns.
+    Row-wise optimizer state and row norms are reduced across column shards,
+    so they equal unsharded training (TorchRec keeps one state per shard).
     """
-    assert not (opt_name == "rowwise_adagrad" and name in COLUMN_SPLIT)
     weighted = name in ("row_wise", "grid_shard")
     first, losses, tables_ref, params_ref = reference(weighted, opt_name)
     rng = np.random.default_rng(0)
@@ -109,6 +111,27 @@ def test_row_wise_overflow_is_counted_and_logged(caplog):
     assert int(model.ebc.overflow_count.get_value().sum()) == 0
 
 
+def test_row_wise_overflow_raises_in_the_train_step():
+    """The default ``overflow="raise"``: the step that dropped ids raises, with its state."""
+    rng = np.random.default_rng(3)
+    local, _ = batches(rng)
+    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    model, mesh = sharded_model("row_wise", capacity=2)
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    with pytest.raises(train.CapacityOverflowError, match="dropped \\d+ ids") as err:
+        step(state, d.shard_batch(local, mesh))
+    assert err.value.dropped > 0
+    counts = train.merge_model(graphdef, err.value.state).ebc.overflow_count.get_value()
+    assert int(counts.sum()) == err.value.dropped
+
+
+def test_planned_when_no_plan_is_given():
+    model = d.DistributedModelParallel(Model(rngs=nnx.Rngs(1)), None, mesh_1d())
+    assert isinstance(model.ebc, d.ShardedEmbeddingBagCollection)
+    assert set(model.ebc.plan) == {"t1", "t2", "t3", "t4"}
+
+
 def test_bad_plans():
     model = Model(rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="tables without a sharding \\['t4'\\]"):
@@ -120,5 +143,5 @@ def test_bad_plans():
             model.ebc, {t: d.table_wise(9) for t in ("t1", "t2", "t3", "t4")}, world_size=8
         )
     plan = d.ShardingPlan({"nope": {}})
-    with pytest.raises(ValueError, match="not EmbeddingBagCollections"):
+    with pytest.raises(ValueError, match="not embedding collections"):
         d.DistributedModelParallel(model, plan, mesh_1d())

@@ -1,0 +1,364 @@
+"""What sharded pooled and sequence collections share: placement, state, the fused update.
+
+A subclass says how one device's output looks (``_new_output``, ``_add_block``,
+``_read_block``), how replicated (data-parallel) tables are looked up and
+differentiated, and how the output is returned; this class runs the three
+stages of ``embedding_dist`` under ``shard_map`` and the fused optimizer on
+the local shards.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..modules.tables import EmbeddingTable, group_tables
+from ..ops import check_ids
+from ..ops.backward import dedup_rows
+from ..ops.bounds import logger
+from ..optim.base import gather_state, scatter_state
+from ..optim.combined import SubGroup, state_key
+from ..train.sparse_update import update_subgroup
+from ..train.tape import report_overflow, tap
+from . import embedding_dist as dist
+from .layout import build_layout
+from .row_sums import column_split_row_sum
+from .types import ParameterSharding
+
+OVERFLOW_MODES = ("raise", "warn", "count")
+_EAGER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class OverflowCount(nnx.Variable):
+    """Row-wise ids dropped for lack of capacity, per device, since construction."""
+
+
+class ShardedCollection(nnx.Module):
+    """Base of the sharded collections (see their docstrings for the arguments)."""
+
+    sequence = False  # one output row per id (EmbeddingCollection) instead of per bag
+
+    def __init__(
+        self,
+        module: Any,
+        plan: Mapping[str, ParameterSharding],
+        mesh: jax.sharding.Mesh,
+        *,
+        capacity: int | None = None,
+        overflow: str = "raise",
+    ):
+        if overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+        self.table_configs = module.table_configs
+        self.prefix = module.prefix
+        self.layout = build_layout(self.table_configs, plan, mesh.size)
+        self.plan = dict(plan)
+        self.mesh = mesh
+        self.axis = tuple(mesh.axis_names)
+        self.bounds_check_mode = module.bounds_check_mode
+        self.implementation = module.implementation
+        self.dtype = module.dtype
+        self.embedding_names = module.embedding_names
+        self.capacity = capacity
+        self.overflow_mode = overflow
+        dp = [t for t in self.table_configs if t.name in self.layout.replicated]
+        self.replicated_groups = group_tables(dp) if dp else ()
+        self.weights = nnx.Dict(self._place(module.state_dict()))
+        self.overflow_count = OverflowCount(
+            jax.device_put(jnp.zeros((mesh.size,), jnp.int32), self._sharded(P(self.axis)))
+        )
+
+    # ----- subclass hooks -----
+    def _weighted(self) -> bool:
+        return False
+
+    def _new_output(self, kjt):
+        raise NotImplementedError
+
+    def _add_block(self, out, kjt, slot, ncols, block):
+        raise NotImplementedError
+
+    def _read_block(self, g, kjt, slot, ncols, b):
+        raise NotImplementedError
+
+    def _dp_lookup(self, table, kjt, rg, out):
+        raise NotImplementedError
+
+    def _dp_row_grads(self, g, kjt, rg):
+        raise NotImplementedError
+
+    def _finish(self, values, features):
+        raise NotImplementedError
+
+    # ----- placement and logical views -----
+    def _sharded(self, spec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def _config(self, name):
+        return next(t for t in self.table_configs if t.name == name)
+
+    def _place(self, state_dict: Mapping[str, Any]) -> dict:
+        logical = {
+            t.name: np.asarray(state_dict[f"{self.prefix}.{t.name}.weight"])
+            for t in self.table_configs
+        }
+        out = {}
+        n = self.layout.world_size
+        for g in self.layout.groups:
+            dtype = self._config(next(s[0] for r in g.shards for s in r)).dtype
+            buf = np.zeros((n * g.rows_per_rank, g.ncols), np.float32)
+            for rank, shards in enumerate(g.shards):
+                for table, r0, nr, c0, off in shards:
+                    start = rank * g.rows_per_rank + off
+                    buf[start : start + nr] = logical[table][r0 : r0 + nr, c0 : c0 + g.ncols]
+            out[g.name] = EmbeddingTable(
+                jax.device_put(jnp.asarray(buf, dtype), self._sharded(P(self.axis)))
+            )
+        for rg in self.replicated_groups:
+            buf = np.concatenate([logical[t] for t in rg.tables])
+            dtype = self._config(rg.tables[0]).dtype
+            out["dp_" + rg.name] = EmbeddingTable(
+                jax.device_put(jnp.asarray(buf, dtype), self._sharded(P()))
+            )
+        return out
+
+    def state_dict(self) -> dict[str, jax.Array]:
+        """Logical ``{"<prefix>.<table>.weight": [num_embeddings, dim]}`` tables."""
+        logical = {
+            t.name: np.zeros((t.num_embeddings, t.embedding_dim), np.float32)
+            for t in self.table_configs
+        }
+        for g in self.layout.groups:
+            buf = _host(self.weights[g.name].get_value())
+            for rank, shards in enumerate(g.shards):
+                for table, r0, nr, c0, off in shards:
+                    start = rank * g.rows_per_rank + off
+                    logical[table][r0 : r0 + nr, c0 : c0 + g.ncols] = buf[start : start + nr]
+        for rg in self.replicated_groups:
+            buf = _host(self.weights["dp_" + rg.name].get_value())
+            for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
+                logical[t] = buf[lo : lo + self._config(t).num_embeddings]
+        return {
+            f"{self.prefix}.{t.name}.weight": jnp.asarray(logical[t.name], t.dtype)
+            for t in self.table_configs
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        expected = {f"{self.prefix}.{t.name}.weight" for t in self.table_configs}
+        if set(state_dict) != expected:
+            raise ValueError(
+                f"load_state_dict: expected exactly {sorted(expected)}, got {sorted(state_dict)}"
+            )
+        for name, var in self._place(state_dict).items():
+            self.weights[name].set_value(var.get_value())
+
+    # ----- forward -----
+    def _specs(self):
+        return {name: P() if name.startswith("dp_") else P(self.axis) for name in self.weights}
+
+    def _capacity(self, kjt, group) -> int:
+        natural = dist.natural_capacity(kjt, group)
+        return natural if self.capacity is None else min(self.capacity, natural)
+
+    def _forward(self, tables, features):
+        return jax.shard_map(
+            self._forward_local,
+            mesh=self.mesh,
+            in_specs=(self._specs(), P(self.axis)),
+            out_specs=(P(self.axis), P(self.axis)),
+            check_vma=False,
+        )(tables, features)
+
+    def __call__(self, features):
+        tables = {name: v.get_value() for name, v in self.weights.items()}
+        if isinstance(jax.tree.leaves(features)[0], jax.core.Tracer):
+            values, overflow = self._forward(tables, features)
+        else:  # eager: one compiled program instead of op-by-op dispatch over the mesh
+            fn = _EAGER_FORWARD.get(self)
+            if fn is None:
+                ref = weakref.ref(self)  # the cache must not keep the module alive
+                fn = _EAGER_FORWARD.setdefault(self, jax.jit(lambda t, f: ref()._forward(t, f)))
+            values, overflow = fn(tables, features)
+        total = jnp.sum(overflow)
+        raised = self.overflow_mode == "raise" and report_overflow(total)  # by the train step
+        if not raised and self.overflow_mode != "count":  # one host callback, only on drops
+            jax.lax.cond(total > 0, lambda: jax.debug.callback(_warn_overflow, total), lambda: None)
+        self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
+        values = tap(self, values, features)  # a train step's gradient probe
+        return self._finish(values, features)
+
+    def _forward_local(self, tables, kjt_stacked):
+        kjt = dist.local_kjt(kjt_stacked)
+        self._check_ids(kjt)
+        out = self._new_output(kjt)
+        overflow = jnp.zeros((), jnp.int32)
+        b = dist.num_bags(kjt, self.sequence)
+        for g in self.layout.groups:
+            rows, seg, scale, ov = dist.input_dist(
+                kjt, g, self.axis, self._capacity(kjt, g), self._weighted(), self.sequence
+            )
+            partials = dist.local_lookup(tables[g.name], rows, seg, scale, g.max_slots, b)
+            received = dist.output_dist(partials, self.axis)
+            add = lambda sl, blk, g=g: self._add_block(out, kjt, sl, g.ncols, blk)
+            dist.assemble(received, g, add)
+            overflow += ov
+        for rg in self.replicated_groups:
+            self._dp_lookup(tables["dp_" + rg.name], kjt, rg, out)
+        return self._output_value(out), overflow[None]
+
+    def _output_value(self, out):
+        return out
+
+    def _check_ids(self, kjt) -> None:
+        """Reports out-of-range ids of sharded tables (no shard holds them: they drop)."""
+        for t in self.table_configs:
+            if t.name in self.layout.replicated:
+                continue
+            for f in t.feature_names:
+                jt = kjt[f]
+                check_ids(jt.values(), jt.valid_mask(), t.num_embeddings, self.bounds_check_mode,
+                          f"sharded lookup of {f!r} in table {t.name!r}")  # fmt: skip
+
+    def _dp_outputs(self, rg):
+        """Output index of each replicated-group slot in the full collection."""
+        first = np.cumsum([0] + [t.num_features() for t in self.table_configs]).tolist()
+        index = {t.name: i for i, t in enumerate(self.table_configs)}
+        return [
+            first[index[t]] + j
+            for t in rg.tables
+            for j in range(len(self._config(t).feature_names))
+        ]
+
+    # ----- training -----
+    def init_optimizer_state(self, optimizer, path: tuple) -> dict:
+        """Sparse optimizer states, sharded like the tables they update."""
+        out = {}
+        for g in self.layout.groups:
+            opt = self._group_optimizer(optimizer, {s[0] for r in g.shards for s in r})
+            st = opt.init(self.layout.world_size * g.rows_per_rank, g.ncols)
+            out[state_key(path, g.name, 0)] = self._put_state(st, P(self.axis))
+        for rg in self.replicated_groups:
+            opt = self._group_optimizer(optimizer, set(rg.tables))
+            out[state_key(path, "dp_" + rg.name, 0)] = self._put_state(
+                opt.init(rg.num_rows, rg.embedding_dim), P()
+            )
+        return out
+
+    def _put_state(self, st, spec):
+        return type(st)(
+            *(jax.device_put(x, self._sharded(P() if x.ndim == 0 else spec)) for x in st)
+        )
+
+    @staticmethod
+    def _group_optimizer(optimizer, tables):
+        opts = {id(optimizer.for_table(t)): optimizer.for_table(t) for t in tables}
+        if len(opts) != 1:
+            raise NotImplementedError(
+                f"tables {sorted(tables)} share a sharded buffer but not an optimizer; "
+                "give them one optimizer or different dims/dtypes"
+            )
+        return next(iter(opts.values()))
+
+    def _groups_by_name(self):
+        out = {g.name: g for g in self.layout.groups}
+        out.update({"dp_" + rg.name: rg for rg in self.replicated_groups})
+        return out
+
+    def sparse_update(self, optimizer, path, tables, states, features, out_grad):
+        """Fused optimizer step on the local shards from d loss / d output."""
+        names = list(self.weights)
+        keys = [state_key(path, n, 0) for n in names]
+        opts = {
+            n: self._group_optimizer(
+                optimizer,
+                set(g.tables) if n.startswith("dp_") else {s[0] for r in g.shards for s in r},
+            )
+            for n, g in self._groups_by_name().items()
+        }
+
+        def local(tables, states, kjt_stacked, g_local):
+            kjt = dist.local_kjt(kjt_stacked)
+            b = dist.num_bags(kjt, self.sequence)
+            tables, states = dict(tables), dict(states)
+            for g in self.layout.groups:
+                rows, seg, scale, _ = dist.input_dist(
+                    kjt, g, self.axis, self._capacity(kjt, g), self._weighted(), self.sequence
+                )
+                read = lambda sl, g=g: self._read_block(g_local, kjt, sl, g.ncols, b)
+                recv = dist.grads_to_ranks(read, g, b, self.axis)
+                r, gr, valid = dist.row_grads(recv, rows, seg, scale, g.max_slots, b)
+                uniq, summed = dedup_rows(r, gr, valid, g.rows_per_rank)
+                k = state_key(path, g.name, 0)
+                tables[g.name], states[k] = self._update(
+                    opts[g.name], g, tables[g.name], states[k], uniq, summed
+                )
+            for rg in self.replicated_groups:
+                parts = self._dp_row_grads(g_local, kjt, rg)
+                r, gr, valid = (jax.lax.all_gather(x, self.axis, tiled=True) for x in parts)
+                uniq, summed = dedup_rows(r, gr, valid, rg.num_rows)
+                name, k = "dp_" + rg.name, state_key(path, "dp_" + rg.name, 0)
+                tables[name], states[k] = update_subgroup(
+                    SubGroup(opts[name], (True,), (0,), rg.num_rows), (0,),
+                    tables[name], states[k], uniq, summed,
+                )  # fmt: skip
+            return tables, states
+
+        specs = self._specs()
+        state_specs = {
+            k: type(states[k])(*(P() if n.startswith("dp_") or x.ndim == 0 else P(self.axis)
+                                 for x in states[k]))
+            for n, k in zip(names, keys, strict=True)
+        }  # fmt: skip
+        run = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(specs, state_specs, P(self.axis), P(self.axis)),
+            out_specs=(specs, state_specs),
+            check_vma=False,
+        )
+        sub_states = {k: states[k] for k in keys}
+        new_tables, new_states = run(tables, sub_states, features, out_grad)
+        return new_tables, {**states, **new_states}
+
+    def _update(self, opt, group, table, state, rows, grads):
+        """The row update of one width group; column-split rows reduce across their shards."""
+        reduce = column_split_row_sum(group, self.layout, self.table_configs, self.axis)
+        if reduce is None:
+            return update_subgroup(
+                SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,), table, state, rows, grads
+            )
+        row_sum, width = reduce(rows)
+        count = state.count + 1
+        w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+        new_w, new_rows = opt.update(
+            w, grads.astype(jnp.float32), gather_state(state, rows), count,
+            dim=width, row_sum=row_sum,
+        )  # fmt: skip
+        table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
+        return table, scatter_state(state, rows, new_rows)._replace(count=count)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A float32 host copy, gathered from every process when not fully addressable."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def _warn_overflow(overflow) -> None:
+    if int(overflow):
+        logger.warning(
+            "row-wise input_dist dropped %d ids that did not fit the per-destination "
+            "capacity (counted in overflow_count); raise capacity=",
+            int(overflow),
+        )

@@ -1,0 +1,107 @@
+"""ShardedEmbeddingCollection: an EmbeddingCollection (sequence lookups) over a device mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ..modules.embedding_collection import EmbeddingCollection
+from ..ops import grouped_sequence_lookup
+from ..ops.backward import sequence_row_grads
+from ..sparse import JaggedTensor
+from .sharded_base import ShardedCollection
+from .types import ParameterSharding
+
+
+class ShardedEmbeddingCollection(ShardedCollection):
+    """An ``EmbeddingCollection`` sharded per a plan over ``mesh`` (all its axes).
+
+    The same three stages as :class:`ShardedEmbeddingBagCollection` with one
+    bag per id: every id's row (or row slice, for column shards) comes back to
+    the device that owns the id. Input: a batch-sharded KJT from
+    :func:`jaxrec.distributed.shard_batch`. Output: ``{embedding_name:
+    JaggedTensor}`` stacked like the input, one local JaggedTensor per device:
+    values ``[world, C_k, D]``, lengths ``[world, B]`` (and the ids as weights
+    with ``need_indices``), sharded over the first axis. Device ``d``'s
+    JaggedTensor equals the unsharded module's output on device ``d``'s batch;
+    use ``jax.vmap`` (e.g. over ``to_padded_dense``) for per-device views.
+
+    Args: as :class:`ShardedEmbeddingBagCollection` (``ec`` is the unsharded module).
+    """
+
+    sequence = True
+
+    def __init__(
+        self,
+        ec: EmbeddingCollection,
+        plan: Mapping[str, ParameterSharding],
+        mesh: jax.sharding.Mesh,
+        *,
+        capacity: int | None = None,
+        overflow: str = "raise",
+    ):
+        self._need_indices = ec.need_indices()
+        self.output_keys = tuple(f for t in ec.table_configs for f in t.feature_names)
+        super().__init__(ec, plan, mesh, capacity=capacity, overflow=overflow)
+
+    def embedding_configs(self):
+        return list(self.table_configs)
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    # ----- hooks: one [C_k, D] array per output embedding and device -----
+    def _caps(self, kjt):
+        return dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
+
+    def _new_output(self, kjt):
+        caps = self._caps(kjt)
+        return [
+            jnp.zeros((caps[k], d), jnp.float32)
+            for k, d in zip(self.output_keys, self.layout.dims, strict=True)
+        ]
+
+    def _output_value(self, out):
+        return tuple(out)
+
+    def _add_block(self, out, kjt, slot, ncols, block):
+        cap = self._caps(kjt)[slot.key]
+        o, c = slot.output, slot.col0
+        out[o] = out[o].at[:, c : c + ncols].add(block[:cap])
+
+    def _read_block(self, g, kjt, slot, ncols, b):
+        blk = g[slot.output][:, slot.col0 : slot.col0 + ncols].astype(jnp.float32)
+        return jnp.pad(blk, ((0, b - blk.shape[0]), (0, 0)))
+
+    def _dp_lookup(self, table, kjt, rg, out):
+        rows = grouped_sequence_lookup(
+            table, kjt, rg.slots, bounds_check_mode=self.bounds_check_mode,
+            implementation=self.implementation,
+        )  # fmt: skip
+        for o, r in zip(self._dp_outputs(rg), rows, strict=True):
+            out[o] = r.astype(jnp.float32)
+
+    def _dp_row_grads(self, g, kjt, rg):
+        return sequence_row_grads([g[o] for o in self._dp_outputs(rg)], kjt, rg.slots)
+
+    def _finish(self, values, features):
+        world = self.layout.world_size
+        keys, caps = features.keys(), features.capacity_offsets()
+        b = features.stride()
+        lengths = features.lengths().reshape(world, -1)
+        ids = features.values().reshape(world, -1)
+        out = {}
+        for name, key, v in zip(self.embedding_names, self.output_keys, values, strict=True):
+            k = keys.index(key)
+            jt_ids = ids[:, caps[k] : caps[k + 1]] if self._need_indices else None
+            out[name] = JaggedTensor.tree_unflatten(
+                None,
+                (
+                    v.reshape(world, -1, v.shape[-1]).astype(self.dtype),
+                    lengths[:, k * b : (k + 1) * b],
+                    jt_ids,
+                ),
+            )
+        return out
