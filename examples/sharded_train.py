@@ -122,7 +122,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     truth = {k: rng.normal(0, 1, ROWS) for k in ("product", "user")}
     locals_ = [local_batch(rng, truth) for _ in range(WORLD)]
-    forward = nnx.jit(lambda ebc, kjt: ebc(kjt).values())  # eager shard_map runs op by op
+    forward = nnx.jit(lambda ebc, kjt: ebc(kjt).values())
     reference = np.asarray(forward(model.ebc, locals_[0][0]))  # unsharded, device 0's batch
     model = d.DistributedModelParallel(model, plan, mesh)
     sebc = model.ebc

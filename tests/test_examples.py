@@ -12,3 +12,11 @@ def test_intro_example_prints_the_tutorial_numbers():
     ).stdout  # fmt: skip
     assert "[[0.6299 0.5843 0.4988 0.6115]]" in out  # EmbeddingBag mean over ids [1, 3]
     assert "Lengths:  [3 4 2 2]" in out and "(2, 128)" in out
+
+
+def test_sharded_train_example_runs():
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(ROOT / "examples" / "sharded_train.py")],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "ShardedEmbeddingBagCollection" in out and "row_wise" in out
