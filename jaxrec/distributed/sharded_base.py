@@ -24,9 +24,8 @@ from ..modules.tables import EmbeddingTable, group_tables
 from ..ops import check_ids
 from ..ops.backward import dedup_rows
 from ..ops.bounds import logger
-from ..optim.base import gather_state, scatter_state
 from ..optim.combined import SubGroup, state_key
-from ..train.sparse_update import update_subgroup
+from ..train.sparse_update import update_rows_xla, update_subgroup
 from ..train.tape import report_overflow, tap
 from . import embedding_dist as dist
 from .layout import build_layout
@@ -336,14 +335,7 @@ class ShardedCollection(nnx.Module):
                 SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,), table, state, rows, grads
             )
         row_sum, width = reduce(rows)
-        count = state.count + 1
-        w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
-        new_w, new_rows = opt.update(
-            w, grads.astype(jnp.float32), gather_state(state, rows), count,
-            dim=width, row_sum=row_sum,
-        )  # fmt: skip
-        table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
-        return table, scatter_state(state, rows, new_rows)._replace(count=count)
+        return update_rows_xla(opt, table, state, rows, grads, rows, dim=width, row_sum=row_sum)
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -57,12 +57,15 @@ def update_subgroup(
     )
 
 
-def update_rows_xla(optimizer, table, state, rows, grads, state_rows):
-    """The XLA row update: gather, ``optimizer.update``, scatter (``mode="drop"`` skips fills)."""
+def update_rows_xla(optimizer, table, state, rows, grads, state_rows, **update_kwargs):
+    """The XLA row update: gather, ``optimizer.update``, scatter (``mode="drop"`` skips fills).
+
+    ``update_kwargs`` go to ``optimizer.update`` (``dim=``, ``row_sum=`` for column shards).
+    """
     count = state.count + 1
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w, new_state = optimizer.update(
-        w, grads.astype(jnp.float32), gather_state(state, state_rows), count
+        w, grads.astype(jnp.float32), gather_state(state, state_rows), count, **update_kwargs
     )
     table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
     return table, scatter_state(state, state_rows, new_state)._replace(count=count)
