@@ -117,6 +117,21 @@ class EmbeddingShardingPlanner:
         self.last_placement: Placement | None = None
         self.last_stats: PlanStats | None = None
 
+    def _setup(self, model_or_tables, topology, constraints):
+        """Topology, constraints, modules, table infos, cost model and usable HBM of one call."""
+        topo = topology or self.topology or Topology.from_devices()
+        cons = self.constraints if constraints is None else dict(constraints)
+        modules = collect_tables(model_or_tables)
+        tables = self._table_infos(modules, topo, cons)
+        return (
+            topo,
+            cons,
+            modules,
+            tables,
+            CostModel(topo, self.capacity),
+            (topo.hbm_cap * (1 - self.reserved_hbm_fraction)),
+        )
+
     def _table_infos(self, modules, topo: Topology, constraints) -> list[TableInfo]:
         infos = []
         known = set()
@@ -160,12 +175,8 @@ class EmbeddingShardingPlanner:
             topology, constraints: override the constructor's.
         """
         start = time.perf_counter()
-        topo = topology or self.topology or Topology.from_devices()
-        cons = self.constraints if constraints is None else dict(constraints)
-        modules = collect_tables(model_or_tables)
-        tables = self._table_infos(modules, topo, cons)
-        cost = CostModel(topo, self.capacity)
-        usable = topo.hbm_cap * (1 - self.reserved_hbm_fraction)
+        setup = self._setup(model_or_tables, topology, constraints)
+        topo, cons, modules, tables, cost, usable = setup
         options = [enumerate_options(t, cost) for t in tables]
         empty = [t.key for t, o in zip(tables, options, strict=True) if not o]
         if empty:
@@ -218,12 +229,8 @@ class EmbeddingShardingPlanner:
         capacities); the plan's choices are taken as they are.
         """
         start = time.perf_counter()
-        topo = topology or self.topology or Topology.from_devices()
-        cons = self.constraints if constraints is None else dict(constraints)
-        modules = collect_tables(model_or_tables)
-        tables = self._table_infos(modules, topo, cons)
-        cost = CostModel(topo, self.capacity)
-        usable = topo.hbm_cap * (1 - self.reserved_hbm_fraction)
+        setup = self._setup(model_or_tables, topology, constraints)
+        topo, cons, modules, tables, cost, usable = setup
         options = []
         for t in tables:
             ps = (plan.get_plan_for_module(t.module) or {}).get(t.name)
