@@ -236,8 +236,13 @@ class KeyedJaggedTensor:
         stride: int | None = None,
         *,
         capacities: Capacities = None,
+        on_host: bool = False,
     ) -> KeyedJaggedTensor:
         """From TorchRec's packed layout; each key gets a bucketed capacity unless given.
+
+        ``on_host=True`` keeps the leaves as numpy arrays (int32 ids and lengths,
+        float32 weights): data loaders build batches on the host and transfer
+        them later (``jax.device_put``, ``shard_batch`` or a ``TrainPipeline``).
 
         Example:
             >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3], [1, 0, 2, 0])
@@ -261,6 +266,9 @@ class KeyedJaggedTensor:
         if w is not None and w.shape != vals.shape:
             raise ValueError(f"weights must match values: {w.shape=} vs {vals.shape=}")
         out_v, out_w = _repack(vals, w, lpk, caps)
+        if on_host:  # validated above; the same narrowing as the device path
+            out_v = v.host_int_array(out_v, "values")
+            return KeyedJaggedTensor._make(keys, caps, stride, out_v, lens.astype(np.int32), out_w)
         return KeyedJaggedTensor(
             keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False
         )

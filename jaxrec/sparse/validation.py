@@ -51,6 +51,11 @@ def as_int_array(x: Any, name: str) -> jax.Array:
                 f"{name} must have an integer dtype, got {x.dtype=}; cast with .astype(jnp.int32)"
             )
         return x
+    return jnp.asarray(host_int_array(x, name))
+
+
+def host_int_array(x: Any, name: str) -> np.ndarray:
+    """:func:`as_int_array` for host inputs, staying on the host (numpy)."""
     a = np.asarray(x)
     if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
         a = a.astype(np.int32)  # an empty Python list carries no dtype
@@ -65,7 +70,7 @@ def as_int_array(x: Any, name: str) -> jax.Array:
                 "hash or remap ids into the table's range before building the input"
             )
         a = a.astype(np.int32)
-    return jnp.asarray(a)
+    return a
 
 
 def as_float_array(x: Any, name: str) -> jax.Array:

@@ -177,3 +177,17 @@ def test_from_jt_dict_errors():
         KeyedJaggedTensor.from_jt_dict({"a": a, "w": w})
     with pytest.raises(KeyError, match="not a key"):
         KeyedJaggedTensor.from_jt_dict({"a": a})["b"]
+
+
+def test_from_lengths_sync_on_host_keeps_numpy_leaves_equal_to_device_build():
+    keys, vals, lens = ["a", "b"], np.arange(5, dtype=np.int64), [2, 0, 1, 2]
+    w = np.linspace(0.5, 1.0, 5)
+    host = KeyedJaggedTensor.from_lengths_sync(keys, vals, lens, w, on_host=True)
+    dev = KeyedJaggedTensor.from_lengths_sync(keys, vals, lens, w)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+    assert host.values().dtype == np.int32 and host.lengths().dtype == np.int32
+    assert host.capacity_per_key() == dev.capacity_per_key()
+    for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(dev), strict=True):
+        np.testing.assert_array_equal(h, np.asarray(d))
+    with pytest.raises(ValueError, match="non-negative"):
+        KeyedJaggedTensor.from_lengths_sync(keys, vals, [2, -1, 1, 3], on_host=True)
