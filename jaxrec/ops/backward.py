@@ -42,6 +42,21 @@ def pooled_row_grads(
         Each id's gradient is its bag's output gradient, times its weight,
         divided by the bag length for MEAN.
     """
+    rows, seg, scale, valid = pooled_grad_sources(features, slots, is_weighted=is_weighted)
+    flat = out_grad.astype(jnp.float32).reshape(features.stride() * len(slots), -1)
+    return rows, source_grads(flat, seg, scale, valid), valid
+
+
+def pooled_grad_sources(
+    features: KeyedJaggedTensor, slots: Sequence[FeatureSlot], *, is_weighted: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Where each id's gradient comes from, without forming it.
+
+    Returns ``rows [C]``, ``seg [C]`` (the id's row of the output gradient
+    flattened to ``[B * S, D]``), ``scale [C]`` float32 (weight, 1/length for
+    MEAN, 0 where invalid) and ``valid [C]``: id ``c``'s gradient is
+    ``flat[seg[c]] * scale[c]``. The fused backward kernel reads this directly.
+    """
     b, s = features.stride(), len(slots)
     ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
     rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
@@ -56,10 +71,8 @@ def pooled_row_grads(
         inv = 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32)
         bag_c = jnp.clip(bag, 0, b - 1)
         scale = scale * jnp.where(means[slot_of], inv[slot_of, bag_c], 1.0)
-    flat = out_grad.astype(jnp.float32).reshape(b * s, -1)
     seg = jnp.where(valid, bag * s + slot_of, 0)
-    grads = jnp.take(flat, seg, axis=0) * scale[:, None]
-    return rows, grads, valid
+    return rows, seg, scale, valid
 
 
 def sequence_row_grads(
@@ -68,10 +81,25 @@ def sequence_row_grads(
     slots: Sequence[FeatureSlot],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-id gradients of a grouped sequence lookup (``out_grads[i]``: ``[cap_i, D]``)."""
+    rows, seg, scale, valid = sequence_grad_sources(features, slots)
+    flat = jnp.concatenate([g.astype(jnp.float32) for g in out_grads])
+    return rows, source_grads(flat, seg, scale, valid), valid
+
+
+def sequence_grad_sources(
+    features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`pooled_grad_sources` for a sequence lookup (output rows concatenated by slot)."""
     ids, _, slot_of, _, valid, _ = _slot_positions(features, slots)
     rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
-    grads = jnp.concatenate([g.astype(jnp.float32) for g in out_grads])
-    return rows, jnp.where(valid[:, None], grads, 0.0), valid
+    seg = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    return rows, seg, jnp.where(valid, 1.0, 0.0), valid
+
+
+def source_grads(flat: jax.Array, seg: jax.Array, scale: jax.Array, valid: jax.Array) -> jax.Array:
+    """Per-id gradients ``[C, D]`` float32 from :func:`pooled_grad_sources`' description."""
+    grads = jnp.take(flat.astype(jnp.float32), seg, axis=0) * scale[:, None]
+    return jnp.where(valid[:, None], grads, 0.0)
 
 
 def dedup_rows(

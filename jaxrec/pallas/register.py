@@ -20,7 +20,7 @@ from ..ops.dispatch import register_pallas
 from ..ops.pooled import embedding_bag_xla, embedding_gather_xla
 from .pooled import pooled_lookup, ranges_from_segments
 from .sequence import sequence_lookup
-from .update import sparse_update
+from .update import fused_backward_update, sparse_update
 
 
 def _interpret() -> bool:
@@ -85,7 +85,15 @@ def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None):
     return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=_interpret())
 
 
+def fused_backward_update_pallas(optimizer, table, state, out_grad, seg, scale, rows, valid):
+    """``jaxrec.train.backward_update`` on :func:`fused_backward_update`."""
+    return fused_backward_update(
+        optimizer, table, state, out_grad, seg, scale, rows, valid, interpret=_interpret()
+    )
+
+
 def register() -> None:
     register_pallas("embedding_bag", embedding_bag_pallas)
     register_pallas("embedding_gather", embedding_gather_pallas)
     register_pallas("sparse_update", sparse_update_pallas)
+    register_pallas("fused_backward_update", fused_backward_update_pallas)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..ops.backward import dedup_rows, source_grads
 from ..ops.dispatch import dispatch
 from ..optim.base import gather_state, scatter_state
 from ..optim.combined import SubGroup
@@ -69,3 +70,45 @@ def update_rows_xla(optimizer, table, state, rows, grads, state_rows, **update_k
     )
     table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
     return table, scatter_state(state, state_rows, new_state)._replace(count=count)
+
+
+def backward_update(
+    optimizer,
+    table: jax.Array,
+    state: Any,
+    out_grad: jax.Array,
+    seg: jax.Array,
+    scale: jax.Array,
+    rows: jax.Array,
+    valid: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> tuple[jax.Array, Any]:
+    """A lookup's backward fused with one optimizer step over a whole stacked buffer.
+
+    Id ``c`` adds ``out_grad[seg[c]] * scale[c]`` to row ``rows[c]`` (see
+    ``jaxrec.ops.backward.pooled_grad_sources``); duplicates are summed before
+    one update per row. On GPU (``implementation=None``) the Pallas kernel
+    reads the output gradient directly, never forming per-id gradients.
+    """
+    return dispatch(
+        "fused_backward_update",
+        implementation,
+        backward_update_xla,
+        optimizer,
+        table,
+        state,
+        out_grad,
+        seg,
+        scale,
+        rows,
+        valid,
+    )
+
+
+def backward_update_xla(optimizer, table, state, out_grad, seg, scale, rows, valid):
+    """Per-id gradients, ``dedup_rows``, then :func:`update_rows_xla`."""
+    unique, summed = dedup_rows(
+        rows, source_grads(out_grad, seg, scale, valid), valid, table.shape[0]
+    )
+    return update_rows_xla(optimizer, table, state, unique, summed, unique)

@@ -15,13 +15,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from ..modules.tables import EmbeddingTable
-from ..ops.backward import dedup_rows, pooled_row_grads, sequence_row_grads
+from ..ops.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
 from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
-from .sparse_update import update_subgroup
+from .sparse_update import backward_update, update_subgroup
 from .tape import Tape
 
 
@@ -54,6 +55,7 @@ def make_train_step(
     *,
     has_aux: bool = False,
     donate: bool = True,
+    implementation: str | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array, Any]]:
     """Builds a jitted train step ``step(state, batch) -> (state, loss, aux)``.
 
@@ -64,6 +66,10 @@ def make_train_step(
             ``has_aux``). The model may call its embedding collections anywhere,
             any number of times (gradients of every call are summed).
         donate: donate the state (tables and optimizer state update in place).
+        implementation: the fused backward + update of unsharded tables: ``None``
+            (the Pallas kernel on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``
+            (on CPU: the Pallas interpreter, slow, for tests). Arguments the
+            kernel does not support fall back to XLA.
 
     Raises:
         CapacityOverflowError: a sharded collection built with ``overflow="raise"``
@@ -96,7 +102,14 @@ def make_train_step(
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
         tables, sparse_state = _sparse_update(
-            optimizer, state.tables, state.opt_state.sparse, calls, features, g_probes, loss
+            optimizer,
+            state.tables,
+            state.opt_state.sparse,
+            calls,
+            features,
+            g_probes,
+            loss,
+            implementation,
         )
         new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
         return new, loss, aux, dropped
@@ -154,22 +167,31 @@ def _probe_shapes(graphdef, state, loss_fn, batch):
     return probes, shapes
 
 
-def _row_grads(module, features, g):
-    """``(group name, rows, grads, valid)`` per table group of one collection call."""
+def _grad_sources(module, features, g):
+    """``(group, out_grad [S, D], seg, scale, rows, valid)`` per table group of one call.
+
+    Id ``c`` of the group gets gradient ``out_grad[seg[c]] * scale[c]`` (see
+    ``pooled_grad_sources``); nothing per-id is formed here.
+    """
     out = []
     pooled = hasattr(module, "output_columns")
     cols = module.output_columns() if pooled else None
     for grp in module.groups:
         if pooled:
             gg = jnp.stack([g[:, cols[o] : cols[o + 1]] for o in grp.outputs], axis=1)
-            parts = pooled_row_grads(gg, features, grp.slots, is_weighted=module.is_weighted())
+            flat = gg.reshape(gg.shape[0] * gg.shape[1], -1)
+            src = pooled_grad_sources(features, grp.slots, is_weighted=module.is_weighted())
         else:
-            parts = sequence_row_grads([g[o] for o in grp.outputs], features, grp.slots)
-        out.append((grp, *parts))
+            flat = jnp.concatenate([g[o] for o in grp.outputs])
+            src = sequence_grad_sources(features, grp.slots)
+        rows, seg, scale, valid = src
+        out.append((grp, flat, seg, scale, rows, valid))
     return out
 
 
-def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes, loss):
+def _sparse_update(
+    optimizer, tables, sparse_state, calls, features, g_probes, loss, implementation
+):
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tables)
     index = {
         tuple(k.key for k in p if hasattr(k, "key")): i for i, (p, _) in enumerate(leaves_with_path)
@@ -206,18 +228,52 @@ def _sparse_update(optimizer, tables, sparse_state, calls, features, g_probes, l
             for n in names:
                 leaves[index[(*path, "weights", n)]] = new[n]
             continue
-        for grp, rows, grads, valid in _row_grads(module, feats, g):
-            pending[(path, grp.name)].append((rows, grads, valid))
+        for grp, *src in _grad_sources(module, feats, g):
+            pending[(path, grp.name)].append(src)
             owners[(path, grp.name)] = (module, grp)
     for (path, name), parts in pending.items():
         module, grp = owners[(path, name)]
-        rows, grads, valid = (jnp.concatenate(x) for x in zip(*parts, strict=True))
-        unique, summed = dedup_rows(rows, grads, valid, grp.num_rows)
-        summed = summed + 0.0 * finite_loss  # see below
+        flat, seg, scale, rows, valid = _concat_sources(parts)
+        flat = flat + 0.0 * finite_loss  # see above
         i = index[(*path, "weights", name)]
-        for k, sub in enumerate(optimizer.subgroups(module, grp)):
+        subs = optimizer.subgroups(module, grp)
+        if len(subs) == 1 and subs[0].covers_group:  # one optimizer: the fused path
+            key = state_key(path, name, 0)
+            leaves[i], sparse_state[key] = backward_update(
+                subs[0].optimizer,
+                leaves[i],
+                sparse_state[key],
+                flat,
+                seg,
+                scale,
+                rows,
+                valid,
+                implementation=implementation,
+            )
+            continue
+        unique, summed = dedup_rows(
+            rows, source_grads(flat, seg, scale, valid), valid, grp.num_rows
+        )
+        for k, sub in enumerate(subs):
             key = state_key(path, name, k)
             leaves[i], sparse_state[key] = update_subgroup(
-                sub, grp.row_offsets, leaves[i], sparse_state[key], unique, summed
+                sub,
+                grp.row_offsets,
+                leaves[i],
+                sparse_state[key],
+                unique,
+                summed,
+                implementation=implementation,
             )
     return jax.tree_util.tree_unflatten(treedef, leaves), sparse_state
+
+
+def _concat_sources(parts):
+    """One gradient description from several calls' (output rows offset per call)."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets = np.cumsum([0] + [p[0].shape[0] for p in parts[:-1]])
+    flat = jnp.concatenate([p[0] for p in parts])
+    seg = jnp.concatenate([p[1] + int(o) for p, o in zip(parts, offsets, strict=True)])
+    rest = (jnp.concatenate(x) for x in list(zip(*parts, strict=True))[2:])
+    return (flat, seg, *rest)
