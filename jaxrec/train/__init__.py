@@ -1,5 +1,6 @@
 """Sparse training: the train step that never builds a dense table gradient."""
 
+from .pipeline import TrainPipeline as TrainPipeline
 from .step import CapacityOverflowError as CapacityOverflowError
 from .step import TrainState as TrainState
 from .step import init_train_state as init_train_state

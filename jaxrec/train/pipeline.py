@@ -1,0 +1,157 @@
+"""TrainPipeline: TorchRec's ``progress(dataloader_iter)`` loop with host work overlapped.
+
+JAX dispatches a step and returns before the device finishes, so the host is
+free while step ``i`` runs. The pipeline fills that time: a background thread
+pulls the next batches from the data loader (host preprocessing) and starts
+their host-to-device transfers (``jax.device_put``, or ``shard_batch`` over a
+mesh), ``depth`` batches ahead. The main thread only dispatches steps, and
+reads a sharded step's dropped-id count one step late, so it never waits on
+the step it just launched.
+
+A sharded model's input distribution (the ``all_to_all`` of ids) stays inside
+the step's program, where XLA schedules it; TorchRec runs it on a separate
+CUDA stream instead (``TrainPipelineSparseDist``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from .step import CapacityOverflowError, TrainState
+
+_DONE = object()
+
+
+class TrainPipeline:
+    """Runs ``train_step`` over a data loader with batch preparation and transfers overlapped.
+
+    TorchRec's ``TrainPipelineBase`` / ``TrainPipelineSparseDist`` role. The
+    model state lives in the pipeline (``pipeline.state``) and is donated to
+    each step.
+
+    Args:
+        train_step: from :func:`jaxrec.train.make_train_step`.
+        state: the initial :class:`TrainState`.
+        to_device: host batch -> device batch (default ``jax.device_put``; with
+            ``mesh``, :func:`jaxrec.distributed.shard_batch` of a list of
+            per-device local batches, which is then what the loader yields).
+        mesh: the device mesh of a sharded model.
+        depth: batches prepared and in flight ahead of the running step.
+
+    Example:
+        >>> pipeline = TrainPipeline(step, state)
+        >>> it = iter(loader)
+        >>> while True:
+        ...     try:
+        ...         loss, _ = pipeline.progress(it)
+        ...     except StopIteration:
+        ...         break
+    """
+
+    def __init__(
+        self,
+        train_step: Callable,
+        state: TrainState,
+        *,
+        to_device: Callable[[Any], Any] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        depth: int = 2,
+    ):
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth=}")
+        if to_device is None:
+            if mesh is None:
+                to_device = jax.device_put
+            else:
+                from ..distributed import shard_batch
+
+                to_device = lambda local_batches: shard_batch(local_batches, mesh)
+        self.state = state
+        self._step = getattr(train_step, "jitted", None)
+        self._plain_step = train_step
+        self._to_device = to_device
+        self._depth = depth
+        self._source: Iterator | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._dropped = None  # the previous step's dropped-id count (sharded models)
+
+    def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
+        """Runs one step on the next batch; returns ``(loss, aux)`` (not yet synchronised).
+
+        Raises:
+            StopIteration: the loader is exhausted (every batch has been trained on).
+            CapacityOverflowError: the previous step dropped ids (sharded models,
+                ``overflow="raise"``).
+        """
+        self._attach(dataloader_iter)
+        item = self._queue.get()
+        if item is _DONE:
+            self._source = None
+            self._check_dropped()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._source = None
+            raise item
+        if self._step is None:  # a plain step function
+            self.state, loss, aux = self._plain_step(self.state, item)
+            return loss, aux
+        self.state, loss, aux, dropped = self._step(self.state, item)
+        self._check_dropped()  # the previous step's count: long finished, no stall
+        self._dropped = dropped
+        return loss, aux
+
+    def close(self) -> None:
+        """Stops the background thread (it also stops at the loader's end)."""
+        self._stop.set()
+        if self._queue is not None:
+            while not self._queue.empty():  # unblock a producer waiting on a full queue
+                self._queue.get_nowait()
+
+    def _attach(self, it: Iterator) -> None:
+        if it is self._source:
+            return
+        if self._source is not None:
+            raise ValueError(
+                "progress() got a new data loader iterator before the current one was "
+                "exhausted; pass the same iterator until StopIteration"
+            )
+        self.close()
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self._depth)
+        self._source = it
+        threading.Thread(
+            target=_produce, args=(it, self._to_device, self._queue, self._stop), daemon=True
+        ).start()
+
+    def _check_dropped(self) -> None:
+        dropped, self._dropped = self._dropped, None
+        if dropped is not None and int(dropped) > 0:
+            raise CapacityOverflowError(int(dropped), self.state)
+
+
+def _produce(it: Iterator, to_device: Callable, out: queue.Queue, stop: threading.Event) -> None:
+    """Background thread: prepare and transfer batches ahead of the steps."""
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in it:
+            if not put(to_device(batch)):
+                return
+    except BaseException as e:  # re-raised by progress() in the main thread
+        put(e)
+        return
+    put(_DONE)
