@@ -1,0 +1,147 @@
+"""TrainPipeline benchmark: overlapped vs sequential DLRM training steps.
+
+Each batch is prepared on the host the way a data loader would (ids drawn,
+``KeyedJaggedTensor.from_lengths_sync(..., on_host=True)``, dense features and
+labels), transferred, and trained on with row-wise Adagrad. Timed per batch,
+median over ``--reps`` runs of ``--steps`` batches:
+
+* ``host_prep``: preparing one batch alone;
+* ``step_only``: one step on a batch already on the device;
+* ``sequential``: prepare, transfer, step, wait, one batch after another;
+* ``pipelined``: :class:`jaxrec.train.TrainPipeline` (preparation and transfer
+  of the next batches in a background thread while the step runs).
+
+The ideal pipelined time is ``max(host_prep, step_only)``, the sequential one
+their sum. Prints one JSON line per mode, then a ``ratios`` line.
+
+Run from the repository root::
+
+    python bench/pipeline.py --preset small --steps 20 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrec import KeyedJaggedTensor
+from jaxrec.models import DLRM
+from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.train import TrainPipeline, init_train_state, make_train_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_spec_args, build_jaxrec, record, specs_from_args  # noqa: E402
+from specs import LookupSpec, zipf_ids  # noqa: E402
+
+NUM_DENSE = 13
+
+
+def host_batch(spec: LookupSpec, rng: np.random.Generator):
+    """One ``(dense, kjt, labels)`` batch on the host, as a data loader builds it."""
+    n = spec.T * spec.B * spec.L
+    ids = rng.integers(0, spec.E, n) if spec.alpha == 0 else zipf_ids(rng, spec.E, spec.alpha, n)
+    lengths = np.full(spec.T * spec.B, spec.L, np.int32)
+    keys = [f"f{t}" for t in range(spec.T)]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys, ids, lengths, capacities=spec.B * spec.L, on_host=True
+    )
+    dense = rng.standard_normal((spec.B, NUM_DENSE)).astype(np.float32)
+    labels = (rng.random(spec.B) < 0.25).astype(np.float32)
+    return dense, kjt, labels
+
+
+def bce(model, batch):
+    dense, kjt, labels = batch
+    return optax.sigmoid_binary_cross_entropy(model(dense, kjt)[:, 0], labels).mean()
+
+
+def build(spec: LookupSpec):
+    model = DLRM(
+        embedding_bag_collection=build_jaxrec(spec),
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[64, spec.D],
+        over_arch_layer_sizes=[128, 64, 1],
+        rngs=nnx.Rngs(1),
+    )
+    opt = CombinedOptimizer(optax.adam(1e-3), rowwise_adagrad(0.05))
+    graphdef, state = init_train_state(model, opt)
+    return make_train_step(graphdef, opt, bce), state
+
+
+def run(spec: LookupSpec, steps: int, reps: int, depth: int) -> list[dict]:
+    step, state = build(spec)
+    rng = np.random.default_rng(0)
+    batch = jax.device_put(host_batch(spec, rng))
+    state, loss, _ = step(state, batch)  # compile
+    jax.block_until_ready(loss)
+    times: dict[str, list[float]] = {m: [] for m in ("host_prep", "step_only", "sequential")}
+    times["pipelined"] = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            host_batch(spec, rng)
+        times["host_prep"].append((time.perf_counter() - t0) * 1e3 / steps)
+
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, loss, _ = step(state, batch)
+            jax.block_until_ready(loss)  # as sequential: one step at a time
+        times["step_only"].append((time.perf_counter() - t0) * 1e3 / steps)
+
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, loss, _ = step(state, jax.device_put(host_batch(spec, rng)))
+            jax.block_until_ready(loss)
+        times["sequential"].append((time.perf_counter() - t0) * 1e3 / steps)
+
+        pipeline = TrainPipeline(step, state, depth=depth)
+        loader = (host_batch(spec, rng) for _ in range(steps))
+        t0 = time.perf_counter()
+        while True:
+            try:
+                loss, _ = pipeline.progress(loader)
+            except StopIteration:
+                break
+        jax.block_until_ready(pipeline.state)
+        times["pipelined"].append((time.perf_counter() - t0) * 1e3 / steps)
+        state = pipeline.state
+    out = [record("pipeline", spec, mode, t, steps=steps) for mode, t in times.items()]
+    med = {r["impl"]: r["median_ms"] for r in out}
+    out.append(
+        {
+            "bench": "pipeline",
+            "impl": "ratios",
+            **spec.as_dict(),
+            "sequential_over_pipelined": round(med["sequential"] / med["pipelined"], 3),
+            "pipelined_over_ideal": round(
+                med["pipelined"] / max(med["host_prep"], med["step_only"]), 3
+            ),
+        }
+    )
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_spec_args(p)
+    p.add_argument("--steps", type=int, default=10, help="batches per timed run")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--depth", type=int, default=2, help="TrainPipeline depth")
+    args = p.parse_args(argv)
+    for spec in specs_from_args(args):
+        for line in run(spec, args.steps, args.reps, args.depth):
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""bench/pipeline.py at its tiny preset: every mode runs and reports, the ratios are consistent."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import pipeline  # noqa: E402
+
+
+def test_pipeline_bench_tiny(capsys):
+    assert pipeline.main(["--preset", "tiny", "--steps", "3", "--reps", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    modes = [r["impl"] for r in lines]
+    assert modes == ["host_prep", "step_only", "sequential", "pipelined", "ratios"]
+    med = {r["impl"]: r["median_ms"] for r in lines[:-1]}
+    assert all(v > 0 for v in med.values())
+    ratios = lines[-1]
+    assert abs(ratios["sequential_over_pipelined"] - med["sequential"] / med["pipelined"]) < 1e-2
