@@ -13,6 +13,10 @@ same process run:
   ``fused_backward_update``, the XLA path (per-id grads, ``dedup_rows``,
   ``apply_rows``), and torch (``EmbeddingBag(sparse=True)`` backward plus
   its closest sparse optimizer, see ``TORCH_OPTIMIZERS``; CUDA only);
+* ``seq``: the sequence (unpooled) lookup, ``[B*T*L, D]`` rows out: the Pallas
+  ``sequence_lookup`` vs XLA's gather (``jaxrec.ops.embedding_gather``), bytes
+  counted read + write (``2*B*T*L*D*bytes``, as the copy ceiling counts them):
+  whether the Pallas sequence kernel earns its keep;
 * ``copy``: a device-to-device copy (``x + 1`` over 1 GiB, read + write), the
   bandwidth ceiling of this run (64 MiB off GPU).
 
@@ -49,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec import optim
-from jaxrec.ops import embedding_bag
+from jaxrec.ops import embedding_bag, embedding_gather
 from jaxrec.ops.backward import dedup_rows
-from jaxrec.pallas import fused_backward_update, pooled_lookup
+from jaxrec.pallas import fused_backward_update, pooled_lookup, sequence_lookup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import EPS, add_spec_args, record, time_ms  # noqa: E402
@@ -59,7 +63,7 @@ from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "gpu_lookup"
 IMPLS = ("pallas", "xla", "torch")
-PASSES = ("fwd", "bwd_update")
+PASSES = ("fwd", "bwd_update", "seq")
 JAX_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 OPTIMIZERS: dict[str, Callable[[], optim.SparseOptimizer]] = {
     "sgd": lambda: optim.sgd(0.01),
@@ -173,6 +177,13 @@ def jax_forward(impl: str, spec: LookupSpec, batch: Batch) -> Callable[[jax.Arra
         return out
 
     return jax.jit(xla)
+
+
+def jax_sequence(impl: str, batch: Batch) -> Callable[[jax.Array], jax.Array]:
+    if impl == "pallas":
+        interpret = not on_gpu()
+        return jax.jit(lambda t: sequence_lookup(t, batch.rows, batch.valid, interpret=interpret))
+    return jax.jit(lambda t: embedding_gather(t, batch.rows, batch.valid, implementation="xla"))
 
 
 def jax_update(impl: str, spec: LookupSpec, batch: Batch, opt) -> Callable:
@@ -313,7 +324,7 @@ def run(
     opt = OPTIMIZERS[optimizer]()
     s = spec.T * spec.B
     out_grad = jax.random.normal(jax.random.key(seed + 1), (s, spec.D), jnp.float32)
-    records, outs, tables = [], {}, {}
+    records, outs, tables, seqs = [], {}, {}, {}
     for impl in (i for i in impls if i in ("pallas", "xla")):
         common = {"interpret": not on_gpu()} if impl == "pallas" else {}
         table = make_table(spec, seed)
@@ -322,6 +333,11 @@ def run(
             outs[impl] = np.asarray(fwd(table))
             times = time_ms(lambda f=fwd, t=table: f(t).block_until_ready(), reps, warmup)
             records.append(emit(spec, impl, "fwd", times, fwd_bytes(spec), ceiling, **common))
+        if "seq" in passes:
+            seq = jax_sequence(impl, batch)
+            seqs[impl] = np.asarray(seq(table).astype(jnp.float32))
+            times = time_ms(lambda f=seq, t=table: f(t).block_until_ready(), reps, warmup)
+            records.append(emit(spec, impl, "seq", times, 2 * fwd_bytes(spec), ceiling, **common))
         if "bwd_update" in passes:
             upd = jax_update(impl, spec, batch, opt)
             carry = list(upd(table, opt.init(table.shape[0], spec.D), out_grad))  # one step
@@ -343,20 +359,21 @@ def run(
             t = run_torch(spec, make_table(spec, seed), batch, out_grad, optimizer, reps, warmup)
             outs["torch"] = t["out"]
             for p in passes:
-                if t[p] is not None:
+                if t.get(p) is not None:
                     nbytes = fwd_bytes(spec) if p == "fwd" else bwd_bytes(spec, opt)
                     records.append(emit(spec, "torch", p, t[p], nbytes, ceiling, **t["extra"]))
         else:
             line = {"bench": BENCH, "impl": "torch", "skipped": "needs torch with CUDA and a GPU"}
             print(json.dumps(line), flush=True)
-    records += _agreement(spec, outs, tables)
+    records += _agreement(spec, outs, tables, seqs)
     return records
 
 
-def _agreement(spec, outs, tables) -> list[dict]:
+def _agreement(spec, outs, tables, seqs) -> list[dict]:
     tol, lines = tolerance(spec), []
     pairs = [("fwd", outs, other) for other in ("pallas", "torch") if other in outs]
     pairs += [("bwd_update", tables, "pallas")] if "pallas" in tables else []
+    pairs += [("seq", seqs, "pallas")] if "pallas" in seqs else []
     for pass_, got, other in pairs:
         if "xla" not in got:
             continue

@@ -22,11 +22,11 @@ def test_tiny_presets_run_and_agree(capsys):
     assert lines[0]["pass"] == "copy" and lines[0]["gbps"] > 0
     timed = [x for x in lines if "median_ms" in x]
     assert {(x["impl"], x["pass"]) for x in timed} == {
-        (i, p) for i in ("pallas", "xla") for p in ("fwd", "bwd_update")
+        (i, p) for i in ("pallas", "xla") for p in ("fwd", "bwd_update", "seq")
     }
     assert all(set(x) >= REQUIRED and x["dtype"] == "bf16" for x in timed)
     agree = [x for x in lines if "agree" in x]
-    assert len(agree) == 4 and all(x["agree"] for x in agree)  # 2 presets x (fwd, bwd_update)
+    assert len(agree) == 6 and all(x["agree"] for x in agree)  # 2 presets x 3 passes
     assert any(x.get("skipped") for x in lines if x.get("impl") == "torch") or any(
         x["impl"] == "torch" for x in timed
     )
