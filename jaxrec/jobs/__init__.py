@@ -1,0 +1,1 @@
+"""Runnable jobs behind console entry points (``jaxrec-train-dlrm``)."""
