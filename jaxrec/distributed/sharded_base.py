@@ -9,6 +9,7 @@ the local shards.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -20,10 +21,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..modules.tables import EmbeddingTable, group_tables
+from ..modules.tables import EmbeddingTable, common_count, group_tables
 from ..ops import check_ids
 from ..ops.backward import dedup_rows
 from ..ops.bounds import logger
+from ..optim.base import row_fields
 from ..optim.combined import SubGroup, state_key
 from ..train.sparse_update import update_rows_xla, update_subgroup
 from ..train.tape import report_overflow, tap
@@ -337,6 +339,96 @@ class ShardedCollection(nnx.Module):
         row_sum, width = reduce(rows)
         return update_rows_xla(opt, table, state, rows, grads, rows, dim=width, row_sum=row_sum)
 
+    # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
+    def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:
+        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, start)])``.
+
+        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + ncols)``
+        of ``table`` sit at rows ``[start, start + nrows)`` of the global buffer.
+        """
+        out = {}
+        for g in self.layout.groups:
+            blocks = [
+                (t, r0, nr, c0, rank * g.rows_per_rank + off)
+                for rank, shards in enumerate(g.shards)
+                for t, r0, nr, c0, off in shards
+            ]
+            out[g.name] = (self.layout.world_size * g.rows_per_rank, g.ncols, blocks)
+        for rg in self.replicated_groups:
+            blocks = [
+                (t, 0, self._config(t).num_embeddings, 0, lo)
+                for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
+            ]
+            out["dp_" + rg.name] = (rg.num_rows, rg.embedding_dim, blocks)
+        return out
+
+    def logical_tables(self, optimizer, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
+        """Per table: ``weight``, optimizer state fields in natural row order and ``count``.
+
+        Host (numpy) copies, gathered from every process, in the layout of
+        ``TableStorage.logical_tables``: ``[num_embeddings, dim]`` element-wise
+        fields, ``[num_embeddings]`` row-wise fields (column shards hold identical
+        copies of those; the first one read is kept). ``optimizer`` is unused
+        (one state per buffer) and kept for the common signature.
+        """
+        del optimizer
+        out: dict[str, dict] = {t.name: {} for t in self.table_configs}
+        counts: dict[str, dict] = {t.name: {} for t in self.table_configs}
+        for name, (_, ncols, blocks) in self._buffer_blocks().items():
+            st = sparse_state[state_key(path, name, 0)]
+            bufs = {"weight": _gathered(self.weights[name].get_value())}
+            bufs.update({f: _gathered(getattr(st, f)) for f in row_fields(st)})
+            count = np.array(st.count.addressable_data(0))  # replicated scalar
+            for t, r0, nr, c0, start in blocks:
+                cfg, entry = self._config(t), out[t]
+                for f, buf in bufs.items():
+                    if f not in entry:
+                        cols = (cfg.embedding_dim,) if buf.ndim == 2 else ()
+                        entry[f] = np.zeros((cfg.num_embeddings, *cols), buf.dtype)
+                    if buf.ndim == 2:
+                        entry[f][r0 : r0 + nr, c0 : c0 + ncols] = buf[start : start + nr]
+                    else:
+                        entry[f][r0 : r0 + nr] = buf[start : start + nr]
+                counts[t][name] = count
+        for t, by_buffer in counts.items():
+            if len({int(c) for c in by_buffer.values()}) > 1:
+                raise ValueError(
+                    f"table {t!r} has different optimizer step counts in its shard buffers "
+                    f"{ {k: int(c) for k, c in by_buffer.items()} }"
+                )
+            out[t]["count"] = next(iter(by_buffer.values()))
+        return out
+
+    def physical_tables(
+        self, optimizer, path: tuple, logical: Mapping[str, Mapping]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The inverse of :meth:`logical_tables`: global host buffers of this layout.
+
+        Returns ``(weights, sparse)``: ``{buffer: [rows, ncols]}`` and
+        ``{state_key: state}`` with numpy leaves (padding rows zero). Every
+        process builds whole buffers: host memory is the size of this
+        collection's tables and state, twice (logical + physical).
+        """
+        weights, sparse = {}, {}
+        for name, (rows, ncols, blocks) in self._buffer_blocks().items():
+            tables = sorted({b[0] for b in blocks})
+            opt = self._group_optimizer(optimizer, set(tables))
+            shape = jax.eval_shape(functools.partial(opt.init, rows, ncols))
+            bufs = {"weight": np.zeros((rows, ncols), self._config(tables[0]).dtype)}
+            for f in row_fields(shape):
+                bufs[f] = np.zeros(getattr(shape, f).shape, getattr(shape, f).dtype)
+            for t, r0, nr, c0, start in blocks:
+                for f, buf in bufs.items():
+                    src = np.asarray(logical[t][f])
+                    if buf.ndim == 2:
+                        buf[start : start + nr] = src[r0 : r0 + nr, c0 : c0 + ncols]
+                    else:
+                        buf[start : start + nr] = src[r0 : r0 + nr]
+            weights[name] = bufs.pop("weight")
+            count = common_count(tables, logical, shape.count.dtype)
+            sparse[state_key(path, name, 0)] = type(shape)(count=count, **bufs)
+        return weights, sparse
+
 
 def _host(x: jax.Array) -> np.ndarray:
     """A float32 host copy, gathered from every process when not fully addressable."""
@@ -345,6 +437,15 @@ def _host(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def _gathered(x: jax.Array) -> np.ndarray:
+    """A host copy in ``x``'s dtype, gathered from every process when not fully addressable."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.array(x)
 
 
 def _warn_overflow(overflow) -> None:

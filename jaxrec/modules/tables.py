@@ -17,6 +17,8 @@ from flax import nnx
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot
+from ..optim.base import row_fields
+from ..optim.combined import state_key
 
 
 class EmbeddingTable(nnx.Variable):
@@ -192,6 +194,63 @@ class TableStorage(nnx.Module):
             if changed:  # one concatenation per group, not one copy per table
                 self.weights[g.name].set_value(jnp.concatenate(pieces))
 
+    # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
+    def logical_tables(self, optimizer, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
+        """Per table: ``weight`` ``[num_embeddings, dim]``, its sparse optimizer state
+        fields in natural row order (``[num_embeddings, dim]`` or ``[num_embeddings]``)
+        and ``count``, as host (numpy) copies.
+
+        Args:
+            optimizer: the ``CombinedOptimizer`` the state was built with (it says
+                how a group splits into per-optimizer subgroups).
+            path: this collection's module path (the state keys' prefix).
+            sparse_state: ``CombinedOptState.sparse``.
+        """
+        out = {}
+        for g in self.groups:
+            w = np.array(self.weights[g.name].get_value())  # a copy: the state may be donated
+            subs = optimizer.subgroups(self, g)
+            states = [sparse_state[state_key(path, g.name, k)] for k in range(len(subs))]
+            fields = [{f: np.array(getattr(st, f)) for f in row_fields(st)} for st in states]
+            for i, (name, lo) in enumerate(zip(g.tables, g.row_offsets, strict=True)):
+                n = self._config(name).num_embeddings
+                k = next(k for k, sub in enumerate(subs) if sub.member[i])
+                off = subs[k].state_offsets[i]
+                entry = {"weight": w[lo : lo + n], "count": np.array(states[k].count)}
+                entry.update({f: x[off : off + n] for f, x in fields[k].items()})
+                out[name] = entry
+        return out
+
+    def physical_tables(
+        self, optimizer, path: tuple, logical: Mapping[str, Mapping]
+    ) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+        """The inverse of :meth:`logical_tables`: host buffers for this collection's layout.
+
+        Returns:
+            ``(weights, sparse)``: ``{group: [rows, dim]}`` stacked weights and
+            ``{state_key: state}`` optimizer states (numpy leaves). Tables that
+            share one state must have the same ``count``.
+        """
+        weights, sparse = {}, {}
+        for g in self.groups:
+            dtype = self._config(g.tables[0]).dtype
+            weights[g.name] = np.concatenate(
+                [np.asarray(logical[t]["weight"]).astype(dtype) for t in g.tables]
+            )
+            for k, sub in enumerate(optimizer.subgroups(self, g)):
+                members = [t for t, m in zip(g.tables, sub.member, strict=True) if m]
+                init = functools.partial(sub.optimizer.init, sub.num_rows, g.embedding_dim)
+                shape = jax.eval_shape(init)
+                fields = {
+                    f: np.concatenate([np.asarray(logical[t][f]) for t in members]).astype(
+                        getattr(shape, f).dtype
+                    )
+                    for f in row_fields(shape)
+                }
+                count = common_count(members, logical, shape.count.dtype)
+                sparse[state_key(path, g.name, k)] = type(shape)(count=count, **fields)
+        return weights, sparse
+
 
 def _uniform_group(configs: Sequence[BaseEmbeddingConfig], keys: Sequence[jax.Array]) -> jax.Array:
     """TorchRec's uniform init for a whole stacked group, in one buffer.
@@ -214,3 +273,15 @@ def _uniform_group(configs: Sequence[BaseEmbeddingConfig], keys: Sequence[jax.Ar
 def _fill_uniform(out, key, row, n, lo, hi):
     u = jax.random.uniform(key, (n, out.shape[1]), jnp.float32, lo, hi).astype(out.dtype)
     return jax.lax.dynamic_update_slice_in_dim(out, u, row, axis=0)
+
+
+def common_count(tables: Sequence[str], logical: Mapping[str, Mapping], dtype) -> np.ndarray:
+    """The one step count of tables stored together; a clear error when they differ."""
+    counts = {t: int(np.asarray(logical[t]["count"])) for t in tables}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"tables {sorted(counts)} share one optimizer state here but have different "
+            f"optimizer step counts {counts}; restore them under a plan/grouping that keeps "
+            "them apart, or set their counts equal"
+        )
+    return np.asarray(next(iter(counts.values())), dtype)

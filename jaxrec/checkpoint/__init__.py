@@ -1,0 +1,7 @@
+"""Checkpoints in the logical layout: save under one sharding plan, restore under any other."""
+
+from .logical import LogicalState as LogicalState
+from .logical import logical_state as logical_state
+from .logical import place_state as place_state
+from .manager import CheckpointManager as CheckpointManager
+from .spec import state_spec as state_spec

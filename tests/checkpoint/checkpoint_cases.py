@@ -1,0 +1,107 @@
+"""Models, plans and batches for the checkpoint tests (on top of the sharding tests' cases).
+
+One global batch of ``N`` samples is split over 8 devices (row-wise), 4 devices
+(table-wise) or given whole (unsharded), so every run trains on the same data.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrec import checkpoint as ckpt
+from jaxrec import distributed as d
+from jaxrec import train
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
+from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, loss_fn, mesh_1d  # noqa: E402
+
+N = 32  # samples per global batch
+MAX_LEN = 3  # ids per bag
+
+TABLE_WISE_4 = {
+    "t1": d.table_wise(0),
+    "t2": d.table_wise(3),
+    "t3": d.table_wise(1),
+    "t4": d.table_wise(2),
+}
+LAYOUTS = {  # name: (plan generators, devices); None: unsharded on one device
+    "row_wise_8": (PLANS["row_wise"][0], 8),
+    "table_wise_4": (TABLE_WISE_4, 4),
+    "unsharded": (None, 1),
+}
+
+
+def mesh_of(devices: int) -> jax.sharding.Mesh:
+    if devices == 8:
+        return mesh_1d()
+    return jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("x",))
+
+
+def build(layout: str, optimizer, plan=None):
+    """``(graphdef, state, mesh)`` of the shared test model laid out as ``layout``."""
+    gens, devices = LAYOUTS[layout] if plan is None else (plan, 8)
+    model = Model(rngs=nnx.Rngs(1))
+    mesh = None
+    if gens is not None:
+        mesh = mesh_of(devices)
+        plan = d.construct_module_sharding_plan(model.ebc, gens, world_size=devices)
+        model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
+    graphdef, state = train.init_train_state(model, optimizer)
+    return graphdef, state, mesh
+
+
+def samples(seed: int):
+    """One global batch: ``{key: [bag ids] * N}`` and labels ``[N]``."""
+    rng = np.random.default_rng(seed)
+    bags = {
+        k: [rng.integers(0, ROWS[k], int(rng.integers(0, MAX_LEN + 1))).tolist() for _ in range(N)]
+        for k in KEYS
+    }
+    return bags, rng.normal(size=N).astype(np.float32)
+
+
+def batch(sample, mesh):
+    """The global batch for ``mesh`` (split over its devices) or unsharded (``None``)."""
+    bags, y = sample
+    if mesh is None:
+        return _kjt(bags, None, {k: MAX_LEN * N for k in KEYS}), jnp.asarray(y)
+    n = mesh.size
+    b = N // n
+    local = [
+        (
+            _kjt({k: bags[k][i * b : (i + 1) * b] for k in KEYS}, None, {k: MAX_LEN * b for k in KEYS}),
+            y[i * b : (i + 1) * b],
+        )
+        for i in range(n)
+    ]
+    return d.shard_batch(local, mesh)
+
+
+def host(logical: ckpt.LogicalState) -> dict:
+    """A logical state as flat ``{name: numpy array}`` (for comparisons)."""
+    out = {}
+    for part in ("params", "rest", "dense_opt"):
+        for path, x in jax.tree_util.tree_flatten_with_path(getattr(logical, part))[0]:
+            out[part + jax.tree_util.keystr(path)] = np.asarray(x)
+    for key, entry in logical.tables.items():
+        for f, x in entry.items():
+            out[f"{key}.{f}"] = np.asarray(x)
+    return out
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def assert_close(a: dict, b: dict, rtol=1e-5, atol=1e-6) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
