@@ -48,7 +48,8 @@ class CheckpointManager:
             state is copied to host memory, so the next (donating) train step
             may run at once.
         save_interval_steps: ``save`` without ``force`` skips steps that are not
-            a multiple of it (and steps not after the latest saved one).
+            a multiple of it, except the first save in an empty directory, and
+            steps not after the latest saved one (orbax's policy).
 
     Example:
         >>> mgr = CheckpointManager("/tmp/run", max_to_keep=3)

@@ -14,12 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import distributed as d
 from jaxrec import train
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
-from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, loss_fn, mesh_1d  # noqa: E402
+from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, mesh_1d, mesh_2d  # noqa: E402
+from sharding_cases import loss_fn as loss_fn  # noqa: E402
+from sharding_cases import tables as tables  # noqa: E402
 
 N = 32  # samples per global batch
 MAX_LEN = 3  # ids per bag
@@ -56,6 +59,26 @@ def build(layout: str, optimizer, plan=None):
     return graphdef, state, mesh
 
 
+def build_plan(name: str, optimizer):
+    """``(graphdef, state)`` of the shared model under ``sharding_cases.PLANS[name]``."""
+    gens, hosts = PLANS[name]
+    mesh = mesh_1d() if hosts == 1 else mesh_2d()
+    model = Model(rngs=nnx.Rngs(1))
+    plan = d.construct_module_sharding_plan(model.ebc, gens, world_size=8, local_size=8 // hosts)
+    model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
+    return train.init_train_state(model, optimizer)
+
+
+class TablesModel(nnx.Module):
+    """``Model`` with other tables (for mismatch tests), optionally with a dropout rng."""
+
+    def __init__(self, configs, *, rngs, dropout=False):
+        self.ebc = jr.EmbeddingBagCollection(configs, rngs=nnx.Rngs(0))
+        dims = sum(t.embedding_dim * len(t.feature_names) for t in configs)
+        self.head = nnx.Linear(dims, 1, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs) if dropout else None
+
+
 def samples(seed: int):
     """One global batch: ``{key: [bag ids] * N}`` and labels ``[N]``."""
     rng = np.random.default_rng(seed)
@@ -75,12 +98,26 @@ def batch(sample, mesh):
     b = N // n
     local = [
         (
-            _kjt({k: bags[k][i * b : (i + 1) * b] for k in KEYS}, None, {k: MAX_LEN * b for k in KEYS}),
+            _kjt(
+                {k: bags[k][i * b : (i + 1) * b] for k in KEYS},
+                None,
+                {k: MAX_LEN * b for k in KEYS},
+            ),
             y[i * b : (i + 1) * b],
         )
         for i in range(n)
     ]
     return d.shard_batch(local, mesh)
+
+
+def leaves(state) -> list[np.ndarray]:
+    """Every array of a state as numpy (typed keys as their key data)."""
+    out = []
+    for x in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x))
+    return out
 
 
 def host(logical: ckpt.LogicalState) -> dict:
