@@ -1,0 +1,449 @@
+"""Host-side batches: the ``Batch`` type, an in-memory table -> ``Batch`` iterator, ``prefetch``.
+
+TorchRec: ``torchrec.datasets.utils.Batch``. Every jaxrec dataset is a
+:class:`TableDataset`: columns held in memory (or memory-mapped npy files),
+cut into batches with **static** per-key capacities so a train step compiles
+once. Batches stay numpy; the consumer does ``jax.device_put`` or
+``jaxrec.distributed.shard_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..sparse import KeyedJaggedTensor
+
+
+class Batch(NamedTuple):
+    """One minibatch (TorchRec's ``torchrec.datasets.utils.Batch``); a pytree.
+
+    Attributes:
+        dense_features: ``[B, num_dense]`` float32 (``[B, 0]`` when there are none).
+        sparse_features: ``KeyedJaggedTensor`` with numpy leaves and static capacities.
+        labels: ``[B]`` float32.
+    """
+
+    dense_features: Any
+    sparse_features: KeyedJaggedTensor
+    labels: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Ragged:
+    """A variable-length sparse column: row ``i`` holds ``values[offsets[i]:offsets[i+1]]``."""
+
+    values: np.ndarray  # [total] int
+    offsets: np.ndarray  # [N + 1] int64, starts at 0
+
+    def __post_init__(self):
+        off = np.asarray(self.offsets)
+        if off.ndim != 1 or off.size == 0 or off[0] != 0 or np.any(np.diff(off) < 0):
+            raise ValueError("Ragged offsets must be 1-D, start at 0 and never decrease")
+        if off[-1] != len(self.values):
+            raise ValueError(f"Ragged offsets end at {off[-1]} but there are {len(self.values)=}")
+
+    @staticmethod
+    def from_lengths(values: Any, lengths: Any) -> Ragged:
+        lengths = np.asarray(lengths, np.int64)
+        return Ragged(np.asarray(values), np.concatenate([[0], np.cumsum(lengths)]))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def max_length(self) -> int:
+        return int(np.diff(self.offsets).max(initial=0))
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, lengths)`` of ``rows`` in that order."""
+        starts, ends = self.offsets[rows], self.offsets[rows + 1]
+        lengths = ends - starts
+        total = int(lengths.sum())
+        # position j of the output reads values[start of its row + j - first output slot of its row]
+        first = np.cumsum(lengths) - lengths
+        src = np.arange(total) + np.repeat(starts - first, lengths)
+        return self.values[src], lengths
+
+
+Column = Any  # np.ndarray [N] (one id per row), np.ndarray [N, L] (fixed L ids) or Ragged
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The columns of one file (or one in-memory block).
+
+    Attributes:
+        dense: ``[N, num_dense]`` float (may be a memory map).
+        sparse: one column per key: ``[N]`` ids, ``[N, L]`` ids, or :class:`Ragged`.
+        labels: ``[N]`` or ``[N, 1]`` numbers (float32 in batches).
+    """
+
+    dense: Any
+    sparse: Sequence[Column]
+    labels: Any
+
+    def __len__(self) -> int:
+        return int(np.shape(self.labels)[0])
+
+
+class TableDataset:
+    """Columns in memory -> :class:`Batch` iterator with static capacities.
+
+    Per-key capacity of a batch of ``B`` rows: ``B * max_ids`` where ``max_ids``
+    is 1 for ``[N]`` columns, ``L`` for ``[N, L]`` columns and the longest row
+    (or the ``max_ids_per_sample`` given) for :class:`Ragged` columns. A batch
+    whose ids exceed its capacity raises, or with ``overflow="truncate"`` keeps
+    the first ids that fit and adds the dropped count to ``truncated_ids[key]``.
+
+    Sharding over processes: one table -> row level (a global order of rows,
+    batch ``s`` of process ``p`` is global batch ``s * P + p``, as TorchRec's
+    in-memory Criteo pipe); several tables (files) -> file level (process ``p``
+    reads files ``p, p + P, ...``; every process yields the same number of full
+    batches, the smallest one's).
+
+    Args:
+        tables: one :class:`Table` or one per file.
+        keys: sparse feature names, in order.
+        num_embeddings_per_feature: table size per key.
+        max_ids_per_sample: optional ``{key: max ids per row}`` for ragged columns.
+        hash_ids: apply ``id % num_embeddings`` per batch (Criteo's hashing);
+            otherwise ids must already be in range (checked per batch).
+        oracle_logits: ``[N]`` true logits when the data is synthetic.
+    """
+
+    def __init__(
+        self,
+        tables: Table | Sequence[Table],
+        *,
+        keys: Sequence[str],
+        num_embeddings_per_feature: Sequence[int],
+        max_ids_per_sample: Mapping[str, int] | None = None,
+        hash_ids: bool = False,
+        oracle_logits: np.ndarray | None = None,
+    ):
+        self.tables = [tables] if isinstance(tables, Table) else list(tables)
+        self.keys = list(keys)
+        self.num_embeddings_per_feature = [int(n) for n in num_embeddings_per_feature]
+        if len(self.num_embeddings_per_feature) != len(self.keys):
+            raise ValueError(
+                f"num_embeddings_per_feature has {len(self.num_embeddings_per_feature)} "
+                f"entries for {len(self.keys)} keys"
+            )
+        if not self.tables:
+            raise ValueError("TableDataset needs at least one table")
+        self.num_dense = int(np.shape(self.tables[0].dense)[1])
+        for i, t in enumerate(self.tables):
+            if len(t.sparse) != len(self.keys) or np.shape(t.dense)[1] != self.num_dense:
+                raise ValueError(
+                    f"table {i}: {len(t.sparse)} sparse columns and {np.shape(t.dense)[1]} dense "
+                    f"columns; expected {len(self.keys)} and {self.num_dense}"
+                )
+        self.hash_ids = hash_ids
+        self.oracle_logits = oracle_logits
+        self.truncated_ids = dict.fromkeys(self.keys, 0)
+        self._starts = np.cumsum([0] + [len(t) for t in self.tables])
+        given = dict(max_ids_per_sample or {})
+        unknown = set(given) - set(self.keys)
+        if unknown:
+            raise ValueError(f"max_ids_per_sample names unknown keys {sorted(unknown)}")
+        self.max_ids_per_sample = [
+            given.get(k) or self._max_ids(i) for i, k in enumerate(self.keys)
+        ]
+
+    # ----- sizes -----
+    @property
+    def num_rows(self) -> int:
+        return int(self._starts[-1])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def capacities(self, batch_size: int) -> tuple[int, ...]:
+        """Static per-key capacities of a batch of ``batch_size`` rows."""
+        return tuple(batch_size * m for m in self.max_ids_per_sample)
+
+    def _max_ids(self, i: int) -> int:
+        cols = [t.sparse[i] for t in self.tables]
+        if isinstance(cols[0], Ragged):
+            return max(max(c.max_length() for c in cols), 1)
+        return 1 if np.ndim(cols[0]) == 1 else int(np.shape(cols[0])[1])
+
+    def labels(self) -> np.ndarray:
+        """All labels, ``[N]`` float32."""
+        return np.concatenate([np.asarray(t.labels, np.float32).reshape(-1) for t in self.tables])
+
+    def reference_metrics(self, other: TableDataset | None = None) -> dict[str, float]:
+        """The planted model's ``{"oracle_auc": ...}`` on ``other`` (or self); ``{}`` if real."""
+        data = self if other is None else other
+        if data.oracle_logits is None:
+            return {}
+        from .random import roc_auc
+
+        return {"oracle_auc": roc_auc(data.labels(), data.oracle_logits)}
+
+    # ----- iteration -----
+    def num_batches(
+        self,
+        batch_size: int,
+        *,
+        drop_last: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> int:
+        """How many batches :meth:`batches` yields to this process."""
+        p, n = _process(process_index, process_count)
+        full, rest = self._plan(batch_size, p, n)
+        return full + (0 if drop_last else int(rest > 0))
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        capacities: Sequence[int] | None = None,
+        overflow: str = "raise",
+    ) -> Iterator[Batch]:
+        """This process's batches of one epoch, in an order set by ``(seed, epoch)``.
+
+        With ``drop_last=False`` the last batch is smaller (and has smaller
+        capacities: one more compile). ``capacities`` overrides the static
+        per-key capacities; ``overflow`` is ``"raise"`` or ``"truncate"``.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if overflow not in ("raise", "truncate"):
+            raise ValueError(f"overflow must be 'raise' or 'truncate', got {overflow!r}")
+        p, n = _process(process_index, process_count)
+        rows = self._rows(p, n)
+        if shuffle:
+            rng = np.random.default_rng([seed, epoch, p if self._file_level(n) else 0])
+            rows = rows[rng.permutation(len(rows))]
+        full, rest = self._plan(batch_size, p, n)
+        caps = list(self.capacities(batch_size) if capacities is None else capacities)
+        if len(caps) != len(self.keys):
+            raise ValueError(f"capacities has {len(caps)} entries for {len(self.keys)} keys")
+        row_level = not self._file_level(n)
+        for s in range(full):
+            lo = (s * n + p) * batch_size if row_level else s * batch_size
+            yield self._batch(rows[lo : lo + batch_size], caps, overflow)
+        if not drop_last and rest:
+            tail = rows[full * batch_size * (n if row_level else 1) :]
+            if row_level:
+                tail = np.array_split(tail, n)[p]
+            small = self.capacities(len(tail)) if capacities is None else caps
+            yield self._batch(tail, list(small), overflow)
+
+    def _file_level(self, n: int) -> bool:
+        return len(self.tables) > 1 and n > 1
+
+    def _rows(self, p: int, n: int) -> np.ndarray:
+        if not self._file_level(n):
+            return np.arange(self.num_rows)
+        mine = range(p, len(self.tables), n)
+        return np.concatenate([np.arange(self._starts[i], self._starts[i + 1]) for i in mine])
+
+    def _plan(self, batch_size: int, p: int, n: int) -> tuple[int, int]:
+        """(full batches, rows of the last partial batch) for process ``p`` of ``n``."""
+        if not self._file_level(n):
+            full = self.num_rows // (batch_size * n)
+            rest = self.num_rows - full * batch_size * n
+            return full, len(np.array_split(np.arange(rest), n)[p])
+        if len(self.tables) < n:
+            raise ValueError(
+                f"file-level sharding needs at least one file per process: {len(self.tables)} "
+                f"files for {n} processes; use fewer processes or split the files"
+            )
+        sizes = [sum(len(self.tables[i]) for i in range(q, len(self.tables), n)) for q in range(n)]
+        full = min(s // batch_size for s in sizes)  # every process steps in lockstep
+        return full, sizes[p] - full * batch_size
+
+    def _batch(self, rows: np.ndarray, caps: list[int], overflow: str) -> Batch:
+        b = len(rows)
+        dense, labels, cols = self._take(rows)
+        values, lengths = [], []
+        for i, key in enumerate(self.keys):
+            v, ln = cols[i]
+            v = np.asarray(v).astype(np.int64, copy=False)
+            if self.hash_ids:
+                v = v % self.num_embeddings_per_feature[i]
+            elif v.size and (v.min() < 0 or v.max() >= self.num_embeddings_per_feature[i]):
+                raise ValueError(
+                    f"feature {key!r}: ids must lie in [0, {self.num_embeddings_per_feature[i]}), "
+                    f"got min {v.min()} max {v.max()}"
+                )
+            if len(v) > caps[i]:
+                v, ln = self._overflow(key, v, ln, caps[i], overflow)
+            values.append(v)
+            lengths.append(ln)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            self.keys,
+            np.concatenate(values) if values else np.zeros(0, np.int64),
+            np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+            stride=b,
+            capacities=caps,
+            on_host=True,
+        )
+        return Batch(dense, kjt, labels)
+
+    def _overflow(self, key, v, ln, cap, overflow):
+        if overflow == "raise":
+            raise ValueError(
+                f"feature {key!r}: a batch holds {len(v)} ids but its capacity is {cap}; pass "
+                f"larger capacities (or max_ids_per_sample), or overflow='truncate'"
+            )
+        ends = np.minimum(np.cumsum(ln), cap)
+        ln = np.diff(np.concatenate([[0], ends]))
+        self.truncated_ids[key] += len(v) - cap
+        return v[:cap], ln
+
+    def _take(self, rows: np.ndarray):
+        """``(dense [b, D] f32, labels [b] f32, [(values, lengths) per key])`` of ``rows``."""
+        if len(self.tables) == 1:
+            return _take_table(self.tables[0], rows)
+        part = np.searchsorted(self._starts, rows, side="right") - 1
+        b = len(rows)
+        dense = np.empty((b, self.num_dense), np.float32)
+        labels = np.empty(b, np.float32)
+        sparse = [None] * len(self.keys)
+        for t in np.unique(part):
+            mask = part == t
+            d, lab, cols = _take_table(self.tables[t], rows[mask] - self._starts[t])
+            dense[mask], labels[mask] = d, lab
+            for i, (v, _) in enumerate(cols):
+                if isinstance(self.tables[t].sparse[i], Ragged):
+                    raise ValueError("ragged columns need a single table; concatenate the files")
+                width = self.max_ids_per_sample[i]
+                if sparse[i] is None:
+                    sparse[i] = np.empty((b, width), v.dtype)
+                sparse[i][mask] = v.reshape(-1, width)
+        cols = [(s.reshape(-1), np.full(b, s.shape[1], np.int64)) for s in sparse]
+        return dense, labels, cols
+
+
+def _take_table(t: Table, rows: np.ndarray):
+    # sorted reads are much faster on memory-mapped files; undo the sort afterwards
+    order = np.argsort(rows, kind="stable")
+    inv = np.empty_like(order)
+    inv[order] = np.arange(len(order))
+    srt = rows[order]
+    dense = np.asarray(t.dense[srt], np.float32)[inv].reshape(len(rows), -1)
+    labels = np.asarray(t.labels[srt], np.float32).reshape(-1)[inv]
+    cols = []
+    for c in t.sparse:
+        if isinstance(c, Ragged):
+            cols.append(c.take(rows))
+        else:
+            v = np.asarray(c[srt])[inv]
+            width = 1 if v.ndim == 1 else v.shape[1]
+            cols.append((v.reshape(-1), np.full(len(rows), width, np.int64)))
+    return dense, labels, cols
+
+
+def _process(index: int | None, count: int | None) -> tuple[int, int]:
+    if index is None or count is None:
+        import jax
+
+        index = jax.process_index() if index is None else index
+        count = jax.process_count() if count is None else count
+    if not 0 <= index < count:
+        raise ValueError(f"need 0 <= process_index < process_count, got {index} and {count}")
+    return index, count
+
+
+# ----- prefetch -----
+_DONE = object()
+
+
+def prefetch(iterable: Iterable, size: int = 2) -> Prefetcher:
+    """Runs ``iterable`` in a background thread, at most ``size`` items ahead.
+
+    Order is preserved; an exception raised by the producer is re-raised in
+    the consumer where it occurred; ``close()`` (or ``with``, or dropping the
+    iterator) stops the thread.
+
+    Example:
+        >>> for batch in prefetch(data.batches(1024), size=2):
+        ...     state, loss, _ = step(state, jax.device_put(batch))
+    """
+    return Prefetcher(iterable, size)
+
+
+class Prefetcher:
+    """The iterator :func:`prefetch` returns."""
+
+    def __init__(self, iterable: Iterable, size: int = 2):
+        if size < 1:
+            raise ValueError(f"prefetch size must be >= 1, got {size}")
+        self._queue: queue.Queue = queue.Queue(maxsize=size)
+        self._stop = threading.Event()
+        self._finished = False
+        # the thread gets the queue and the flag, not ``self``: dropping the iterator stops it
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(iter(iterable), self._queue, self._stop),
+            name="jaxrec-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        item, err = self._queue.get()
+        if item is _DONE:
+            self.close()
+            if err is not None:
+                raise err
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stops the producer thread (pending items are dropped)."""
+        self._finished = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()
+
+
+def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(it: Iterator, q: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for item in it:
+            if not _put(q, stop, (item, None)):
+                return
+        _put(q, stop, (_DONE, None))
+    except BaseException as e:  # handed to the consumer
+        _put(q, stop, (_DONE, e))
