@@ -1,0 +1,238 @@
+"""Criteo TSV files: streaming parser and TorchRec's TSV -> npy conversion.
+
+A line is ``label \\t 13 integers \\t 26 hex strings`` (the Kaggle ``test.txt``
+has no label). As in TorchRec's ``BinaryCriteoUtils.tsv_to_npys``, an empty
+field is 0 (dense and categorical alike) and categoricals are parsed as base
+16. Unlike TorchRec (whose ``safe_cast`` silently turns bad text into 0 and
+whose CSV reader accepts short rows), a malformed line raises
+:class:`CriteoParseError` naming the file and line, or with ``on_error="skip"``
+is skipped and counted in :class:`ParseStats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+INT_FEATURE_COUNT = 13
+CAT_FEATURE_COUNT = 26
+DAYS = 24
+DEFAULT_LABEL_NAME = "label"
+DEFAULT_INT_NAMES = [f"int_{i}" for i in range(INT_FEATURE_COUNT)]
+DEFAULT_CAT_NAMES = [f"cat_{i}" for i in range(CAT_FEATURE_COUNT)]
+
+
+class CriteoParseError(ValueError):
+    """A malformed Criteo line; the message names the file and the 1-based line number."""
+
+
+@dataclasses.dataclass
+class ParseStats:
+    """Lines read and skipped (``on_error="skip"``), with the first few reasons."""
+
+    lines: int = 0
+    skipped: int = 0
+    examples: list = dataclasses.field(default_factory=list)
+
+
+def iter_criteo_tsv(
+    path: str | os.PathLike,
+    *,
+    has_label: bool = True,
+    chunk_rows: int = 65_536,
+    on_error: str = "raise",
+    stats: ParseStats | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Streams ``(labels int32 [n], dense int64 [n, 13], sparse int64 [n, 26])`` chunks.
+
+    Args:
+        path: a Criteo TSV file (``day_3``, ``train.txt``, ...).
+        has_label: False for Kaggle's ``test.txt`` (labels are then -1, as TorchRec).
+        chunk_rows: lines per chunk.
+        on_error: ``"raise"`` (default) or ``"skip"`` (count in ``stats``).
+        stats: filled with line and skip counts when given.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    stats = ParseStats() if stats is None else stats
+    fields = INT_FEATURE_COUNT + CAT_FEATURE_COUNT + int(has_label)
+    with open(path, encoding="utf-8", errors="strict", newline="\n") as f:
+        first = 1
+        while True:
+            lines = [line for _, line in zip(range(chunk_rows), f, strict=False)]
+            if not lines:
+                return
+            stats.lines += len(lines)
+            out = _parse_chunk(lines, fields, has_label)
+            if out is None:  # something is wrong: find it line by line
+                out = _parse_lines(lines, fields, has_label, path, first, on_error, stats)
+            first += len(lines)
+            if len(out[0]):
+                yield out
+
+
+def read_criteo_tsv(path: str | os.PathLike, **kwargs) -> tuple[np.ndarray, ...]:
+    """The whole file: ``(labels [N], dense [N, 13], sparse [N, 26])`` (:func:`iter_criteo_tsv`)."""
+    chunks = list(iter_criteo_tsv(path, **kwargs))
+    if not chunks:
+        return (
+            np.zeros(0, np.int32),
+            np.zeros((0, INT_FEATURE_COUNT), np.int64),
+            np.zeros((0, CAT_FEATURE_COUNT), np.int64),
+        )
+    return tuple(np.concatenate(parts) for parts in zip(*chunks, strict=True))
+
+
+def _split(line: str) -> list[str]:
+    return line.rstrip("\r\n").split("\t")
+
+
+def _parse_chunk(lines, fields, has_label):
+    rows = [_split(line) for line in lines]
+    if any(len(r) != fields for r in rows):
+        return None
+    arr = np.array(rows)
+    arr[arr == ""] = "0"
+    lab = int(has_label)
+    try:
+        labels = arr[:, 0].astype(np.int32) if has_label else np.full(len(rows), -1, np.int32)
+        dense = arr[:, lab : lab + INT_FEATURE_COUNT].astype(np.int64)
+        cats = arr[:, lab + INT_FEATURE_COUNT :].ravel().tolist()
+        sparse = np.array([int(x, 16) for x in cats], np.int64).reshape(len(rows), -1)
+    except (ValueError, OverflowError):
+        return None
+    return labels, dense, sparse
+
+
+def _parse_lines(lines, fields, has_label, path, first, on_error, stats):
+    labels, dense, sparse = [], [], []
+    for i, line in enumerate(lines):
+        try:
+            lab, d, s = _parse_line(_split(line), fields, has_label)
+        except ValueError as e:
+            msg = f"{path}:{first + i}: {e}"
+            if on_error == "raise":
+                raise CriteoParseError(
+                    msg + " (on_error='skip' skips and counts such lines)"
+                ) from None
+            stats.skipped += 1
+            if len(stats.examples) < 5:
+                stats.examples.append(msg)
+            continue
+        labels.append(lab)
+        dense.append(d)
+        sparse.append(s)
+    return (
+        np.array(labels, np.int32),
+        np.array(dense, np.int64).reshape(-1, INT_FEATURE_COUNT),
+        np.array(sparse, np.int64).reshape(-1, CAT_FEATURE_COUNT),
+    )
+
+
+def _parse_line(row, fields, has_label):
+    if len(row) != fields:
+        raise ValueError(f"expected {fields} tab-separated fields, got {len(row)}")
+    names = ([DEFAULT_LABEL_NAME] if has_label else []) + DEFAULT_INT_NAMES
+    ints = []
+    for name, text in zip(names, row, strict=False):
+        try:
+            ints.append(int(text or "0"))
+        except ValueError:
+            raise ValueError(f"{name} {text!r} is not an integer") from None
+    sparse = []
+    for name, text in zip(DEFAULT_CAT_NAMES, row[len(names) :], strict=True):
+        try:
+            sparse.append(int(text or "0", 16))
+        except ValueError:
+            raise ValueError(f"{name} {text!r} is not hexadecimal") from None
+    if any(abs(v) >= 2**63 for v in ints + sparse):
+        raise ValueError("a value does not fit in int64")
+    label = ints.pop(0) if has_label else -1
+    return label, ints, sparse
+
+
+def dense_log_transform(dense: np.ndarray) -> np.ndarray:
+    """TorchRec's ``tsv_to_npys`` dense transform: ``log(x - min(x) + 2)`` as float32.
+
+    ``min`` is over the whole array (the file), not per column: TorchRec's
+    quirk, kept so jaxrec's npy files equal TorchRec's.
+    """
+    dense = np.asarray(dense, np.int64)
+    if dense.size == 0:
+        return dense.astype(np.float32)
+    return np.log(dense - (dense.min() - 2), dtype=np.float32)
+
+
+def tsv_to_npys(
+    in_file: str | os.PathLike,
+    out_dense_file: str | os.PathLike,
+    out_sparse_file: str | os.PathLike,
+    out_labels_file: str | os.PathLike,
+    dataset_name: str = "criteo_1tb",
+    *,
+    on_error: str = "raise",
+) -> ParseStats:
+    """TorchRec's ``BinaryCriteoUtils.tsv_to_npys``: one TSV file -> three npy files.
+
+    Writes dense ``[N, 13]`` float32 (:func:`dense_log_transform`), sparse
+    ``[N, 26]`` int64 (raw hex values; hash them when reading) and labels
+    ``[N, 1]`` int32. For ``dataset_name="criteo_kaggle"`` a file named
+    ``*test*`` has no labels and gets -1, as in TorchRec.
+    """
+    if dataset_name not in ("criteo_1tb", "criteo_kaggle"):
+        raise ValueError(
+            f"dataset_name must be 'criteo_1tb' or 'criteo_kaggle', got {dataset_name!r}"
+        )
+    # TorchRec tests the whole path for "test"; the file name is what is meant
+    has_label = not (dataset_name == "criteo_kaggle" and "test" in Path(in_file).name)
+    stats = ParseStats()
+    labels, dense, sparse = read_criteo_tsv(
+        in_file, has_label=has_label, on_error=on_error, stats=stats
+    )
+    for name, arr in [
+        (out_dense_file, dense_log_transform(dense)),
+        (out_sparse_file, sparse),
+        (out_labels_file, labels.reshape(-1, 1)),
+    ]:
+        with open(name, "wb") as f:
+            np.save(f, arr)
+    return stats
+
+
+def preprocess_criteo(
+    input_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    dataset_name: str = "criteo_1tb",
+    *,
+    on_error: str = "raise",
+) -> list[Path]:
+    """TorchRec's ``scripts/npy_preproc_criteo.py``: every TSV in ``input_dir`` -> npy files.
+
+    ``criteo_1tb`` reads ``day_0`` .. ``day_23`` and writes ``day_{i}_dense.npy``,
+    ``day_{i}_sparse.npy``, ``day_{i}_labels.npy``; ``criteo_kaggle`` reads
+    ``train.txt`` / ``test.txt`` and writes ``train_*.npy`` / ``test_*.npy``.
+    Missing inputs are skipped (as TorchRec). Returns the dense files written.
+    """
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if dataset_name == "criteo_1tb":
+        pairs = [(f"day_{i}", f"day_{i}") for i in range(DAYS)]
+    else:
+        pairs = [("train.txt", "train"), ("test.txt", "test")]
+    written = []
+    for src, dst in pairs:
+        if not (input_dir / src).exists():
+            continue
+        out = [output_dir / f"{dst}_{part}.npy" for part in ("dense", "sparse", "labels")]
+        stats = tsv_to_npys(input_dir / src, *out, dataset_name, on_error=on_error)
+        print(f"{input_dir / src}: {stats.lines} lines, {stats.skipped} skipped -> {out[0].parent}")
+        written.append(out[0])
+    if not written:
+        raise FileNotFoundError(
+            f"no Criteo TSV files in {input_dir} (expected {pairs[0][0]}, ... for {dataset_name})"
+        )
+    return written
