@@ -1,0 +1,24 @@
+"""Recommendation metrics (TorchRec's `torchrec.metrics`), jit-able and mergeable.
+
+Every metric has pure `init` / `update` / `merge` / `compute` / `reduce` methods over
+a fixed-shape pytree state; see `base.py`.
+"""
+
+from .auc import AUCMetric as AUCMetric
+from .auc import AUPRCMetric as AUPRCMetric
+from .auc import SampleBuffer as SampleBuffer
+from .base import Metric as Metric
+from .base import Sum as Sum
+from .base import SumMetric as SumMetric
+from .base import validate_inputs as validate_inputs
+from .collection import MetricCollection as MetricCollection
+from .collection import RecMetricModule as RecMetricModule
+from .ne import NEMetric as NEMetric
+from .processes import reduce_across_processes as reduce_across_processes
+from .rates import AccuracyMetric as AccuracyMetric
+from .rates import CalibrationMetric as CalibrationMetric
+from .rates import CTRMetric as CTRMetric
+from .regression import MAEMetric as MAEMetric
+from .regression import MSEMetric as MSEMetric
+from .streaming_auc import StreamingAUCMetric as StreamingAUCMetric
+from .streaming_auc import StreamingAUPRCMetric as StreamingAUPRCMetric
