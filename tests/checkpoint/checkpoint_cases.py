@@ -20,8 +20,9 @@ from jaxrec import distributed as d
 from jaxrec import train
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
-from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, mesh_1d, mesh_2d  # noqa: E402
+from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, mesh_2d  # noqa: E402
 from sharding_cases import loss_fn as loss_fn  # noqa: E402
+from sharding_cases import mesh_1d as mesh_1d  # noqa: E402
 from sharding_cases import tables as tables  # noqa: E402
 
 N = 32  # samples per global batch

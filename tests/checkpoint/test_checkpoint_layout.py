@@ -11,9 +11,13 @@ from checkpoint_cases import (
     build_plan,
     host,
     loss_fn,
+    mesh_1d,
     samples,
+    tables,
 )
+from flax import nnx
 
+import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import distributed as d
 from jaxrec import optim, train
@@ -131,3 +135,48 @@ def test_per_table_optimizers_round_trip(tmp_path):
         graphdef, target, _ = build("row_wise_8", opt, plan=plan)
         restored = mgr.restore(graphdef, opt, target, step=2)
         assert_equal(host(ckpt.logical_state(graphdef, opt, restored)), saved)
+
+
+class Sparse(nnx.Module):
+    def __init__(self):
+        self.ebc = jr.EmbeddingBagCollection(tables(), rngs=nnx.Rngs(0))
+        seq = [  # the same table names as the EBC's, in another collection
+            jr.EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=30, feature_names=["f1"]),
+            jr.EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=9, feature_names=["f2"]),
+        ]
+        self.ec = jr.EmbeddingCollection(seq, rngs=nnx.Rngs(3))
+
+
+class TwoCollections(nnx.Module):
+    def __init__(self, *, rngs):
+        self.sparse = Sparse()
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+
+
+def test_nested_pooled_and_sequence_collections(tmp_path):
+    """Tables are keyed by module path and prefix; an EmbeddingCollection reshards too."""
+    model = TwoCollections(rngs=nnx.Rngs(1))
+    gens = {"sparse.ebc": PLANS["mixed"][0],
+            "sparse.ec": {"t1": d.row_wise(), "t2": d.column_wise([6, 2])}}  # fmt: skip
+    plan = d.ShardingPlan(
+        {k: d.construct_module_sharding_plan(getattr(model.sparse, k[7:]), g, world_size=8)
+         for k, g in gens.items()}
+    )  # fmt: skip
+    model = d.DistributedModelParallel(model, plan, mesh_1d())
+    graphdef, state = train.init_train_state(model, OPT)
+    logical = filled(ckpt.logical_state(graphdef, OPT, state), seed=2)
+    assert sorted(logical.tables) == [
+        *(f"sparse.ebc.embedding_bags.t{i}" for i in range(1, 5)),
+        "sparse.ec.embeddings.t1",
+        "sparse.ec.embeddings.t2",
+    ]
+    state = ckpt.place_state(graphdef, OPT, state, logical)
+    with ckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, graphdef, OPT, state)
+        graphdef, target = train.init_train_state(TwoCollections(rngs=nnx.Rngs(1)), OPT)
+        restored = mgr.restore(graphdef, OPT, target)
+    assert_equal(host(ckpt.logical_state(graphdef, OPT, restored)), host(logical))
+    ec = train.merge_model(graphdef, restored).sparse.ec
+    np.testing.assert_array_equal(
+        ec.state_dict()["embeddings.t2.weight"], logical.tables["sparse.ec.embeddings.t2"]["weight"]
+    )

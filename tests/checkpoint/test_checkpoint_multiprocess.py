@@ -1,7 +1,7 @@
 """Save and restore across two processes (2 CPU devices each, gloo collectives).
 
 Launches ``checkpoint_worker.py`` twice: both save one checkpoint of a model
-sharded over the 4-device mesh into one directory, restore it under three
+sharded over the 4-device mesh into one directory, restore it under two
 layouts and compare with the unsharded model (see the worker's docstring).
 """
 
