@@ -27,6 +27,14 @@ from .criteo_tsv import iter_criteo_tsv as iter_criteo_tsv
 from .criteo_tsv import preprocess_criteo as preprocess_criteo
 from .criteo_tsv import read_criteo_tsv as read_criteo_tsv
 from .criteo_tsv import tsv_to_npys as tsv_to_npys
+from .movielens import MovieLensDataset as MovieLensDataset
+from .movielens import extract_ml100k as extract_ml100k
+from .movielens import fetch_movielens_100k as fetch_movielens_100k
+from .movielens import load_movielens as load_movielens
+from .movielens import movielens_split as movielens_split
+from .movielens_files import RawRatings as RawRatings
+from .movielens_files import read_atomic as read_atomic
+from .movielens_files import read_movielens as read_movielens
 from .multi_hot import MultiHot as MultiHot
 from .random import PlantedModel as PlantedModel
 from .random import RandomRecDataset as RandomRecDataset

@@ -44,9 +44,33 @@ from .random import RandomRecDataset
 
 # TorchRec's dlrm example defaults (Kaggle after contiguous remapping)
 CRITEO_KAGGLE_NUM_EMBEDDINGS = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+]
 
 
 class CriteoDataset(TableDataset):

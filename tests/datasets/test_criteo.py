@@ -157,8 +157,20 @@ def test_kaggle_single_file_split_and_errors(tmp_path):
     write(tmp_path / "train.txt", fake_rows(70, seed=3))
     train, test = criteo_split(tmp_path, num_embeddings=100)
     assert (train.num_rows, test.num_rows) == (60, 10)
-    assert criteo_main(["preprocess", "--input-dir", str(tmp_path), "--output-dir",
-                        str(tmp_path / "npy"), "--dataset-name", "criteo_kaggle"]) == 0  # fmt: skip
+    assert (
+        criteo_main(
+            [
+                "preprocess",
+                "--input-dir",
+                str(tmp_path),
+                "--output-dir",
+                str(tmp_path / "npy"),
+                "--dataset-name",
+                "criteo_kaggle",
+            ]
+        )
+        == 0
+    )
     train2, _ = criteo_split(tmp_path / "npy", num_embeddings=100)
     np.testing.assert_array_equal(
         next(train.batches(60, shuffle=False)).sparse_features.values(),
@@ -202,8 +214,9 @@ def test_multi_hot_hash_is_deterministic(dist):
     np.testing.assert_array_equal(a, b)  # a pure function of the id
     assert a.shape == (1000, 4) and (a[:, 0] == ids).all()
     assert a.min() >= 0 and a.max() < 1000
-    assert not np.array_equal(a, MultiHot([4, 2], [1000, 10], dist_type=dist,
-                                          method="hash", seed=4).expand(0, ids))  # fmt: skip
+    assert not np.array_equal(
+        a, MultiHot([4, 2], [1000, 10], dist_type=dist, method="hash", seed=4).expand(0, ids)
+    )
     if dist == "uniform":
         assert abs(a[:, 1:].mean() - 499.5) < 15
     else:  # pareto with a=0.25 piles up on small ids

@@ -1,0 +1,236 @@
+"""MovieLens as click-style data: ``label = rating >= 4``, user/item ids and side features.
+
+TorchRec: ``torchrec.datasets.movielens`` (``movielens_20m``, ``movielens_25m``).
+Reads ml-100k, ml-1m, ml-20m/25m and RecBole atomic files (see
+``movielens_files``). Sparse features, in order: ``user_id``, ``item_id``, the
+user side features (ml-100k/1m: ``age``, ``gender``, ``occupation``), the item
+side features (``genres``, a multi-hot bag). Raw ids are remapped to
+contiguous ranges in sorted order over the whole folder (train and test share
+them); side-feature id 0 means "unknown". There are no dense features
+(``num_dense == 0``).
+
+Split (:func:`movielens_split`): ``"time"`` (default) puts each user's latest
+``round(test_fraction * n)`` ratings (by timestamp, file order breaking ties)
+in the test set; ``"random"`` puts each rating there with probability
+``test_fraction`` (``np.random.default_rng(seed)``).
+
+``python -m jaxrec.datasets.movielens fetch [--cache-dir DIR]`` downloads
+ml-100k (RecBole's atomic files, from the ``recbole==1.2.1`` wheel on PyPI)
+into ``~/.cache/jaxrec/ml-100k``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .batching import Ragged, Table, TableDataset
+from .movielens_files import RawRatings, read_movielens
+
+RECBOLE_VERSION = "1.2.1"
+ML100K_IN_WHEEL = "recbole/dataset_example/ml-100k/"
+ML100K_FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
+
+
+class MovieLensDataset(TableDataset):
+    """MovieLens ratings as a :class:`TableDataset`; ``vocab[key]`` maps raw tokens to ids."""
+
+    vocab: dict
+    format: str
+    ratings: np.ndarray  # [N] the raw ratings behind the labels
+
+
+def load_movielens(path: str | os.PathLike, *, threshold: float = 4.0) -> MovieLensDataset:
+    """Every rating of a MovieLens folder as one dataset (label ``rating >= threshold``)."""
+    raw = read_movielens(path)
+    cols, meta = _encode(raw)
+    return _dataset(cols, meta, raw, threshold, np.arange(len(raw.ratings)))
+
+
+def movielens_split(
+    path: str | os.PathLike,
+    *,
+    split: str = "time",
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    threshold: float = 4.0,
+) -> tuple[MovieLensDataset, MovieLensDataset]:
+    """``(train, test)`` datasets sharing one id mapping; see the module docstring."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    raw = read_movielens(path)
+    cols, meta = _encode(raw)
+    n = len(raw.ratings)
+    if split == "time":
+        user = cols[0]
+        order = np.lexsort((np.arange(n), raw.timestamps, user))  # by user, then time, then file
+        counts = np.bincount(user)
+        start = np.concatenate([[0], np.cumsum(counts)])[user[order]]
+        rank = np.arange(n) - start  # position within the user's history
+        n_test = np.round(counts * test_fraction).astype(np.int64)[user[order]]
+        is_test = np.empty(n, bool)
+        is_test[order] = rank >= counts[user[order]] - n_test
+    elif split == "random":
+        is_test = np.random.default_rng(seed).random(n) < test_fraction
+    else:
+        raise ValueError(f"split must be 'time' or 'random', got {split!r}")
+    rows = np.arange(n)
+    train = _dataset(cols, meta, raw, threshold, rows[~is_test])
+    return train, _dataset(cols, meta, raw, threshold, rows[is_test])
+
+
+def _vocab(tokens) -> dict:
+    return {t: i for i, t in enumerate(sorted(set(tokens), key=_sort_key))}
+
+
+def _sort_key(t: str):
+    return (0, int(t), "") if t.isdigit() else (1, 0, t)  # numeric ids in numeric order
+
+
+def _encode(raw: RawRatings):
+    """Per-rating columns (``[N]`` ids or :class:`Ragged`) and ``(keys, sizes, vocab)``."""
+    users, items = _vocab(raw.users), _vocab(raw.items)
+    u = np.fromiter((users[x] for x in raw.users), np.int64, len(raw.users))
+    it = np.fromiter((items[x] for x in raw.items), np.int64, len(raw.items))
+    keys, sizes, vocab, cols = ["user_id", "item_id"], [len(users), len(items)], {}, [u, it]
+    vocab["user_id"], vocab["item_id"] = users, items
+    clash = set(raw.user_features) & set(raw.item_features)
+    for side, owners, rows, prefix in (
+        (raw.user_features, users, u, "user_"),
+        (raw.item_features, items, it, "item_"),
+    ):
+        for name, by_owner in side.items():
+            key = prefix + name if name in clash else name
+            voc = {
+                t: i + 1
+                for i, t in enumerate(
+                    sorted({t for v in by_owner.values() for t in v}, key=_sort_key)
+                )
+            }
+            per_owner = [[voc[t] for t in by_owner.get(o, [])] for o in owners]
+            if all(len(v) == 1 for v in by_owner.values()):  # one token each: a plain id column
+                codes = np.array([v[0] if v else 0 for v in per_owner], np.int64)
+                cols.append(codes[rows])
+            else:
+                bags = Ragged.from_lengths(
+                    np.array([t for v in per_owner for t in v], np.int64),
+                    [len(v) for v in per_owner],
+                )
+                cols.append(Ragged.from_lengths(*bags.take(rows)))
+            keys.append(key)
+            sizes.append(len(voc) + 1)
+            vocab[key] = voc
+    return cols, (keys, sizes, vocab)
+
+
+def _dataset(cols, meta, raw, threshold, rows) -> MovieLensDataset:
+    keys, sizes, vocab = meta
+    sparse = [
+        Ragged.from_lengths(*c.take(rows)) if isinstance(c, Ragged) else c[rows] for c in cols
+    ]
+    labels = (raw.ratings[rows] >= threshold).astype(np.float32)
+    max_ids = {
+        k: max(c.max_length(), 1) for k, c in zip(keys, cols, strict=True) if isinstance(c, Ragged)
+    }
+    data = MovieLensDataset(
+        Table(np.zeros((len(rows), 0), np.float32), sparse, labels),
+        keys=keys,
+        num_embeddings_per_feature=sizes,
+        max_ids_per_sample=max_ids,  # the whole folder's longest bag: equal for train and test
+    )
+    data.vocab, data.format = vocab, raw.format
+    data.ratings = raw.ratings[rows]
+    return data
+
+
+# ----- fetch -----
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JAXREC_CACHE", Path.home() / ".cache" / "jaxrec"))
+
+
+def extract_ml100k(wheel: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
+    """Extracts ``recbole/dataset_example/ml-100k/*`` of a wheel into ``cache_dir/ml-100k``."""
+    target = Path(cache_dir) / "ml-100k"
+    with zipfile.ZipFile(wheel) as zf:
+        members = [
+            m for m in zf.namelist() if m.startswith(ML100K_IN_WHEEL) and not m.endswith("/")
+        ]
+        missing = [f for f in ML100K_FILES if ML100K_IN_WHEEL + f not in members]
+        if missing:
+            raise ValueError(f"{wheel} has no {ML100K_IN_WHEEL}{{{', '.join(missing)}}}")
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".ml-100k-", dir=cache_dir))
+        try:
+            for m in members:
+                name = m[len(ML100K_IN_WHEEL) :]
+                if "/" in name or name in ("", ".", ".."):
+                    continue  # only the folder's own files
+                (staging / name).write_bytes(zf.read(m))
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)  # appears whole or not at all
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _pip_download(dest: str) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"recbole=={RECBOLE_VERSION}",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--dest",
+        dest,
+    ]
+    subprocess.run(cmd, check=True)
+
+
+def fetch_movielens_100k(
+    cache_dir: str | os.PathLike | None = None, *, download=_pip_download
+) -> Path:
+    """``cache_dir/ml-100k`` (default ``~/.cache/jaxrec``), downloading RecBole's copy if absent.
+
+    Idempotent: a complete folder is returned as is. The download runs
+    ``pip download recbole==1.2.1 --no-deps`` into a temporary folder and keeps
+    only ``recbole/dataset_example/ml-100k/*`` from the wheel.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache / "ml-100k"
+    if all((target / f).exists() for f in ML100K_FILES):
+        return target
+    with tempfile.TemporaryDirectory(prefix="jaxrec-recbole-") as tmp:
+        download(tmp)
+        wheels = sorted(Path(tmp).glob("recbole-*.whl"))
+        if not wheels:
+            raise FileNotFoundError(f"pip download left no recbole wheel in {tmp}")
+        return extract_ml100k(wheels[0], cache)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxrec.datasets.movielens")
+    sub = p.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="download ml-100k (RecBole atomic files)")
+    fetch.add_argument("--cache-dir", help="default: ~/.cache/jaxrec")
+    args = p.parse_args(argv)
+    path = fetch_movielens_100k(args.cache_dir)
+    data = load_movielens(path)
+    print(f"{path}: {data.num_rows} ratings, positive rate {data.labels().mean():.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
