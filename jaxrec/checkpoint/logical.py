@@ -149,9 +149,14 @@ def _place_dense(nested: Mapping, target: Any) -> Any:
 
 
 def _put(value: Any, like: Any) -> jax.Array:
-    """``value`` as an array shaped and sharded like ``like`` (only local slices placed)."""
+    """``value`` as an array shaped and sharded like ``like``.
+
+    Host values: each process places only its own devices' slices. Device
+    values are ``device_put`` (in multi-process runs they must already be
+    laid out over the target's devices, as orbax restores them).
+    """
     sharding = like.sharding
     if isinstance(value, jax.Array):
         return jax.device_put(value.astype(like.dtype), sharding)
-    value = np.asarray(value).astype(like.dtype)
+    value = np.asarray(value).astype(like.dtype, copy=False)
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])

@@ -4,6 +4,7 @@ the on-disk layout, and clear errors for checkpoints that do not fit the target.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -11,6 +12,7 @@ import pytest
 from checkpoint_cases import TablesModel, leaves, tables
 from flax import nnx
 
+import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
 
@@ -86,15 +88,23 @@ def test_save_interval_force_and_bad_metadata(tmp_path):
 # Plain orbax without a target reads the saved shardings (dense leaves) from the file.
 @pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")
 def test_on_disk_tables_are_logical(tmp_path):
-    """Plain orbax reads a table as ``[num_embeddings, dim]`` with its optimizer state."""
-    graphdef, state = init(dropout=False)
+    """Plain orbax reads a table as ``[num_embeddings, dim]`` in its dtype (here bf16),
+    with its optimizer state."""
+    configs = tables()
+    configs[1] = dataclasses.replace(configs[1], data_type=jr.DataType.BF16)
+    graphdef, state = init(configs, dropout=False)
     state = bumped(state, 3)
     with ckpt.CheckpointManager(tmp_path) as mgr:
         mgr.save(7, graphdef, OPT, state)
+        restored = mgr.restore(graphdef, OPT, state)
+    for x, y in zip(leaves(restored), leaves(state), strict=True):
+        np.testing.assert_array_equal(x, y)
     raw = ocp.PyTreeCheckpointer().restore(tmp_path / "7" / "state")
     t2 = raw["tables"]["ebc.embedding_bags.t2"]
     model = train.merge_model(graphdef, state)
-    np.testing.assert_array_equal(t2["weight"], model.ebc.state_dict()["embedding_bags.t2.weight"])
+    weight = model.ebc.state_dict()["embedding_bags.t2.weight"]
+    assert t2["weight"].dtype == weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(t2["weight"], weight)
     np.testing.assert_array_equal(t2["momentum1"], np.full(37, 3.0, np.float32))
     assert int(t2["count"]) == 3 and sorted(t2) == ["count", "momentum1", "weight"]
 
