@@ -37,9 +37,9 @@ FORMAT = "jaxrec.checkpoint/1"
 class CheckpointManager:
     """Saves and restores train states under ``directory/<step>/``.
 
-    There is no TorchRec class for this (TorchRec users write ``state_dict``
-    files per rank and cannot change the plan); the ``step`` directories and
-    options are orbax's ``CheckpointManager``.
+    No TorchRec class matches (TorchRec checkpoints its sharded ``state_dict``
+    with ``torch.distributed.checkpoint``); the step directories and options
+    are orbax's ``CheckpointManager``'s.
 
     Args:
         directory: where the step directories go (created if needed).
