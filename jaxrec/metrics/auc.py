@@ -161,7 +161,7 @@ class _BufferMetric(Metric):
             value = one(state.predictions, state.labels, state.weights)
         else:
             value = jax.vmap(one)(state.predictions, state.labels, state.weights)
-        return jnp.where(state.overflow, jnp.nan, value).astype(jnp.float32)
+        return jnp.where(state.overflow, jnp.nan, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -204,7 +204,7 @@ class SumMetric(Metric):
 
     def compute(self, state):
         sums = {k: sum_value(state[k]) for k in self.state_names}
-        return {k: v.astype(jnp.float32) for k, v in self.compute_sums(sums).items()}
+        return self.compute_sums(sums)
 
     def reduce(self, state, axis_name):
         # psum of hi and of lo: one float rounding per reduction, none accumulated.
