@@ -1,0 +1,16 @@
+"""The main job: train DLRM (or DLRM-DCN), evaluate AUC/NE, checkpoint, resume.
+
+A thin wrapper around ``jaxrec.jobs.train_dlrm`` (also installed as the
+``jaxrec-train-dlrm`` command); every flag is documented by ``--help``.
+
+    python examples/train_dlrm.py                        # synthetic Criteo-like, ~15 s
+    python examples/train_dlrm.py --devices 8            # tables sharded over 8 CPU devices
+    python examples/train_dlrm.py --dataset movielens --epochs 3 --batch-size 256 \\
+        --sparse-lr 0.02                                 # real ml-100k (fetched once)
+    python examples/train_dlrm.py --resume               # continue runs/dlrm
+"""
+
+from jaxrec.jobs.train_dlrm import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The pieces of ``jaxrec-train-dlrm``: data, model, sharding, steps, evaluation."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from .. import distributed as dist
+from ..configs import EmbeddingBagConfig
+from ..models import DLRM, DLRM_DCN
+from ..modules import EmbeddingBagCollection
+from ..optim import CombinedOptimizer, rowwise_adagrad
+from ..train import init_train_state, make_eval_step, make_train_step
+
+EBC_PATH = "sparse_arch.embedding_bag_collection"
+
+
+# ----- data -----
+def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``."""
+    from .. import datasets
+
+    if args.dataset == "synthetic":
+        return datasets.synthetic_criteo_split(
+            num_train=args.num_train, num_eval=args.num_eval, seed=args.seed
+        )
+    if args.data_dir is None:
+        if args.dataset == "movielens":
+            return datasets.movielens_split(datasets.fetch_movielens_100k(), seed=args.seed)
+        raise SystemExit("--dataset criteo needs --data-dir (TSV day files or npy files)")
+    if args.dataset == "criteo":
+        return datasets.criteo_split(args.data_dir, num_embeddings=args.num_embeddings)
+    return datasets.movielens_split(args.data_dir, seed=args.seed)
+
+
+# ----- model -----
+def build_model(args: argparse.Namespace, data: Any) -> nnx.Module:
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{key}",
+            embedding_dim=args.embedding_dim,
+            num_embeddings=int(n),
+            feature_names=[key],
+        )
+        for key, n in zip(data.keys, data.num_embeddings_per_feature, strict=True)
+    ]
+    ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(args.seed))
+    dense = [int(x) for x in args.dense_arch.split(",")]
+    over = [int(x) for x in args.over_arch.split(",")]
+    if dense[-1] != args.embedding_dim:
+        raise SystemExit(
+            f"--dense-arch must end in the embedding dim {args.embedding_dim}, got {dense}"
+        )
+    num_dense = max(int(data.num_dense), 1)  # DLRM needs a dense input; a constant if none
+    common = dict(
+        embedding_bag_collection=ebc,
+        dense_in_features=num_dense,
+        dense_arch_layer_sizes=dense,
+        over_arch_layer_sizes=over,
+        rngs=nnx.Rngs(args.seed + 1),
+    )
+    if args.model == "dcn":
+        return DLRM_DCN(**common, dcn_num_layers=args.dcn_layers, dcn_low_rank_dim=args.dcn_rank)
+    return DLRM(**common)
+
+
+def shard(args: argparse.Namespace, model: nnx.Module):
+    """``(mesh or None, model, plan description)``."""
+    n = args.devices
+    if n == 1:
+        return None, model, "unsharded"
+    if jax.device_count() < n:
+        raise SystemExit(f"--devices {n}: only {jax.device_count()} devices are visible")
+    mesh = jax.make_mesh(
+        (n,), ("x",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    ebc = model.sparse_arch.embedding_bag_collection
+    if args.sharding == "planner":
+        plan = None
+    else:
+        names = [t.name for t in ebc.table_configs]
+        gens = {
+            "table_wise": lambda i: dist.table_wise(i % n),
+            "row_wise": lambda i: dist.row_wise(),
+            "column_wise": lambda i: dist.column_wise(list(range(min(n, 2)))),
+            "data_parallel": lambda i: dist.data_parallel(),
+        }[args.sharding]
+        module_plan = dist.construct_module_sharding_plan(
+            ebc, {t: gens(i) for i, t in enumerate(names)}, world_size=n
+        )
+        plan = dist.ShardingPlan({EBC_PATH: module_plan})
+    model = dist.DistributedModelParallel(model, plan, mesh)
+    sharded = model.sparse_arch.embedding_bag_collection
+    kinds = sorted(
+        {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
+    )
+    return mesh, model, ",".join(kinds)
+
+
+# ----- steps -----
+def build_optimizer(args: argparse.Namespace) -> CombinedOptimizer:
+    return CombinedOptimizer(optax.adam(args.dense_lr), rowwise_adagrad(args.sparse_lr))
+
+
+def _dense(batch) -> jax.Array:
+    dense = batch.dense_features
+    return jnp.ones((dense.shape[0], 1), jnp.float32) if dense.shape[1] == 0 else dense
+
+
+def bce(model, batch):
+    logits = model(_dense(batch), batch.sparse_features)[:, 0]
+    return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
+
+
+def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.Namespace):
+    graphdef, state = init_train_state(model, optimizer)
+    step = make_train_step(graphdef, optimizer, bce)
+    eval_step = make_eval_step(
+        graphdef, lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0])
+    )
+    return graphdef, state, step, eval_step
+
+
+# ----- evaluation -----
+def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str, float]:
+    """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC).
+
+    The last, partial global batch is padded with empty samples of weight 0, so
+    no sample is dropped and every step has the training shapes (no recompile).
+    """
+    from .. import metrics
+
+    world, size = args.devices, args.batch_size
+    global_size = size * world
+    capacity = -(-len(data) // global_size) * global_size
+    collection = metrics.MetricCollection(
+        [
+            metrics.AUCMetric(capacity=capacity),
+            metrics.NEMetric(),
+            metrics.CalibrationMetric(),
+            metrics.CTRMetric(),
+        ]
+    )
+    mstate = collection.init()
+    update = jax.jit(collection.update)
+    caps = data.capacities(size)
+    local = list(_padded_batches(data.batches(size, shuffle=False, drop_last=False), size, caps))
+    for i in range(0, len(local), world):
+        group = local[i : i + world]
+        group += [(_pad(group[0][0], size, caps, keep=0), 0)] * (world - len(group))
+        batches = [b for b, _ in group]
+        weights = np.concatenate([np.arange(size) < n for _, n in group]).astype(np.float32)
+        batch = dist.shard_batch(batches, mesh) if mesh is not None else jax.device_put(batches[0])
+        mstate = update(mstate, eval_step(state, batch), batch.labels, weights)
+    collection.check(mstate)
+    out = collection.compute(mstate)
+    return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}
+
+
+def _padded_batches(batches, size: int, caps):
+    """``(batch of size rows, number of real rows)``; a short batch is padded."""
+    for b in batches:
+        n = int(b.labels.shape[0])
+        yield (b if n == size else _pad(b, size, caps)), n
+
+
+def _pad(batch, size: int, caps, keep: int | None = None):
+    """The first ``keep`` (default: all) rows of ``batch``, grown to ``size`` rows
+    by empty samples (no ids, zero dense features, label 0)."""
+    from ..sparse import KeyedJaggedTensor
+
+    n = int(batch.labels.shape[0])
+    keep = n if keep is None else keep
+    kjt = batch.sparse_features
+    keys = kjt.keys()
+    lengths = np.asarray(kjt.lengths()).reshape(len(keys), n)[:, :keep]
+    values = [np.asarray(kjt[k].values())[: lengths[i].sum()] for i, k in enumerate(keys)]
+    grown = np.zeros((len(keys), size), lengths.dtype)
+    grown[:, :keep] = lengths
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys,
+        np.concatenate(values),
+        grown.reshape(-1),
+        stride=size,
+        capacities=list(caps),
+        on_host=True,
+    )
+    dense = np.zeros((size, *batch.dense_features.shape[1:]), np.float32)
+    dense[:keep] = np.asarray(batch.dense_features)[:keep]
+    labels = np.zeros(size, np.float32)
+    labels[:keep] = np.asarray(batch.labels)[:keep]
+    return type(batch)(dense, sparse, labels)

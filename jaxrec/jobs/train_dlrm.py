@@ -1,0 +1,232 @@
+"""The main job: train DLRM (or DLRM-DCN) on click data, evaluate, checkpoint, resume.
+
+``jaxrec-train-dlrm`` (console script) and ``python examples/train_dlrm.py``
+run :func:`main`. By default it trains on synthetic Criteo-like data with a
+planted model (about a minute on two CPU cores); ``--dataset criteo`` reads
+Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
+(``python -m jaxrec.datasets.movielens fetch`` gets ml-100k). With
+``--devices N > 1`` the embedding tables are sharded over N devices (the
+planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
+
+The run directory gets ``summary.json`` (also printed as the last line),
+``metrics.jsonl`` (one line per evaluation), checkpoints (``--checkpoint-every``),
+TensorBoard scalars (``--tensorboard``) and ``curves.svg`` (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="jaxrec-train-dlrm", description=__doc__.split("\n\n")[0])
+    data = p.add_argument_group("data")
+    data.add_argument(
+        "--dataset", default="synthetic", choices=("synthetic", "criteo", "movielens")
+    )
+    data.add_argument(
+        "--data-dir", help="criteo: TSV day files or npy files; movielens: the folder"
+    )
+    data.add_argument("--num-train", type=int, default=300_000, help="synthetic: train samples")
+    data.add_argument("--num-eval", type=int, default=50_000, help="synthetic: eval samples")
+    data.add_argument(
+        "--num-embeddings", type=int, default=100_000, help="criteo: rows per table (modulo)"
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default="dlrm", choices=("dlrm", "dcn"))
+    model.add_argument("--embedding-dim", type=int, default=16)
+    model.add_argument("--dense-arch", default="64,16", help="layer sizes; the last = emb dim")
+    model.add_argument("--over-arch", default="64,32,1")
+    model.add_argument("--dcn-layers", type=int, default=2)
+    model.add_argument("--dcn-rank", type=int, default=16)
+    train = p.add_argument_group("training")
+    train.add_argument("--batch-size", type=int, default=1024, help="per device")
+    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--max-steps", type=int, help="stop after this many steps")
+    train.add_argument("--dense-lr", type=float, default=1e-3)
+    train.add_argument("--sparse-lr", type=float, default=0.05)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--eval-every", type=int, default=0, help="steps; 0: after each epoch")
+    dist = p.add_argument_group("devices")
+    dist.add_argument("--devices", type=int, default=1, help="shard tables over N devices")
+    dist.add_argument("--sharding", default="planner", choices=SHARDINGS)
+    out = p.add_argument_group("outputs")
+    out.add_argument("--run-dir", default="runs/dlrm")
+    out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
+    out.add_argument("--keep-checkpoints", type=int, default=2)
+    out.add_argument("--no-checkpoint", action="store_true")
+    out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    out.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
+    out.add_argument("--plot", action="store_true", help="write curves.svg")
+    out.add_argument("--quiet", action="store_true", help="no progress line")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    _configure_devices(args.devices)
+    import jax  # after the device count is set
+
+    from .dlrm_parts import (
+        build_model,
+        build_optimizer,
+        evaluate,
+        load_data,
+        make_steps,
+        shard,
+    )
+    from .run_log import Progress, ScalarWriter, svg_plot
+
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train_data, eval_data = load_data(args)
+    model = build_model(args, train_data)
+    mesh, model, plan_text = shard(args, model)
+    optimizer = build_optimizer(args)
+    graphdef, state, step, eval_step = make_steps(model, optimizer, args)
+    ckpt = None if args.no_checkpoint else _checkpoints(run_dir, args)
+    start_step = 0
+    if not args.resume and ckpt is not None and ckpt.latest_step() is not None:
+        raise SystemExit(
+            f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}): "
+            "pass --resume to continue that run, or a new --run-dir"
+        )
+    if not args.resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if args.resume:
+        if ckpt is None or ckpt.latest_step() is None:
+            raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+        start_step = ckpt.latest_step()
+        state = ckpt.restore(graphdef, optimizer, state, step=start_step)
+        print(f"resumed from step {start_step}", flush=True)
+
+    world = args.devices
+    per_epoch = train_data.num_batches(args.batch_size * world)
+    total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
+    total = min(total, per_epoch * args.epochs)
+    writer = ScalarWriter(run_dir / "tb") if args.tensorboard else None
+    progress = None if args.quiet else Progress(total - start_step)
+    curves: dict[str, list] = {"train_loss": [], "eval_auc": [], "eval_ne": []}
+    history = []
+    eval_every = args.eval_every or per_epoch
+
+    from ..train import TrainPipeline
+
+    pipeline = TrainPipeline(step, state, mesh=mesh)
+    step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
+    train_time = 0.0
+    for epoch in itertools.count(start_step // per_epoch):
+        if step_i >= total:
+            break
+        skip = step_i - epoch * per_epoch  # resumed mid-epoch: the same order, minus done batches
+        it = _device_batches(train_data, args, epoch, world, skip)
+        while step_i < total:
+            try:
+                loss, _ = pipeline.progress(it)
+            except StopIteration:
+                break
+            step_i += 1
+            samples += args.batch_size * world
+            losses.append(loss)
+            if progress and (step_i % 10 == 0 or step_i == total):
+                progress.update(step_i - start_step, samples, loss=float(loss))
+            if step_i % 50 == 0 or step_i == total:
+                mean_loss = float(sum(float(x) for x in losses) / len(losses))
+                curves["train_loss"].append((step_i, mean_loss))
+                if writer:
+                    writer.add_scalars({"train/loss": mean_loss}, step_i)
+                losses = []
+            if step_i % eval_every == 0 or step_i == total:
+                jax.block_until_ready(pipeline.state)
+                train_time += time.perf_counter() - t0
+                metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
+                history.append({"step": step_i, "epoch": epoch, **metrics})
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(history[-1]) + "\n")
+                curves["eval_auc"].append((step_i, metrics["auc"]))
+                curves["eval_ne"].append((step_i, metrics["ne"]))
+                if writer:
+                    writer.add_scalars({f"eval/{k}": v for k, v in metrics.items()}, step_i)
+                if not args.quiet:
+                    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                    print(f"\nstep {step_i}: eval {shown}", flush=True)
+                t0 = time.perf_counter()
+            if ckpt and args.checkpoint_every and step_i % args.checkpoint_every == 0:
+                ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
+        pipeline.close()
+    jax.block_until_ready(pipeline.state)
+    train_time += time.perf_counter() - t0
+    if progress:
+        progress.close()
+    if ckpt:
+        if ckpt.latest_step() != step_i:
+            ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
+        ckpt.wait_until_finished()
+        ckpt.close()
+    if writer:
+        writer.close()
+    if args.plot:
+        (run_dir / "curves.svg").write_text(
+            svg_plot({k: v for k, v in curves.items() if v}, f"{args.model} on {args.dataset}")
+        )
+    summary = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "devices": world,
+        "sharding": plan_text,
+        "steps": step_i,
+        "samples": samples,
+        "samples_per_s": round(samples / max(train_time, 1e-9), 1),
+        "train_seconds": round(train_time, 2),
+        **({"eval": history[-1]} if history else {}),
+        **train_data.reference_metrics(eval_data),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _configure_devices(n: int) -> None:
+    """On a CPU host, ``n`` fake devices (must run before JAX's backend starts)."""
+    if n > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        import contextlib
+
+        import jax
+
+        # RuntimeError: the backend already started (e.g. inside tests).
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", n)
+
+
+def _device_batches(data, args, epoch: int, world: int, skip: int) -> Iterator:
+    """Host batches for the pipeline: one per step, or a list of ``world`` local batches."""
+    batches = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=epoch)
+    if world > 1:
+        batches = _grouped(batches, world)
+    return itertools.islice(batches, skip, None)
+
+
+def _grouped(it: Iterator, n: int) -> Iterator[list]:
+    while True:
+        group = list(itertools.islice(it, n))
+        if len(group) < n:
+            return
+        yield group
+
+
+def _checkpoints(run_dir: Path, args):
+    from ..checkpoint import CheckpointManager
+
+    return CheckpointManager(run_dir / "checkpoints", max_to_keep=args.keep_checkpoints)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
