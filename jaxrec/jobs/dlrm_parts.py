@@ -26,17 +26,39 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``."""
     from .. import datasets
 
+    sizes = _multi_hot_sizes(args.multi_hot)
     if args.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
-            num_train=args.num_train, num_eval=args.num_eval, seed=args.seed
+            num_train=args.num_train, num_eval=args.num_eval, seed=args.seed, multi_hot_sizes=sizes
         )
+    if args.dataset == "movielens" and sizes is not None:
+        raise SystemExit("--multi-hot applies to criteo and synthetic data, not movielens")
     if args.data_dir is None:
         if args.dataset == "movielens":
             return datasets.movielens_split(datasets.fetch_movielens_100k(), seed=args.seed)
         raise SystemExit("--dataset criteo needs --data-dir (TSV day files or npy files)")
     if args.dataset == "criteo":
-        return datasets.criteo_split(args.data_dir, num_embeddings=args.num_embeddings)
+        n = args.num_embeddings
+        multi = None if sizes is None else datasets.MultiHot(sizes, [n] * len(sizes), method="hash")
+        on_error = "skip" if args.skip_malformed else "raise"
+        return datasets.criteo_split(
+            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error
+        )
     return datasets.movielens_split(args.data_dir, seed=args.seed)
+
+
+# MLPerf DLRM-DCNv2's multi-hot bag size per Criteo feature.
+MLPERF_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+
+
+def _multi_hot_sizes(flag: str | None) -> list[int] | None:
+    if flag is None:
+        return None
+    if flag == "mlperf":
+        return list(MLPERF_MULTI_HOT)
+    if not flag.isdigit() or int(flag) < 1:
+        raise SystemExit(f"--multi-hot must be a positive integer or 'mlperf', got {flag!r}")
+    return [int(flag)] * len(MLPERF_MULTI_HOT)
 
 
 # ----- model -----

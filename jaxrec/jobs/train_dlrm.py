@@ -40,6 +40,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     data.add_argument(
         "--num-embeddings", type=int, default=100_000, help="criteo: rows per table (modulo)"
     )
+    data.add_argument(
+        "--multi-hot",
+        help="criteo/synthetic: expand each id into a bag of N ids, or 'mlperf' (DLRM-DCNv2 sizes)",
+    )
+    data.add_argument("--skip-malformed", action="store_true", help="criteo TSV: skip bad lines")
     model = p.add_argument_group("model")
     model.add_argument("--model", default="dlrm", choices=("dlrm", "dcn"))
     model.add_argument("--embedding-dim", type=int, default=16)
