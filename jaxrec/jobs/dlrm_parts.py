@@ -48,7 +48,34 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 # MLPerf DLRM-DCNv2's multi-hot bag size per Criteo feature.
-MLPERF_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+MLPERF_MULTI_HOT = (
+    3,
+    2,
+    1,
+    2,
+    6,
+    1,
+    1,
+    1,
+    1,
+    7,
+    3,
+    8,
+    1,
+    6,
+    9,
+    5,
+    1,
+    1,
+    1,
+    12,
+    100,
+    27,
+    10,
+    3,
+    1,
+    1,
+)
 
 
 def _multi_hot_sizes(flag: str | None) -> list[int] | None:
