@@ -48,6 +48,16 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     updates run on the local shards. ``capacity`` and ``overflow``: see
     :class:`ShardedEmbeddingBagCollection`.
     """
+    explicit = [
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == jax.sharding.AxisType.Explicit
+    ]  # fmt: skip
+    if explicit:
+        raise ValueError(
+            f"DistributedModelParallel needs a mesh with Auto axes; axes {explicit} are "
+            "Explicit (jax.make_mesh's default): build it with "
+            "axis_types=(jax.sharding.AxisType.Auto,) * ndim"
+        )
     if plan is None:
         from .planner import plan_for_model
 

@@ -145,3 +145,9 @@ def test_bad_plans():
     plan = d.ShardingPlan({"nope": {}})
     with pytest.raises(ValueError, match="not embedding collections"):
         d.DistributedModelParallel(model, plan, mesh_1d())
+
+
+def test_explicit_mesh_axes_are_refused():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match="Auto axes"):
+        d.DistributedModelParallel(Model(rngs=nnx.Rngs(0)), None, mesh)
