@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from ..ops.dispatch import register_pallas
 from ..ops.pooled import embedding_bag_xla, embedding_gather_xla
 from .pooled import pooled_lookup, ranges_from_segments
+from .quant_lookup import quant_embedding_bag_pallas
 from .sequence import sequence_lookup
 from .update import fused_backward_update, sparse_update
 
@@ -97,3 +98,4 @@ def register() -> None:
     register_pallas("embedding_gather", embedding_gather_pallas)
     register_pallas("sparse_update", sparse_update_pallas)
     register_pallas("fused_backward_update", fused_backward_update_pallas)
+    register_pallas("quant_embedding_bag", quant_embedding_bag_pallas)
