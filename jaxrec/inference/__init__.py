@@ -7,3 +7,6 @@ from .quant_ops import quant_embedding_bag as quant_embedding_bag
 from .quantize import dequantize_rows as dequantize_rows
 from .quantize import quantize_rows as quantize_rows
 from .quantize import row_bytes as row_bytes
+from .sharded import ShardedQuantEmbeddingBagCollection as ShardedQuantEmbeddingBagCollection
+from .sharded import ShardedQuantEmbeddingCollection as ShardedQuantEmbeddingCollection
+from .sharded import shard_quant_model as shard_quant_model
