@@ -26,6 +26,8 @@ from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
 from .quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 
+quantize_jit = jax.jit(quantize_rows, static_argnames=("dtype", "row_alignment"))
+
 
 class QuantTable(nnx.Variable):
     """Quantized ``[rows, row_bytes]`` uint8 table rows (not trainable, not an ``nnx.Param``)."""
@@ -154,9 +156,8 @@ class QuantStorage(nnx.Module):
 def _quantize_module(module, dtype, per_table_dtype, row_alignment) -> tuple[dict, dict]:
     dtypes = table_dtypes(module.table_configs, dtype, per_table_dtype)
     state = module.state_dict()
-    quantize = jax.jit(quantize_rows, static_argnames=("dtype", "row_alignment"))
     quantized = {
-        t.name: quantize(
+        t.name: quantize_jit(
             state[f"{module.prefix}.{t.name}.weight"],
             dtype=dtypes[t.name],
             row_alignment=row_alignment,

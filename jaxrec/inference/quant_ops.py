@@ -8,6 +8,7 @@ and segment-summed. No ``[R, D]`` float table ever exists.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -66,6 +67,7 @@ def quant_embedding_bag(
     )
 
 
+@functools.partial(jax.jit, static_argnames=("num_segments", "dim", "dtype"))
 def quant_embedding_bag_xla(
     qweights, rows, segment_ids, num_segments, per_value_scale=None, *, dim, dtype
 ):
@@ -130,6 +132,11 @@ def quant_grouped_sequence_lookup(
     ids, _, slot_of, _, valid, caps = _slot_positions(features, slots)
     where = f"quantized sequence lookup of {[sl.key for sl in slots]}"
     rows, valid = _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
-    emb = dequantize_rows(jnp.take(qweights, rows, axis=0, mode="clip"), dim, dtype)
-    emb = jnp.where(valid[:, None], emb, 0.0)
+    emb = _gather_dequantize(qweights, rows, valid, dim=dim, dtype=dtype)
     return jnp.split(emb, np.cumsum(caps)[:-1].tolist())
+
+
+@functools.partial(jax.jit, static_argnames=("dim", "dtype"))
+def _gather_dequantize(qweights, rows, valid, *, dim, dtype):
+    emb = dequantize_rows(jnp.take(qweights, rows, axis=0, mode="clip"), dim, dtype)
+    return jnp.where(valid[:, None], emb, 0.0)

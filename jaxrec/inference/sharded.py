@@ -44,6 +44,7 @@ from .quant_modules import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
     QuantTable,
+    quantize_jit,
     table_dtypes,
 )
 from .quant_ops import (
@@ -51,7 +52,7 @@ from .quant_ops import (
     quant_grouped_pooled_lookup,
     quant_grouped_sequence_lookup,
 )
-from .quantize import DEFAULT_ROW_ALIGNMENT, dequantize_table, quantize_rows, row_bytes
+from .quantize import DEFAULT_ROW_ALIGNMENT, dequantize_table, row_bytes
 
 _QUANT = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
 
@@ -90,7 +91,7 @@ class _QuantShards:
             src = dequantize_table(rows, dim, dt)
             r0 = 0
         block = np.asarray(src[r0 : r0 + nr, c0 : c0 + nc], np.float32)
-        return np.asarray(quantize_rows(block, dt, row_alignment=self.row_alignment))
+        return np.asarray(quantize_jit(block, dtype=dt, row_alignment=self.row_alignment))
 
     def _place(self, state_dict: Mapping[str, Any]) -> dict:
         n = self.layout.world_size

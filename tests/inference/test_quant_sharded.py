@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from quant_cases import assert_within, pooled_bound
+from quant_cases import assert_within, jit_call, pooled_bound
 
 import jaxrec as jr
 from jaxrec import distributed as d
@@ -72,7 +72,7 @@ def test_sharded_ebc_equals_unsharded():
     plan = d.construct_module_sharding_plan(q, MIXED, world_size=8)
     sharded = ShardedQuantEmbeddingBagCollection(q, plan, m)
     got = np.asarray(sharded(d.shard_batch(local, m)).values())
-    want = np.asarray(q(glob).values())
+    want = np.asarray(jit_call(q, glob).values())
     cw = slice(22, 30)  # f4 <- t3, the column-wise table
     rest = np.r_[0:22, 30:34]
     np.testing.assert_allclose(got[:, rest], want[:, rest], rtol=1e-6, atol=1e-6)  # same bytes
@@ -80,7 +80,7 @@ def test_sharded_ebc_equals_unsharded():
     t3 = np.asarray(ebc.state_dict()["embedding_bags.t3.weight"])
     bound = pooled_bound(t3, "int8", glob_bags["f4"])
     assert_within(got[:, cw], want[:, cw], 2 * bound)
-    assert_within(got[:, cw], np.asarray(ebc(glob).values())[:, cw], 2 * bound)
+    assert_within(got[:, cw], np.asarray(jit_call(ebc, glob).values())[:, cw], 2 * bound)
     with pytest.raises(TypeError, match="inference-only"):
         sharded.init_optimizer_state(None, ())
 
@@ -103,8 +103,8 @@ def test_shard_quant_model_from_float_and_dmp():
     batch = d.shard_batch(local, m)
     plan = d.ShardingPlan({"ebc": d.construct_module_sharding_plan(model.ebc, MIXED, world_size=8)})
     qmodel = quantize_inference_model(model, dtype="int4")
-    want = np.asarray(qmodel(glob))
-    sharded = d.DistributedModelParallel(quantize_inference_model(model, dtype="int4"), plan, m)
+    want = np.asarray(jit_call(qmodel, glob))
+    sharded = d.DistributedModelParallel(qmodel, plan, m)  # in place
     assert isinstance(sharded.ebc, ShardedQuantEmbeddingBagCollection)
     float_sharded = shard_quant_model(Model(), plan, m, dtype="int4")
     assert isinstance(float_sharded.ebc, ShardedQuantEmbeddingBagCollection)
@@ -118,7 +118,7 @@ def test_shard_quant_model_from_float_and_dmp():
     head = np.abs(np.asarray(model.head.kernel.get_value()))[:, 0]
     out_bound = 2 * emb_bound @ head + 1e-5
     assert_within(got, want, out_bound)
-    assert_within(got_f, np.asarray(model(glob)), out_bound / 2 + 1e-5)
+    assert_within(got_f, np.asarray(jit_call(model, glob)), out_bound / 2 + 1e-5)
     with pytest.raises(ValueError, match="not quantized collections"):
         shard_quant_model(Model(), plan, m)
 
@@ -134,7 +134,7 @@ def test_sharded_ec_equals_unsharded():
     local, _, _ = batches(2)
     out = ShardedQuantEmbeddingCollection(q, plan, m)(d.shard_batch(local, m))
     for dev in (0, 5):
-        want = q(local[dev])
+        want = jit_call(q, local[dev])
         for k in want:
             np.testing.assert_allclose(out[k].values()[dev], want[k].values(), rtol=1e-6, atol=1e-6)
 
