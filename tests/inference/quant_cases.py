@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jaxrec as jr
 from jaxrec.inference.quantize import quantize_rows, row_error_bound
@@ -78,10 +79,14 @@ def ebc_bounds(ebc, dtype, b, w=None) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
-def jit_call(module, *args):
-    from flax import nnx
+@nnx.jit
+def _call(module, *args):
+    return module(*args)
 
-    return nnx.jit(lambda m, *a: m(*a))(module, *args)
+
+def jit_call(module, *args):
+    """``module(*args)`` compiled; one cache for every test, so equal modules compile once."""
+    return _call(module, *args)
 
 
 def assert_within(got, want, bound):

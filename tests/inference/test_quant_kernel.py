@@ -45,7 +45,7 @@ def case(seed, dim, dtype, weighted, padding=3):
 @pytest.mark.parametrize(
     "dim,dtype,weighted,mean,segments",
     [(10, "int8", True, False, True), (6, "int4", False, True, False),
-     (24, "int4", True, False, True), (20, "int8", False, True, False)],
+     (20, "int4", True, True, True)],
 )  # fmt: skip
 def test_interpret_matches_reference(dim, dtype, weighted, mean, segments):
     q, rows, starts, ends, scale, seg = case(0, dim, dtype, weighted)
@@ -68,7 +68,7 @@ def test_kernel_validation():
         quant_pooled_lookup(q.astype(jnp.float32), rows, starts, ends, dim=8, dtype="int8")
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8"])
 def test_dispatch_pallas_equals_xla(dtype):
     """``implementation="pallas"`` (interpreted on CPU) through the dispatcher and the module."""
     q, rows, _, _, scale, seg = case(2, 10, dtype, True)
