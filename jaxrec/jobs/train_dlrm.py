@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = load_data(args)
+    _save_args(run_dir, args, train_data)
     model = build_model(args, train_data)
     mesh, model, plan_text = shard(args, model)
     optimizer = build_optimizer(args)
@@ -225,6 +226,21 @@ def _grouped(it: Iterator, n: int) -> Iterator[list]:
         if len(group) < n:
             return
         yield group
+
+
+def _save_args(run_dir: Path, args: argparse.Namespace, data) -> None:
+    """``run_dir/args.json``: the flags and data sizes that rebuild this run's model
+    (read by ``jaxrec.inference.model_from_run``)."""
+    info = {
+        "args": vars(args),
+        "data": {
+            "keys": list(data.keys),
+            "num_embeddings_per_feature": [int(n) for n in data.num_embeddings_per_feature],
+            "num_dense": int(data.num_dense),
+            "max_ids_per_sample": [int(n) for n in data.max_ids_per_sample],
+        },
+    }
+    (run_dir / "args.json").write_text(json.dumps(info, indent=1))
 
 
 def _checkpoints(run_dir: Path, args):

@@ -1,0 +1,342 @@
+"""Load and run an exported artifact without the model's Python code.
+
+This module imports only ``jax``, ``numpy`` and the standard library (no
+``jaxrec`` module: it also loads on its own, by file path, where jaxrec is
+not installed; ``import jaxrec.inference`` runs ``jaxrec/__init__``, which
+imports the layers in ``jaxrec.modules``, though never the model classes of
+``jaxrec.models``). The forward pass is the
+deserialized ``jax.export`` module (see :mod:`jaxrec.inference.export` for
+the artifact layout and its per-sample input layout), the weights are
+one ``.npz`` file. Inputs are validated on the host, so a bad request gets a
+:class:`InputError` (a ``ValueError``) naming the feature and the limit,
+never a silent wrong answer: in particular ids outside ``[0, num_embeddings)``
+are rejected here, because the exported lookup drops them (bounds checks in
+the compiled module cannot report).
+
+Batch sizes are rounded up to a bucket (powers of two by default) with empty
+padding samples, so a stream of requests of varying sizes compiles a handful
+of times: the artifact's batch dimension is symbolic, but XLA compiles once
+per concrete shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = "jaxrec.export/1"
+MANIFEST = "manifest.json"
+MODULE = "module.jaxexport"
+WEIGHTS = "weights.npz"
+
+
+class InputError(ValueError):
+    """An invalid prediction input (unknown/missing feature, wrong type, too many ids...)."""
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    batch_buckets: str | Sequence[int] | None = "pow2",
+    max_batch_size: int | None = None,
+) -> ExportedModel:
+    """Loads an artifact written by :func:`jaxrec.inference.export`.
+
+    Args:
+        path: the artifact directory.
+        batch_buckets: ``"pow2"`` pads each batch to the next power of two,
+            a sequence of sizes pads to the smallest that fits (a larger batch
+            is an error), ``None`` runs every batch size as is.
+        max_batch_size: reject larger batches (default: no limit, or the
+            largest bucket).
+
+    Returns:
+        An :class:`ExportedModel`: ``model(dense, sparse) -> np.ndarray``.
+
+    Example:
+        >>> predict = load("/tmp/dlrm_artifact")
+        >>> predict([[0.1] * 13, [0.2] * 13], {"f1": [[1, 2], []], "f2": [[3], [4]]})
+    """
+    return ExportedModel(path, batch_buckets=batch_buckets, max_batch_size=max_batch_size)
+
+
+class ExportedModel:
+    """A loaded artifact; call it with dense features and sparse features.
+
+    ``sparse`` is either a raw dict ``{feature: [ids of sample 0, ids of
+    sample 1, ...]}`` or a ``KeyedJaggedTensor`` (any key order, host or device
+    arrays). ``dense`` is ``[B, num_dense]`` (nested lists or an array).
+    Returns the model output ``[B, ...]`` as a numpy array.
+    """
+
+    def __init__(self, path, *, batch_buckets="pow2", max_batch_size=None):
+        self.path = Path(path)
+        if not (self.path / MANIFEST).is_file():
+            raise FileNotFoundError(f"{self.path} is not an export artifact (no {MANIFEST})")
+        self.manifest = json.loads((self.path / MANIFEST).read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(
+                f"{self.path}: unknown artifact format {self.manifest.get('format')!r}, "
+                f"expected {FORMAT!r}"
+            )
+        _check_runtime(self.manifest, self.path)
+        m = self.manifest
+        self.features: tuple[str, ...] = tuple(m["features"])
+        self.max_ids = tuple(int(m["max_ids_per_sample"][k]) for k in self.features)
+        self.num_embeddings = tuple(int(m["num_embeddings"][k]) for k in self.features)
+        self.starts = np.concatenate([[0], np.cumsum(self.max_ids)]).astype(np.int64)
+        self.num_dense = int(m["num_dense"])
+        self.weighted = bool(m["weighted"])
+        self.buckets = _buckets(batch_buckets)
+        self.max_batch_size = max_batch_size
+        if max_batch_size is None and self.buckets and self.buckets != "pow2":
+            self.max_batch_size = max(self.buckets)
+        self.exported = jax.export.deserialize(bytearray((self.path / MODULE).read_bytes()))
+        with np.load(self.path / WEIGHTS, allow_pickle=False) as npz:
+            self._weights = [jax.device_put(_load_leaf(npz, w)) for w in m["weights"]]
+        self._call = jax.jit(self.exported.call)
+        self._lock = threading.Lock()
+        self.compiled_batch_sizes: set[int] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"ExportedModel({str(self.path)!r}, features={list(self.features)}, "
+            f"num_dense={self.num_dense}, output={self.manifest['output']})"
+        )
+
+    # ----- calling -----
+    def __call__(self, dense: Any, sparse: Any, weights: Mapping | None = None) -> np.ndarray:
+        """Predictions ``[B, ...]`` for a batch (see the class docstring)."""
+        return self.run(*self.prepare(dense, sparse, weights))
+
+    def prepare(self, dense: Any, sparse: Any, weights: Mapping | None = None) -> tuple:
+        """Validated per-sample arrays ``(dense, values, lengths[, weights])``."""
+        d = self._dense(dense)
+        b = d.shape[0]
+        if hasattr(sparse, "keys") and hasattr(sparse, "capacity_per_key"):
+            if weights is not None:
+                raise InputError("a KeyedJaggedTensor carries its own weights; pass weights=None")
+            arrays = self._from_kjt(sparse, b)
+        elif isinstance(sparse, Mapping):
+            arrays = self._from_dict(sparse, b, weights)
+        else:
+            raise InputError(
+                "sparse features must be a dict {feature: [ids per sample]} or a "
+                f"KeyedJaggedTensor, got {type(sparse).__name__}"
+            )
+        return (d, *arrays)
+
+    def run(self, dense, values, lengths, weights=None) -> np.ndarray:
+        """Runs prepared per-sample arrays, padded to the batch bucket."""
+        b = dense.shape[0]
+        if self.max_batch_size is not None and b > self.max_batch_size:
+            raise InputError(f"batch of {b} samples exceeds max_batch_size={self.max_batch_size}")
+        if b == 0:
+            return np.zeros((0, *self.manifest["output"]["shape"][1:]), np.float32)
+        padded = self._bucket(b)
+        args = [dense, values, lengths] + ([weights] if self.weighted else [])
+        if padded != b:
+            args = [
+                np.concatenate([a, np.zeros((padded - b, *a.shape[1:]), a.dtype)]) for a in args
+            ]
+        with self._lock:
+            self.compiled_batch_sizes.add(padded)
+        out = self._call(self._weights, *args)
+        return np.asarray(out)[:b]
+
+    # ----- input conversion -----
+    def _dense(self, dense: Any) -> np.ndarray:
+        try:
+            d = np.asarray(dense, dtype=self.manifest["dense_dtype"])
+        except (TypeError, ValueError) as e:
+            raise InputError(f"dense features must be numbers [B, {self.num_dense}]: {e}") from None
+        if d.ndim != 2 or d.shape[1] != self.num_dense:
+            raise InputError(
+                f"dense features must be [B, {self.num_dense}] (num_dense={self.num_dense}), "
+                f"got shape {d.shape}"
+            )
+        return d
+
+    def check_features(self, keys: Sequence[str]) -> None:
+        unknown = [k for k in keys if k not in self.features]
+        if unknown:
+            raise InputError(
+                f"unknown feature(s) {unknown}; this model's features are {list(self.features)}"
+            )
+        missing = [k for k in self.features if k not in keys]
+        if missing:
+            raise InputError(
+                f"missing feature(s) {missing}: give every feature for every sample "
+                "(an empty id list for none)"
+            )
+
+    def _from_dict(self, sparse: Mapping, b: int, weights: Mapping | None) -> tuple:
+        self.check_features(list(sparse))
+        if self.weighted and weights is None:
+            raise InputError("this model reads weighted features: pass weights={feature: [...]}")
+        if weights is not None and not self.weighted:
+            raise InputError("this model reads unweighted features; pass weights=None")
+        values = np.zeros((b, int(self.starts[-1])), np.int32)
+        lengths = np.zeros((b, len(self.features)), np.int32)
+        wts = np.zeros(values.shape, np.float32) if self.weighted else None
+        for k, key in enumerate(self.features):
+            samples = sparse[key]
+            if not isinstance(samples, Sequence) or isinstance(samples, str | bytes):
+                raise InputError(
+                    f"feature {key!r} must be a list with one id list per sample, "
+                    f"got {type(samples).__name__}"
+                )
+            if len(samples) != b:
+                raise InputError(
+                    f"feature {key!r} has {len(samples)} samples but dense features have {b}"
+                )
+            w_samples = None
+            if wts is not None:
+                w_samples = weights.get(key) if isinstance(weights, Mapping) else None
+                if w_samples is None or len(w_samples) != b:
+                    raise InputError(f"weights[{key!r}] must be a list of {b} weight lists")
+            for i, ids in enumerate(samples):
+                arr = self._ids(key, k, i, ids)
+                n, lo = arr.shape[0], int(self.starts[k])
+                values[i, lo : lo + n] = arr
+                lengths[i, k] = n
+                if wts is not None:
+                    w = np.asarray(w_samples[i], np.float32).reshape(-1)
+                    if w.shape[0] != n:
+                        raise InputError(
+                            f"feature {key!r} sample {i}: {w.shape[0]} weights for {n} ids"
+                        )
+                    wts[i, lo : lo + n] = w
+        return (values, lengths) + ((wts,) if wts is not None else ())
+
+    def _ids(self, key: str, k: int, i: int, ids: Any) -> np.ndarray:
+        where = f"feature {key!r} sample {i}"
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+            raise InputError(f"{where}: ids must be a list of integers, got {type(ids).__name__}")
+        if any(isinstance(x, bool) for x in ids):
+            raise InputError(f"{where}: ids must be integers, got a bool")
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return np.zeros((0,), np.int32)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise InputError(
+                f"{where}: ids must be a flat list of integers, got dtype {arr.dtype.name} "
+                f"shape {arr.shape}"
+            )
+        self._check_ids(key, k, arr, where, arr.shape[0])
+        return arr.astype(np.int32)
+
+    def _check_ids(self, key: str, k: int, ids: np.ndarray, where: str, count: int) -> None:
+        limit = self.max_ids[k]
+        if count > limit:
+            raise InputError(
+                f"{where} has {count} ids; this artifact allows at most {limit} "
+                f"(max_ids_per_sample[{key!r}] = {limit})"
+            )
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_embeddings[k]:
+                bad = lo if lo < 0 else hi
+                raise InputError(
+                    f"{where}: id {bad} is outside [0, {self.num_embeddings[k]}) "
+                    f"(num_embeddings of the table reading {key!r})"
+                )
+
+    def _from_kjt(self, kjt: Any, b: int) -> tuple:
+        keys = list(kjt.keys())
+        self.check_features(keys)
+        if kjt.stride() != b:
+            raise InputError(f"the KJT has batch size {kjt.stride()} but dense features have {b}")
+        all_vals = np.asarray(kjt.values())
+        if all_vals.dtype.kind not in "iu":
+            raise InputError(f"KJT values must be integer ids, got dtype {all_vals.dtype.name}")
+        all_lens = np.asarray(kjt.lengths()).reshape(len(keys), b)
+        offs = kjt.capacity_offsets()
+        w_all = kjt.weights_or_none()
+        if self.weighted != (w_all is not None):
+            need = "weighted" if self.weighted else "unweighted"
+            raise InputError(f"this model reads {need} features; the KJT does not match")
+        w_all = None if w_all is None else np.asarray(w_all, np.float32)
+        values = np.zeros((b, int(self.starts[-1])), np.int32)
+        lengths = np.zeros((b, len(self.features)), np.int32)
+        wts = np.zeros(values.shape, np.float32) if self.weighted else None
+        for k, key in enumerate(self.features):
+            j = keys.index(key)
+            lens = all_lens[j].astype(np.int64)
+            if (lens < 0).any():
+                raise InputError(f"feature {key!r}: negative lengths")
+            n = int(lens.sum())
+            if n > offs[j + 1] - offs[j]:
+                raise InputError(f"feature {key!r}: lengths sum {n} exceeds its KJT capacity")
+            ids = all_vals[offs[j] : offs[j] + n]
+            worst = int(np.argmax(lens)) if b else 0
+            self._check_ids(
+                key, k, ids, f"feature {key!r} sample {worst}", int(lens.max(initial=0))
+            )
+            row = np.repeat(np.arange(b), lens)
+            col = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens) + int(self.starts[k])
+            values[row, col] = ids
+            lengths[:, k] = lens
+            if wts is not None:
+                wts[row, col] = w_all[offs[j] : offs[j] + n]
+        return (values, lengths) + ((wts,) if wts is not None else ())
+
+    def _bucket(self, b: int) -> int:
+        if not self.buckets:
+            return b
+        if self.buckets == "pow2":
+            return 1 << (b - 1).bit_length()
+        fits = [s for s in self.buckets if s >= b]
+        if not fits:
+            raise InputError(f"batch of {b} samples exceeds the largest bucket {max(self.buckets)}")
+        return min(fits)
+
+
+def _buckets(spec) -> str | tuple[int, ...] | None:
+    if spec is None or spec == "pow2":
+        return spec
+    if isinstance(spec, str):
+        raise ValueError(f"batch_buckets must be 'pow2', None or a list of sizes, got {spec!r}")
+    sizes = tuple(sorted({int(s) for s in spec}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_buckets must be positive sizes, got {list(spec)}")
+    return sizes
+
+
+def _platform() -> str:
+    p = jax.default_backend()
+    return "cuda" if p == "gpu" else p
+
+
+def _check_runtime(m: Mapping, path: Path) -> None:
+    here = _platform()
+    if here not in m["platforms"]:
+        raise ValueError(
+            f"{path} was exported for platforms {m['platforms']}, but this JAX runs on "
+            f"{here!r}; re-export with platforms=(..., {here!r})"
+        )
+    if not m.get("portable", True) and m["jax_version"] != jax.__version__:
+        raise ValueError(
+            f"{path} holds {m['implementation']} custom calls that only load on the JAX "
+            f"version that exported them ({m['jax_version']}); this is {jax.__version__}. "
+            "Re-export, or export with implementation='xla' (portable)"
+        )
+
+
+def _load_leaf(npz: Any, w: Mapping) -> np.ndarray:
+    arr = npz[w["name"]]
+    dtype = np.dtype(jax.numpy.dtype(w["dtype"]))
+    if arr.dtype != dtype:  # e.g. bfloat16, stored as same-width unsigned ints
+        arr = arr.view(dtype)
+    if list(arr.shape) != list(w["shape"]):
+        raise ValueError(
+            f"weight {w['name']} ({w['path']}): shape {arr.shape}, manifest says {w['shape']}"
+        )
+    return arr

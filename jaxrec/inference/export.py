@@ -1,0 +1,289 @@
+"""Export a model to a ``jax.export`` artifact: StableHLO with a symbolic batch size.
+
+An artifact is a directory::
+
+    manifest.json       features, per-sample id limits, table sizes, dense width,
+                        dtypes, output shape, jax version, platforms, weight files
+    module.jaxexport    jax.export.export(...).serialize(): the forward pass,
+                        weight-independent (weights are arguments)
+    weights.npz         the weights, one array per state leaf (w0000, w0001, ... in
+                        the module's argument order; non-numpy dtypes such as
+                        bfloat16 stored as same-width unsigned ints)
+
+**The symbolic batch and ragged ids.** A ``KeyedJaggedTensor``'s per-key
+capacities are static Python ints, and its helpers do host-side (numpy)
+arithmetic on them, so a KJT cannot have a symbolic stride or capacity. The
+exported function therefore takes a *per-sample* layout and maps the model
+over the batch with ``jax.vmap``: for a symbolic batch ``b`` its inputs are ::
+
+    dense    [b, num_dense]   float32
+    values   [b, C]           int32    C = sum(max_ids_per_sample); feature k owns
+                                       columns [start_k, start_k + max_ids_k),
+                                       its ids packed at the front of that slot
+    lengths  [b, F]           int32    ids per sample and feature (<= max_ids_k)
+    weights  [b, C]           float32  only for weighted collections
+
+and inside the vmapped body each sample is a KJT of stride 1 with the static
+capacities ``max_ids_per_sample``. This is ``capacity = b * max_ids[key]``
+(the training data path's scheme, DESIGN section 1) with the batch factored
+out, so every shape is either static or ``b``. The model must treat samples
+independently (true of DLRM, DCN, DeepFM, towers at inference; not of
+anything that mixes samples, e.g. batch norm in training mode, in-batch
+negatives). ``max_ids_per_sample`` defaults to the example batch's
+``ceil(capacity_k / B)``; the loader rejects a sample with more ids.
+
+**Kernels.** Export forces ``implementation="xla"`` on every embedding
+collection: the XLA path lowers to plain StableHLO ops that ``jax.export``
+guarantees to load on later JAX versions and on any listed platform. The
+Pallas Triton kernels lower to a ``stablehlo.custom_call
+@__gpu$xla.gpu.triton`` carrying Triton IR bytecode, which ``jax.export``
+refuses to serialize ("custom calls whose targets have no compatibility
+guarantees"); ``implementation="pallas"`` disables that one check and the
+manifest then pins the exact JAX version and ``cuda`` (the loader refuses
+another version). Bounds checking is set to ``IGNORE`` (the WARNING/FATAL
+modes use a host callback, which cannot be serialized); the loader checks ids
+against ``num_embeddings`` on the host instead.
+
+One artifact serves every batch size, but XLA still compiles once per
+concrete batch size at load time: callers pad to a few sizes (the loader
+rounds up to powers of two by default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .artifact import FORMAT, MANIFEST, MODULE, WEIGHTS
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def export(
+    model: nnx.Module,
+    example_batch: Any,
+    path: str | os.PathLike,
+    *,
+    max_ids_per_sample: Mapping[str, int] | int | None = None,
+    apply_fn: Callable[[nnx.Module, jax.Array, Any], jax.Array] | None = None,
+    platforms: Sequence[str] = ("cpu",),
+    implementation: str = "xla",
+    output_name: str = "logits",
+    overwrite: bool = False,
+) -> dict:
+    """Writes ``model``'s forward pass as a ``jax.export`` artifact directory.
+
+    Args:
+        model: an ``nnx.Module`` called as ``model(dense [B, N], kjt)``
+            (unsharded; samples independent).
+        example_batch: a ``Batch`` or ``(dense_features, sparse_features)``:
+            gives feature names, the dense width and dtypes, weightedness and
+            (by default) ``max_ids_per_sample``. Its values are not recorded.
+        path: the artifact directory (created; must be empty unless
+            ``overwrite``).
+        max_ids_per_sample: ids one sample may have per feature (a mapping or
+            one int); default ``ceil(capacity_k / B)`` of the example batch.
+        apply_fn: ``apply_fn(model, dense [1, N], kjt) -> [1, ...]`` (default
+            ``model(dense, kjt)``), e.g. to add a sigmoid.
+        platforms: lowering platforms, e.g. ``("cpu", "cuda")``.
+        implementation: ``"xla"`` (portable, default) or ``"pallas"`` (Triton
+            custom calls: pinned to this JAX version, cuda only).
+        output_name: a name for the output recorded in the manifest.
+        overwrite: replace an existing artifact in ``path``.
+
+    Returns:
+        The manifest (also written to ``path/manifest.json``).
+
+    Example:
+        >>> export(model, batch, "/tmp/dlrm_artifact")
+        >>> predict = jaxrec.inference.load("/tmp/dlrm_artifact")
+        >>> predict(dense, {"f1": [[1, 2], []], "f2": [[3], [4]]}).shape
+        (2, 1)
+    """
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    platforms = tuple(platforms)
+    if implementation == "pallas" and platforms != ("cuda",):
+        raise ValueError(
+            f"implementation='pallas' exports Triton kernels: platforms must be ('cuda',), "
+            f"got {platforms}"
+        )
+    dense, kjt = _split_batch(example_batch)
+    keys = tuple(kjt.keys())
+    if not keys:
+        raise ValueError("the example batch has no sparse features")
+    max_ids = _max_ids(kjt, max_ids_per_sample)
+    weighted = kjt.weights_or_none() is not None
+    num_dense = int(dense.shape[1])
+    dense_dtype = np.dtype(dense.dtype)
+    model = _inference_copy(model, implementation)
+    tables = _feature_tables(model)
+    missing = [k for k in keys if k not in tables]
+    if missing:
+        raise ValueError(
+            f"features {missing} of the example batch are read by no embedding collection of "
+            f"the model (collections read {sorted(tables)})"
+        )
+    graphdef, state = nnx.split(model)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [leaf for _, leaf in paths_leaves]
+    for p, leaf in paths_leaves:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            raise ValueError(
+                f"model state leaf {jax.tree_util.keystr(p)} is a PRNG key; inference export "
+                "needs a deterministic model (drop rngs or replace them before export)"
+            )
+    caps = tuple(max_ids[k] for k in keys)
+    apply_fn = apply_fn or (lambda m, d, s: m(d, s))
+
+    def forward(weights, dense, values, lengths, *maybe_weights):
+        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, weights))
+
+        def one(d, v, n, *w):
+            sample = _sample_kjt(keys, caps, v, n, w[0] if w else None)
+            return apply_fn(m, d[None, :], sample)[0]
+
+        in_axes = (0, 0, 0) + ((0,) if maybe_weights else ())
+        return jax.vmap(one, in_axes=in_axes)(dense, values, lengths, *maybe_weights)
+
+    (b,) = jax.export.symbolic_shape("b")
+    total = sum(caps)
+    args = [
+        [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves],
+        jax.ShapeDtypeStruct((b, num_dense), dense_dtype),
+        jax.ShapeDtypeStruct((b, total), jnp.int32),
+        jax.ShapeDtypeStruct((b, len(keys)), jnp.int32),
+    ]
+    if weighted:
+        args.append(jax.ShapeDtypeStruct((b, total), jnp.float32))
+    checks = []
+    if implementation == "pallas":
+        checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    exported = jax.export.export(jax.jit(forward), platforms=platforms, disabled_checks=checks)(
+        *args
+    )
+    out = exported.out_avals[0]
+    manifest = {
+        "format": FORMAT,
+        "features": list(keys),
+        "max_ids_per_sample": {k: max_ids[k] for k in keys},
+        "num_embeddings": {k: tables[k] for k in keys},
+        "weighted": weighted,
+        "num_dense": num_dense,
+        "dense_dtype": dense_dtype.name,
+        "ids_dtype": "int32",
+        "output": {
+            "name": output_name,
+            "shape": ["batch", *(int(d) for d in out.shape[1:])],
+            "dtype": np.dtype(out.dtype).name,
+        },
+        "platforms": list(platforms),
+        "implementation": implementation,
+        "portable": implementation == "xla",
+        "jax_version": jax.__version__,
+        "calling_convention_version": exported.calling_convention_version,
+        "weights": [],
+    }
+    _write(Path(path), manifest, exported.serialize(), paths_leaves, overwrite)
+    return manifest
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if hasattr(batch, "dense_features") and hasattr(batch, "sparse_features"):
+        return batch.dense_features, batch.sparse_features
+    if isinstance(batch, tuple | list) and len(batch) in (2, 3):
+        return batch[0], batch[1]
+    raise TypeError(
+        "example_batch must be a Batch or (dense_features, sparse_features[, labels]), "
+        f"got {type(batch).__name__}"
+    )
+
+
+def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
+    keys, b = kjt.keys(), kjt.stride()
+    if given is None:
+        if b == 0:
+            raise ValueError("the example batch is empty; pass max_ids_per_sample=")
+        return {
+            k: max(1, math.ceil(c / b)) for k, c in zip(keys, kjt.capacity_per_key(), strict=True)
+        }
+    if isinstance(given, int):
+        given = dict.fromkeys(keys, given)
+    unknown = sorted(set(given) - set(keys))
+    missing = [k for k in keys if k not in given]
+    if unknown or missing:
+        raise ValueError(
+            f"max_ids_per_sample must name exactly the features {list(keys)}; "
+            f"unknown {unknown}, missing {missing}"
+        )
+    out = {k: int(given[k]) for k in keys}
+    bad = {k: n for k, n in out.items() if n < 1}
+    if bad:
+        raise ValueError(f"max_ids_per_sample must be >= 1, got {bad}")
+    return out
+
+
+def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
+    """A copy whose embedding collections use ``implementation`` and IGNORE bounds checks."""
+    from ..ops.bounds import BoundsCheckMode
+
+    model = nnx.clone(model)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "table_configs"):
+            if hasattr(node, "implementation"):
+                node.implementation = implementation
+            if hasattr(node, "bounds_check_mode"):
+                node.bounds_check_mode = BoundsCheckMode.IGNORE
+    return model
+
+
+def _feature_tables(model: nnx.Module) -> dict[str, int]:
+    """Feature name -> num_embeddings of the table reading it (smallest if several)."""
+    out: dict[str, int] = {}
+    for _, node in nnx.iter_graph(model):
+        for t in getattr(node, "table_configs", ()) if isinstance(node, nnx.Module) else ():
+            for f in t.feature_names:
+                out[f] = min(out.get(f, t.num_embeddings), int(t.num_embeddings))
+    return out
+
+
+def _sample_kjt(keys, caps, values, lengths, weights):
+    """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``."""
+    from ..sparse import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(
+        keys, values, weights, lengths=lengths, stride=1, capacities=caps, validate=False
+    )
+
+
+def _write(path: Path, manifest: dict, module: bytearray, paths_leaves, overwrite: bool) -> None:
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} is not empty; pass overwrite=True or a new path")
+    path.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for i, (p, leaf) in enumerate(paths_leaves):
+        arr = np.asarray(jax.device_get(leaf))
+        name = f"w{i:04d}"
+        manifest["weights"].append(
+            {
+                "name": name,
+                "path": jax.tree_util.keystr(p),
+                "shape": list(arr.shape),
+                "dtype": np.dtype(arr.dtype).name,
+            }
+        )
+        if arr.dtype.char not in np.typecodes["All"]:  # e.g. ml_dtypes' bfloat16
+            arr = arr.view(f"u{arr.dtype.itemsize}")
+        arrays[name] = arr
+    np.savez(path / WEIGHTS, allow_pickle=False, **arrays)
+    (path / MODULE).write_bytes(bytes(module))
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
