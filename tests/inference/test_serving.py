@@ -123,3 +123,20 @@ def test_batch_file_mode(model_and_server, tmp_path):
     assert "not valid JSON" in out[2]["error"] and "missing feature" in out[4]["error"]
     preds = [o["prediction"] for o in out if "prediction" in o]
     np.testing.assert_allclose(preds, loaded(dense, raw)[:, 0], rtol=1e-6)
+
+
+def test_serve_example_batch_mode(model_and_server, tmp_path):
+    import importlib.util
+    import os
+
+    loaded, _ = model_and_server
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "serve.py")
+    spec = importlib.util.spec_from_file_location("examples_serve", path)  # not bench/serve.py
+    serve_example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_example)
+    dense, raw, inst = instances(2, seed=5)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in inst))
+    argv = [str(loaded.path), "--input", str(tmp_path / "in.jsonl")]
+    assert serve_example.main([*argv, "--output", str(tmp_path / "out.jsonl")]) == 0
+    out = [json.loads(x)["prediction"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(out, loaded(dense, raw)[:, 0], rtol=1e-6)
