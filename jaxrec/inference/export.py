@@ -79,6 +79,7 @@ def export(
     implementation: str = "xla",
     output_name: str = "logits",
     overwrite: bool = False,
+    verify: bool = True,
 ) -> dict:
     """Writes ``model``'s forward pass as a ``jax.export`` artifact directory.
 
@@ -99,6 +100,9 @@ def export(
             custom calls: pinned to this JAX version, cuda only).
         output_name: a name for the output recorded in the manifest.
         overwrite: replace an existing artifact in ``path``.
+        verify: run the deserialized module once (batch of 1, no ids) when this
+            host's platform is exported, so that a module that cannot be
+            specialised to a concrete batch fails here, not at load time.
 
     Returns:
         The manifest (also written to ``path/manifest.json``).
@@ -171,6 +175,8 @@ def export(
     exported = jax.export.export(jax.jit(forward), platforms=platforms, disabled_checks=checks)(
         *args
     )
+    if verify:
+        _verify(exported, leaves, args)
     out = exported.out_avals[0]
     manifest = {
         "format": FORMAT,
@@ -195,6 +201,23 @@ def export(
     }
     _write(Path(path), manifest, exported.serialize(), paths_leaves, overwrite)
     return manifest
+
+
+def _verify(exported, leaves, args) -> None:
+    here = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
+    if here not in exported.platforms:
+        return
+    module = jax.export.deserialize(exported.serialize())
+    concrete = [np.zeros((1, *a.shape[1:]), a.dtype) for a in args[1:]]
+    try:
+        jax.block_until_ready(module.call(leaves, *concrete))
+    except Exception as e:
+        raise ValueError(
+            "the exported module does not run at a concrete batch size (batch 1): "
+            f"{str(e).splitlines()[0].rstrip('.')}. Some op in the model cannot be "
+            "specialised from the symbolic batch (e.g. a bitcast_convert_type that "
+            "changes the element width)"
+        ) from e
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
