@@ -145,12 +145,27 @@ def quantize_rows(
     return jnp.pad(data, ((0, 0), (0, width - data.shape[1])))
 
 
+def _from_bytes(data: jax.Array, dtype) -> jax.Array:
+    """Little-endian byte groups ``[..., n]`` -> ``dtype`` values ``[...]``.
+
+    Bytes are first combined into an n-byte unsigned int, then bitcast at equal
+    width: a width-changing bitcast cannot be shape-refined under a symbolic
+    batch (``jax.export``).
+    """
+    n = data.shape[-1]
+    uint = {2: jnp.uint16, 4: jnp.uint32}[n]
+    word = data[..., 0].astype(uint)
+    for i in range(1, n):
+        word = word | (data[..., i].astype(uint) << (8 * i))
+    return jax.lax.bitcast_convert_type(word, dtype)
+
+
 def scale_bias(rows: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
     """``(scale, bias)`` float32 ``[...]`` of INT8/INT4 rows ``[..., row_bytes]``."""
     if dtype is not None and not is_integer(dtype):
         raise TypeError(f"{canonical_dtype(dtype)} rows have no scale/bias")
     sb = rows[..., :SCALE_BIAS_BYTES].reshape(*rows.shape[:-1], 2, 2)
-    sb = jax.lax.bitcast_convert_type(sb, jnp.float16).astype(jnp.float32)
+    sb = _from_bytes(sb, jnp.float16).astype(jnp.float32)
     return sb[..., 0], sb[..., 1]
 
 
@@ -179,7 +194,7 @@ def dequantize_rows(rows: jax.typing.ArrayLike, dim: int, dtype) -> jax.Array:
     if name in _FLOAT:
         n = _BITS[name] // 8
         data = rows[..., : dim * n].reshape(*lead, dim, n)
-        return jax.lax.bitcast_convert_type(data, _FLOAT[name]).astype(jnp.float32)
+        return _from_bytes(data, _FLOAT[name]).astype(jnp.float32)
     scale, bias = scale_bias(rows)
     data = rows[..., SCALE_BIAS_BYTES : SCALE_BIAS_BYTES + data_bytes(dim, name)]
     if name == "int4":

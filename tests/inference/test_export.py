@@ -10,14 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from export_cases import KEYS, MAX_IDS, NUM_DENSE, REPO, ROWS, make_batch, make_model
 
-pytest.importorskip("flatbuffers")  # jax.export serialization needs it
-
-from export_cases import KEYS, MAX_IDS, NUM_DENSE, REPO, ROWS, make_batch, make_model  # noqa: E402
-
-from jaxrec import KeyedJaggedTensor  # noqa: E402
-from jaxrec.inference import InputError, export, load  # noqa: E402
-from jaxrec.inference.export import TRITON_TARGET  # noqa: E402
+from jaxrec import KeyedJaggedTensor
+from jaxrec.inference import InputError, export, load
+from jaxrec.inference.export import TRITON_TARGET
 
 ARTIFACT_PY = os.path.join(REPO, "jaxrec", "inference", "artifact.py")
 
@@ -216,15 +213,11 @@ def test_multi_platform_export(model, tmp_path):
         export(model, (dense, kjt), tmp_path / "a")
 
 
-@pytest.mark.xfail(
-    reason="jaxrec.inference.quantize.scale_bias bitcasts uint8 pairs to float16 (a "
-    "width-changing bitcast_convert_type), which jax 0.10.2 cannot specialise from a "
-    "symbolic batch: 'Error refining shapes'. Fix there: combine byte pairs to uint16 first."
-)
-def test_quantized_model_round_trip(model, tmp_path):
+@pytest.mark.parametrize("dtype", ["int8", "int4", "fp16", "bf16"])
+def test_quantized_model_round_trip(model, tmp_path, dtype):
     from jaxrec.inference import quantize_inference_model
 
-    q = quantize_inference_model(model, dtype="int8", implementation="xla")
+    q = quantize_inference_model(model, dtype=dtype, implementation="xla")
     dense, kjt, raw = make_batch(3)
     export(q, (dense, kjt), tmp_path / "q")
     expected = np.asarray(q(jnp.asarray(dense), kjt))

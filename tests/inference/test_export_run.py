@@ -8,12 +8,9 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-pytest.importorskip("flatbuffers")  # jax.export serialization needs it
-
-from jaxrec.inference import load, model_from_run  # noqa: E402
-from jaxrec.jobs.train_dlrm import main as train_main  # noqa: E402
+from jaxrec.inference import load, model_from_run
+from jaxrec.jobs.train_dlrm import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [

@@ -7,12 +7,9 @@ import re
 
 import numpy as np
 import pytest
+from export_cases import KEYS, NUM_DENSE, make_batch, make_model
 
-pytest.importorskip("flatbuffers")  # jax.export serialization needs it
-
-from export_cases import KEYS, NUM_DENSE, make_batch, make_model  # noqa: E402
-
-from jaxrec.inference import PredictionServer, export, load, predict_file  # noqa: E402
+from jaxrec.inference import PredictionServer, export, load, predict_file
 
 
 @pytest.fixture(scope="module")
