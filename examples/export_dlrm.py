@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from jaxrec import inference
 
@@ -33,10 +34,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--quantize",
         default="none",
-        choices=("none", "int8", "int4", "fp16"),
+        choices=("none", "int8", "int4", "fp16", "bf16"),
         help="row-wise quantize the tables first (jaxrec.inference.quantize_inference_model)",
     )
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--eval", action="store_true", help="AUC of the loaded artifact on the run's eval set"
+    )
     args = p.parse_args(argv)
     model, example = inference.model_from_run(args.run_dir, step=args.step)
     if args.quantize != "none":  # hook: the quantized collections of jaxrec.inference
@@ -55,8 +59,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         overwrite=args.overwrite,
     )
     shown = {k: manifest[k] for k in ("features", "num_dense", "platforms", "jax_version")}
-    print(json.dumps({"artifact": args.artifact, **shown}), flush=True)
+    if args.eval:
+        shown["eval_auc"] = eval_auc(args.run_dir, args.artifact)
+    print(json.dumps({"artifact": args.artifact, "quantize": args.quantize, **shown}), flush=True)
     return 0
+
+
+def eval_auc(run_dir: str, artifact: str) -> float:
+    """The artifact's AUC on the run's eval set, through ``load`` (as a server runs it)."""
+    import numpy as np
+
+    from jaxrec.datasets import roc_auc
+    from jaxrec.jobs.dlrm_parts import load_data
+    from jaxrec.jobs.train_dlrm import parse_args
+
+    saved = json.loads((Path(run_dir) / "args.json").read_text())["args"]
+    run_args = argparse.Namespace(**{**vars(parse_args([])), **saved})
+    _, data = load_data(run_args)
+    predict = inference.load(artifact)
+    probs, labels = [], []
+    for b in data.batches(1024, shuffle=False, drop_last=False):
+        probs.append(np.asarray(predict(b.dense_features, b.sparse_features)).reshape(-1))
+        labels.append(np.asarray(b.labels))
+    return round(roc_auc(np.concatenate(labels), np.concatenate(probs)), 5)
 
 
 if __name__ == "__main__":
