@@ -68,9 +68,19 @@ def check_ids(
         bad = valid & ~in_range
         count = jnp.sum(bad, dtype=jnp.int32)
         example = ids[jnp.argmax(bad)] if ids.shape[0] else jnp.zeros((), ids.dtype)
-        jax.lax.cond(
-            count > 0,
-            lambda: jax.debug.callback(_report(mode, where), count, example),
-            lambda: None,
-        )
+        report_out_of_range(count, example, mode, where)
     return valid & in_range
+
+
+def report_out_of_range(
+    count: jax.Array, example: jax.Array, mode: BoundsCheckMode, where: str
+) -> None:
+    """WARNING logs and FATAL raises (at run time) when ``count > 0`` ids were out of range."""
+    mode = BoundsCheckMode(mode)
+    if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE):
+        return
+    jax.lax.cond(
+        count > 0,
+        lambda: jax.debug.callback(_report(mode, where), count, example),
+        lambda: None,
+    )

@@ -8,6 +8,7 @@ row offset of its table. One gather (one kernel) then serves every slot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from ..configs import PoolingType
 from ..sparse import KeyedJaggedTensor
 from .bounds import BoundsCheckMode, check_ids
+from .dispatch import try_cpu
 from .pooled import embedding_bag, embedding_gather
 
 
@@ -90,20 +92,46 @@ def grouped_pooled_lookup(
         is_weighted: multiply each id's row by its per-sample weight
             (MEAN then divides the weighted sum by the bag length, as FBGEMM).
         bounds_check_mode: what out-of-range ids do (see ``BoundsCheckMode``).
-        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (one C++ call
+            reading the KJT directly; see ``jaxrec.cpu``).
 
     Returns:
         ``[B, S, D]`` float32; empty bags give zeros.
     """
     if not slots:
         raise ValueError("grouped_pooled_lookup needs at least one slot")
-    b, s = features.stride(), len(slots)
-    ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
-    if is_weighted and w is None:
+    if is_weighted and features.weights_or_none() is None:
         raise ValueError(
             "is_weighted=True but the features carry no weights; build the KJT with weights="
         )
     where = f"pooled lookup of {[sl.key for sl in slots]}"
+    xla_fn = functools.partial(
+        _grouped_pooled_xla,
+        slots=tuple(slots),
+        is_weighted=is_weighted,
+        bounds_check_mode=bounds_check_mode,
+        where=where,
+        implementation=implementation,
+    )
+    out = try_cpu(
+        "grouped_pooled_lookup",
+        implementation,
+        weights,
+        features,
+        slots,
+        is_weighted=is_weighted,
+        bounds_check_mode=bounds_check_mode,
+        where=where,
+        xla_fn=xla_fn,
+    )
+    return xla_fn(weights, features) if out is None else out
+
+
+def _grouped_pooled_xla(
+    weights, features, *, slots, is_weighted, bounds_check_mode, where, implementation
+):
+    b, s = features.stride(), len(slots)
+    ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
     rows, valid = _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
     seg = jnp.where(valid, bag * s + slot_of, b * s)  # output order [B, S]
     pooled = embedding_bag(

@@ -1,0 +1,816 @@
+// jaxrec's C++ CPU kernels, called from JAX through the XLA FFI (API 0.3).
+//
+// * jaxrec_embedding_bag: table-batched pooled lookup. out[seg[c]] +=
+//   w[rows[c]] * scale[c] for every id c, fp32 or bf16 rows accumulated in fp32,
+//   the output split by segment range over threads, rows prefetched ahead.
+// * jaxrec_backward_update_{sgd,rowwise_adagrad,adagrad}: a lookup's backward
+//   fused with one optimizer step, in place on the (aliased, donated) table and
+//   state: de-duplicate rows, sum each row's gradients out_grad[seg[c]] *
+//   scale[c] in id order, apply the update maths of jaxrec.optim.
+//
+// Floating-point order follows the XLA reference (products rounded before the
+// sums, sums in id order, no FMA contraction: built with -ffp-contract=off), so
+// pooled outputs and per-row gradient sums equal XLA's bit for bit.
+
+#include <Python.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <climits>
+#include <mutex>
+#include <set>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ----- threads -----
+int MaxThreads() {
+  static const int n = [] {
+    const char* env = std::getenv("JAXREC_CPU_THREADS");
+    int v = env ? std::atoi(env) : 0;
+    if (v <= 0) v = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, std::min(v, 64));
+  }();
+  return n;
+}
+
+// Threads worth using for `work` bytes touched (a thread start costs ~20 us).
+int ThreadsFor(int64_t work) {
+  int64_t by_work = std::max<int64_t>(1, work / (1 << 18));
+  return static_cast<int>(std::min<int64_t>(MaxThreads(), by_work));
+}
+
+template <class F>
+void ParallelFor(int n, const F& f) {  // f(t, n) for t in [0, n)
+  if (n <= 1) {
+    f(0, 1);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(n - 1);
+  for (int t = 1; t < n; ++t) pool.emplace_back([&f, t, n] { f(t, n); });
+  f(0, n);
+  for (auto& th : pool) th.join();
+}
+
+// ----- native-width vectors -----
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+constexpr int kVL = kVecBytes / 4;  // floats per vector
+typedef float VF __attribute__((vector_size(kVecBytes)));
+typedef uint32_t VU __attribute__((vector_size(kVecBytes)));
+typedef uint16_t VH __attribute__((vector_size(kVecBytes / 2)));
+
+using bf16_t = uint16_t;  // raw bfloat16 bits
+
+inline float ToF32(float x) { return x; }
+inline float ToF32(bf16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as XLA's f32 -> bf16 convert; NaN stays a quiet NaN.
+inline void FromF32(float f, float* out) { *out = f; }
+inline void FromF32(float f, bf16_t* out) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *out = static_cast<bf16_t>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *out = static_cast<bf16_t>(u >> 16);
+}
+
+inline VF LoadV(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline VF LoadV(const bf16_t* p) {
+  VH h;
+  std::memcpy(&h, p, sizeof(h));
+  VU u = __builtin_convertvector(h, VU) << 16;
+  VF v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+int PrefetchHint() {
+  static const int n = [] {
+    const char* env = std::getenv("JAXREC_CPU_PF_HINT");
+    return env ? std::atoi(env) : 1;  // into L2: more misses in flight than L1 allows
+  }();
+  return n;
+}
+
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  switch (PrefetchHint()) {
+    case 0: for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 0); break;
+    case 1: for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1); break;
+    case 2: for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2); break;
+    default: for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3); break;
+  }
+}
+
+// ----- pooling -----
+// Adds to out[j0, j0 + NV * kVL) the rows of ids [c0, c1): row_of(c) is the
+// row's first element (nullptr: skip the id), scale_of(c) its multiplier
+// (rounded product, then the sum, as XLA). The first block of a row issues the
+// prefetches (pf.Next() once per id).
+template <typename T, int NV, bool kScaled, bool kStore, class RowFn, class ScaleFn, class Pf>
+inline void PoolBlock(int64_t j0, int64_t c0, int64_t c1, const RowFn& row_of,
+                      const ScaleFn& scale_of, float* out, Pf* pf) {
+  VF acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = VF{};
+  for (int64_t c = c0; c < c1; ++c) {
+    if (pf) pf->Next();
+    const T* p = row_of(c);
+    if (!p) continue;
+    p += j0;
+    if constexpr (kScaled) {
+      const float s = scale_of(c);
+      for (int v = 0; v < NV; ++v) {
+        VF x = LoadV(p + v * kVL) * s;
+        acc[v] += x;
+      }
+    } else {
+      for (int v = 0; v < NV; ++v) acc[v] += LoadV(p + v * kVL);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    if constexpr (kStore) {
+      std::memcpy(out + j0 + v * kVL, &acc[v], sizeof(VF));
+    } else {
+      VF o = LoadV(out + j0 + v * kVL) + acc[v];
+      std::memcpy(out + j0 + v * kVL, &o, sizeof(o));
+    }
+  }
+}
+
+template <typename T, int NV, bool kScaled, bool kStore, class RowFn, class ScaleFn, class Pf>
+inline void PoolBlockN(int nv, int64_t j0, int64_t c0, int64_t c1, const RowFn& row_of,
+                       const ScaleFn& scale_of, float* out, Pf* pf) {
+  if constexpr (NV > 0) {
+    if (nv == NV) return PoolBlock<T, NV, kScaled, kStore>(j0, c0, c1, row_of, scale_of, out, pf);
+    return PoolBlockN<T, NV - 1, kScaled, kStore>(nv, j0, c0, c1, row_of, scale_of, out, pf);
+  }
+}
+
+// out[0, d) += (kStore: =) sum over ids [c0, c1) of row_of(c) * scale_of(c).
+template <typename T, bool kScaled, bool kStore, class RowFn, class ScaleFn, class Pf>
+void Pool(int64_t d, int64_t c0, int64_t c1, const RowFn& row_of, const ScaleFn& scale_of,
+          float* out, Pf* pf) {
+  constexpr int kMaxNV = 8;
+  int64_t j0 = 0;
+  for (; j0 + kMaxNV * kVL <= d; j0 += kMaxNV * kVL) {
+    PoolBlock<T, kMaxNV, kScaled, kStore>(j0, c0, c1, row_of, scale_of, out,
+                                          j0 == 0 ? pf : nullptr);
+  }
+  const int nv = static_cast<int>((d - j0) / kVL);
+  if (nv > 0) {
+    PoolBlockN<T, kMaxNV - 1, kScaled, kStore>(nv, j0, c0, c1, row_of, scale_of, out,
+                                               j0 == 0 ? pf : nullptr);
+    j0 += nv * kVL;
+  }
+  if (j0 < d) {  // tail columns, scalar
+    if (d < kVL && pf) {
+      for (int64_t c = c0; c < c1; ++c) pf->Next();
+    }
+    for (int64_t j = j0; j < d; ++j) {
+      float acc = 0.0f;
+      for (int64_t c = c0; c < c1; ++c) {
+        const T* p = row_of(c);
+        if (!p) continue;
+        float x = ToF32(p[j]);
+        if constexpr (kScaled) x = x * scale_of(c);
+        acc += x;
+      }
+      out[j] = kStore ? acc : out[j] + acc;
+    }
+  }
+}
+
+// Prefetches the rows of ids ahead of the one being summed: ids are visited as
+// a list of ranges [start, end), in order.
+template <typename T, class RowFn>
+struct Prefetcher {
+  const int32_t* starts;  // range i is [starts[2 i], starts[2 i + 1])
+  size_t n_ranges;
+  const RowFn& row_of;
+  int64_t bytes;
+  size_t ri = 0;
+  int64_t c = 0;
+  void Init(int ahead) {
+    Skip();
+    for (int k = 0; k < ahead; ++k) Next();
+  }
+  void Skip() {
+    while (ri < n_ranges && (c < starts[2 * ri] || c >= starts[2 * ri + 1])) {
+      if (c < starts[2 * ri]) {
+        c = starts[2 * ri];
+      } else {
+        ++ri;
+      }
+    }
+  }
+  void Next() {
+    if (ri >= n_ranges) return;
+    if (const T* p = row_of(c)) PrefetchRow(p, bytes);
+    ++c;
+    Skip();
+  }
+};
+
+// Rows to prefetch ahead: about 8 KiB of rows in flight per thread.
+int PrefetchAhead(int64_t row_bytes) {
+  static const int n = [] {
+    const char* env = std::getenv("JAXREC_CPU_PREFETCH");
+    return env ? std::atoi(env) : 0;
+  }();
+  if (n > 0) return n;
+  return static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(8, 8192 / row_bytes)));
+}
+
+constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, absent from older libc headers
+
+// Backs a large table with transparent huge pages (once per buffer): random
+// row reads then miss the TLB far less (one 4 KiB page per row read
+// otherwise). A hint: contents are unchanged. JAXREC_CPU_HUGEPAGES=0 turns it off.
+void AdviseHugePages(const void* data, int64_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  constexpr int64_t kHuge = 2 << 20;
+  static const bool enabled = [] {
+    const char* env = std::getenv("JAXREC_CPU_HUGEPAGES");
+    return !(env && env[0] == '0');
+  }();
+  if (!enabled || bytes < 8 * kHuge) return;
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~uintptr_t(kHuge - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + bytes) & ~uintptr_t(kHuge - 1);
+  if (hi <= lo) return;
+  static std::mutex mu;
+  static std::set<std::pair<uintptr_t, uintptr_t>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!done.insert({lo, hi}).second) return;
+  }
+  void* p = reinterpret_cast<void*>(lo);
+  madvise(p, hi - lo, MADV_HUGEPAGE);
+  madvise(p, hi - lo, kMadvCollapse);  // Linux >= 6.1; an (ignored) error before
+#endif
+}
+
+// ----- embedding bag over segment ids -----
+template <typename T>
+void EmbeddingBagTyped(const T* w, int64_t r, int64_t d, const int32_t* rows, const int32_t* seg,
+                       const float* scale, int64_t c_total, float* out, int64_t s_total) {
+  AdviseHugePages(w, r * d * static_cast<int64_t>(sizeof(T)));
+  int n = ThreadsFor(c_total * d * static_cast<int64_t>(sizeof(T)));
+  n = static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(s_total, 1)));
+  ParallelFor(n, [&](int t, int nt) {
+    const int64_t lo = s_total * t / nt, hi = s_total * (t + 1) / nt;
+    std::memset(out + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    if (r == 0) return;
+    // This thread's runs of equal segment ids it owns: [start, end) pairs.
+    std::vector<int32_t> runs;
+    for (int64_t c = 0; c < c_total;) {
+      const int32_t sg = seg[c];
+      int64_t e = c + 1;
+      while (e < c_total && seg[e] == sg) ++e;
+      if (sg >= lo && sg < hi) {
+        runs.push_back(static_cast<int32_t>(c));
+        runs.push_back(static_cast<int32_t>(e));
+      }
+      c = e;
+    }
+    auto row_of = [&](int64_t c) {
+      return w + std::min<int64_t>(std::max<int64_t>(rows[c], 0), r - 1) * d;
+    };
+    auto scale_of = [&](int64_t c) { return scale[c]; };
+    Prefetcher<T, decltype(row_of)> pf{runs.data(), runs.size() / 2, row_of,
+                                       d * static_cast<int64_t>(sizeof(T))};
+    pf.Init(PrefetchAhead(d * static_cast<int64_t>(sizeof(T))));
+    for (size_t i = 0; i < runs.size(); i += 2) {
+      Pool<T, true, false>(d, runs[i], runs[i + 1], row_of, scale_of, out + seg[runs[i]] * d,
+                           &pf);
+    }
+  });
+}
+
+ffi::Error EmbeddingBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> rows,
+                            ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  auto wd = weights.dimensions();
+  auto od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 2 || od[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: weights [R, D] and out [S, D]");
+  }
+  const int64_t c = static_cast<int64_t>(rows.element_count());
+  if (static_cast<int64_t>(seg.element_count()) != c ||
+      static_cast<int64_t>(scale.element_count()) != c) {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: rows, seg, scale differ in size");
+  }
+  const int64_t r = wd[0], d = wd[1], s = od[0];
+  float* o = out->typed_data();
+  if (weights.element_type() == ffi::F32) {
+    EmbeddingBagTyped(static_cast<const float*>(weights.untyped_data()), r, d, rows.typed_data(),
+                      seg.typed_data(), scale.typed_data(), c, o, s);
+  } else if (weights.element_type() == ffi::BF16) {
+    EmbeddingBagTyped(static_cast<const bf16_t*>(weights.untyped_data()), r, d,
+                      rows.typed_data(), seg.typed_data(), scale.typed_data(), c, o, s);
+  } else {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: weights must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+// ----- table-batched pooled lookup straight from a KeyedJaggedTensor -----
+// slots[s] = (key, row_offset, num_embeddings, is_mean). Output [B, S, D]:
+// out[b, s] pools key `key`'s bag b (its ids id -> row row_offset + id).
+// drop != 0: ids outside [0, num_embeddings) contribute nothing and are
+// counted (bad = [count, first such id]); drop == 0: rows are clamped to the
+// buffer (the XLA path's BoundsCheckMode.NONE).
+template <typename T>
+void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const int32_t* lengths,
+                 const float* pvw, const int32_t* slots, int64_t n_slots, const int32_t* starts,
+                 int64_t n_keys, int64_t b, int64_t v_total, bool drop, float* out,
+                 int32_t* bad) {
+  AdviseHugePages(w, r * d * static_cast<int64_t>(sizeof(T)));
+  // Global start of every (key, bag): starts[k] + cumsum of the key's lengths.
+  std::vector<int32_t> off(n_keys * (b + 1));
+  for (int64_t k = 0; k < n_keys; ++k) {
+    int64_t pos = starts[k];
+    int32_t* o = off.data() + k * (b + 1);
+    o[0] = static_cast<int32_t>(pos);
+    for (int64_t i = 0; i < b; ++i) {
+      pos = std::min<int64_t>(pos + std::max(lengths[k * b + i], 0), starts[k + 1]);
+      o[i + 1] = static_cast<int32_t>(pos);
+    }
+  }
+  int64_t ids = 0;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* o = off.data() + slots[4 * s] * (b + 1);
+    ids += o[b] - o[0];
+  }
+  int n = ThreadsFor(ids * d * static_cast<int64_t>(sizeof(T)));
+  n = static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(b, 1)));
+  std::vector<int64_t> counts(n, 0), first(n, INT64_MAX);
+  ParallelFor(n, [&](int t, int nt) {
+    const int64_t lo = b * t / nt, hi = b * (t + 1) / nt;
+    if (r == 0) {
+      std::memset(out + lo * n_slots * d, 0, sizeof(float) * (hi - lo) * n_slots * d);
+      return;
+    }
+    int64_t count = 0, first_bad = INT64_MAX;
+    for (int64_t s = 0; s < n_slots; ++s) {
+      const int32_t* o = off.data() + slots[4 * s] * (b + 1);
+      const int64_t row_offset = slots[4 * s + 1], num = slots[4 * s + 2];
+      const bool mean = slots[4 * s + 3] != 0;
+      auto row_of = [&](int64_t c) -> const T* {
+        const int64_t id = values[c];
+        if (drop) {
+          if (id < 0 || id >= num) return nullptr;
+          return w + (id + row_offset) * d;
+        }
+        return w + std::min<int64_t>(std::max<int64_t>(id + row_offset, 0), r - 1) * d;
+      };
+      auto scale_of = [&](int64_t c) { return pvw[c]; };
+      if (drop) {
+        for (int64_t c = o[lo]; c < o[hi]; ++c) {
+          const int64_t id = values[c];
+          if (id < 0 || id >= num) {  // the first in slot order, as the XLA path reports
+            ++count;
+            first_bad = std::min(first_bad, s * v_total + c);
+          }
+        }
+      }
+      const int32_t range[2] = {o[lo], o[hi]};
+      Prefetcher<T, decltype(row_of)> pf{range, 1, row_of, d * static_cast<int64_t>(sizeof(T))};
+      pf.Init(PrefetchAhead(d * static_cast<int64_t>(sizeof(T))));
+      for (int64_t i = lo; i < hi; ++i) {
+        float* dst = out + (i * n_slots + s) * d;
+        if (pvw) {
+          Pool<T, true, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
+        } else {
+          Pool<T, false, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
+        }
+        if (mean) {
+          const float inv = 1.0f / static_cast<float>(std::max(lengths[slots[4 * s] * b + i], 1));
+          for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * inv;
+        }
+      }
+    }
+    counts[t] = count;
+    first[t] = first_bad;
+  });
+  int64_t count = 0, first_bad = INT64_MAX;
+  for (int t = 0; t < n; ++t) {
+    count += counts[t];
+    first_bad = std::min(first_bad, first[t]);
+  }
+  bad[0] = static_cast<int32_t>(std::min<int64_t>(count, INT32_MAX));
+  bad[1] = count ? values[first_bad % v_total] : 0;
+}
+
+ffi::Error KjtBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> values,
+                      ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> pvw,
+                      ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> starts,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::S32> bad,
+                      int32_t drop) {
+  auto wd = weights.dimensions();
+  auto od = out->dimensions();
+  auto sd = slots.dimensions();
+  const int64_t n_keys = static_cast<int64_t>(starts.element_count()) - 1;
+  if (wd.size() != 2 || od.size() != 3 || od[2] != wd[1] || sd.size() != 2 || sd[1] != 4 ||
+      od[1] != sd[0] || n_keys < 0 ||
+      static_cast<int64_t>(lengths.element_count()) != n_keys * od[0]) {
+    return ffi::Error::InvalidArgument(
+        "jaxrec_kjt_embedding_bag: weights [R, D], lengths [F * B], slots [S, 4], "
+        "starts [F + 1], out [B, S, D]");
+  }
+  const int64_t v = static_cast<int64_t>(values.element_count());
+  const int32_t* st = starts.typed_data();
+  if (st[n_keys] > v) return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: starts");
+  const int64_t n_slots = sd[0];
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* sl = slots.typed_data() + 4 * s;
+    if (sl[0] < 0 || sl[0] >= n_keys) {
+      return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: slot key out of range");
+    }
+  }
+  const float* pv = static_cast<int64_t>(pvw.element_count()) == v && v > 0 ? pvw.typed_data()
+                                                                            : nullptr;
+  const int64_t r = wd[0], d = wd[1], b = od[0];
+  if (weights.element_type() == ffi::F32) {
+    KjtBagTyped(static_cast<const float*>(weights.untyped_data()), r, d, values.typed_data(),
+                lengths.typed_data(), pv, slots.typed_data(), n_slots, st, n_keys, b, v, drop != 0,
+                out->typed_data(), bad->typed_data());
+  } else if (weights.element_type() == ffi::BF16) {
+    KjtBagTyped(static_cast<const bf16_t*>(weights.untyped_data()), r, d, values.typed_data(),
+                lengths.typed_data(), pv, slots.typed_data(), n_slots, st, n_keys, b, v, drop != 0,
+                out->typed_data(), bad->typed_data());
+  } else {
+    return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: weights must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+// ----- fused backward + optimizer update -----
+enum class Opt { kSgd, kRowwiseAdagrad, kAdagrad };
+enum WdMode { kNone = 0, kL2 = 1, kDecouple = 2 };
+
+struct Hyper {
+  float lr, eps, wd;
+  int mode;
+};
+
+// One thread's share of a fused update: the touched rows it owns (rows are
+// split between threads by a hash, so no two threads write one row).
+// uniq[u] is a touched row; its ids are occ[start[u] .. start[u + 1]), in
+// increasing id order. Buffers are reused across calls.
+struct Groups {
+  std::vector<int32_t> uniq, start, occ, pos, slot;
+};
+
+struct UpdateScratch {
+  std::vector<int32_t> mark;  // row -> group, -1 when untouched (restored after use)
+  std::vector<Groups> groups;
+};
+
+// Scratch of the calling (XLA) thread: concurrent calls from other threads
+// (devices of one process) get their own.
+UpdateScratch& Scratch(int64_t r, int nt) {
+  thread_local UpdateScratch s;
+  if (static_cast<int64_t>(s.mark.size()) < r) s.mark.resize(r, -1);
+  if (static_cast<int>(s.groups.size()) < nt) s.groups.resize(nt);
+  return s;
+}
+
+inline int OwnerOf(int32_t row, int nt) {
+  return static_cast<int>((static_cast<uint32_t>(row) * 2654435761u >> 8) % nt);
+}
+
+// Groups the valid ids whose rows thread t owns.
+void GroupRows(const int32_t* rows, int64_t c_total, int64_t r, int t, int nt,
+               int32_t* mark, Groups& g) {
+  g.uniq.clear();
+  g.pos.clear();
+  g.slot.clear();
+  constexpr int kAhead = 16;
+  for (int64_t c = 0; c < c_total; ++c) {
+    if (c + kAhead < c_total) {
+      const int32_t ahead = rows[c + kAhead];
+      if (ahead >= 0 && ahead < r && OwnerOf(ahead, nt) == t) {
+        __builtin_prefetch(&mark[ahead], 1, 3);
+      }
+    }
+    const int32_t row = rows[c];
+    if (row < 0 || row >= r || OwnerOf(row, nt) != t) continue;
+    int32_t& m = mark[row];
+    if (m < 0) {
+      m = static_cast<int32_t>(g.uniq.size());
+      g.uniq.push_back(row);
+    }
+    g.pos.push_back(static_cast<int32_t>(c));
+    g.slot.push_back(m);
+  }
+  const size_t u = g.uniq.size();
+  g.start.assign(u + 1, 0);
+  for (int32_t sl : g.slot) ++g.start[sl + 1];
+  for (size_t i = 0; i < u; ++i) g.start[i + 1] += g.start[i];
+  g.occ.resize(g.pos.size());
+  for (size_t k = 0; k < g.pos.size(); ++k) g.occ[g.start[g.slot[k]]++] = g.pos[k];
+  for (size_t i = u; i > 0; --i) g.start[i] = g.start[i - 1];  // undo the fill's shift
+  g.start[0] = 0;
+  for (int32_t row : g.uniq) mark[row] = -1;
+}
+
+template <Opt kOpt, typename T>
+void UpdateRows(const Groups& g, T* w, float* m, int64_t d, const float* out_grad, int64_t n_out,
+                const int32_t* seg, const float* scale, const Hyper& h) {
+  const int64_t u_total = static_cast<int64_t>(g.uniq.size());
+  thread_local std::vector<float> gbuf, wbuf;
+  gbuf.resize(d);
+  wbuf.resize(d);
+  float* gr = gbuf.data();
+  float* wr = wbuf.data();
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int ahead = PrefetchAhead(row_bytes);
+  auto prefetch = [&](int64_t u) {
+    const int64_t row = g.uniq[u];
+    PrefetchRow(w + row * d, row_bytes);
+    if constexpr (kOpt == Opt::kRowwiseAdagrad) __builtin_prefetch(m + row, 1, 2);
+    if constexpr (kOpt == Opt::kAdagrad) PrefetchRow(m + row * d, d * 4);
+    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {  // its output-gradient rows
+      const int64_t sg = std::min<int64_t>(std::max<int64_t>(seg[g.occ[k]], 0), n_out - 1);
+      PrefetchRow(out_grad + sg * d, d * 4);
+    }
+  };
+  for (int64_t u = 0; u < std::min<int64_t>(ahead, u_total); ++u) prefetch(u);
+  for (int64_t u = 0; u < u_total; ++u) {
+    if (u + ahead < u_total) prefetch(u + ahead);
+    // g = sum over the row's ids of out_grad[seg] * scale, in id order.
+    std::fill(gr, gr + d, 0.0f);
+    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {
+      const int32_t c = g.occ[k];
+      const int64_t sg = std::min<int64_t>(std::max<int64_t>(seg[c], 0), n_out - 1);
+      const float* src = out_grad + sg * d;
+      const float s = scale[c];
+      for (int64_t j = 0; j < d; ++j) {
+        float x = src[j] * s;
+        gr[j] += x;
+      }
+    }
+    T* row = w + static_cast<int64_t>(g.uniq[u]) * d;
+    for (int64_t j = 0; j < d; ++j) wr[j] = ToF32(row[j]);
+    const float lr = h.lr, wd = h.wd;
+    if constexpr (kOpt == Opt::kSgd) {
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
+        float wj = h.mode == kDecouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
+        wr[j] = wj - lr * gj;
+      }
+    } else if constexpr (kOpt == Opt::kAdagrad) {
+      float* mr = m + static_cast<int64_t>(g.uniq[u]) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
+        float mj = mr[j] + gj * gj;
+        mr[j] = mj;
+        float wj = h.mode == kDecouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
+        wr[j] = wj - (lr * gj) / (std::sqrt(mj) + h.eps);
+      }
+    } else {  // row-wise Adagrad
+      float sum = 0.0f;
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
+        float sq = gj * gj;
+        sum += sq;
+      }
+      float& mr = m[g.uniq[u]];
+      const float mnew = mr + sum / static_cast<float>(d);
+      mr = mnew;
+      const float mult = lr / (std::sqrt(mnew) + h.eps);
+      const float corr = h.mode == kL2 ? 1.0f - mult * wd
+                         : h.mode == kDecouple ? 1.0f - lr * wd
+                                               : 1.0f;
+      for (int64_t j = 0; j < d; ++j) {
+        float a = corr * wr[j];
+        float b = mult * gr[j];
+        wr[j] = a - b;
+      }
+    }
+    for (int64_t j = 0; j < d; ++j) FromF32(wr[j], row + j);
+  }
+}
+
+template <Opt kOpt>
+ffi::Error BackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::Buffer<ffi::F32> og,
+                          ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> lr, float eps,
+                          float wd, int32_t mode) {
+  auto td = table->dimensions();
+  if (td.size() != 2) return ffi::Error::InvalidArgument("jaxrec_backward_update: table [R, D]");
+  const int64_t r = td[0], d = td[1];
+  auto gd = og.dimensions();
+  if (gd.size() != 2 || gd[1] != d) {
+    return ffi::Error::InvalidArgument("jaxrec_backward_update: out_grad must be [N, D]");
+  }
+  const int64_t c = static_cast<int64_t>(rows.element_count());
+  if (static_cast<int64_t>(seg.element_count()) != c ||
+      static_cast<int64_t>(scale.element_count()) != c) {
+    return ffi::Error::InvalidArgument("jaxrec_backward_update: rows, seg, scale differ in size");
+  }
+  const bool is_f32 = table->element_type() == ffi::F32;
+  if (!is_f32 && table->element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("jaxrec_backward_update: table must be f32 or bf16");
+  }
+  if (c == 0 || r == 0 || gd[0] == 0) return ffi::Error::Success();
+  AdviseHugePages(table->untyped_data(), r * d * (is_f32 ? 4 : 2));
+  const int nt = ThreadsFor(c * d * 8);
+  UpdateScratch& scratch = Scratch(r, nt);
+  const Hyper h{lr.typed_data()[0], eps, wd, mode};
+  std::vector<double> times(2 * nt);
+  ParallelFor(nt, [&](int t, int n) {
+    auto t0 = std::chrono::steady_clock::now();
+    Groups& g = scratch.groups[t];
+    GroupRows(rows.typed_data(), c, r, t, n, scratch.mark.data(), g);
+    auto t1 = std::chrono::steady_clock::now();
+    if (is_f32) {
+      UpdateRows<kOpt>(g, static_cast<float*>(table->untyped_data()), m, d, og.typed_data(),
+                       gd[0], seg.typed_data(), scale.typed_data(), h);
+    } else {
+      UpdateRows<kOpt>(g, static_cast<bf16_t*>(table->untyped_data()), m, d, og.typed_data(),
+                       gd[0], seg.typed_data(), scale.typed_data(), h);
+    }
+    auto t2 = std::chrono::steady_clock::now();
+    times[2 * t] = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    times[2 * t + 1] = std::chrono::duration<double, std::milli>(t2 - t1).count();
+  });
+  if (std::getenv("JAXREC_CPU_TIMING")) {
+    for (int t = 0; t < nt; ++t) {
+      std::fprintf(stderr, "update thread %d: group %.2f ms, rows %.2f ms, unique %zu of %ld\n",
+                   t, times[2 * t], times[2 * t + 1], scratch.groups[t].uniq.size(),
+                   static_cast<long>(c));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Inputs after the aliased table (and state) buffers; the results alias them.
+ffi::Error SgdImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32> og, ffi::Buffer<ffi::S32> seg,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> rows,
+                   ffi::Buffer<ffi::F32> lr, ffi::Result<ffi::AnyBuffer> table, float eps,
+                   float wd, int32_t mode) {
+  return BackwardUpdate<Opt::kSgd>(table, nullptr, og, seg, scale, rows, lr, eps, wd, mode);
+}
+
+ffi::Error RowwiseAdagradImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> og,
+                              ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> scale,
+                              ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> lr,
+                              ffi::Result<ffi::AnyBuffer> table,
+                              ffi::ResultBuffer<ffi::F32> m, float eps, float wd, int32_t mode) {
+  if (m->element_count() != static_cast<size_t>(table->dimensions()[0])) {
+    return ffi::Error::InvalidArgument("jaxrec_backward_update: row-wise state must be [R]");
+  }
+  return BackwardUpdate<Opt::kRowwiseAdagrad>(table, m->typed_data(), og, seg, scale, rows, lr,
+                                              eps, wd, mode);
+}
+
+ffi::Error AdagradImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> og,
+                       ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> lr,
+                       ffi::Result<ffi::AnyBuffer> table, ffi::ResultBuffer<ffi::F32> m,
+                       float eps, float wd, int32_t mode) {
+  if (m->element_count() != table->element_count()) {
+    return ffi::Error::InvalidArgument("jaxrec_backward_update: Adagrad state must be [R, D]");
+  }
+  return BackwardUpdate<Opt::kAdagrad>(table, m->typed_data(), og, seg, scale, rows, lr, eps,
+                                       wd, mode);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("drop"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecEmbeddingBag, EmbeddingBagImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+#define JAXREC_UPDATE_ATTRS .Attr<float>("eps").Attr<float>("weight_decay").Attr<int32_t>("mode")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBackwardUpdateSgd, SgdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>() JAXREC_UPDATE_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBackwardUpdateRowwiseAdagrad, RowwiseAdagradImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBackwardUpdateAdagrad, AdagradImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
+
+// ----- Python module: the handlers as capsules, for jax.ffi.register_ffi_target -----
+namespace {
+
+PyObject* Handlers(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  struct Entry {
+    const char* name;
+    void* fn;
+  };
+  const Entry entries[] = {
+      {"jaxrec_embedding_bag", reinterpret_cast<void*>(JaxrecEmbeddingBag)},
+      {"jaxrec_kjt_embedding_bag", reinterpret_cast<void*>(JaxrecKjtEmbeddingBag)},
+      {"jaxrec_backward_update_sgd", reinterpret_cast<void*>(JaxrecBackwardUpdateSgd)},
+      {"jaxrec_backward_update_rowwise_adagrad",
+       reinterpret_cast<void*>(JaxrecBackwardUpdateRowwiseAdagrad)},
+      {"jaxrec_backward_update_adagrad", reinterpret_cast<void*>(JaxrecBackwardUpdateAdagrad)},
+  };
+  for (const Entry& e : entries) {
+    PyObject* cap = PyCapsule_New(e.fn, nullptr, nullptr);
+    if (!cap || PyDict_SetItemString(dict, e.name, cap) < 0) {
+      Py_XDECREF(cap);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(cap);
+  }
+  return dict;
+}
+
+PyObject* Info(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads", MaxThreads(),
+                       "ffi_api_minor", XLA_FFI_API_MINOR);
+}
+
+PyMethodDef kMethods[] = {
+    {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
+    {"info", Info, METH_NOARGS, "Build facts: vector width, threads, FFI API minor version."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_kernels", "jaxrec C++ CPU kernels", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__kernels() { return PyModule_Create(&kModule); }

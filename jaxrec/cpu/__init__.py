@@ -1,0 +1,43 @@
+"""jaxrec's C++ CPU kernels (``implementation="cpu"``), registered through the XLA FFI.
+
+The kernels are an optional extension (``jaxrec/cpu/_kernels``, built from
+``csrc/`` by ``pip install``). They are loaded and registered with JAX the
+first time one may run (after the backend has started). If the extension is
+missing or fails to load, :func:`load` says why; the dispatcher then runs the
+XLA path and warns once.
+
+Threads: ``JAXREC_CPU_THREADS`` (default: every core the process may use).
+"""
+
+from .kernels import (
+    backward_update_cpu as backward_update_cpu,
+)
+from .kernels import (
+    embedding_bag_cpu as embedding_bag_cpu,
+)
+from .kernels import (
+    grouped_pooled_lookup_cpu as grouped_pooled_lookup_cpu,
+)
+from .loader import (
+    available as available,
+)
+from .loader import (
+    build_info as build_info,
+)
+from .loader import (
+    load as load,
+)
+from .loader import (
+    unavailable_reason as unavailable_reason,
+)
+
+
+def _register() -> None:
+    from ..ops.dispatch import register_cpu
+
+    register_cpu("embedding_bag", embedding_bag_cpu)
+    register_cpu("grouped_pooled_lookup", grouped_pooled_lookup_cpu)
+    register_cpu("fused_backward_update", backward_update_cpu)
+
+
+_register()

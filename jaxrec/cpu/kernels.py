@@ -1,0 +1,231 @@
+"""JAX wrappers of the C++ CPU kernels: ``jax.ffi.ffi_call`` behind the ``jaxrec.ops`` signatures.
+
+Each wrapper raises ``NotImplementedError`` for arguments its kernel does not
+take (the dispatcher then runs XLA). ``ffi_call`` has no autodiff: the pooled
+lookup is a ``custom_vjp`` whose backward is the XLA path's (the gradient
+oracle); the fused update is only called by the sparse train step's explicit
+backward. Handlers take fixed-rank buffers, so ``vmap`` runs them sequentially.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..configs import PoolingType
+from ..ops.bounds import BoundsCheckMode, report_out_of_range
+from ..ops.pooled import embedding_bag_xla
+from ..optim.base import WeightDecayMode, lr_at, row_fields
+from .loader import load
+
+_TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# FBGEMM optimizer name -> (FFI target, per-row state rank: None, 1 for [R], 2 for [R, D]).
+_UPDATES = {
+    "EXACT_SGD": ("jaxrec_backward_update_sgd", None),
+    "EXACT_ROWWISE_ADAGRAD": ("jaxrec_backward_update_rowwise_adagrad", 1),
+    "EXACT_ADAGRAD": ("jaxrec_backward_update_adagrad", 2),
+}
+_MODES = {WeightDecayMode.NONE: 0, WeightDecayMode.L2: 1, WeightDecayMode.DECOUPLE: 2}
+
+
+def _require_kernels() -> None:
+    reason = load()
+    if reason is not None:
+        raise NotImplementedError(f"jaxrec's C++ CPU kernels are unavailable: {reason}")
+
+
+def _check_table(weights: jax.Array, name: str) -> None:
+    if weights.ndim != 2 or jnp.dtype(weights.dtype) not in _TABLE_DTYPES:
+        raise NotImplementedError(
+            f"the CPU kernels take [R, D] float32 or bfloat16 {name}, got "
+            f"{name}.shape={weights.shape} {name}.dtype={weights.dtype}"
+        )
+
+
+# ----- pooled lookup -----
+def _bag_call(weights, rows, segment_ids, num_segments, scale):
+    out = jax.ShapeDtypeStruct((num_segments, weights.shape[1]), jnp.float32)
+    call = jax.ffi.ffi_call("jaxrec_embedding_bag", out, vmap_method="sequential")
+    return call(weights, rows, segment_ids, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bag(weights, rows, segment_ids, num_segments, scale):
+    return _bag_call(weights, rows, segment_ids, num_segments, scale)
+
+
+def _bag_fwd(weights, rows, segment_ids, num_segments, scale):
+    out = _bag_call(weights, rows, segment_ids, num_segments, scale)
+    return out, (weights, rows, segment_ids, scale)
+
+
+def _bag_bwd(num_segments, res, g):
+    weights, rows, segment_ids, scale = res
+    _, vjp = jax.vjp(
+        lambda w, s: embedding_bag_xla(w, rows, segment_ids, num_segments, s), weights, scale
+    )
+    dw, ds = vjp(g)
+    return dw, None, None, ds
+
+
+_bag.defvjp(_bag_fwd, _bag_bwd)
+
+
+def embedding_bag_cpu(weights, rows, segment_ids, num_segments, per_value_scale=None):
+    """``jaxrec.ops.embedding_bag`` on the C++ kernel: ``[S, D]`` float32 sums.
+
+    Rows outside ``[0, R)`` are clamped (as the XLA path's ``mode="clip"``);
+    segment ids outside ``[0, S)`` contribute nothing. Each product
+    ``w[row] * scale`` is rounded and summed in id order, as XLA does.
+    """
+    _require_kernels()
+    _check_table(weights, "weights")
+    scale = (
+        jnp.ones(rows.shape, jnp.float32)
+        if per_value_scale is None
+        else per_value_scale.astype(jnp.float32)
+    )
+    return _bag(
+        weights, rows.astype(jnp.int32), segment_ids.astype(jnp.int32), int(num_segments), scale
+    )
+
+
+# ----- table-batched pooled lookup straight from the KeyedJaggedTensor -----
+def _kjt_call(weights, features, static):
+    slots, drop = static
+    b = features.stride()
+    values = features.values()
+    pvw = features.weights_or_none()
+    pvw = jnp.zeros((0,), jnp.float32) if pvw is None else pvw.astype(jnp.float32)
+    info = np.asarray([s[:4] for s in slots], np.int32).reshape(len(slots), 4)
+    starts = np.asarray(features.capacity_offsets(), np.int32)
+    shapes = (
+        jax.ShapeDtypeStruct((b, len(slots), weights.shape[1]), jnp.float32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+    )
+    call = jax.ffi.ffi_call("jaxrec_kjt_embedding_bag", shapes, vmap_method="sequential")
+    return call(
+        weights,
+        values.astype(jnp.int32),
+        features.lengths().astype(jnp.int32),
+        pvw,
+        jnp.asarray(info),
+        jnp.asarray(starts),
+        drop=np.int32(drop),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kjt_bag(weights, features, static, xla_fn):
+    return _kjt_call(weights, features, static)
+
+
+def _kjt_bag_fwd(weights, features, static, xla_fn):
+    return _kjt_call(weights, features, static), (weights, features)
+
+
+def _kjt_bag_bwd(static, xla_fn, res, g):
+    weights, features = res
+    _, vjp = jax.vjp(xla_fn, weights, features)
+    return vjp(g[0])
+
+
+_kjt_bag.defvjp(_kjt_bag_fwd, _kjt_bag_bwd)
+
+
+def grouped_pooled_lookup_cpu(
+    weights, features, slots, *, is_weighted, bounds_check_mode, where, xla_fn
+):
+    """``jaxrec.ops.grouped_pooled_lookup`` in one C++ call: ``[B, S, D]`` float32.
+
+    The kernel reads the KJT's values and lengths directly (no segment ids,
+    masks or row arrays are formed), drops out-of-range ids (or clamps them
+    under ``BoundsCheckMode.NONE``, as XLA does), applies per-sample weights and
+    MEAN, and returns how many ids were out of range with the first one, which
+    feed the same WARNING / FATAL reporting as the XLA path. ``xla_fn(weights,
+    features)`` is the XLA lookup, whose autodiff is the backward.
+    """
+    _require_kernels()
+    _check_table(weights, "weights")
+    keys = features.keys()
+    values = features.values()
+    if any(sl.key not in keys for sl in slots) or values.dtype != jnp.int32:
+        raise NotImplementedError("missing keys or non-int32 ids: the XLA path reports them")
+    mode = BoundsCheckMode(bounds_check_mode)
+    static = (
+        tuple(
+            (
+                keys.index(sl.key),
+                sl.row_offset,
+                sl.num_embeddings,
+                int(PoolingType(sl.pooling) is PoolingType.MEAN),
+            )
+            for sl in slots
+        ),
+        int(mode is not BoundsCheckMode.NONE),
+    )
+    if not is_weighted and features.weights_or_none() is not None:
+        features = type(features)._make(
+            keys,
+            features.capacity_per_key(),
+            features.stride(),
+            values,
+            features.lengths(),
+            None,
+        )
+    out, bad = _kjt_bag(weights, features, static, xla_fn)
+    report_out_of_range(bad[0], bad[1], mode, where)
+    return out
+
+
+# ----- fused backward + optimizer update -----
+def backward_update_cpu(optimizer, table, state, out_grad, seg, scale, rows, valid):
+    """``jaxrec.train.backward_update`` on the C++ kernel, in place on ``table`` and ``state``.
+
+    Supports EXACT_SGD, EXACT_ROWWISE_ADAGRAD and EXACT_ADAGRAD (every weight
+    decay mode) on float32 / bfloat16 tables with float32 state; the update
+    maths are ``jaxrec.optim``'s. Under ``jit`` with ``table`` and ``state``
+    donated, the call writes into their buffers (no copy).
+    """
+    _require_kernels()
+    if optimizer.name not in _UPDATES:
+        raise NotImplementedError(f"no CPU kernel for the {optimizer.name} optimizer")
+    _check_table(table, "table")
+    target, state_rank = _UPDATES[optimizer.name]
+    fields = row_fields(state)
+    r, d = table.shape
+    want = () if state_rank is None else ((r,) if state_rank == 1 else (r, d))
+    if len(fields) != (0 if state_rank is None else 1) or any(
+        getattr(state, f).shape != want or getattr(state, f).dtype != jnp.float32 for f in fields
+    ):
+        raise NotImplementedError(f"unexpected {optimizer.name} state layout")
+    hp = optimizer.hyperparams
+    count = state.count + 1
+    lr = lr_at(optimizer.learning_rate, count).reshape(())
+    keyed = jnp.where(valid, rows, r).astype(jnp.int32)  # fill R: not a row, skipped
+    states = tuple(getattr(state, f) for f in fields)
+    shapes = (jax.ShapeDtypeStruct(table.shape, table.dtype),) + tuple(
+        jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states
+    )
+    call = jax.ffi.ffi_call(
+        target,
+        shapes,
+        input_output_aliases={i: i for i in range(len(shapes))},
+        vmap_method="sequential",
+    )
+    new_table, *new_states = call(
+        table,
+        *states,
+        out_grad.astype(jnp.float32).reshape(-1, d),
+        seg.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        keyed,
+        lr.astype(jnp.float32),
+        eps=np.float32(hp.get("eps", 0.0)),
+        weight_decay=np.float32(hp.get("weight_decay", 0.0)),
+        mode=np.int32(_MODES[WeightDecayMode(hp.get("weight_decay_mode", "NONE"))]),
+    )
+    return new_table, state._replace(count=count, **dict(zip(fields, new_states, strict=True)))
