@@ -1,0 +1,292 @@
+"""jaxrec vs TorchRec + FBGEMM on the CPU, side by side: EBC forward and fused train steps.
+
+For each configuration, both frameworks get the same tables (jaxrec's initial
+weights copied into TorchRec), the same ids and the same thread count
+(``torch.set_num_threads(n)`` and ``JAXREC_CPU_THREADS=n``, ``n`` = the cores
+this process may use). Repetitions are interleaved (jaxrec, TorchRec, jaxrec,
+...) so that noise from other jobs on the machine hits both alike; medians are
+reported. Phases:
+
+* ``forward``: ``EmbeddingBagCollection`` forward (jaxrec ``jax.jit`` over the
+  split module, ``implementation=--impl``) vs TorchRec's EBC.
+* ``train_<optimizer>``: one training step of ``loss = sum(pooled * R)``:
+  jaxrec's ``make_train_step`` (donated state, fused sparse update) vs
+  TorchRec's ``DistributedModelParallel`` (world size 1, TABLE_WISE, FUSED
+  kernel: ``backward()`` applies FBGEMM's fused optimizer). Both run the same
+  number of steps from the same weights; touched rows must then agree.
+
+Prints one JSON line per (configuration, phase, framework) and one ``ratio``
+line per (configuration, phase): ``torchrec median_ms / jaxrec median_ms``
+(> 1: jaxrec is faster) beside the issue's goal. Exits 1 if outputs disagree.
+
+    python bench/compare_torchrec.py --preset tiny            # a smoke test
+    python bench/compare_torchrec.py --preset issue --reps 15 # the issue's three configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+os.environ.setdefault("JAXREC_CPU_THREADS", str(len(os.sched_getaffinity(0))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxrec import EmbeddingTable, optim  # noqa: E402
+from jaxrec.train import init_train_state, make_train_step  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    EPS,
+    build_jaxrec,
+    build_torchrec,
+    jaxrec_kjt,
+    record,
+    torchrec_available,
+    torchrec_kjt,
+)
+from specs import LookupSpec, make_inputs  # noqa: E402
+
+BENCH = "compare_torchrec"
+CONFIGS: dict[str, LookupSpec] = {
+    "tiny": LookupSpec(T=2, E=1000, D=16, B=32, L=4),
+    "tiny_zipf": LookupSpec(T=2, E=1000, D=16, B=32, L=4, alpha=1.05),
+    # The issue's configurations.
+    "default": LookupSpec(T=8, E=1_000_000, D=128, B=4096, L=20),
+    "criteo": LookupSpec(T=26, E=100_000, D=64, B=2048, L=1),
+    "zipf": LookupSpec(T=8, E=1_000_000, D=128, B=4096, L=20, alpha=1.05),
+}
+PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
+GOALS = {"forward": 1.5, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
+OPT_EPS = 1e-8
+OPTIMIZERS: dict[str, tuple[str, Callable]] = {
+    "rowwise_adagrad": ("EXACT_ROWWISE_ADAGRAD", lambda lr: optim.rowwise_adagrad(lr, OPT_EPS)),
+    "sgd": ("EXACT_SGD", lambda lr: optim.sgd(lr)),
+}
+
+
+def threads() -> int:
+    return int(os.environ["JAXREC_CPU_THREADS"])
+
+
+def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict:
+    """Wall times (ms) of each ``fn()``, repetitions interleaved across ``fns``."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(reps):
+        order = list(fns) if i % 2 == 0 else list(reversed(fns))
+        for k in order:
+            start = time.perf_counter()
+            fns[k]()
+            times[k].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def ratio_line(name, spec, phase, times, impl, **extra) -> dict:
+    ratio = statistics.median(times["torchrec"]) / statistics.median(times["jaxrec"])
+    goal = GOALS["forward" if phase == "forward" else "train"]
+    return {
+        "bench": BENCH,
+        "impl": "ratio",
+        "config": name,
+        "phase": phase,
+        "jaxrec_impl": impl,
+        **spec.as_dict(),
+        "threads": threads(),
+        "ratio_jaxrec_over_torchrec": round(ratio, 3),
+        "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
+        "goal": goal,
+        "meets_goal": ratio >= goal,
+        **extra,
+    }
+
+
+def emit(line: dict) -> dict:
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def _records(name, spec, phase, times, impl, **extra) -> list[dict]:
+    out = []
+    for fw, t in times.items():
+        rec = record(BENCH, spec, fw, t, config=name, phase=phase, threads=threads())
+        if fw == "jaxrec":
+            rec["jaxrec_impl"] = impl
+        if phase == "forward":
+            rec["gbps"] = round(spec.bytes_read() / (statistics.median(t) * 1e-3) / 1e9, 3)
+        out.append(emit(rec))
+    out.append(emit(ratio_line(name, spec, phase, times, impl, **extra)))
+    return out
+
+
+# ----- forward -----
+def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
+    import torch
+
+    ebc = build_jaxrec(spec, seed=seed)
+    ebc.implementation = None if impl == "auto" else impl
+    graphdef, state = nnx.split(ebc)
+    forward = jax.jit(lambda state, kjt: nnx.merge(graphdef, state)(kjt).values())
+    kjt = jaxrec_kjt(spec, inputs)
+    tebc = build_torchrec(spec, ebc)
+    del ebc
+    gc.collect()
+    tkjt = torchrec_kjt(inputs, next(iter(tebc.parameters())).dtype)
+    with torch.no_grad():
+        out = np.asarray(forward(state, kjt), np.float32)
+        ref = tebc(tkjt).values().float().numpy()
+        times = interleaved(
+            {
+                "jaxrec": lambda: forward(state, kjt).block_until_ready(),
+                "torchrec": lambda: tebc(tkjt),
+            },
+            reps,
+            warmup,
+        )
+    diff = float(np.max(np.abs(out - ref))) if ref.size else 0.0
+    tol = 4 * EPS[spec.dtype] * spec.L * (1.0 / spec.E) ** 0.5
+    return _records(
+        name, spec, "forward", times, impl, max_abs_diff=diff, tolerance=tol, agree=diff <= tol
+    )
+
+
+# ----- train step -----
+def run_train(name, spec, inputs, optimizer, impl, reps, warmup, seed, lr=0.1) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from train_step import Config, build_fused_torchrec
+
+    proj = np.random.default_rng(seed + 1).standard_normal((spec.B, spec.T * spec.D))
+    proj = proj.astype(np.float32)
+    ebc = build_jaxrec(spec, seed=seed)
+    initial = [np.array(w) for w in jax.tree.leaves(nnx.state(ebc, EmbeddingTable))]
+    (initial,) = initial  # one stacked [T * E, D] group
+    opt = optim.CombinedOptimizer(optax.sgd(0.0), OPTIMIZERS[optimizer][1](lr))
+    graphdef, state = init_train_state(ebc, opt)
+    del ebc
+    loss = lambda m, batch: jnp.sum(m(batch[0]).values() * batch[1])
+    step = make_train_step(graphdef, opt, loss, implementation=None if impl == "auto" else impl)
+    batch = (jaxrec_kjt(spec, inputs), jnp.asarray(proj))
+    box = [state]
+    del state
+
+    def jax_one():
+        box[0], _, _ = step(box[0], batch)
+        jax.block_until_ready(box[0])
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dmp = build_fused_torchrec(spec, Config(optimizer=optimizer, lr=lr))
+        weights = [dmp.module.embedding_bags[f"t{t}"].weight for t in range(spec.T)]
+        for t, w in enumerate(weights):
+            w.detach().numpy()[:] = initial[t * spec.E : (t + 1) * spec.E]
+        del initial
+        gc.collect()
+        tkjt, r = torchrec_kjt(inputs), torch.from_numpy(proj)
+
+        def torch_one():
+            (dmp(tkjt).wait().values() * r).sum().backward()
+
+        times = interleaved({"jaxrec": jax_one, "torchrec": torch_one}, reps, warmup)
+        # Same steps from the same weights and batch: the touched rows must agree.
+        (table,) = jax.tree.leaves(box[0].tables)
+        table = np.asarray(table)
+        ids = inputs["values"].reshape(spec.T, -1)
+        diff, scale = 0.0, 0.0
+        for t, w in enumerate(weights):
+            rows = np.unique(ids[t])
+            mine = table[t * spec.E + rows]
+            diff = max(diff, float(np.max(np.abs(mine - w.detach().numpy()[rows]))))
+            scale = max(scale, float(np.max(np.abs(mine))))
+    finally:
+        if created:
+            dist.destroy_process_group()
+    steps = reps + warmup
+    tol = 16 * EPS[spec.dtype] * max(scale, 1e-3) * steps * max(1.0, spec.L**0.5)
+    fbgemm = OPTIMIZERS[optimizer][0]
+    return _records(
+        name,
+        spec,
+        f"train_{optimizer}",
+        times,
+        impl,
+        optimizer=fbgemm,
+        steps=steps,
+        max_abs_diff=diff,
+        tolerance=tol,
+        agree=diff <= tol,
+    )
+
+
+def run(name: str, *, phases, impl="auto", reps=10, warmup=2, seed=0) -> list[dict]:
+    """Every requested phase of configuration ``name``; returns the JSON records."""
+    import torch
+
+    torch.set_num_threads(threads())
+    spec = CONFIGS[name]
+    inputs = make_inputs(spec, seed)
+    out = []
+    for phase in phases:
+        if phase == "forward":
+            out += run_forward(name, spec, inputs, impl, reps, warmup, seed)
+        else:
+            out += run_train(name, spec, inputs, phase, impl, reps, warmup, seed)
+        gc.collect()
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--preset", default="tiny", help=f"{sorted(PRESETS)} or configs {sorted(CONFIGS)}"
+    )
+    p.add_argument("--phases", default="forward,rowwise_adagrad,sgd")
+    p.add_argument("--impl", default="auto", choices=("auto", "cpu", "xla"))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torchrec_available():
+        emit({"bench": BENCH, "skipped": "torchrec is not importable"})
+        return 0
+    names = []
+    for n in args.preset.split(","):
+        names += PRESETS.get(n, (n,))
+    unknown = [n for n in names if n not in CONFIGS]
+    phases = args.phases.split(",")
+    if unknown or set(phases) - {"forward", *OPTIMIZERS}:
+        raise SystemExit(f"unknown configs {unknown} or phases {phases}")
+    agree = True
+    for name in names:
+        recs = run(
+            name,
+            phases=phases,
+            impl=args.impl,
+            reps=args.reps,
+            warmup=args.warmup,
+            seed=args.seed,
+        )
+        agree &= all(r.get("agree", True) for r in recs)
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
