@@ -26,7 +26,7 @@ from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
 from .quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 
-quantize_jit = jax.jit(quantize_rows, static_argnames=("dtype", "row_alignment"))
+quantize_jit = quantize_rows  # already jitted (dtype, row_alignment static); sharded.py imports it
 
 
 class QuantTable(nnx.Variable):

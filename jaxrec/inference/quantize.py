@@ -17,12 +17,15 @@ low nibble. Quantization follows FBGEMM's
 ``scale = fp16((max - bias) / (2**bits - 1))`` (1 for a constant row),
 ``q = clip(round_half_even((x - bias) / scale), 0, 2**bits - 1)``.
 
-Everything here is pure ``jnp`` (usable under ``jit`` and on gathered rows);
-dequantization works on any ``[..., row_bytes]`` array, so a lookup can
+Everything here is pure ``jnp``, jitted with the dtype/dim static (one compile
+per shape instead of one per eager op; nested under an outer ``jit`` it inlines).
+Dequantization works on any ``[..., row_bytes]`` array, so a lookup can
 dequantize only the rows it gathered.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +105,7 @@ def _bytes_of(x: jax.Array) -> jax.Array:
     return b.reshape(*x.shape[:-1], -1)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "row_alignment"))
 def quantize_rows(
     weights: jax.typing.ArrayLike, dtype, *, row_alignment: int = DEFAULT_ROW_ALIGNMENT
 ) -> jax.Array:
@@ -169,6 +173,7 @@ def scale_bias(rows: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
     return sb[..., 0], sb[..., 1]
 
 
+@functools.partial(jax.jit, static_argnames=("dim", "dtype"))
 def dequantize_rows(rows: jax.typing.ArrayLike, dim: int, dtype) -> jax.Array:
     """Float32 values ``[..., dim]`` of quantized rows ``[..., row_bytes]`` (any leading dims).
 
@@ -207,6 +212,7 @@ def dequantize_table(rows: jax.typing.ArrayLike, dim: int, dtype) -> np.ndarray:
     return np.asarray(dequantize_rows(rows, dim, dtype))
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def row_error_bound(weights: jax.typing.ArrayLike, rows: jax.Array, dtype) -> jax.Array:
     """Per-row bound ``[E]`` on ``|dequantize(quantize(w)) - w|``, from the stored rows.
 
