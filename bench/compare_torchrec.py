@@ -67,6 +67,7 @@ CONFIGS: dict[str, LookupSpec] = {
     "zipf": LookupSpec(T=8, E=1_000_000, D=128, B=4096, L=20, alpha=1.05),
 }
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
+IDLE_S = 0.05  # pause before each timed call (not timed)
 GOALS = {"forward": 1.5, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
 OPTIMIZERS: dict[str, tuple[str, Callable]] = {
@@ -88,6 +89,9 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     for i in range(reps):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))
         for k in order:
+            # Idle first: the other framework's worker threads (torch's OpenMP
+            # pool spins after each op) must not eat the cores of the next call.
+            time.sleep(IDLE_S)
             start = time.perf_counter()
             fns[k]()
             times[k].append((time.perf_counter() - start) * 1e3)
