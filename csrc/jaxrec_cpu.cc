@@ -1,8 +1,12 @@
 // jaxrec's C++ CPU kernels, called from JAX through the XLA FFI (API 0.3).
 //
-// * jaxrec_embedding_bag: table-batched pooled lookup. out[seg[c]] +=
-//   w[rows[c]] * scale[c] for every id c, fp32 or bf16 rows accumulated in fp32,
-//   the output split by segment range over threads, rows prefetched ahead.
+// * jaxrec_kjt_embedding_bag: table-batched pooled lookup of every feature
+//   slot in one call, straight from a KeyedJaggedTensor's values and lengths
+//   (bounds check, per-sample weights, SUM/MEAN), fp32 or bf16 rows summed in
+//   fp32 with native-width vector accumulators, bags split over threads, rows
+//   prefetched ahead into L2, tables advised onto transparent huge pages.
+// * jaxrec_embedding_bag: the same over precomputed rows and segment ids
+//   (out[seg[c]] += w[rows[c]] * scale[c]; used by sharded lookups).
 // * jaxrec_backward_update_{sgd,rowwise_adagrad,adagrad}: a lookup's backward
 //   fused with one optimizer step, in place on the (aliased, donated) table and
 //   state: de-duplicate rows, sum each row's gradients out_grad[seg[c]] *
@@ -28,6 +32,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -123,6 +128,8 @@ int PrefetchHint() {
   }();
   return n;
 }
+
+inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
 
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t bytes) {
@@ -486,143 +493,294 @@ struct Hyper {
   int mode;
 };
 
-// One thread's share of a fused update: the touched rows it owns (rows are
-// split between threads by a hash, so no two threads write one row).
-// uniq[u] is a touched row; its ids are occ[start[u] .. start[u + 1]), in
-// increasing id order. Buffers are reused across calls.
+// A fused update runs in three parallel phases over a per-row mark array:
+// 1. count each row's ids (threads own contiguous row ranges);
+// 2. rows read once (most rows of a large table) are updated right away, in
+//    id order (threads own id ranges): an id's output-gradient row is then
+//    shared with its bag's neighbours, in cache;
+// 3. rows read several times are grouped (a counting sort, in row order) and
+//    their gradients summed in id order before one update (row ranges again).
+// uniq[u] is such a row; its ids are occ[start[u] .. start[u + 1]). Buffers
+// are reused across calls.
 struct Groups {
-  std::vector<int32_t> uniq, start, occ, pos, slot;
+  std::vector<int32_t> uniq, start, occ;
+};
+
+// A zeroed int32 array on huge pages (random accesses to it then rarely miss
+// the TLB; with 4 KiB pages its misses stall each id of a large table).
+struct MarkArray {
+  int32_t* data = nullptr;
+  size_t bytes = 0;
+  ~MarkArray() {
+    if (data) munmap(data, bytes);
+  }
+  bool Reserve(int64_t n) {
+    const size_t need = ((static_cast<size_t>(n) * 4 + (2u << 20) - 1) >> 21) << 21;
+    if (need <= bytes) return true;
+    if (data) munmap(data, bytes);
+    void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      data = nullptr;
+      bytes = 0;
+      return false;
+    }
+#if defined(MADV_HUGEPAGE)
+    madvise(p, need, MADV_HUGEPAGE);
+#endif
+    data = static_cast<int32_t*>(p);
+    bytes = need;
+    return true;
+  }
 };
 
 struct UpdateScratch {
-  std::vector<int32_t> mark;  // row -> group, -1 when untouched (restored after use)
+  MarkArray mark;  // per row: 0 when untouched (restored after each call)
   std::vector<Groups> groups;
 };
 
 // Scratch of the calling (XLA) thread: concurrent calls from other threads
 // (devices of one process) get their own.
-UpdateScratch& Scratch(int64_t r, int nt) {
+UpdateScratch* Scratch(int64_t r, int nt) {
   thread_local UpdateScratch s;
-  if (static_cast<int64_t>(s.mark.size()) < r) s.mark.resize(r, -1);
+  if (!s.mark.Reserve(r)) return nullptr;
   if (static_cast<int>(s.groups.size()) < nt) s.groups.resize(nt);
-  return s;
+  return &s;
 }
 
-inline int OwnerOf(int32_t row, int nt) {
-  return static_cast<int>((static_cast<uint32_t>(row) * 2654435761u >> 8) % nt);
-}
+constexpr int kMarkAhead = 16;
 
-// Groups the valid ids whose rows thread t owns.
-void GroupRows(const int32_t* rows, int64_t c_total, int64_t r, int t, int nt,
-               int32_t* mark, Groups& g) {
-  g.uniq.clear();
-  g.pos.clear();
-  g.slot.clear();
-  constexpr int kAhead = 16;
+// Phase 1: mark[row] = number of ids of row, for rows in [lo, hi).
+void CountRows(const int32_t* rows, int64_t c_total, int64_t lo, int64_t hi, int32_t* mark) {
   for (int64_t c = 0; c < c_total; ++c) {
-    if (c + kAhead < c_total) {
-      const int32_t ahead = rows[c + kAhead];
-      if (ahead >= 0 && ahead < r && OwnerOf(ahead, nt) == t) {
-        __builtin_prefetch(&mark[ahead], 1, 3);
-      }
+    if (c + kMarkAhead < c_total) {
+      const int32_t ahead = rows[c + kMarkAhead];
+      if (ahead >= lo && ahead < hi) __builtin_prefetch(&mark[ahead], 1, 3);
     }
     const int32_t row = rows[c];
-    if (row < 0 || row >= r || OwnerOf(row, nt) != t) continue;
-    int32_t& m = mark[row];
-    if (m < 0) {
-      m = static_cast<int32_t>(g.uniq.size());
-      g.uniq.push_back(row);
-    }
-    g.pos.push_back(static_cast<int32_t>(c));
-    g.slot.push_back(m);
+    if (row >= lo && row < hi) ++mark[row];
   }
-  const size_t u = g.uniq.size();
-  g.start.assign(u + 1, 0);
-  for (int32_t sl : g.slot) ++g.start[sl + 1];
-  for (size_t i = 0; i < u; ++i) g.start[i + 1] += g.start[i];
-  g.occ.resize(g.pos.size());
-  for (size_t k = 0; k < g.pos.size(); ++k) g.occ[g.start[g.slot[k]]++] = g.pos[k];
-  for (size_t i = u; i > 0; --i) g.start[i] = g.start[i - 1];  // undo the fill's shift
-  g.start[0] = 0;
-  for (int32_t row : g.uniq) mark[row] = -1;
 }
 
+// Phase 3 set-up: groups the ids of rows in [lo, hi) read more than once;
+// their marks become -(1 + the row's next slot in occ) (0 again after the update).
+void GroupRows(const int32_t* rows, int64_t c_total, int64_t lo, int64_t hi, int32_t* mark,
+               Groups& g) {
+  g.uniq.clear();
+  g.start.clear();
+  int32_t total = 0;
+  for (int64_t row = lo; row < hi; ++row) {
+    const int32_t n = mark[row];
+    if (n < 2) continue;
+    g.uniq.push_back(static_cast<int32_t>(row));
+    g.start.push_back(total);
+    mark[row] = -(total + 1);
+    total += n;
+  }
+  g.start.push_back(total);
+  g.occ.resize(total);
+  if (total == 0) return;
+  for (int64_t c = 0; c < c_total; ++c) {
+    if (c + kMarkAhead < c_total) {
+      const int32_t ahead = rows[c + kMarkAhead];
+      if (ahead >= lo && ahead < hi) __builtin_prefetch(&mark[ahead], 0, 3);
+    }
+    const int32_t row = rows[c];
+    if (row >= lo && row < hi && mark[row] < 0) g.occ[-(mark[row]--) - 1] = static_cast<int32_t>(c);
+  }
+}
+
+// One optimizer step on one row: w (d elements, table dtype), its state,
+// gradient gr (float32); wr is scratch.
 template <Opt kOpt, typename T>
-void UpdateRows(const Groups& g, T* w, float* m, int64_t d, const float* out_grad, int64_t n_out,
-                const int32_t* seg, const float* scale, const Hyper& h) {
-  const int64_t u_total = static_cast<int64_t>(g.uniq.size());
+inline void ApplyRow(T* __restrict__ row, float* __restrict__ m, int64_t d,
+                     const float* __restrict__ gr, float* __restrict__ wr, const Hyper& h) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(wr, row, d * sizeof(float));
+  } else {
+    for (int64_t j = 0; j < d; ++j) wr[j] = ToF32(row[j]);
+  }
+  const float lr = h.lr, wd = h.wd;
+  const bool l2 = h.mode == kL2, decouple = h.mode == kDecouple;
+  if constexpr (kOpt == Opt::kSgd) {
+    int64_t j = 0;
+    if (!l2 && !decouple) {
+      for (; j + kVL <= d; j += kVL) StoreV(wr + j, LoadV(wr + j) - LoadV(gr + j) * lr);
+    }
+    for (; j < d; ++j) {
+      float gj = l2 ? gr[j] + wd * wr[j] : gr[j];
+      float wj = decouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
+      wr[j] = wj - lr * gj;
+    }
+  } else if constexpr (kOpt == Opt::kAdagrad) {  // m: the row's [d] accumulators
+    for (int64_t j = 0; j < d; ++j) {
+      float gj = l2 ? gr[j] + wd * wr[j] : gr[j];
+      float mj = m[j] + gj * gj;
+      m[j] = mj;
+      float wj = decouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
+      wr[j] = wj - (lr * gj) / (std::sqrt(mj) + h.eps);
+    }
+  } else {  // row-wise Adagrad; m: the row's accumulator
+    // sum of squares in native-width partial sums (XLA's reduction order is not
+    // sequential either: it agrees to rounding)
+    VF acc = VF{};
+    int64_t j = 0;
+    for (; j + kVL <= d; j += kVL) {
+      VF g = LoadV(gr + j);
+      if (l2) g = g + LoadV(wr + j) * wd;
+      VF sq = g * g;
+      acc += sq;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < kVL; ++i) sum += acc[i];
+    for (; j < d; ++j) {
+      float gj = l2 ? gr[j] + wd * wr[j] : gr[j];
+      float sq = gj * gj;
+      sum += sq;
+    }
+    const float mnew = *m + sum / static_cast<float>(d);
+    *m = mnew;
+    const float mult = lr / (std::sqrt(mnew) + h.eps);
+    const float corr = l2 ? 1.0f - mult * wd : decouple ? 1.0f - lr * wd : 1.0f;
+    int64_t k = 0;
+    for (; k + kVL <= d; k += kVL) {
+      VF a = LoadV(wr + k) * corr;
+      VF b = LoadV(gr + k) * mult;
+      StoreV(wr + k, a - b);
+    }
+    for (; k < d; ++k) {
+      float a = corr * wr[k];
+      float b = mult * gr[k];
+      wr[k] = a - b;
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(row, wr, d * sizeof(float));
+  } else {
+    for (int64_t j = 0; j < d; ++j) FromF32(wr[j], row + j);
+  }
+}
+
+// dst[j] (+)= src[j] * s: the rounded product, then the sum (as XLA).
+template <bool kFirst>
+inline void AddScaled(float* __restrict__ dst, const float* __restrict__ src, float s, int64_t d) {
+  int64_t j = 0;
+  for (; j + kVL <= d; j += kVL) {
+    VF x = LoadV(src + j) * s;
+    StoreV(dst + j, (kFirst ? VF{} : LoadV(dst + j)) + x);
+  }
+  for (; j < d; ++j) {
+    float x = src[j] * s;
+    dst[j] = (kFirst ? 0.0f : dst[j]) + x;
+  }
+}
+
+template <Opt kOpt>
+inline float* StateOf(float* m, int64_t row, int64_t d) {
+  if constexpr (kOpt == Opt::kSgd) return nullptr;
+  if constexpr (kOpt == Opt::kRowwiseAdagrad) return m + row;
+  return m + row * d;
+}
+
+struct UpdateArgs {
+  int64_t r, d, n_out;
+  const float* out_grad;
+  const int32_t* seg;
+  const float* scale;
+  const int32_t* rows;
+  float* m;
+  Hyper h;
+};
+
+template <Opt kOpt, typename T>
+inline void PrefetchState(const UpdateArgs& a, T* w, int64_t row) {
+  PrefetchRow(w + row * a.d, a.d * static_cast<int64_t>(sizeof(T)));
+  if constexpr (kOpt == Opt::kRowwiseAdagrad) __builtin_prefetch(a.m + row, 1, 2);
+  if constexpr (kOpt == Opt::kAdagrad) PrefetchRow(a.m + row * a.d, a.d * 4);
+}
+
+inline const float* GradRow(const UpdateArgs& a, int64_t c) {
+  return a.out_grad + std::min<int64_t>(std::max<int64_t>(a.seg[c], 0), a.n_out - 1) * a.d;
+}
+
+// Phase 2: ids [c0, c1) whose row is read once: update it right away.
+template <Opt kOpt, typename T>
+void UpdateSingles(const UpdateArgs& a, T* w, int32_t* mark, int64_t c0, int64_t c1) {
   thread_local std::vector<float> gbuf, wbuf;
-  gbuf.resize(d);
-  wbuf.resize(d);
+  gbuf.resize(a.d);
+  wbuf.resize(a.d);
+  const int ahead = 2 * PrefetchAhead(a.d * static_cast<int64_t>(sizeof(T)));
+  for (int64_t c = c0; c < c1; ++c) {
+    if (c + ahead < c1) {
+      const int32_t row = a.rows[c + ahead];
+      if (row >= 0 && row < a.r) {
+        PrefetchState<kOpt>(a, w, row);
+        __builtin_prefetch(&mark[row], 1, 2);
+      }
+    }
+    const int32_t row = a.rows[c];
+    if (row < 0 || row >= a.r || mark[row] != 1) continue;
+    mark[row] = 0;
+    AddScaled<true>(gbuf.data(), GradRow(a, c), a.scale[c], a.d);
+    ApplyRow<kOpt>(w + row * a.d, StateOf<kOpt>(a.m, row, a.d), a.d, gbuf.data(), wbuf.data(),
+                   a.h);
+  }
+}
+
+// Phase 3: the grouped rows (read several times), gradients summed in id order.
+template <Opt kOpt, typename T>
+void UpdateGroups(const UpdateArgs& a, T* w, int32_t* mark, const Groups& g) {
+  thread_local std::vector<float> gbuf, wbuf;
+  gbuf.resize(a.d);
+  wbuf.resize(a.d);
   float* gr = gbuf.data();
-  float* wr = wbuf.data();
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const int ahead = PrefetchAhead(row_bytes);
+  const int64_t u_total = static_cast<int64_t>(g.uniq.size());
+  const int ahead = 2 * PrefetchAhead(a.d * static_cast<int64_t>(sizeof(T)));
   auto prefetch = [&](int64_t u) {
-    const int64_t row = g.uniq[u];
-    PrefetchRow(w + row * d, row_bytes);
-    if constexpr (kOpt == Opt::kRowwiseAdagrad) __builtin_prefetch(m + row, 1, 2);
-    if constexpr (kOpt == Opt::kAdagrad) PrefetchRow(m + row * d, d * 4);
-    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {  // its output-gradient rows
-      const int64_t sg = std::min<int64_t>(std::max<int64_t>(seg[g.occ[k]], 0), n_out - 1);
-      PrefetchRow(out_grad + sg * d, d * 4);
+    PrefetchState<kOpt>(a, w, g.uniq[u]);
+    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {
+      PrefetchRow(GradRow(a, g.occ[k]), a.d * 4);
     }
   };
   for (int64_t u = 0; u < std::min<int64_t>(ahead, u_total); ++u) prefetch(u);
   for (int64_t u = 0; u < u_total; ++u) {
     if (u + ahead < u_total) prefetch(u + ahead);
-    // g = sum over the row's ids of out_grad[seg] * scale, in id order.
-    std::fill(gr, gr + d, 0.0f);
+    std::fill(gr, gr + a.d, 0.0f);
     for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {
       const int32_t c = g.occ[k];
-      const int64_t sg = std::min<int64_t>(std::max<int64_t>(seg[c], 0), n_out - 1);
-      const float* src = out_grad + sg * d;
-      const float s = scale[c];
-      for (int64_t j = 0; j < d; ++j) {
-        float x = src[j] * s;
-        gr[j] += x;
-      }
+      AddScaled<false>(gr, GradRow(a, c), a.scale[c], a.d);
     }
-    T* row = w + static_cast<int64_t>(g.uniq[u]) * d;
-    for (int64_t j = 0; j < d; ++j) wr[j] = ToF32(row[j]);
-    const float lr = h.lr, wd = h.wd;
-    if constexpr (kOpt == Opt::kSgd) {
-      for (int64_t j = 0; j < d; ++j) {
-        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
-        float wj = h.mode == kDecouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
-        wr[j] = wj - lr * gj;
-      }
-    } else if constexpr (kOpt == Opt::kAdagrad) {
-      float* mr = m + static_cast<int64_t>(g.uniq[u]) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
-        float mj = mr[j] + gj * gj;
-        mr[j] = mj;
-        float wj = h.mode == kDecouple ? wr[j] - (lr * wd) * wr[j] : wr[j];
-        wr[j] = wj - (lr * gj) / (std::sqrt(mj) + h.eps);
-      }
-    } else {  // row-wise Adagrad
-      float sum = 0.0f;
-      for (int64_t j = 0; j < d; ++j) {
-        float gj = h.mode == kL2 ? gr[j] + wd * wr[j] : gr[j];
-        float sq = gj * gj;
-        sum += sq;
-      }
-      float& mr = m[g.uniq[u]];
-      const float mnew = mr + sum / static_cast<float>(d);
-      mr = mnew;
-      const float mult = lr / (std::sqrt(mnew) + h.eps);
-      const float corr = h.mode == kL2 ? 1.0f - mult * wd
-                         : h.mode == kDecouple ? 1.0f - lr * wd
-                                               : 1.0f;
-      for (int64_t j = 0; j < d; ++j) {
-        float a = corr * wr[j];
-        float b = mult * gr[j];
-        wr[j] = a - b;
-      }
-    }
-    for (int64_t j = 0; j < d; ++j) FromF32(wr[j], row + j);
+    const int64_t row = g.uniq[u];
+    ApplyRow<kOpt>(w + row * a.d, StateOf<kOpt>(a.m, row, a.d), a.d, gr, wbuf.data(), a.h);
+    mark[row] = 0;
   }
+}
+
+template <Opt kOpt, typename T>
+bool FusedUpdate(const UpdateArgs& a, T* w, int64_t c_total, double* times) {
+  const int nt = ThreadsFor(c_total * a.d * 8);
+  UpdateScratch* sp = Scratch(a.r, nt);
+  if (!sp) return false;
+  UpdateScratch& scratch = *sp;
+  int32_t* mark = scratch.mark.data;
+  auto t0 = std::chrono::steady_clock::now();
+  ParallelFor(nt, [&](int t, int n) {
+    CountRows(a.rows, c_total, a.r * t / n, a.r * (t + 1) / n, mark);
+  });
+  auto t1 = std::chrono::steady_clock::now();
+  ParallelFor(nt, [&](int t, int n) {
+    UpdateSingles<kOpt>(a, w, mark, c_total * t / n, c_total * (t + 1) / n);
+  });
+  auto t2 = std::chrono::steady_clock::now();
+  ParallelFor(nt, [&](int t, int n) {
+    Groups& g = scratch.groups[t];
+    GroupRows(a.rows, c_total, a.r * t / n, a.r * (t + 1) / n, mark, g);
+    UpdateGroups<kOpt>(a, w, mark, g);
+  });
+  auto t3 = std::chrono::steady_clock::now();
+  times[0] = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  times[1] = std::chrono::duration<double, std::milli>(t2 - t1).count();
+  times[2] = std::chrono::duration<double, std::milli>(t3 - t2).count();
+  return true;
 }
 
 template <Opt kOpt>
@@ -648,32 +806,26 @@ ffi::Error BackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::Buff
   }
   if (c == 0 || r == 0 || gd[0] == 0) return ffi::Error::Success();
   AdviseHugePages(table->untyped_data(), r * d * (is_f32 ? 4 : 2));
-  const int nt = ThreadsFor(c * d * 8);
-  UpdateScratch& scratch = Scratch(r, nt);
-  const Hyper h{lr.typed_data()[0], eps, wd, mode};
-  std::vector<double> times(2 * nt);
-  ParallelFor(nt, [&](int t, int n) {
-    auto t0 = std::chrono::steady_clock::now();
-    Groups& g = scratch.groups[t];
-    GroupRows(rows.typed_data(), c, r, t, n, scratch.mark.data(), g);
-    auto t1 = std::chrono::steady_clock::now();
-    if (is_f32) {
-      UpdateRows<kOpt>(g, static_cast<float*>(table->untyped_data()), m, d, og.typed_data(),
-                       gd[0], seg.typed_data(), scale.typed_data(), h);
-    } else {
-      UpdateRows<kOpt>(g, static_cast<bf16_t*>(table->untyped_data()), m, d, og.typed_data(),
-                       gd[0], seg.typed_data(), scale.typed_data(), h);
-    }
-    auto t2 = std::chrono::steady_clock::now();
-    times[2 * t] = std::chrono::duration<double, std::milli>(t1 - t0).count();
-    times[2 * t + 1] = std::chrono::duration<double, std::milli>(t2 - t1).count();
-  });
+  if (m) AdviseHugePages(m, (kOpt == Opt::kAdagrad ? r * d : r) * 4);
+  const UpdateArgs a{r,
+                     d,
+                     gd[0],
+                     og.typed_data(),
+                     seg.typed_data(),
+                     scale.typed_data(),
+                     rows.typed_data(),
+                     m,
+                     Hyper{lr.typed_data()[0], eps, wd, mode}};
+  double times[3];
+  const bool ok = is_f32 ? FusedUpdate<kOpt>(a, static_cast<float*>(table->untyped_data()), c, times)
+                         : FusedUpdate<kOpt>(a, static_cast<bf16_t*>(table->untyped_data()), c, times);
+  if (!ok) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxrec_backward_update: no memory for the per-row scratch");
+  }
   if (std::getenv("JAXREC_CPU_TIMING")) {
-    for (int t = 0; t < nt; ++t) {
-      std::fprintf(stderr, "update thread %d: group %.2f ms, rows %.2f ms, unique %zu of %ld\n",
-                   t, times[2 * t], times[2 * t + 1], scratch.groups[t].uniq.size(),
-                   static_cast<long>(c));
-    }
+    std::fprintf(stderr, "update: count %.2f ms, single rows %.2f ms, grouped rows %.2f ms\n",
+                 times[0], times[1], times[2]);
   }
   return ffi::Error::Success();
 }
