@@ -35,16 +35,7 @@ def update_subgroup(
         implementation: ``None`` (the fused Pallas kernel on GPU, XLA elsewhere),
             ``"xla"`` or ``"pallas"``.
     """
-    r = table.shape[0]
-    if sub.covers_group:
-        table_rows, state_rows = rows, rows
-    else:  # map group rows to this subgroup's state rows; other tables' rows are skipped
-        starts = jnp.asarray(np.asarray(row_offsets, np.int32))
-        t = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, len(starts) - 1)
-        member = jnp.asarray(np.asarray(sub.member))[t] & (rows < r)
-        local = rows - starts[t] + jnp.asarray(np.asarray(sub.state_offsets, np.int32))[t]
-        table_rows = jnp.where(member, rows, r)
-        state_rows = jnp.where(member, local, sub.num_rows)
+    table_rows, state_rows = subgroup_rows(sub, row_offsets, rows, table.shape[0])
     return dispatch(
         "sparse_update",
         implementation,
@@ -56,6 +47,23 @@ def update_subgroup(
         grads,
         state_rows,
     )
+
+
+def subgroup_rows(
+    sub: SubGroup, row_offsets: tuple[int, ...], rows: jax.Array, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(table_rows, state_rows)`` of group rows ``rows`` ``[U]`` for one subgroup.
+
+    Rows of tables the subgroup does not own, and fill rows (``>= num_rows``,
+    the group's rows), become fill: ``num_rows`` and ``sub.num_rows``.
+    """
+    if sub.covers_group:
+        return rows, rows
+    starts = jnp.asarray(np.asarray(row_offsets, np.int32))
+    t = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, len(starts) - 1)
+    member = jnp.asarray(np.asarray(sub.member))[t] & (rows < num_rows)
+    local = rows - starts[t] + jnp.asarray(np.asarray(sub.state_offsets, np.int32))[t]
+    return jnp.where(member, rows, num_rows), jnp.where(member, local, sub.num_rows)
 
 
 def update_rows_xla(optimizer, table, state, rows, grads, state_rows, **update_kwargs):

@@ -4,7 +4,10 @@ The step never forms d loss / d table (a dense ``[rows, dim]`` scatter). It
 differentiates the loss with respect to the dense params and to a zero probe
 added to every embedding collection's output (see ``tape.py``), maps each
 probe gradient to per-id row gradients, sums duplicate ids and applies each
-table's fused optimizer to the touched rows of its donated buffer.
+table's fused optimizer to the touched rows of its donated buffer. Rows a
+module re-initialised during the forward (managed-collision evictions, see
+``reset.py``) keep their fresh weights and get fresh optimizer state before
+that update.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from flax import nnx
 from ..modules.tables import EmbeddingTable
 from ..ops.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
 from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
+from .reset import reset_optimizer_rows
 from .sparse_update import backward_update, update_subgroup
 from .tape import Tape
 
@@ -89,22 +93,28 @@ def make_train_step(
             with Tape(model, probes) as tape:
                 out = loss_fn(model, batch)
             loss, aux = out if has_aux else (out, None)
-            rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)[3]
+            _, _, tables, rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)
             calls.extend((c.path, c.module) for c in tape.calls)
+            resets.extend((r.path, r.module, r.group) for r in tape.resets)
             dropped = sum(tape.overflow) if tape.overflow else None
-            return loss, (aux, [c.features for c in tape.calls], rest, dropped)
+            reset_rows = [r.rows for r in tape.resets]
+            return loss, (aux, [c.features for c in tape.calls], tables, rest, reset_rows, dropped)
 
         calls: list = []
+        resets: list = []  # (path, collection, group) of rows re-initialised in the forward
         grad_fn = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
-        (loss, (aux, features, rest, dropped)), (g_params, g_probes) = grad_fn(
+        (loss, (aux, features, tables, rest, reset_rows, dropped)), (g_params, g_probes) = grad_fn(
             state.params, probes, state.tables, state.rest
         )
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
+        sparse_state = state.opt_state.sparse
+        for (path, module, group), rows in zip(resets, reset_rows, strict=True):
+            sparse_state = reset_optimizer_rows(optimizer, module, path, group, sparse_state, rows)
         tables, sparse_state = _sparse_update(
             optimizer,
-            state.tables,
-            state.opt_state.sparse,
+            tables,  # as the forward left them: evicted rows re-initialised
+            sparse_state,
             calls,
             features,
             g_probes,

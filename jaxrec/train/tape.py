@@ -31,6 +31,16 @@ class Call:
     shapes: Any  # pytree of ShapeDtypeStruct of its tapped output
 
 
+@dataclasses.dataclass
+class Reset:
+    """Rows of one table group re-initialised during the forward (see ``reset.py``)."""
+
+    path: tuple  # the collection's module path in the model
+    module: Any  # the collection
+    group: str  # its table group (stacked buffer) name
+    rows: Any  # [K] group rows; fill entries are >= the group's rows
+
+
 class Tape:
     """Records collection calls; adds ``probes[i]`` to the i-th call's output."""
 
@@ -39,6 +49,7 @@ class Tape:
         self.probes = probes
         self.calls: list[Call] = []
         self.overflow: list = []  # dropped-id counts of sharded calls that raise
+        self.resets: list[Reset] = []  # rows re-initialised during the forward (see reset.py)
 
     def __enter__(self) -> Tape:
         self._token = _TAPE.set(self)
@@ -76,4 +87,19 @@ def report_overflow(dropped: Any) -> bool:
         return False
     if tape.probes is not None:  # the differentiated pass, not the shape-only one
         tape.overflow.append(dropped)
+    return True
+
+
+def record_reset(module: nnx.Module, group: str, rows: Any) -> bool:
+    """Tells the train step that ``rows`` of ``module``'s ``group`` were re-initialised,
+    so that it resets their optimizer state too. Returns False outside a train step."""
+    tape = _TAPE.get()
+    if tape is None:
+        return False
+    if id(module) not in tape.paths:
+        raise ValueError(
+            f"{type(module).__name__} reset rows inside a train step but is not part of "
+            "the model being trained; make it an attribute of the model"
+        )
+    tape.resets.append(Reset(tape.paths[id(module)], module, group, rows))
     return True
