@@ -7,6 +7,8 @@ from .configs import PoolingType as PoolingType
 from .modules import EmbeddingBagCollection as EmbeddingBagCollection
 from .modules import EmbeddingCollection as EmbeddingCollection
 from .modules import EmbeddingTable as EmbeddingTable
+from .modules import ManagedCollisionCollection as ManagedCollisionCollection
+from .modules import MCHManagedCollisionModule as MCHManagedCollisionModule
 from .ops import BoundsCheckMode as BoundsCheckMode
 from .sparse import JaggedTensor as JaggedTensor
 from .sparse import KeyedJaggedTensor as KeyedJaggedTensor

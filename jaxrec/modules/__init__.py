@@ -16,6 +16,19 @@ from .feature_processor import (
 )
 from .feature_processor import PositionWeightedModule as PositionWeightedModule
 from .feature_processor import PositionWeightedModuleCollection as PositionWeightedModuleCollection
+from .mc_collection import ManagedCollisionCollection as ManagedCollisionCollection
+from .mc_hash import hash_id_pairs as hash_id_pairs
+from .mc_hash import hash_ids as hash_ids
+from .mc_hash import hash_ids_64 as hash_ids_64
+from .mc_modules import EVICTION_FILL as EVICTION_FILL
+from .mc_modules import MCHManagedCollisionModule as MCHManagedCollisionModule
+from .mc_modules import MCState as MCState
+from .mc_policies import DistanceLFU_EvictionPolicy as DistanceLFU_EvictionPolicy
+from .mc_policies import LFU_EvictionPolicy as LFU_EvictionPolicy
+from .mc_policies import LRU_EvictionPolicy as LRU_EvictionPolicy
+from .mc_policies import MCHEvictionPolicy as MCHEvictionPolicy
+from .mc_policies import average_threshold_filter as average_threshold_filter
+from .mc_policies import dynamic_threshold_filter as dynamic_threshold_filter
 from .mlp import MLP as MLP
 from .mlp import Perceptron as Perceptron
 from .tables import EmbeddingTable as EmbeddingTable
