@@ -8,6 +8,10 @@ from .modules import EmbeddingBagCollection as EmbeddingBagCollection
 from .modules import EmbeddingCollection as EmbeddingCollection
 from .modules import EmbeddingTable as EmbeddingTable
 from .modules import ManagedCollisionCollection as ManagedCollisionCollection
+from .modules import (
+    ManagedCollisionEmbeddingBagCollection as ManagedCollisionEmbeddingBagCollection,
+)
+from .modules import ManagedCollisionEmbeddingCollection as ManagedCollisionEmbeddingCollection
 from .modules import MCHManagedCollisionModule as MCHManagedCollisionModule
 from .ops import BoundsCheckMode as BoundsCheckMode
 from .sparse import JaggedTensor as JaggedTensor

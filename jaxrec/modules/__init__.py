@@ -17,6 +17,12 @@ from .feature_processor import (
 from .feature_processor import PositionWeightedModule as PositionWeightedModule
 from .feature_processor import PositionWeightedModuleCollection as PositionWeightedModuleCollection
 from .mc_collection import ManagedCollisionCollection as ManagedCollisionCollection
+from .mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection as ManagedCollisionEmbeddingBagCollection,
+)
+from .mc_embedding_modules import (
+    ManagedCollisionEmbeddingCollection as ManagedCollisionEmbeddingCollection,
+)
 from .mc_hash import hash_id_pairs as hash_id_pairs
 from .mc_hash import hash_ids as hash_ids
 from .mc_hash import hash_ids_64 as hash_ids_64
