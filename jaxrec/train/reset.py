@@ -83,6 +83,11 @@ def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) 
         key: a PRNG key for this call (fold in a per-call counter: the same
             key and row give the same values).
     """
+    if not hasattr(storage, "_locate"):  # e.g. a sharded collection
+        raise NotImplementedError(
+            f"reset_table_rows needs an unsharded EmbeddingBagCollection / EmbeddingCollection, "
+            f"got {type(storage).__name__}"
+        )
     names = [t.name for t in storage.table_configs]
     if table not in names:
         raise KeyError(f"reset_table_rows: no table {table!r}; tables are {names}")

@@ -170,6 +170,10 @@ def test_reset_outside_a_train_step_writes_weights_only():
     np.testing.assert_array_equal(np.delete(w1, 2, 0), np.delete(w0, 2, 0))
     with pytest.raises(KeyError, match="no table 'zz'"):
         reset_table_rows(model.ebc, "zz", jnp.zeros((1,), jnp.int32), KEY)
+    with pytest.raises(TypeError, match="integer array"):
+        reset_table_rows(model.ebc, "t1", jnp.zeros((1,), jnp.float32), KEY)
+    with pytest.raises(NotImplementedError, match="unsharded"):
+        reset_table_rows(model.head, "t1", jnp.zeros((1,), jnp.int32), KEY)
 
 
 def test_reset_step_stays_in_place():
