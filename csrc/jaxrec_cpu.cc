@@ -689,6 +689,7 @@ struct UpdateArgs {
   const int32_t* rows;
   float* m;
   Hyper h;
+  const int64_t* goff = nullptr;  // if set: id c's gradient row is out_grad + goff[c]
 };
 
 template <Opt kOpt, typename T>
@@ -699,6 +700,7 @@ inline void PrefetchState(const UpdateArgs& a, T* w, int64_t row) {
 }
 
 inline const float* GradRow(const UpdateArgs& a, int64_t c) {
+  if (a.goff) return a.out_grad + a.goff[c];
   return a.out_grad + std::min<int64_t>(std::max<int64_t>(a.seg[c], 0), a.n_out - 1) * a.d;
 }
 
@@ -830,6 +832,146 @@ ffi::Error BackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::Buff
   return ffi::Error::Success();
 }
 
+
+// ----- fused backward + update straight from a KeyedJaggedTensor -----
+// slots[s] = (key, row_offset, num_embeddings, is_mean, col): bag b of slot s
+// has output gradient g[b, col : col + D] (g is the [B, W] gradient of the
+// collection's pooled output, every group's columns side by side). Each id of
+// the slot's key becomes (row, gradient offset, scale) in slot order, as
+// jaxrec.ops.backward.pooled_grad_sources lists them (out-of-range ids are
+// skipped, as BoundsCheckMode.IGNORE); then the fused update above runs. No
+// per-id arrays cross into XLA, and the [B, W] gradient is read in place.
+struct KjtIds {
+  std::vector<int32_t> rows;
+  std::vector<int64_t> goff;
+  std::vector<float> scale;
+};
+
+int64_t KjtIdList(const int32_t* values, const int32_t* lengths, const float* pvw,
+                  const int32_t* slots, int64_t n_slots, const int32_t* starts, int64_t b,
+                  int64_t w_cols, int64_t r, KjtIds& out) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t k = slots[5 * s];
+    total += starts[k + 1] - starts[k];
+  }
+  out.rows.resize(total);
+  out.goff.resize(total);
+  out.scale.resize(total);
+  int64_t n = 0;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* sl = slots + 5 * s;
+    const int64_t k = sl[0], row_offset = sl[1], num = sl[2], col = sl[4];
+    const bool mean = sl[3] != 0;
+    int64_t pos = starts[k];
+    for (int64_t i = 0; i < b; ++i) {
+      const int32_t len = std::max(lengths[k * b + i], 0);
+      const int64_t end = std::min<int64_t>(pos + len, starts[k + 1]);
+      const float inv = mean ? 1.0f / static_cast<float>(std::max(len, 1)) : 1.0f;
+      const int64_t go = i * w_cols + col;
+      for (int64_t c = pos; c < end; ++c) {
+        const int64_t id = values[c];
+        const bool ok = id >= 0 && id < num;
+        out.rows[n] = ok ? static_cast<int32_t>(id + row_offset) : static_cast<int32_t>(r);
+        out.goff[n] = go;
+        float sc = ok ? 1.0f : 0.0f;
+        if (pvw) sc = sc * pvw[c];
+        out.scale[n] = mean ? sc * inv : sc;
+        ++n;
+      }
+      pos = end;
+    }
+  }
+  return n;
+}
+
+template <Opt kOpt>
+ffi::Error KjtBackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::Buffer<ffi::F32> g,
+                             ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::F32> pvw, ffi::Buffer<ffi::S32> slots,
+                             ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> lr, float eps,
+                             float wd, int32_t mode) {
+  auto td = table->dimensions();
+  auto gd = g.dimensions();
+  auto sd = slots.dimensions();
+  const int64_t n_keys = static_cast<int64_t>(starts.element_count()) - 1;
+  if (td.size() != 2 || gd.size() != 2 || sd.size() != 2 || sd[1] != 5 || n_keys < 0 ||
+      static_cast<int64_t>(lengths.element_count()) != n_keys * gd[0]) {
+    return ffi::Error::InvalidArgument(
+        "jaxrec_kjt_backward_update: table [R, D], g [B, W], lengths [F * B], slots [S, 5], "
+        "starts [F + 1]");
+  }
+  const int64_t r = td[0], d = td[1], b = gd[0], w_cols = gd[1], n_slots = sd[0];
+  const int64_t v = static_cast<int64_t>(values.element_count());
+  const int32_t* st = starts.typed_data();
+  if (st[n_keys] > v) return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: starts");
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* sl = slots.typed_data() + 5 * s;
+    if (sl[0] < 0 || sl[0] >= n_keys || sl[4] < 0 || sl[4] + d > w_cols) {
+      return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: slot key or column");
+    }
+  }
+  const bool is_f32 = table->element_type() == ffi::F32;
+  if (!is_f32 && table->element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: table must be f32 or bf16");
+  }
+  if (r == 0 || b == 0) return ffi::Error::Success();
+  const float* pv = static_cast<int64_t>(pvw.element_count()) == v && v > 0 ? pvw.typed_data()
+                                                                            : nullptr;
+  thread_local KjtIds ids;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t c = KjtIdList(values.typed_data(), lengths.typed_data(), pv, slots.typed_data(),
+                              n_slots, st, b, w_cols, r, ids);
+  if (c == 0) return ffi::Error::Success();
+  AdviseHugePages(table->untyped_data(), r * d * (is_f32 ? 4 : 2));
+  if (m) AdviseHugePages(m, (kOpt == Opt::kAdagrad ? r * d : r) * 4);
+  UpdateArgs a{r, d, b, g.typed_data(), nullptr, ids.scale.data(), ids.rows.data(), m,
+               Hyper{lr.typed_data()[0], eps, wd, mode}};
+  a.goff = ids.goff.data();
+  double times[3];
+  const bool ok = is_f32 ? FusedUpdate<kOpt>(a, static_cast<float*>(table->untyped_data()), c, times)
+                         : FusedUpdate<kOpt>(a, static_cast<bf16_t*>(table->untyped_data()), c, times);
+  if (!ok) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxrec_kjt_backward_update: no memory for the per-row scratch");
+  }
+  if (std::getenv("JAXREC_CPU_TIMING")) {
+    const double list_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() -
+        times[0] - times[1] - times[2];
+    std::fprintf(stderr, "kjt update: ids %.2f ms, count %.2f ms, single rows %.2f ms, "
+                 "grouped rows %.2f ms\n", list_ms, times[0], times[1], times[2]);
+  }
+  return ffi::Error::Success();
+}
+
+// Operands: table, [state,] g, values, lengths, weights, slots, starts, lr, dep
+// (dep: the loss, only so that XLA orders the forward's reads before this write).
+ffi::Error KjtSgdImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::S32> values,
+                      ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> pvw,
+                      ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> starts,
+                      ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::F32>,
+                      ffi::Result<ffi::AnyBuffer> table, float eps, float wd, int32_t mode) {
+  return KjtBackwardUpdate<Opt::kSgd>(table, nullptr, g, values, lengths, pvw, slots, starts, lr,
+                                      eps, wd, mode);
+}
+
+template <Opt kOpt>
+ffi::Error KjtStatefulImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> g,
+                           ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Buffer<ffi::F32> pvw, ffi::Buffer<ffi::S32> slots,
+                           ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> lr,
+                           ffi::Buffer<ffi::F32>, ffi::Result<ffi::AnyBuffer> table,
+                           ffi::ResultBuffer<ffi::F32> m, float eps, float wd, int32_t mode) {
+  const size_t want = kOpt == Opt::kAdagrad ? table->element_count()
+                                            : static_cast<size_t>(table->dimensions()[0]);
+  if (m->element_count() != want) {
+    return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: state shape");
+  }
+  return KjtBackwardUpdate<kOpt>(table, m->typed_data(), g, values, lengths, pvw, slots, starts,
+                                 lr, eps, wd, mode);
+}
+
 // Inputs after the aliased table (and state) buffers; the results alias them.
 ffi::Error SgdImpl(ffi::AnyBuffer, ffi::Buffer<ffi::F32> og, ffi::Buffer<ffi::S32> seg,
                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> rows,
@@ -920,6 +1062,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBackwardUpdateAdagrad, AdagradImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
 
+#define JAXREC_KJT_UPDATE_ARGS                                                              \
+  .Arg<ffi::Buffer<ffi::F32>>()      /* g */                                               \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* values */                                          \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* lengths */                                         \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* weights */                                         \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* slots */                                           \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* starts */                                          \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* lr */                                              \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* dep */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtBackwardUpdateSgd, KjtSgdImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>() JAXREC_KJT_UPDATE_ARGS
+                                  .Ret<ffi::AnyBuffer>() JAXREC_UPDATE_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtBackwardUpdateRowwiseAdagrad,
+                              KjtStatefulImpl<Opt::kRowwiseAdagrad>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() JAXREC_KJT_UPDATE_ARGS
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtBackwardUpdateAdagrad, KjtStatefulImpl<Opt::kAdagrad>,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() JAXREC_KJT_UPDATE_ARGS
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
+
 // ----- Python module: the handlers as capsules, for jax.ffi.register_ffi_target -----
 namespace {
 
@@ -937,6 +1108,11 @@ PyObject* Handlers(PyObject*, PyObject*) {
       {"jaxrec_backward_update_rowwise_adagrad",
        reinterpret_cast<void*>(JaxrecBackwardUpdateRowwiseAdagrad)},
       {"jaxrec_backward_update_adagrad", reinterpret_cast<void*>(JaxrecBackwardUpdateAdagrad)},
+      {"jaxrec_kjt_backward_update_sgd", reinterpret_cast<void*>(JaxrecKjtBackwardUpdateSgd)},
+      {"jaxrec_kjt_backward_update_rowwise_adagrad",
+       reinterpret_cast<void*>(JaxrecKjtBackwardUpdateRowwiseAdagrad)},
+      {"jaxrec_kjt_backward_update_adagrad",
+       reinterpret_cast<void*>(JaxrecKjtBackwardUpdateAdagrad)},
   };
   for (const Entry& e : entries) {
     PyObject* cap = PyCapsule_New(e.fn, nullptr, nullptr);

@@ -18,6 +18,9 @@ from .kernels import (
 from .kernels import (
     grouped_pooled_lookup_cpu as grouped_pooled_lookup_cpu,
 )
+from .kernels import (
+    kjt_backward_update_cpu as kjt_backward_update_cpu,
+)
 from .loader import (
     available as available,
 )
@@ -38,6 +41,7 @@ def _register() -> None:
     register_cpu("embedding_bag", embedding_bag_cpu)
     register_cpu("grouped_pooled_lookup", grouped_pooled_lookup_cpu)
     register_cpu("fused_backward_update", backward_update_cpu)
+    register_cpu("kjt_backward_update", kjt_backward_update_cpu)
 
 
 _register()

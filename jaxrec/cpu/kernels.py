@@ -182,13 +182,10 @@ def grouped_pooled_lookup_cpu(
 
 
 # ----- fused backward + optimizer update -----
-def backward_update_cpu(optimizer, table, state, out_grad, seg, scale, rows, valid):
-    """``jaxrec.train.backward_update`` on the C++ kernel, in place on ``table`` and ``state``.
+def _fused_update(optimizer, table, state, target_of, operands):
+    """Calls the fused update FFI target ``target_of(name)`` in place on ``table`` and ``state``.
 
-    Supports EXACT_SGD, EXACT_ROWWISE_ADAGRAD and EXACT_ADAGRAD (every weight
-    decay mode) on float32 / bfloat16 tables with float32 state; the update
-    maths are ``jaxrec.optim``'s. Under ``jit`` with ``table`` and ``state``
-    donated, the call writes into their buffers (no copy).
+    ``operands(lr)`` are the arguments after the aliased table and state buffers.
     """
     _require_kernels()
     if optimizer.name not in _UPDATES:
@@ -204,14 +201,13 @@ def backward_update_cpu(optimizer, table, state, out_grad, seg, scale, rows, val
         raise NotImplementedError(f"unexpected {optimizer.name} state layout")
     hp = optimizer.hyperparams
     count = state.count + 1
-    lr = lr_at(optimizer.learning_rate, count).reshape(())
-    keyed = jnp.where(valid, rows, r).astype(jnp.int32)  # fill R: not a row, skipped
+    lr = lr_at(optimizer.learning_rate, count).reshape(()).astype(jnp.float32)
     states = tuple(getattr(state, f) for f in fields)
     shapes = (jax.ShapeDtypeStruct(table.shape, table.dtype),) + tuple(
         jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states
     )
     call = jax.ffi.ffi_call(
-        target,
+        target_of(target),
         shapes,
         input_output_aliases={i: i for i in range(len(shapes))},
         vmap_method="sequential",
@@ -219,13 +215,92 @@ def backward_update_cpu(optimizer, table, state, out_grad, seg, scale, rows, val
     new_table, *new_states = call(
         table,
         *states,
-        out_grad.astype(jnp.float32).reshape(-1, d),
-        seg.astype(jnp.int32),
-        scale.astype(jnp.float32),
-        keyed,
-        lr.astype(jnp.float32),
+        *operands(lr),
         eps=np.float32(hp.get("eps", 0.0)),
         weight_decay=np.float32(hp.get("weight_decay", 0.0)),
         mode=np.int32(_MODES[WeightDecayMode(hp.get("weight_decay_mode", "NONE"))]),
     )
     return new_table, state._replace(count=count, **dict(zip(fields, new_states, strict=True)))
+
+
+def backward_update_cpu(optimizer, table, state, out_grad, seg, scale, rows, valid):
+    """``jaxrec.train.backward_update`` on the C++ kernel, in place on ``table`` and ``state``.
+
+    Supports EXACT_SGD, EXACT_ROWWISE_ADAGRAD and EXACT_ADAGRAD (every weight
+    decay mode) on float32 / bfloat16 tables with float32 state; the update
+    maths are ``jaxrec.optim``'s. Under ``jit`` with ``table`` and ``state``
+    donated, the call writes into their buffers (no copy).
+    """
+    d = table.shape[-1]
+    keyed = jnp.where(valid, rows, table.shape[0]).astype(jnp.int32)  # fill R: skipped
+    return _fused_update(
+        optimizer,
+        table,
+        state,
+        lambda target: target,
+        lambda lr: (
+            out_grad.astype(jnp.float32).reshape(-1, d),
+            seg.astype(jnp.int32),
+            scale.astype(jnp.float32),
+            keyed,
+            lr,
+        ),
+    )
+
+
+def kjt_backward_update_cpu(
+    optimizer, table, state, grad, features, slots, columns, *, is_weighted, dep
+):
+    """A pooled lookup's backward fused with one optimizer step, read from the KJT directly.
+
+    The same update as :func:`backward_update_cpu` over
+    ``jaxrec.ops.backward.pooled_grad_sources(features, slots)``, without
+    forming any per-id array in XLA: the kernel walks the KJT's values and
+    lengths and reads bag ``b`` of slot ``s``'s gradient in place from
+    ``grad[b, columns[s] : columns[s] + D]``.
+
+    Args:
+        grad: ``[B, W]`` gradient of the collection's pooled output.
+        slots: the group's ``S`` feature slots; ``columns``: ``S`` static
+            column offsets into ``grad``.
+        dep: a scalar the update must wait for (the loss), so that XLA runs
+            the forward's reads of ``table`` before this in-place write.
+    """
+    keys = features.keys()
+    values = features.values()
+    if any(sl.key not in keys for sl in slots) or values.dtype != jnp.int32:
+        raise NotImplementedError("missing keys or non-int32 ids: the XLA path reports them")
+    if grad.ndim != 2 or grad.shape[0] != features.stride():
+        raise NotImplementedError(f"grad must be [B, W], got {grad.shape=}")
+    pvw = features.weights_or_none() if is_weighted else None
+    pvw = jnp.zeros((0,), jnp.float32) if pvw is None else pvw.astype(jnp.float32)
+    info = np.asarray(
+        [
+            (
+                keys.index(sl.key),
+                sl.row_offset,
+                sl.num_embeddings,
+                int(PoolingType(sl.pooling) is PoolingType.MEAN),
+                col,
+            )
+            for sl, col in zip(slots, columns, strict=True)
+        ],
+        np.int32,
+    ).reshape(len(slots), 5)
+    starts = np.asarray(features.capacity_offsets(), np.int32)
+    return _fused_update(
+        optimizer,
+        table,
+        state,
+        lambda target: target.replace("jaxrec_", "jaxrec_kjt_", 1),
+        lambda lr: (
+            grad.astype(jnp.float32),
+            values,
+            features.lengths().astype(jnp.int32),
+            pvw,
+            jnp.asarray(info),
+            jnp.asarray(starts),
+            lr,
+            jnp.asarray(dep, jnp.float32).reshape(()),
+        ),
+    )

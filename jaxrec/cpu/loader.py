@@ -16,6 +16,9 @@ TARGETS = (
     "jaxrec_backward_update_sgd",
     "jaxrec_backward_update_rowwise_adagrad",
     "jaxrec_backward_update_adagrad",
+    "jaxrec_kjt_backward_update_sgd",
+    "jaxrec_kjt_backward_update_rowwise_adagrad",
+    "jaxrec_kjt_backward_update_adagrad",
 )
 
 _LOCK = threading.Lock()

@@ -24,6 +24,7 @@ from flax import nnx
 
 from ..modules.tables import EmbeddingTable
 from ..ops.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
+from ..ops.dispatch import try_cpu
 from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
 from .reset import reset_optimizer_rows
 from .sparse_update import backward_update, update_subgroup
@@ -216,6 +217,7 @@ def _sparse_update(
     # loss from turning updates into NaN.
     finite_loss = jnp.where(jnp.isfinite(loss), loss, 0.0)
     pending: dict = defaultdict(list)
+    raw: dict = defaultdict(list)  # (features, output gradient) of each call
     owners: dict = {}
     seen_sharded = set()
     for (path, module), feats, g in zip(calls, features, g_probes, strict=True):
@@ -240,15 +242,37 @@ def _sparse_update(
             continue
         for grp, *src in _grad_sources(module, feats, g):
             pending[(path, grp.name)].append(src)
+            raw[(path, grp.name)].append((feats, g))
             owners[(path, grp.name)] = (module, grp)
     for (path, name), parts in pending.items():
         module, grp = owners[(path, name)]
-        flat, seg, scale, rows, valid = _concat_sources(parts)
-        flat = flat + 0.0 * finite_loss  # see above
         i = index[(*path, "weights", name)]
         subs = optimizer.subgroups(module, grp)
-        if len(subs) == 1 and subs[0].covers_group:  # one optimizer: the fused path
-            key = state_key(path, name, 0)
+        fused = len(subs) == 1 and subs[0].covers_group  # one optimizer: the fused path
+        key = state_key(path, name, 0)
+        if fused and len(parts) == 1 and hasattr(module, "output_columns"):
+            # One pooled call: the C++ CPU kernel reads the KJT and the output
+            # gradient directly (the sources above are then never computed).
+            (feats, g), cols = raw[(path, name)][0], module.output_columns()
+            out = try_cpu(
+                "kjt_backward_update",
+                implementation,
+                subs[0].optimizer,
+                leaves[i],
+                sparse_state[key],
+                g,
+                feats,
+                grp.slots,
+                tuple(cols[o] for o in grp.outputs),
+                is_weighted=module.is_weighted(),
+                dep=finite_loss,
+            )
+            if out is not None:
+                leaves[i], sparse_state[key] = out
+                continue
+        flat, seg, scale, rows, valid = _concat_sources(parts)
+        flat = flat + 0.0 * finite_loss  # see above
+        if fused:
             leaves[i], sparse_state[key] = backward_update(
                 subs[0].optimizer,
                 leaves[i],
