@@ -23,7 +23,7 @@ with ``input_hash_size <= 2**32 - 1`` (``0xFFFFFFFF`` marks empty slots).
 (:func:`~jaxrec.modules.mc_hash.hash_ids_64`) or in-graph from their halves
 (:func:`~jaxrec.modules.mc_hash.hash_id_pairs`); both give the same result.
 Out-of-range ids (negative, or ``>= input_hash_size``) and padding are never
-recorded and map to the miss row. Under ``jax.experimental.enable_x64`` the
+recorded and map to the miss row. Under ``with jax.enable_x64(True):`` the
 module also takes int64 ids in ``[0, input_hash_size)``.
 
 **State** (all :class:`MCState` variables, neither ``nnx.Param`` nor
