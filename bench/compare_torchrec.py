@@ -67,7 +67,7 @@ CONFIGS: dict[str, LookupSpec] = {
     "zipf": LookupSpec(T=8, E=1_000_000, D=128, B=4096, L=20, alpha=1.05),
 }
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
-IDLE_S = 0.05  # pause before each timed call (not timed)
+IDLE_S = 0.05  # pause before each timed call (not timed); --idle-ms
 GOALS = {"forward": 1.5, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
 OPTIMIZERS: dict[str, tuple[str, Callable]] = {
@@ -263,11 +263,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--idle-ms", type=float, default=IDLE_S * 1e3, help="pause before each call")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global IDLE_S
     args = parse_args(argv)
+    IDLE_S = args.idle_ms / 1e3
     if not torchrec_available():
         emit({"bench": BENCH, "skipped": "torchrec is not importable"})
         return 0

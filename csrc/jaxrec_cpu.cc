@@ -503,7 +503,7 @@ struct Hyper {
 // uniq[u] is such a row; its ids are occ[start[u] .. start[u + 1]). Buffers
 // are reused across calls.
 struct Groups {
-  std::vector<int32_t> uniq, start, occ;
+  std::vector<int32_t> multi, uniq, start, occ;
 };
 
 // A zeroed int32 array on huge pages (random accesses to it then rarely miss
@@ -550,14 +550,18 @@ UpdateScratch* Scratch(int64_t r, int nt) {
 constexpr int kMarkAhead = 16;
 
 // Phase 1: mark[row] = number of ids of row, for rows in [lo, hi).
-void CountRows(const int32_t* rows, int64_t c_total, int64_t lo, int64_t hi, int32_t* mark) {
+// Rows reaching a second id are listed in `multi` (phase 3 then visits them
+// only, not every row of the range).
+void CountRows(const int32_t* rows, int64_t c_total, int64_t lo, int64_t hi, int32_t* mark,
+               std::vector<int32_t>& multi) {
+  multi.clear();
   for (int64_t c = 0; c < c_total; ++c) {
     if (c + kMarkAhead < c_total) {
       const int32_t ahead = rows[c + kMarkAhead];
       if (ahead >= lo && ahead < hi) __builtin_prefetch(&mark[ahead], 1, 3);
     }
     const int32_t row = rows[c];
-    if (row >= lo && row < hi) ++mark[row];
+    if (row >= lo && row < hi && ++mark[row] == 2) multi.push_back(row);
   }
 }
 
@@ -568,10 +572,9 @@ void GroupRows(const int32_t* rows, int64_t c_total, int64_t lo, int64_t hi, int
   g.uniq.clear();
   g.start.clear();
   int32_t total = 0;
-  for (int64_t row = lo; row < hi; ++row) {
+  for (const int32_t row : g.multi) {
     const int32_t n = mark[row];
-    if (n < 2) continue;
-    g.uniq.push_back(static_cast<int32_t>(row));
+    g.uniq.push_back(row);
     g.start.push_back(total);
     mark[row] = -(total + 1);
     total += n;
@@ -766,7 +769,7 @@ bool FusedUpdate(const UpdateArgs& a, T* w, int64_t c_total, double* times) {
   int32_t* mark = scratch.mark.data;
   auto t0 = std::chrono::steady_clock::now();
   ParallelFor(nt, [&](int t, int n) {
-    CountRows(a.rows, c_total, a.r * t / n, a.r * (t + 1) / n, mark);
+    CountRows(a.rows, c_total, a.r * t / n, a.r * (t + 1) / n, mark, scratch.groups[t].multi);
   });
   auto t1 = std::chrono::steady_clock::now();
   ParallelFor(nt, [&](int t, int n) {
