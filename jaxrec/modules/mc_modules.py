@@ -296,16 +296,18 @@ class MCHManagedCollisionModule(nnx.Module):
     def remap_keys(self, keys: jax.Array) -> jax.Array:
         """``remap`` of a flat buffer: ``[C]`` uint32 keys -> ``[C]`` int32 rows (pure read)."""
         z, offset = self.zch_size, self.output_global_offset
-        sorted_ids = self.sorted_ids[...]
+        sorted_ids, slots = self.sorted_ids[...], self.slots[...]
         pos = jnp.searchsorted(sorted_ids[:-1], keys)
         valid = keys != SENTINEL
         hit = valid & (sorted_ids[pos] == keys)
-        miss = jnp.full(keys.shape, offset + z - 1, jnp.int32)
+        # the miss slot never moves from the last entry: its row comes from the state, so
+        # a row-wise shard's state works in a module built for any offset
+        miss = jnp.broadcast_to(slots[z - 1], keys.shape)
         if self.mch_size:
             residual = jnp.asarray(self.mch_hash_func(keys, self.mch_size))
             residual = (residual.astype(jnp.uint32) % jnp.uint32(self.mch_size)).astype(jnp.int32)
             miss = jnp.where(valid, offset + z + residual, miss)
-        return jnp.where(hit, self.slots[...][pos], miss)
+        return jnp.where(hit, slots[pos], miss)
 
     def forward_flat(
         self, values: jax.Array, valid: jax.Array | None = None, *, deterministic=None
