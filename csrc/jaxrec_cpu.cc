@@ -731,7 +731,8 @@ void UpdateSingles(const UpdateArgs& a, T* w, int32_t* mark, int64_t c0, int64_t
   }
 }
 
-// Phase 3: the grouped rows (read several times), gradients summed in id order.
+// Phase 3: the grouped rows (read several times), gradients summed in id order
+// in register accumulators (Pool), the group's gradient rows prefetched ahead.
 template <Opt kOpt, typename T>
 void UpdateGroups(const UpdateArgs& a, T* w, int32_t* mark, const Groups& g) {
   thread_local std::vector<float> gbuf, wbuf;
@@ -739,21 +740,23 @@ void UpdateGroups(const UpdateArgs& a, T* w, int32_t* mark, const Groups& g) {
   wbuf.resize(a.d);
   float* gr = gbuf.data();
   const int64_t u_total = static_cast<int64_t>(g.uniq.size());
+  const int64_t grad_bytes = a.d * 4;
   const int ahead = 2 * PrefetchAhead(a.d * static_cast<int64_t>(sizeof(T)));
-  auto prefetch = [&](int64_t u) {
+  const int grad_ahead = PrefetchAhead(grad_bytes);
+  auto prefetch = [&](int64_t u) {  // the row, its state, its first gradient rows
     PrefetchState<kOpt>(a, w, g.uniq[u]);
-    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {
-      PrefetchRow(GradRow(a, g.occ[k]), a.d * 4);
-    }
+    const int32_t end = std::min(g.start[u + 1], g.start[u] + 2);
+    for (int32_t k = g.start[u]; k < end; ++k) PrefetchRow(GradRow(a, g.occ[k]), grad_bytes);
   };
+  auto grad_of = [&](int64_t k) -> const float* { return GradRow(a, g.occ[k]); };
+  auto scale_of = [&](int64_t k) { return a.scale[g.occ[k]]; };
   for (int64_t u = 0; u < std::min<int64_t>(ahead, u_total); ++u) prefetch(u);
   for (int64_t u = 0; u < u_total; ++u) {
     if (u + ahead < u_total) prefetch(u + ahead);
-    std::fill(gr, gr + a.d, 0.0f);
-    for (int32_t k = g.start[u]; k < g.start[u + 1]; ++k) {
-      const int32_t c = g.occ[k];
-      AddScaled<false>(gr, GradRow(a, c), a.scale[c], a.d);
-    }
+    const int32_t range[2] = {g.start[u], g.start[u + 1]};
+    Prefetcher<float, decltype(grad_of)> pf{range, 1, grad_of, grad_bytes};
+    pf.Init(grad_ahead);
+    Pool<float, true, true>(a.d, range[0], range[1], grad_of, scale_of, gr, &pf);
     const int64_t row = g.uniq[u];
     ApplyRow<kOpt>(w + row * a.d, StateOf<kOpt>(a.m, row, a.d), a.d, gr, wbuf.data(), a.h);
     mark[row] = 0;
