@@ -5,12 +5,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from mc_reference import RefMCH
 from torchrec_helpers import needs_torchrec
 
-from jaxrec import EmbeddingBagConfig, JaggedTensor, KeyedJaggedTensor
+from jaxrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    optim,
+    train,
+)
 from jaxrec.modules import (
     EVICTION_FILL,
     DistanceLFU_EvictionPolicy,
@@ -453,3 +461,41 @@ def test_bad_configs_and_inputs():
     mcc = ManagedCollisionCollection({"t": good}, [cfg])
     with pytest.raises(ValueError, match="lack the managed keys"):
         mcc(KeyedJaggedTensor(["b"], [1], lengths=[1]))
+
+
+class _RemapModel(nnx.Module):
+    def __init__(self, mcc, configs):
+        self.mcc = mcc
+        self.ebc = EmbeddingBagCollection(configs, rngs=nnx.Rngs(0))
+
+    def __call__(self, kjt):
+        return jnp.sum(self.ebc(self.mcc(kjt)).values() ** 2)
+
+
+def test_state_flows_through_the_train_step():
+    mcc, configs = _mcc()
+    twin, _ = _mcc()
+    model = _RemapModel(mcc, configs)
+    rng = np.random.default_rng(9)
+    batches = []
+    for _ in range(5):
+        lengths = rng.integers(0, 3, size=3 * 2).astype(np.int32)
+        values = rng.integers(0, 25, size=int(lengths.sum())).astype(np.int32)
+        batches.append(
+            KeyedJaggedTensor.from_lengths_sync(["a", "b", "c"], values, lengths, capacities=4)
+        )
+    model.mcc.ensure_buffers(batches[0])
+    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, lambda m, b: m(b))
+    for kjt in batches:
+        state, _, _ = step(state, kjt)
+        twin(kjt)
+    trained = train.merge_model(graphdef, state).mcc
+    for t in ("t", "u"):
+        a = trained.managed_collision_modules[t]
+        b = twin.managed_collision_modules[t]
+        for f in ("sorted_ids", "slots", "counts", "last_access", "current_iter", "evicted"):
+            np.testing.assert_array_equal(getattr(a, f)[...], getattr(b, f)[...])
+    assert int(trained.managed_collision_modules["t"].current_iter[...]) == 5
+    assert not jax.tree.leaves(nnx.state(trained, nnx.Param))  # no dense params in the MCC
