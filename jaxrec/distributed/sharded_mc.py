@@ -65,6 +65,7 @@ class ShardedManagedCollisionCollection(nnx.Module):
             must be a multiple of the mesh size, each block ``>= 2``, and no
             module may use ``mch_size``.
         mesh: the device mesh; all its axes are flattened into ``N`` ranks.
+        deterministic: ``True`` = eval mode (remap only), as for the unsharded modules.
 
     Call it on a stacked KJT (``shard_batch``: leaves ``[N, ...]``, one local
     batch per device); it returns the stacked KJT of rows. :meth:`evict` gives
@@ -75,7 +76,13 @@ class ShardedManagedCollisionCollection(nnx.Module):
         >>> rows = smcc(shard_batch(local_kjts, mesh))   # then a row_wise() sharded EBC
     """
 
-    def __init__(self, collection: ManagedCollisionCollection, mesh: jax.sharding.Mesh):
+    def __init__(
+        self,
+        collection: ManagedCollisionCollection,
+        mesh: jax.sharding.Mesh,
+        *,
+        deterministic: bool = False,
+    ):
         if not isinstance(collection, ManagedCollisionCollection):
             raise TypeError(
                 f"collection must be a ManagedCollisionCollection, got {type(collection).__name__}"
@@ -103,6 +110,7 @@ class ShardedManagedCollisionCollection(nnx.Module):
                 for k in range(n)
             )
         self._factories = factories  # static: shard k's fresh module, rebuilt on demand
+        self.deterministic = deterministic  # flax's mode flag (model.train() / model.eval())
         self.state = nnx.data(None)
 
     # ----- state -----
@@ -158,8 +166,13 @@ class ShardedManagedCollisionCollection(nnx.Module):
             raise ValueError("no state yet: call ensure_buffers(features) or the module once")
 
     # ----- forward -----
-    def __call__(self, features: KeyedJaggedTensor, *, deterministic: bool = False):
-        """Stacked raw-id KJT -> stacked row KJT (training unless ``deterministic``)."""
+    def __call__(self, features: KeyedJaggedTensor, *, deterministic: bool | None = None):
+        """Stacked raw-id KJT -> stacked row KJT (training unless ``deterministic``).
+
+        The first call allocates the state (or :meth:`ensure_buffers`): make it
+        eagerly, before ``nnx.split`` / ``init_train_state``.
+        """
+        deterministic = bool(self.deterministic if deterministic is None else deterministic)
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         missing = sorted({f for c in self.configs for f in c.feature_names} - set(features.keys()))

@@ -132,6 +132,10 @@ def test_eval_mode_and_bad_configs():
     mcc, _ = _collection()
     smcc = ShardedManagedCollisionCollection(mcc, mesh)
     stacked = shard_batch([_local_batch(np.random.default_rng(d)) for d in range(N)], mesh)
+    smcc.eval()
+    smcc(stacked)
+    assert int(jnp.sum(smcc.state["t"]["current_iter"][...])) == 0
+    smcc.train()
     smcc(stacked, deterministic=True)
     assert int(jnp.sum(smcc.state["t"]["current_iter"][...])) == 0
     assert (np.asarray(smcc.open_slots()["t"]) == 3).all()
