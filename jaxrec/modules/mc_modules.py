@@ -57,6 +57,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..sparse import JaggedTensor
@@ -251,6 +252,25 @@ class MCHManagedCollisionModule(nnx.Module):
         keys = values.astype(jnp.uint32)
         ok = ok & (keys < jnp.uint32(self.input_hash_size))
         return jnp.where(ok, keys, jnp.uint32(SENTINEL))
+
+    def validate_ids(self, values: Any, valid: Any = None) -> None:
+        """Host check: raises ``ValueError`` if a real id falls outside ``[0, input_hash_size)``.
+
+        On the device such ids silently remap to the miss row and are never
+        admitted; call this on host batches (numpy) to catch them instead.
+        """
+        host = np.asarray(values)
+        if host.dtype == object or not np.issubdtype(host.dtype, np.integer):
+            raise TypeError(f"ids must be integers, got {host.dtype=}")
+        keys = np.asarray(self.keys(jnp.asarray(values), None if valid is None else valid))
+        real = np.ones(host.shape, bool) if valid is None else np.asarray(valid, bool)
+        bad = real & (keys == SENTINEL)
+        if bad.any():
+            raise ValueError(
+                f"{int(bad.sum())} ids lie outside [0, input_hash_size={self.input_hash_size}) "
+                f"after input_hash_func (e.g. {host[bad][:3].tolist()}); hash them "
+                "(input_hash_func=hash_ids, or hash_ids_64 on the host) or raise input_hash_size"
+            )
 
     def profile_keys(self, keys: jax.Array, *, deterministic: bool | None = None) -> None:
         """``profile`` of a flat buffer of keys: records them; evicts every interval.

@@ -443,6 +443,14 @@ def test_bad_configs_and_inputs():
         m.evict()
     with pytest.raises(TypeError, match="integer"):
         m.forward_flat(jnp.zeros((3,), jnp.float32))
+    with pytest.raises(ValueError, match="2 ids lie outside"):
+        m.validate_ids(np.array([3, -1, 2**31 - 1, -5], np.int32))
+    small = MCHManagedCollisionModule(
+        4, eviction_policy=lfu, eviction_interval=1, input_hash_size=10
+    )
+    with pytest.raises(ValueError, match="input_hash_size=10"):
+        small.validate_ids(np.array([3, 10, 12], np.int32), np.array([True, True, False]))
+    small.validate_ids(np.array([3, 9, 12], np.int32), np.array([True, True, False]))
     with pytest.raises(TypeError, match="dict of JaggedTensor"):
         m(JaggedTensor(values=jnp.zeros((2,), jnp.int32), lengths=jnp.array([2])))
     with pytest.raises(TypeError, match="hash_ids_64"):
@@ -470,6 +478,22 @@ class _RemapModel(nnx.Module):
 
     def __call__(self, kjt):
         return jnp.sum(self.ebc(self.mcc(kjt)).values() ** 2)
+
+
+def test_lowers_for_cuda():
+    m = MCHManagedCollisionModule(
+        16, eviction_policy=DistanceLFU_EvictionPolicy(), eviction_interval=2, history_capacity=32
+    )
+    graphdef, state = nnx.split(m)
+
+    def step(state, values, valid):
+        m = nnx.merge(graphdef, state)
+        rows = m.forward_flat(values, valid)
+        return nnx.state(m), rows, m.evict()
+
+    args = (state, jnp.zeros((C,), jnp.int32), jnp.ones((C,), bool))
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sort" in text
 
 
 def test_state_flows_through_the_train_step():
