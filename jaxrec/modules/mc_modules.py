@@ -277,6 +277,7 @@ class MCHManagedCollisionModule(nnx.Module):
 
         Training calls only (``deterministic`` False); sets :meth:`evict`'s rows.
         """
+        _check_keys(keys)
         if self._is_deterministic(deterministic):
             return
         self.ensure_buffers(keys.shape[0])
@@ -315,6 +316,7 @@ class MCHManagedCollisionModule(nnx.Module):
 
     def remap_keys(self, keys: jax.Array) -> jax.Array:
         """``remap`` of a flat buffer: ``[C]`` uint32 keys -> ``[C]`` int32 rows (pure read)."""
+        _check_keys(keys)
         z, offset = self.zch_size, self.output_global_offset
         sorted_ids, slots = self.sorted_ids[...], self.slots[...]
         pos = jnp.searchsorted(sorted_ids[:-1], keys)
@@ -418,6 +420,14 @@ class MCHManagedCollisionModule(nnx.Module):
 
     def _is_deterministic(self, deterministic: bool | None) -> bool:
         return bool(self.deterministic if deterministic is None else deterministic)
+
+
+def _check_keys(keys: jax.Array) -> None:
+    if keys.dtype != jnp.uint32 or keys.ndim != 1:
+        raise TypeError(
+            f"profile/remap take preprocessed keys (1-D uint32), got {keys.dtype=} "
+            f"{keys.shape=}; pass the output of preprocess(features) (or keys(values))"
+        )
 
 
 def _with_values(jt: JaggedTensor, values: jax.Array) -> JaggedTensor:

@@ -443,6 +443,12 @@ def test_bad_configs_and_inputs():
         m.evict()
     with pytest.raises(TypeError, match="integer"):
         m.forward_flat(jnp.zeros((3,), jnp.float32))
+    raw = {"t": JaggedTensor(values=jnp.zeros((2,), jnp.int32), lengths=jnp.array([2]))}
+    with pytest.raises(TypeError, match="preprocess"):
+        m.remap(raw)
+    with pytest.raises(TypeError, match="preprocess"):
+        m.profile(raw)
+    assert m.remap(m.preprocess(raw))["t"].values().tolist() == [3, 3]
     with pytest.raises(ValueError, match="2 ids lie outside"):
         m.validate_ids(np.array([3, -1, 2**31 - 1, -5], np.int32))
     small = MCHManagedCollisionModule(
