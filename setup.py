@@ -9,6 +9,7 @@ e.g. ``x86-64-v3`` for a portable build, or ``none`` to pass no ``-march``).
 ``JAXREC_CPU_NO_BUILD=1`` skips the extension.
 """
 
+import glob
 import os
 
 from setuptools import Extension, setup
@@ -51,6 +52,7 @@ def _extensions():
         Extension(
             "jaxrec.cpu._kernels",
             sources=["csrc/jaxrec_cpu.cc"],
+            depends=sorted(glob.glob("csrc/jaxrec_cpu/*.h")),
             language="c++",
             extra_compile_args=flags,
             extra_link_args=["-pthread"],

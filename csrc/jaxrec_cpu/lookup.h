@@ -1,0 +1,202 @@
+// Pooled lookups: over segment ids, and straight from a KeyedJaggedTensor.
+// Part of jaxrec_cpu.cc (one translation unit: included once, in order).
+#pragma once
+
+namespace {
+
+// ----- embedding bag over segment ids -----
+template <typename T>
+void EmbeddingBagTyped(const T* w, int64_t r, int64_t d, const int32_t* rows, const int32_t* seg,
+                       const float* scale, int64_t c_total, float* out, int64_t s_total) {
+  AdviseHugePages(w, r * d * static_cast<int64_t>(sizeof(T)));
+  int n = ThreadsFor(c_total * d * static_cast<int64_t>(sizeof(T)));
+  n = static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(s_total, 1)));
+  ParallelFor(n, [&](int t, int nt) {
+    const int64_t lo = s_total * t / nt, hi = s_total * (t + 1) / nt;
+    std::memset(out + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    if (r == 0) return;
+    // This thread's runs of equal segment ids it owns: [start, end) pairs.
+    std::vector<int32_t> runs;
+    for (int64_t c = 0; c < c_total;) {
+      const int32_t sg = seg[c];
+      int64_t e = c + 1;
+      while (e < c_total && seg[e] == sg) ++e;
+      if (sg >= lo && sg < hi) {
+        runs.push_back(static_cast<int32_t>(c));
+        runs.push_back(static_cast<int32_t>(e));
+      }
+      c = e;
+    }
+    auto row_of = [&](int64_t c) {
+      return w + std::min<int64_t>(std::max<int64_t>(rows[c], 0), r - 1) * d;
+    };
+    auto scale_of = [&](int64_t c) { return scale[c]; };
+    Prefetcher<T, decltype(row_of)> pf{runs.data(), runs.size() / 2, row_of,
+                                       d * static_cast<int64_t>(sizeof(T))};
+    pf.Init(PrefetchAhead(d * static_cast<int64_t>(sizeof(T))));
+    for (size_t i = 0; i < runs.size(); i += 2) {
+      Pool<T, true, false>(d, runs[i], runs[i + 1], row_of, scale_of, out + seg[runs[i]] * d,
+                           &pf);
+    }
+  });
+}
+
+ffi::Error EmbeddingBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> rows,
+                            ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  auto wd = weights.dimensions();
+  auto od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 2 || od[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: weights [R, D] and out [S, D]");
+  }
+  const int64_t c = static_cast<int64_t>(rows.element_count());
+  if (static_cast<int64_t>(seg.element_count()) != c ||
+      static_cast<int64_t>(scale.element_count()) != c) {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: rows, seg, scale differ in size");
+  }
+  const int64_t r = wd[0], d = wd[1], s = od[0];
+  float* o = out->typed_data();
+  if (weights.element_type() == ffi::F32) {
+    EmbeddingBagTyped(static_cast<const float*>(weights.untyped_data()), r, d, rows.typed_data(),
+                      seg.typed_data(), scale.typed_data(), c, o, s);
+  } else if (weights.element_type() == ffi::BF16) {
+    EmbeddingBagTyped(static_cast<const bf16_t*>(weights.untyped_data()), r, d,
+                      rows.typed_data(), seg.typed_data(), scale.typed_data(), c, o, s);
+  } else {
+    return ffi::Error::InvalidArgument("jaxrec_embedding_bag: weights must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+// ----- table-batched pooled lookup straight from a KeyedJaggedTensor -----
+// slots[s] = (key, row_offset, num_embeddings, is_mean). Output [B, S, D]:
+// out[b, s] pools key `key`'s bag b (its ids id -> row row_offset + id).
+// drop != 0: ids outside [0, num_embeddings) contribute nothing and are
+// counted (bad = [count, first such id]); drop == 0: rows are clamped to the
+// buffer (the XLA path's BoundsCheckMode.NONE).
+template <typename T>
+void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const int32_t* lengths,
+                 const float* pvw, const int32_t* slots, int64_t n_slots, const int32_t* starts,
+                 int64_t n_keys, int64_t b, int64_t v_total, bool drop, float* out,
+                 int32_t* bad) {
+  AdviseHugePages(w, r * d * static_cast<int64_t>(sizeof(T)));
+  // Global start of every (key, bag): starts[k] + cumsum of the key's lengths.
+  std::vector<int32_t> off(n_keys * (b + 1));
+  for (int64_t k = 0; k < n_keys; ++k) {
+    int64_t pos = starts[k];
+    int32_t* o = off.data() + k * (b + 1);
+    o[0] = static_cast<int32_t>(pos);
+    for (int64_t i = 0; i < b; ++i) {
+      pos = std::min<int64_t>(pos + std::max(lengths[k * b + i], 0), starts[k + 1]);
+      o[i + 1] = static_cast<int32_t>(pos);
+    }
+  }
+  int64_t ids = 0;
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* o = off.data() + slots[4 * s] * (b + 1);
+    ids += o[b] - o[0];
+  }
+  int n = ThreadsFor(ids * d * static_cast<int64_t>(sizeof(T)));
+  n = static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(b, 1)));
+  std::vector<int64_t> counts(n, 0), first(n, INT64_MAX);
+  ParallelFor(n, [&](int t, int nt) {
+    const int64_t lo = b * t / nt, hi = b * (t + 1) / nt;
+    if (r == 0) {
+      std::memset(out + lo * n_slots * d, 0, sizeof(float) * (hi - lo) * n_slots * d);
+      return;
+    }
+    int64_t count = 0, first_bad = INT64_MAX;
+    for (int64_t s = 0; s < n_slots; ++s) {
+      const int32_t* o = off.data() + slots[4 * s] * (b + 1);
+      const int64_t row_offset = slots[4 * s + 1], num = slots[4 * s + 2];
+      const bool mean = slots[4 * s + 3] != 0;
+      auto row_of = [&](int64_t c) -> const T* {
+        const int64_t id = values[c];
+        if (drop) {
+          if (id < 0 || id >= num) return nullptr;
+          return w + (id + row_offset) * d;
+        }
+        return w + std::min<int64_t>(std::max<int64_t>(id + row_offset, 0), r - 1) * d;
+      };
+      auto scale_of = [&](int64_t c) { return pvw[c]; };
+      if (drop) {
+        for (int64_t c = o[lo]; c < o[hi]; ++c) {
+          const int64_t id = values[c];
+          if (id < 0 || id >= num) {  // the first in slot order, as the XLA path reports
+            ++count;
+            first_bad = std::min(first_bad, s * v_total + c);
+          }
+        }
+      }
+      const int32_t range[2] = {o[lo], o[hi]};
+      Prefetcher<T, decltype(row_of)> pf{range, 1, row_of, d * static_cast<int64_t>(sizeof(T))};
+      pf.Init(PrefetchAhead(d * static_cast<int64_t>(sizeof(T))));
+      for (int64_t i = lo; i < hi; ++i) {
+        float* dst = out + (i * n_slots + s) * d;
+        if (pvw) {
+          Pool<T, true, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
+        } else {
+          Pool<T, false, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
+        }
+        if (mean) {
+          const float inv = 1.0f / static_cast<float>(std::max(lengths[slots[4 * s] * b + i], 1));
+          for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * inv;
+        }
+      }
+    }
+    counts[t] = count;
+    first[t] = first_bad;
+  });
+  int64_t count = 0, first_bad = INT64_MAX;
+  for (int t = 0; t < n; ++t) {
+    count += counts[t];
+    first_bad = std::min(first_bad, first[t]);
+  }
+  bad[0] = static_cast<int32_t>(std::min<int64_t>(count, INT32_MAX));
+  bad[1] = count ? values[first_bad % v_total] : 0;
+}
+
+ffi::Error KjtBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> values,
+                      ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> pvw,
+                      ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> starts,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::S32> bad,
+                      int32_t drop) {
+  auto wd = weights.dimensions();
+  auto od = out->dimensions();
+  auto sd = slots.dimensions();
+  const int64_t n_keys = static_cast<int64_t>(starts.element_count()) - 1;
+  if (wd.size() != 2 || od.size() != 3 || od[2] != wd[1] || sd.size() != 2 || sd[1] != 4 ||
+      od[1] != sd[0] || n_keys < 0 ||
+      static_cast<int64_t>(lengths.element_count()) != n_keys * od[0]) {
+    return ffi::Error::InvalidArgument(
+        "jaxrec_kjt_embedding_bag: weights [R, D], lengths [F * B], slots [S, 4], "
+        "starts [F + 1], out [B, S, D]");
+  }
+  const int64_t v = static_cast<int64_t>(values.element_count());
+  const int32_t* st = starts.typed_data();
+  if (st[n_keys] > v) return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: starts");
+  const int64_t n_slots = sd[0];
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* sl = slots.typed_data() + 4 * s;
+    if (sl[0] < 0 || sl[0] >= n_keys) {
+      return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: slot key out of range");
+    }
+  }
+  const float* pv = static_cast<int64_t>(pvw.element_count()) == v && v > 0 ? pvw.typed_data()
+                                                                            : nullptr;
+  const int64_t r = wd[0], d = wd[1], b = od[0];
+  if (weights.element_type() == ffi::F32) {
+    KjtBagTyped(static_cast<const float*>(weights.untyped_data()), r, d, values.typed_data(),
+                lengths.typed_data(), pv, slots.typed_data(), n_slots, st, n_keys, b, v, drop != 0,
+                out->typed_data(), bad->typed_data());
+  } else if (weights.element_type() == ffi::BF16) {
+    KjtBagTyped(static_cast<const bf16_t*>(weights.untyped_data()), r, d, values.typed_data(),
+                lengths.typed_data(), pv, slots.typed_data(), n_slots, st, n_keys, b, v, drop != 0,
+                out->typed_data(), bad->typed_data());
+  } else {
+    return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: weights must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
