@@ -4,6 +4,7 @@ from .model_parallel import DistributedModelParallel as DistributedModelParallel
 from .model_parallel import shard_batch as shard_batch
 from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection as ShardedEmbeddingCollection
+from .sharded_mc import ShardedManagedCollisionCollection as ShardedManagedCollisionCollection
 from .sharding_plan import column_wise as column_wise
 from .sharding_plan import construct_module_sharding_plan as construct_module_sharding_plan
 from .sharding_plan import data_parallel as data_parallel
