@@ -108,7 +108,7 @@ class BaseManagedCollisionEmbeddingCollection(nnx.Module):
         evictions = mcc.evict()
         key = self.reset_rngs.reset()  # one key per call, whether it evicts or not
         for name, mc in mcc.managed_collision_modules.items():
-            if mc._is_deterministic(deterministic):  # eval: evict() still holds older rows
+            if not mc.is_training(deterministic):  # eval: evict() still holds older rows
                 continue
             reset_table_rows(self._embedding_module, name, evictions[name], key)
         out = self._embedding_module(remapped)

@@ -418,6 +418,10 @@ class MCHManagedCollisionModule(nnx.Module):
             deterministic=self.deterministic,
         )
 
+    def is_training(self, deterministic: bool | None = None) -> bool:
+        """Whether a call with this ``deterministic=`` argument profiles and evicts."""
+        return not self._is_deterministic(deterministic)
+
     def _is_deterministic(self, deterministic: bool | None) -> bool:
         return bool(self.deterministic if deterministic is None else deterministic)
 
