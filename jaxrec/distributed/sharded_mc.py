@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..modules.mc_collection import ManagedCollisionCollection
+from ..modules.mc_collection import ManagedCollisionCollection, remap_by_table
 from ..modules.mc_modules import MCHManagedCollisionModule, MCState
 from ..modules.mc_policies import SENTINEL
 from ..sparse import KeyedJaggedTensor
@@ -211,33 +211,16 @@ class ShardedManagedCollisionCollection(nnx.Module):
         )(state, features)
 
     def _local(self, state, kjt_stacked, deterministic):
-        kjt = local_kjt(kjt_stacked)
         n = self.mesh.size
-        keys_all, f, b = kjt.keys(), len(kjt.keys()), kjt.stride()
-        valid_all = kjt.segment_ids() < f * b
-        starts = kjt.capacity_offsets()
-        values = kjt.values()
-        pieces: list = [None] * f
         new_state = {}
-        for c in self.configs:
-            idx = [keys_all.index(name) for name in c.feature_names]
-            flat = jnp.concatenate([values[starts[i] : starts[i + 1]] for i in idx])
-            template = self._module(c.name, 0, max(flat.shape[0], 1))
-            ok = jnp.concatenate([valid_all[starts[i] : starts[i + 1]] for i in idx])
-            keys = template.keys(flat, ok)
-            rows, new_state[c.name] = self._route(template, state[c.name], keys, n, deterministic)
-            at = 0
-            for i in idx:
-                width = starts[i + 1] - starts[i]
-                pieces[i] = rows[at : at + width]
-                at += width
-        for i in range(f):
-            if pieces[i] is None:
-                pieces[i] = values[starts[i] : starts[i + 1]].astype(jnp.int32)
-        out = KeyedJaggedTensor.tree_unflatten(
-            (tuple(keys_all), kjt.capacity_per_key(), b),
-            (jnp.concatenate(pieces), kjt.lengths(), kjt.weights_or_none()),
-        )
+
+        def remap(name, flat, valid):
+            template = self._module(name, 0, max(flat.shape[0], 1))
+            keys = template.keys(flat, valid)
+            rows, new_state[name] = self._route(template, state[name], keys, n, deterministic)
+            return rows
+
+        out = remap_by_table(local_kjt(kjt_stacked), self.configs, remap)
         return new_state, jax.tree.map(lambda x: x[None], out)
 
     def _route(self, template, state, keys, n, deterministic):

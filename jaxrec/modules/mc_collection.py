@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,31 +102,13 @@ class ManagedCollisionCollection(nnx.Module):
         missing = sorted(set(self._feature_to_table) - set(keys))
         if missing:
             raise ValueError(f"features lack the managed keys {missing}; the KJT has {keys}")
-        f, b = len(keys), features.stride()
-        valid = features.segment_ids() < f * b
-        starts = features.capacity_offsets()
-        values = features.values()
-        pieces: list[jax.Array | None] = [None] * f
-        for c in self._configs:
-            idx = [keys.index(name) for name in c.feature_names]
-            flat = jnp.concatenate([values[starts[i] : starts[i + 1]] for i in idx])
-            ok = jnp.concatenate([valid[starts[i] : starts[i + 1]] for i in idx])
-            rows = self.managed_collision_modules[c.name].forward_flat(
-                flat, ok, deterministic=deterministic
+
+        def remap(name, flat, valid):
+            return self.managed_collision_modules[name].forward_flat(
+                flat, valid, deterministic=deterministic
             )
-            at = 0
-            for i in idx:
-                n = starts[i + 1] - starts[i]
-                pieces[i] = rows[at : at + n]
-                at += n
-        for i in range(f):
-            if pieces[i] is None:
-                pieces[i] = values[starts[i] : starts[i + 1]].astype(jnp.int32)
-        out = jnp.concatenate(pieces) if pieces else values.astype(jnp.int32)
-        return KeyedJaggedTensor.tree_unflatten(
-            (tuple(keys), features.capacity_per_key(), b),
-            (out, features.lengths(), features.weights_or_none()),
-        )
+
+        return remap_by_table(features, self._configs, remap)
 
     def evict(self) -> dict[str, jax.Array]:
         """Table -> ``[E_t]`` int32 rows evicted by the latest training call (fill-padded)."""
@@ -141,3 +123,35 @@ class ManagedCollisionCollection(nnx.Module):
         for c in self._configs:
             total = sum(caps.get(name, 0) for name in c.feature_names)
             self.managed_collision_modules[c.name].ensure_buffers(total)
+
+
+def remap_by_table(
+    features: KeyedJaggedTensor,
+    configs: Sequence[BaseEmbeddingConfig],
+    remap: Callable[[str, jax.Array, jax.Array], jax.Array],
+) -> KeyedJaggedTensor:
+    """``features`` with each table's features remapped together, in one flat buffer.
+
+    ``remap(table, values [C], valid [C]) -> int32 rows [C]`` gets the table's
+    features' capacity slices side by side (``valid`` masks padding); keys of
+    no table pass through (cast to int32). Keys, capacities, lengths and
+    weights are unchanged.
+    """
+    keys, starts, values = features.keys(), features.capacity_offsets(), features.values()
+    valid = features.segment_ids() < len(keys) * features.stride()
+    pieces = [values[starts[i] : starts[i + 1]].astype(jnp.int32) for i in range(len(keys))]
+    for c in configs:
+        idx = [keys.index(name) for name in c.feature_names]
+        flat = jnp.concatenate([values[starts[i] : starts[i + 1]] for i in idx])
+        ok = jnp.concatenate([valid[starts[i] : starts[i + 1]] for i in idx])
+        rows = remap(c.name, flat, ok)
+        at = 0
+        for i in idx:
+            n = starts[i + 1] - starts[i]
+            pieces[i] = rows[at : at + n]
+            at += n
+    out = jnp.concatenate(pieces) if pieces else values.astype(jnp.int32)
+    return KeyedJaggedTensor.tree_unflatten(
+        (tuple(keys), features.capacity_per_key(), features.stride()),
+        (out, features.lengths(), features.weights_or_none()),
+    )

@@ -252,7 +252,8 @@ def _sparse_update(
         key = state_key(path, name, 0)
         if fused and len(parts) == 1 and hasattr(module, "output_columns"):
             # One pooled call: the C++ CPU kernel reads the KJT and the output
-            # gradient directly (the sources above are then never computed).
+            # gradient directly (the sources traced above are then dead code,
+            # which XLA drops).
             (feats, g), cols = raw[(path, name)][0], module.output_columns()
             out = try_cpu(
                 "kjt_backward_update",

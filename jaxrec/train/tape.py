@@ -64,14 +64,9 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
     tape = _TAPE.get()
     if tape is None:
         return output
-    if id(module) not in tape.paths:
-        raise ValueError(
-            f"{type(module).__name__} was called inside a train step but is not part of "
-            "the model being trained; make it an attribute of the model"
-        )
     i = len(tape.calls)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
-    tape.calls.append(Call(tape.paths[id(module)], module, features, shapes))
+    tape.calls.append(Call(_path(tape, module, "was called"), module, features, shapes))
     if tape.probes is None:
         return output
     return jax.tree.map(jnp.add, output, tape.probes[i])
@@ -96,10 +91,15 @@ def record_reset(module: nnx.Module, group: str, rows: Any) -> bool:
     tape = _TAPE.get()
     if tape is None:
         return False
+    tape.resets.append(Reset(_path(tape, module, "reset rows"), module, group, rows))
+    return True
+
+
+def _path(tape: Tape, module: nnx.Module, did: str) -> tuple:
+    """``module``'s path in the model being trained (an error if it is not part of it)."""
     if id(module) not in tape.paths:
         raise ValueError(
-            f"{type(module).__name__} reset rows inside a train step but is not part of "
+            f"{type(module).__name__} {did} inside a train step but is not part of "
             "the model being trained; make it an attribute of the model"
         )
-    tape.resets.append(Reset(tape.paths[id(module)], module, group, rows))
-    return True
+    return tape.paths[id(module)]
