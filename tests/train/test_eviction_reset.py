@@ -202,3 +202,17 @@ def test_reset_step_stays_in_place():
     table_bytes = 4_000_000 * 128 * 4
     assert mem.temp_size_in_bytes < table_bytes / 8, mem
     assert mem.alias_size_in_bytes >= table_bytes + 4_000_000 * 4, mem
+
+
+def test_outside_collection_is_refused_in_the_step():
+    """A collection the step does not own cannot be looked up in it (its rows would not train)."""
+    opt = OPTIMIZERS["rowwise_adagrad"]()
+    graphdef, state = train.init_train_state(ResetModel(rngs=nnx.Rngs(0)), opt)
+    outside = jr.EmbeddingBagCollection(bag_tables(), rngs=nnx.Rngs(1))
+    kjt, y = random_batch(np.random.default_rng(2))
+
+    def lookup(model, batch):
+        return jnp.mean(outside(batch[0]).values())
+
+    with pytest.raises(ValueError, match="EmbeddingBagCollection was called inside a train step"):
+        train.make_train_step(graphdef, opt, lookup)(state, (kjt, y, no_resets()))
