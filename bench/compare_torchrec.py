@@ -68,6 +68,7 @@ CONFIGS: dict[str, LookupSpec] = {
 }
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
 IDLE_S = 0.05  # pause before each timed call (not timed); --idle-ms
+BLOCK = 1  # calls per turn; with > 1 the first of each turn is untimed; --block
 GOALS = {"forward": 1.5, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
 OPTIMIZERS: dict[str, tuple[str, Callable]] = {
@@ -80,8 +81,21 @@ def threads() -> int:
     return int(os.environ["JAXREC_CPU_THREADS"])
 
 
+def calls_per_fn(reps: int, warmup: int) -> int:
+    """How many times ``interleaved`` calls each function."""
+    return warmup + reps * BLOCK
+
+
 def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict:
-    """Wall times (ms) of each ``fn()``, repetitions interleaved across ``fns``."""
+    """Wall times (ms) of each ``fn()``, turns interleaved across ``fns``.
+
+    A turn idles ``IDLE_S`` (the other framework's worker threads: torch's
+    OpenMP pool spins after each op and must not eat the cores of the next
+    call), then calls ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts
+    cold (idle cores, caches filled by the other framework). ``BLOCK > 1``: the
+    first call of a turn is untimed and the rest run back to back, as in a
+    training loop.
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -89,12 +103,12 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     for i in range(reps):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))
         for k in order:
-            # Idle first: the other framework's worker threads (torch's OpenMP
-            # pool spins after each op) must not eat the cores of the next call.
             time.sleep(IDLE_S)
-            start = time.perf_counter()
-            fns[k]()
-            times[k].append((time.perf_counter() - start) * 1e3)
+            for j in range(BLOCK):
+                start = time.perf_counter()
+                fns[k]()
+                if BLOCK == 1 or j > 0:
+                    times[k].append((time.perf_counter() - start) * 1e3)
     return times
 
 
@@ -109,6 +123,8 @@ def ratio_line(name, spec, phase, times, impl, **extra) -> dict:
         "jaxrec_impl": impl,
         **spec.as_dict(),
         "threads": threads(),
+        "block": BLOCK,
+        "idle_ms": IDLE_S * 1e3,
         "ratio_jaxrec_over_torchrec": round(ratio, 3),
         "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
         "goal": goal,
@@ -125,7 +141,7 @@ def emit(line: dict) -> dict:
 def _records(name, spec, phase, times, impl, **extra) -> list[dict]:
     out = []
     for fw, t in times.items():
-        rec = record(BENCH, spec, fw, t, config=name, phase=phase, threads=threads())
+        rec = record(BENCH, spec, fw, t, config=name, phase=phase, threads=threads(), block=BLOCK)
         if fw == "jaxrec":
             rec["jaxrec_impl"] = impl
         if phase == "forward":
@@ -219,7 +235,7 @@ def run_train(name, spec, inputs, optimizer, impl, reps, warmup, seed, lr=0.1) -
     finally:
         if created:
             dist.destroy_process_group()
-    steps = reps + warmup
+    steps = calls_per_fn(reps, warmup)
     tol = 16 * EPS[spec.dtype] * max(scale, 1e-3) * steps * max(1.0, spec.L**0.5)
     fbgemm = OPTIMIZERS[optimizer][0]
     return _records(
@@ -263,14 +279,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--idle-ms", type=float, default=IDLE_S * 1e3, help="pause before each call")
+    p.add_argument("--idle-ms", type=float, default=IDLE_S * 1e3, help="pause before each turn")
+    p.add_argument(
+        "--block", type=int, default=BLOCK, help="calls per turn (> 1: back to back, first untimed)"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global IDLE_S
+    global IDLE_S, BLOCK
     args = parse_args(argv)
     IDLE_S = args.idle_ms / 1e3
+    BLOCK = max(1, args.block)
     if not torchrec_available():
         emit({"bench": BENCH, "skipped": "torchrec is not importable"})
         return 0

@@ -241,6 +241,10 @@ void UpdateSingles(const UpdateArgs& a, T* w, int32_t* mark, int64_t c0, int64_t
         PrefetchState<kOpt>(a, w, row);
         __builtin_prefetch(&mark[row], 1, 2);
       }
+      // One-id bags (one-hot features) read a new, strided gradient row per id.
+      if (a.goff && a.goff[c + ahead] != a.goff[c + ahead - 1]) {
+        PrefetchRow(a.out_grad + a.goff[c + ahead], a.d * 4);
+      }
     }
     const int32_t row = a.rows[c];
     if (row < 0 || row >= a.r || mark[row] != 1) continue;
