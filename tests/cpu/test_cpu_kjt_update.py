@@ -36,6 +36,7 @@ def _kjt(rng):
         lengths.append(ls)
         v = rng.integers(-3, n + 3, CAP)  # some ids out of range, on both sides
         v[1] = v[0]  # duplicates
+        v[2:12] = n // 2  # a hot row: >= 8 ids (the kernel sums those during its scan)
         values.append(v)
     return jr.KeyedJaggedTensor(
         ["a", "b", "c"], np.concatenate(values).astype(np.int32),
