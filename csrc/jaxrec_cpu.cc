@@ -22,9 +22,11 @@
 #include <Python.h>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <climits>
 #include <mutex>

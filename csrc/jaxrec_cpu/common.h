@@ -15,10 +15,75 @@ int MaxThreads() {
   return n;
 }
 
-// Threads worth using for `work` bytes touched (a thread start costs ~20 us).
+// Threads worth using for `work` bytes touched (waking a worker costs ~20-70 us).
 int ThreadsFor(int64_t work) {
   int64_t by_work = std::max<int64_t>(1, work / (1 << 18));
   return static_cast<int>(std::min<int64_t>(MaxThreads(), by_work));
+}
+
+// Worker threads that live across calls, asleep on a condition variable
+// between them. A thread started per call lands on its parent's core when the
+// cores were idle (this VM: the second thread then started 2-4 ms late, or
+// shared a core for the whole call); a woken worker goes back to the core it
+// last ran on, as an OpenMP pool's do.
+class WorkerPool {
+ public:
+  using Fn = void (*)(const void*, int, int);
+  // Runs fn(ctx, t, n) for t in [1, n) on workers and t = 0 here; false if
+  // another call holds the pool (the caller then starts its own threads).
+  bool Run(int n, Fn fn, const void* ctx) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || getpid() != pid_) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (static_cast<int>(workers_) < n - 1) {
+        std::thread(&WorkerPool::Work, this, static_cast<int>(workers_) + 1).detach();
+        ++workers_;
+      }
+      fn_ = fn;
+      ctx_ = ctx;
+      n_ = n;
+      pending_ = n - 1;
+      ++gen_;
+    }
+    wake_.notify_all();
+    fn(ctx, 0, n);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    return true;
+  }
+
+ private:
+  void Work(int t) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (t >= n_) continue;
+      Fn fn = fn_;
+      const void* ctx = ctx_;
+      const int n = n_;
+      lock.unlock();
+      fn(ctx, t, n);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex busy_, mu_;
+  std::condition_variable wake_, done_;
+  size_t workers_ = 0;
+  uint64_t gen_ = 0;
+  Fn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  int n_ = 0, pending_ = 0;
+  const pid_t pid_ = getpid();  // a forked child has no workers: it starts threads
+};
+
+WorkerPool& Workers() {
+  static WorkerPool* pool = new WorkerPool;  // never destroyed: workers sleep until exit
+  return *pool;
 }
 
 template <class F>
@@ -27,6 +92,8 @@ void ParallelFor(int n, const F& f) {  // f(t, n) for t in [0, n)
     f(0, 1);
     return;
   }
+  auto call = [](const void* ctx, int t, int nt) { (*static_cast<const F*>(ctx))(t, nt); };
+  if (Workers().Run(n, call, &f)) return;
   std::vector<std::thread> pool;
   pool.reserve(n - 1);
   for (int t = 1; t < n; ++t) pool.emplace_back([&f, t, n] { f(t, n); });
