@@ -29,6 +29,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <climits>
+#include <map>
 #include <mutex>
 #include <set>
 #include <cmath>

@@ -307,15 +307,27 @@ void AdviseHugePages(const void* data, int64_t bytes) {
   uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~uintptr_t(kHuge - 1);
   uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + bytes) & ~uintptr_t(kHuge - 1);
   if (hi <= lo) return;
+  // Advised ranges, by when: a freed buffer's range is often handed to the
+  // next buffer of that size (a new table, after an old one), which must be
+  // advised again, so an entry is trusted for a while only. Collapsing an
+  // already huge range is cheap (see README).
   static std::mutex mu;
-  static std::set<std::pair<uintptr_t, uintptr_t>> done;
+  static std::map<std::pair<uintptr_t, uintptr_t>, std::chrono::steady_clock::time_point> done;
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!done.insert({lo, hi}).second) return;
+    auto [it, fresh] = done.try_emplace({lo, hi}, now);
+    if (!fresh && now - it->second < std::chrono::seconds(2)) return;
+    it->second = now;
   }
   void* p = reinterpret_cast<void*>(lo);
   madvise(p, hi - lo, MADV_HUGEPAGE);
   madvise(p, hi - lo, kMadvCollapse);  // Linux >= 6.1; an (ignored) error before
+  if (std::getenv("JAXREC_CPU_TIMING")) {
+    std::fprintf(stderr, "huge pages: advised %.0f MiB in %.2f ms\n", (hi - lo) / 1048576.0,
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - now)
+                     .count());
+  }
 #endif
 }
 
