@@ -195,6 +195,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=("SUM", "MEAN"))
 
 
+def add_timing_args(p: argparse.ArgumentParser, reps: int = 20, warmup: int = 3) -> None:
+    """``--reps``, ``--warmup`` and ``--seed``, as every lookup benchmark takes them."""
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def specs_from_args(args: argparse.Namespace) -> list[LookupSpec]:
     overrides = {
         f.name: getattr(args, f.name)

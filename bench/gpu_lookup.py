@@ -58,7 +58,7 @@ from jaxrec.ops.backward import dedup_rows
 from jaxrec.pallas import fused_backward_update, pooled_lookup, sequence_lookup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import EPS, add_spec_args, record, time_ms  # noqa: E402
+from common import EPS, add_spec_args, add_timing_args, record, time_ms  # noqa: E402
 from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "gpu_lookup"
@@ -395,9 +395,7 @@ def _agreement(spec, outs, tables, seqs) -> list[dict]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_args(p)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    add_timing_args(p)
     p.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
     p.add_argument("--pass", dest="passes", default=",".join(PASSES), help=f"from {PASSES}")
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS))

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     EPS,
     add_spec_args,
+    add_timing_args,
     build_jaxrec,
     build_torchrec,
     jaxrec_kjt,
@@ -187,9 +188,7 @@ def _run_torchrec(spec, ebc, inputs, outputs, jax_records, reps, warmup) -> list
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_args(p)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    add_timing_args(p)
     p.add_argument("--bounds-check", default="WARNING", choices=[m.name for m in BoundsCheckMode])
     p.add_argument("--impl", default="xla,torchrec", help=f"comma-separated, from {IMPLS}")
     return p.parse_args(argv)

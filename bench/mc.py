@@ -58,7 +58,7 @@ from jaxrec.modules import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_spec_args, build_jaxrec, record, specs_from_args, time_ms  # noqa: E402
+from common import add_spec_args, add_timing_args, build_jaxrec, record, specs_from_args, time_ms  # noqa: E402
 from specs import LookupSpec, zipf_ids  # noqa: E402
 
 BENCH = "mc"
@@ -252,9 +252,7 @@ def run(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_args(p)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    add_timing_args(p)
     p.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
     p.add_argument("--policy", choices=sorted(POLICIES), default="lru")
     p.add_argument("--interval", type=int, default=5, help="eviction interval (calls)")

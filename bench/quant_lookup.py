@@ -33,7 +33,15 @@ from jaxrec.inference import QuantEmbeddingBagCollection, quantize_rows, row_byt
 from jaxrec.inference.quantize import row_error_bound
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_spec_args, build_jaxrec, jaxrec_kjt, record, specs_from_args, time_ms  # noqa: E402
+from common import (  # noqa: E402
+    add_spec_args,
+    add_timing_args,
+    build_jaxrec,
+    jaxrec_kjt,
+    record,
+    specs_from_args,
+    time_ms,
+)
 from specs import LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "quant_lookup"
@@ -121,11 +129,9 @@ def _record(spec, dtype, impl, times, table_bytes, bytes_per_row, base) -> dict:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_args(p)
+    add_timing_args(p)
     p.add_argument("--qdtypes", default=",".join(QDTYPES), help=f"comma-separated, {QDTYPES}")
     p.add_argument("--impl", default="xla", choices=sorted(IMPLS))
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
