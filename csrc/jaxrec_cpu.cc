@@ -31,7 +31,6 @@
 #include <climits>
 #include <map>
 #include <mutex>
-#include <set>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
