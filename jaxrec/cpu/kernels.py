@@ -31,6 +31,16 @@ _UPDATES = {
 _MODES = {WeightDecayMode.NONE: 0, WeightDecayMode.L2: 1, WeightDecayMode.DECOUPLE: 2}
 
 
+def _fits_int32(dtype) -> bool:
+    """Ids the kernels may read as int32: a lossless cast, so they check each id's own value.
+
+    Wider ids (uint32, int64, uint64) go to the XLA path, which bounds-checks them
+    in their own width before any narrowing (``jaxrec.ops.bounds.ids_in_range``).
+    """
+    info = jnp.iinfo(dtype)
+    return info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max
+
+
 def _require_kernels() -> None:
     reason = load()
     if reason is not None:
@@ -152,8 +162,8 @@ def grouped_pooled_lookup_cpu(
     _check_table(weights, "weights")
     keys = features.keys()
     values = features.values()
-    if any(sl.key not in keys for sl in slots) or values.dtype != jnp.int32:
-        raise NotImplementedError("missing keys or non-int32 ids: the XLA path reports them")
+    if any(sl.key not in keys for sl in slots) or not _fits_int32(values.dtype):
+        raise NotImplementedError("missing keys or ids wider than int32: the XLA path checks them")
     mode = BoundsCheckMode(bounds_check_mode)
     static = (
         tuple(
@@ -268,8 +278,8 @@ def kjt_backward_update_cpu(
     """
     keys = features.keys()
     values = features.values()
-    if any(sl.key not in keys for sl in slots) or values.dtype != jnp.int32:
-        raise NotImplementedError("missing keys or non-int32 ids: the XLA path reports them")
+    if any(sl.key not in keys for sl in slots) or not _fits_int32(values.dtype):
+        raise NotImplementedError("missing keys or ids wider than int32: the XLA path checks them")
     if grad.ndim != 2 or grad.shape[0] != features.stride():
         raise NotImplementedError(f"grad must be [B, W], got {grad.shape=}")
     pvw = features.weights_or_none() if is_weighted else None
@@ -295,7 +305,7 @@ def kjt_backward_update_cpu(
         lambda target: target.replace("jaxrec_", "jaxrec_kjt_", 1),
         lambda lr: (
             grad.astype(jnp.float32),
-            values,
+            values.astype(jnp.int32),
             features.lengths().astype(jnp.int32),
             pvw,
             jnp.asarray(info),

@@ -7,7 +7,9 @@ runs only when a bad id is present. ``FATAL`` raises at run time (a
 ``JaxRuntimeError`` whose message names the feature). ``NONE`` skips the check:
 an out-of-range id then reads an arbitrary row (XLA clamps gather indices, and
 in a stacked buffer that is a neighbouring table's row): use it only for ids
-known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``.
+known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``,
+compared in the ids' own dtype (any JAX integer dtype; never after a narrowing
+cast, so a uint32 id >= 2**31 is out of range, not a negative row).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 logger = logging.getLogger("jaxrec")
 
@@ -63,13 +66,36 @@ def check_ids(
     mode = BoundsCheckMode(mode)
     if mode is BoundsCheckMode.NONE:
         return valid
-    in_range = (ids >= 0) & (ids < num_embeddings)
+    in_range = ids_in_range(ids, num_embeddings)
     if mode is not BoundsCheckMode.IGNORE:
         bad = valid & ~in_range
         count = jnp.sum(bad, dtype=jnp.int32)
         example = ids[jnp.argmax(bad)] if ids.shape[0] else jnp.zeros((), ids.dtype)
         report_out_of_range(count, example, mode, where)
     return valid & in_range
+
+
+def ids_in_range(ids: jax.Array, num_embeddings: jax.Array | int) -> jax.Array:
+    """``0 <= ids < num_embeddings``, compared in the ids' own integer width.
+
+    Mixing dtypes would promote: uint32 with int32 becomes int32 without x64,
+    so a uint32 id >= 2**31 wrapped to a negative number and passed the check.
+    The bound is clipped into the ids' dtype instead (a table larger than the
+    dtype's range holds every non-negative id).
+    """
+    info = jnp.iinfo(ids.dtype)
+    if isinstance(num_embeddings, jax.Array):  # traced or device bound
+        num = num_embeddings
+        last = num - 1
+        if jnp.iinfo(num.dtype).max > info.max:
+            last = jnp.minimum(last, info.max)
+        limit = jnp.maximum(last, 0).astype(ids.dtype)
+    else:
+        num = np.asarray(num_embeddings, np.int64)
+        top = min(int(info.max), int(np.iinfo(np.int64).max))
+        limit = np.clip(num - 1, 0, top).astype(ids.dtype)
+    ok = (num > 0) & (ids <= limit)
+    return ok & (ids >= 0) if info.min < 0 else ok
 
 
 def report_out_of_range(
