@@ -82,6 +82,11 @@ class CriteoDataset(TableDataset):
         labels: per file ``[N]`` or ``[N, 1]``.
         num_embeddings_per_feature: an int (every table) or 26 ints; ids are taken modulo.
         multi_hot: a :class:`MultiHot` expanding each id into a fixed bag.
+        sources: per file, a name for error messages (default ``file {i}``).
+
+    Batches check their rows: a non-finite dense value or a label other than 0
+    or 1 raises ``ValueError`` naming the file and row (unless the data was read
+    with ``has_label=False``, whose labels are -1).
     """
 
     def __init__(
@@ -92,23 +97,26 @@ class CriteoDataset(TableDataset):
         *,
         num_embeddings_per_feature: int | Sequence[int],
         multi_hot: MultiHot | None = None,
+        sources: Sequence[str] | None = None,
     ):
         sizes = _sizes(num_embeddings_per_feature)
+        dense, sparse, labels = list(dense), list(sparse), list(labels)
+        if sources is None:
+            sources = [f"file {i}" for i in range(len(dense))]
+        self.sources = [str(x) for x in sources]
         tables = []
-        for i, (d, s, y) in enumerate(zip(dense, sparse, labels, strict=True)):
-            if np.shape(d)[1:] != (INT_FEATURE_COUNT,) or np.shape(s)[1:] != (CAT_FEATURE_COUNT,):
-                raise ValueError(
-                    f"file {i}: dense must be [N, 13] and sparse [N, 26], "
-                    f"got {np.shape(d)} and {np.shape(s)}"
-                )
-            if not len(d) == len(s) == len(y):
-                raise ValueError(f"file {i}: {len(d)} dense, {len(s)} sparse, {len(y)} label rows")
+        for src, d, s, y in zip(self.sources, dense, sparse, labels, strict=True):
+            _check_file({"dense": d, "sparse": s, "labels": y}, dict.fromkeys(_PARTS, src))
             tables.append(Table(d, [s[:, k] for k in range(CAT_FEATURE_COUNT)], y))
         if multi_hot is not None and multi_hot.num_embeddings_per_feature != sizes:
             raise ValueError("multi_hot was built for other num_embeddings_per_feature")
         self._sparse = list(sparse)
         self.multi_hot = multi_hot
         self.parse_stats: list[ParseStats] = []
+        self.unlabeled = False  # True for has_label=False data (labels -1)
+        # for batch errors: the file of each part and the row of the table's first row in it
+        self._files = [dict.fromkeys(_PARTS, src) for src in self.sources]
+        self._first_rows = [0] * len(tables)
         sizes_per_key = multi_hot.multi_hot_sizes if multi_hot else [1] * CAT_FEATURE_COUNT
         super().__init__(
             tables,
@@ -131,11 +139,14 @@ class CriteoDataset(TableDataset):
         ``mmap`` memory-maps the files (rows are read when batched).
         """
         parts = [load_npy(p, mmap=mmap) for p in prefixes]
-        return cls(
+        data = cls(
             *zip(*parts, strict=True),
             num_embeddings_per_feature=num_embeddings_per_feature,
             multi_hot=multi_hot,
+            sources=[str(p) for p in prefixes],
         )
+        data._files = [_npy_names(p) for p in prefixes]
+        return data
 
     @classmethod
     def from_tsv(
@@ -160,8 +171,10 @@ class CriteoDataset(TableDataset):
             *zip(*parts, strict=True),
             num_embeddings_per_feature=num_embeddings_per_feature,
             multi_hot=multi_hot,
+            sources=[str(p) for p in paths],
         )
         data.parse_stats = stats
+        data.unlabeled = not has_label
         return data
 
     def _take(self, rows: np.ndarray):
@@ -175,9 +188,12 @@ class CriteoDataset(TableDataset):
             local = rows[mask] - self._starts[t]
             order = np.argsort(local)  # sorted reads from memory-mapped files
             inv = np.argsort(order)
-            dense[mask] = np.asarray(self.tables[t].dense[local[order]])[inv]
-            labels[mask] = np.asarray(self.tables[t].labels[local[order]]).reshape(-1)[inv]
-            sparse[mask] = np.asarray(self._sparse[t][local[order]])[inv]
+            rows_t = local[order]
+            d = np.asarray(self.tables[t].dense[rows_t])
+            y = np.asarray(self.tables[t].labels[rows_t], np.float32).reshape(-1)
+            self._check_rows(t, rows_t + self._first_rows[t], d, y)
+            dense[mask], labels[mask] = d[inv], y[inv]
+            sparse[mask] = np.asarray(self._sparse[t][rows_t])[inv]
         sparse %= np.asarray(self.num_embeddings_per_feature)  # TorchRec's ``hashes``
         cols = []
         for k in range(CAT_FEATURE_COUNT):
@@ -189,6 +205,55 @@ class CriteoDataset(TableDataset):
                 cols.append((bags.reshape(-1), np.full(b, bags.shape[1], np.int64)))
         return dense, labels, cols
 
+    def _check_rows(self, t: int, rows: np.ndarray, dense: np.ndarray, labels: np.ndarray):
+        """A memory-mapped file is checked as its rows are read, not all at load time."""
+        bad = ~np.isfinite(dense)
+        if bad.any():
+            j = int(np.argmax(bad.any(axis=1)))
+            raise ValueError(
+                f"{self._files[t]['dense']} row {rows[j]}: non-finite dense value "
+                f"{dense[j][bad[j]][0]}; fix or drop that row (dense features must be finite)"
+            )
+        ok = (labels == -1) if self.unlabeled else (labels == 0) | (labels == 1)
+        if not ok.all():
+            j = int(np.argmin(ok))
+            raise ValueError(
+                f"{self._files[t]['labels']} row {rows[j]}: label {labels[j]} must be "
+                + ("-1 (has_label=False)" if self.unlabeled else "0 or 1")
+            )
+
+
+_PARTS = ("dense", "sparse", "labels")
+
+
+def _npy_names(prefix) -> dict:
+    return {part: f"{prefix}_{part}.npy" for part in _PARTS}
+
+
+def _check_file(arrays: dict, names: dict) -> None:
+    """Shapes and dtypes of one file's dense, sparse and labels; errors name the file."""
+    d, s, y = arrays["dense"], arrays["sparse"], arrays["labels"]
+    if np.ndim(d) != 2 or np.shape(d)[1] != INT_FEATURE_COUNT:
+        raise ValueError(f"{names['dense']}: dense must be [N, 13], got shape {np.shape(d)}")
+    if np.ndim(s) != 2 or np.shape(s)[1] != CAT_FEATURE_COUNT:
+        raise ValueError(f"{names['sparse']}: sparse must be [N, 26], got shape {np.shape(s)}")
+    if not (np.ndim(y) == 1 or (np.ndim(y) == 2 and np.shape(y)[1] == 1)):
+        raise ValueError(f"{names['labels']}: labels must be [N] or [N, 1], got {np.shape(y)}")
+    dtypes = {part: np.asarray(arr[:0]).dtype for part, arr in arrays.items()}
+    for part, kind, what in (
+        ("dense", np.floating, "float (log-transformed)"),
+        ("sparse", np.integer, "integer ids"),
+        ("labels", np.number, "numbers"),
+    ):
+        if not np.issubdtype(dtypes[part], kind):
+            raise ValueError(f"{names[part]}: {part} must be {what}, got dtype {dtypes[part]}")
+    n = len(d)
+    for part, arr in (("sparse", s), ("labels", y)):
+        if len(arr) != n:
+            raise ValueError(f"{names[part]}: {len(arr)} rows, but {names['dense']} has {n}")
+    if n == 0:
+        raise ValueError(f"{names['dense']}: no rows (an empty file; drop it or regenerate it)")
+
 
 def _sizes(n: int | Sequence[int]) -> list[int]:
     sizes = [int(n)] * CAT_FEATURE_COUNT if np.ndim(n) == 0 else [int(x) for x in n]
@@ -198,14 +263,25 @@ def _sizes(n: int | Sequence[int]) -> list[int]:
 
 
 def load_npy(prefix: str | os.PathLike, *, mmap: bool = True) -> tuple[np.ndarray, ...]:
-    """``(dense, sparse, labels)`` of one file in TorchRec's npy layout."""
-    out = []
-    for part in ("dense", "sparse", "labels"):
-        path = f"{prefix}_{part}.npy"
+    """``(dense, sparse, labels)`` of one file in TorchRec's npy layout.
+
+    Raises ``ValueError`` naming the file when one is truncated or corrupt, has
+    the wrong shape or dtype, a row count unlike the others', or no rows.
+    """
+    out, names = {}, {}
+    for part in _PARTS:
+        path = names[part] = f"{prefix}_{part}.npy"
         if not os.path.exists(path):
             raise FileNotFoundError(f"missing {path} (TorchRec's npy layout: prefix_{part}.npy)")
-        out.append(np.load(path, mmap_mode="r" if mmap else None))
-    return tuple(out)
+        try:
+            out[part] = np.load(path, mmap_mode="r" if mmap else None)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(
+                f"{path}: not a readable .npy file (truncated or corrupt?): {e}; "
+                "regenerate it (python -m jaxrec.datasets.criteo preprocess)"
+            ) from None
+    _check_file(out, names)
+    return out["dense"], out["sparse"], out["labels"]
 
 
 def load_tsv(path: str | os.PathLike, **kwargs) -> tuple[np.ndarray, ...]:
@@ -235,9 +311,11 @@ def criteo_split(
     tsv_days = _numbered(root, r"day_(\d+)")
     stats: list[ParseStats] = []
     if npy_days:
-        files = [load_npy(str(p)[: -len("_dense.npy")]) for p in npy_days]
+        paths = [str(p)[: -len("_dense.npy")] for p in npy_days]
+        files = [load_npy(p) for p in paths]
     elif (root / "train_dense.npy").exists():
-        files = [load_npy(root / "train")]
+        paths = [str(root / "train")]
+        files = [load_npy(paths[0])]
     elif tsv_days or (root / "train.txt").exists():
         paths = tsv_days or [root / "train.txt"]
         stats = [ParseStats() for _ in paths]
@@ -249,18 +327,31 @@ def criteo_split(
             f"no Criteo data in {root}: expected day_{{i}}_dense.npy (+ _sparse, _labels), "
             "train_dense.npy, day_{i} TSV files or train.txt"
         )
+    names = [str(p) for p in paths]
     if len(files) > 1:
         last = files[-1]
         half = (len(last[0]) + 1) // 2
         train_files, eval_files = files[:-1], [tuple(a[:half] for a in last)]
+        train_names, eval_names = names[:-1], [f"{names[-1]} (first half)"]
     else:
         n = len(files[0][0])
+        if n < 7:
+            raise ValueError(
+                f"{names[0]} has {n} rows: too few to hold out the last 1/7 for evaluation "
+                "(need at least 7)"
+            )
         cut = n - n // 7
         train_files = [tuple(a[:cut] for a in files[0])]
         eval_files = [tuple(a[cut:] for a in files[0])]
+        train_names, eval_names = names, [f"{names[0]} (last 1/7)"]
     kw = dict(num_embeddings_per_feature=num_embeddings, multi_hot=multi_hot)
-    train = CriteoDataset(*zip(*train_files, strict=True), **kw)
-    test = CriteoDataset(*zip(*eval_files, strict=True), **kw)
+    train = CriteoDataset(*zip(*train_files, strict=True), sources=train_names, **kw)
+    test = CriteoDataset(*zip(*eval_files, strict=True), sources=eval_names, **kw)
+    if not stats:  # npy: batch errors name the npy file and the row in it
+        train._files = [_npy_names(p) for p in names[: len(train_files)]]
+        test._files = [_npy_names(names[-1])]
+        if len(files) == 1:
+            test._first_rows = [len(files[0][0]) - len(eval_files[0][0])]
     train.parse_stats = test.parse_stats = stats
     return train, test
 

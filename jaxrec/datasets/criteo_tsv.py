@@ -6,7 +6,12 @@ field is 0 (dense and categorical alike) and categoricals are parsed as base
 16. Unlike TorchRec (whose ``safe_cast`` silently turns bad text into 0 and
 whose CSV reader accepts short rows), a malformed line raises
 :class:`CriteoParseError` naming the file and line, or with ``on_error="skip"``
-is skipped and counted in :class:`ParseStats`.
+is skipped and counted in :class:`ParseStats`. Malformed: a non-ASCII byte, a
+field count other than 40 (39 without labels), a label other than ``0``/``1``,
+a dense field other than ``-?[0-9]+``, a categorical with a non-hex digit
+(Python's ``int()`` would also take spaces, ``+``, ``_``, ``0x`` and non-ASCII
+digits), or a value beyond int64. An empty file, or one whose every line was
+skipped, raises too.
 """
 
 from __future__ import annotations
