@@ -93,6 +93,7 @@ class ExportedModel:
         self.num_embeddings = tuple(int(m["num_embeddings"][k]) for k in self.features)
         self.starts = np.concatenate([[0], np.cumsum(self.max_ids)]).astype(np.int64)
         self.num_dense = int(m["num_dense"])
+        self.dense_dtype = np.dtype(jax.numpy.dtype(m["dense_dtype"]))
         self.weighted = bool(m["weighted"])
         self.buckets = _buckets(batch_buckets)
         self.max_batch_size = max_batch_size

@@ -76,12 +76,12 @@ BAD = {
     ),
     "wrong_type": (
         400,
-        "ids must be a list of integers, got str",
+        "ids must be a list of integers, got a string",
         dict(body={"instances": _inst(sparse={"f0": "1", "f1": [1], "f2": [1]})}),
     ),
     "float_ids": (
         400,
-        "flat list of integers",
+        "ids must be integers, got a number 1.5",
         dict(body={"instances": _inst(sparse={"f0": [1.5], "f1": [1], "f2": [1]})}),
     ),
     "too_many_ids": (

@@ -1,0 +1,254 @@
+"""Decoding of prediction requests: JSON bytes in, a validated batch out.
+
+Used by the HTTP server and the JSONL batch mode of
+:mod:`jaxrec.inference.serving`. A request body is::
+
+    {"instances": [{"dense": [0.1, 0.2, ...],             # num_dense numbers
+                    "sparse": {"f1": [3, 17], "f2": []},   # every feature, ids
+                    "weights": {"f1": [0.5, 1.0], ...}},   # weighted models only
+                   ...]}
+
+Every rule is checked here, in plain Python, before the model sees the batch,
+so that a bad request is a :class:`RequestError` (HTTP 400) or
+:class:`RequestTooLarge` (413) naming the instance and field, never another
+exception: the body must be UTF-8 JSON nested at most ``max_depth`` deep, with
+no ``NaN``/``Infinity`` literals; the object has exactly the key
+``instances``; each instance exactly ``dense``, ``sparse`` (and ``weights``
+for a weighted model); dense values and weights are JSON numbers (not
+booleans) finite in the model's dense dtype; ids are JSON integers in
+``[0, num_embeddings)``, at most ``max_ids_per_sample`` per feature.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .artifact import InputError
+
+MAX_JSON_DEPTH = 32  # a valid request nests 5 deep
+# A JSON string (escapes included): removed before counting brackets.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+class RequestError(InputError):
+    """A malformed prediction request; ``status`` is its HTTP status (400)."""
+
+    status = 400
+
+
+class RequestTooLarge(RequestError):
+    """Too many instances or too large a body (HTTP 413)."""
+
+    status = 413
+
+
+class DecodedBatch(NamedTuple):
+    """A validated request: what :class:`~jaxrec.inference.ExportedModel` takes.
+
+    Attributes:
+        dense: ``[B, num_dense]`` in the model's dense dtype, all finite.
+        sparse: ``{feature: [ids of sample 0, ids of sample 1, ...]}`` (Python ints).
+        weights: like ``sparse`` with float weights, or ``None`` (unweighted model).
+    """
+
+    dense: np.ndarray
+    sparse: dict[str, list[list[int]]]
+    weights: dict[str, list[list[float]]] | None
+
+
+def _reject_constant(name: str) -> None:
+    raise RequestError(f"the body has a {name} literal; JSON numbers must be finite")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply ``raw`` nests arrays and objects (exact for valid JSON)."""
+    a = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
+    steps = np.isin(a, _OPEN).astype(np.int32) - np.isin(a, _CLOSE).astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def parse_json(body: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON: UTF-8, finite numbers, at most ``max_depth`` nested levels.
+
+    Raises:
+        RequestError: the body is not such JSON (the message says why).
+    """
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the body is not UTF-8: {e}") from None
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise RequestError(f"the body nests {depth} levels deep; at most {max_depth} allowed")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the body nests too deeply") from None
+
+
+def decode_request(
+    model: Any,
+    body: bytes | str,
+    *,
+    max_instances: int | None = None,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> DecodedBatch:
+    """A request body (``{"instances": [...]}``) as a validated batch.
+
+    Args:
+        model: an :class:`~jaxrec.inference.ExportedModel` (its ``features``,
+            ``num_dense``, ``dense_dtype``, ``max_ids``, ``num_embeddings``,
+            ``weighted`` are read).
+        body: the raw body.
+        max_instances: instances allowed (more: :class:`RequestTooLarge`).
+        max_depth: nesting allowed.
+
+    Raises:
+        RequestError: anything malformed (:class:`RequestTooLarge` for too many
+            instances); never another exception for any ``body``.
+    """
+    payload = parse_json(body, max_depth=max_depth)
+    if not isinstance(payload, dict) or "instances" not in payload:
+        raise RequestError('the body must be a JSON object {"instances": [...]}')
+    extra = sorted(set(payload) - {"instances"})
+    if extra:
+        raise RequestError(f"unknown top-level key(s) {extra}; the body holds only 'instances'")
+    return decode_instances(model, payload["instances"], max_instances=max_instances)
+
+
+def decode_instances(
+    model: Any, instances: Any, *, max_instances: int | None = None
+) -> DecodedBatch:
+    """Parsed JSON ``instances`` (a list of objects) as a validated batch.
+
+    Raises:
+        RequestError: a malformed instance (the message names it and the field).
+        RequestTooLarge: more than ``max_instances`` instances.
+    """
+    if not isinstance(instances, list):
+        raise RequestError(f"'instances' must be a list, got {_kind(instances)}")
+    if not instances:
+        raise RequestError("'instances' is empty")
+    if max_instances is not None and len(instances) > max_instances:
+        raise RequestTooLarge(
+            f"{len(instances)} instances in one request; at most {max_instances} allowed"
+        )
+    fields = {"dense", "sparse"} | ({"weights"} if model.weighted else set())
+    dense_rows: list[np.ndarray] = []
+    sparse: dict[str, list[list[int]]] = {k: [] for k in model.features}
+    weights = {k: [] for k in model.features} if model.weighted else None
+    for i, inst in enumerate(instances):
+        where = f"instance {i}"
+        if not isinstance(inst, dict):
+            raise RequestError(f"{where} must be an object, got {_kind(inst)}")
+        extra = sorted(set(inst) - fields)
+        if extra:
+            raise RequestError(f"{where}: unknown field(s) {extra}; use {sorted(fields)}")
+        d = inst.get("dense", [] if model.num_dense == 0 else None)
+        dense_rows.append(_numbers(d, f"{where}: 'dense'", model.num_dense, model.dense_dtype))
+        ids = _per_feature(model, inst.get("sparse"), f"{where}: 'sparse'")
+        for k, key in enumerate(model.features):
+            sparse[key].append(_ids(model, k, ids[key], f"{where}: feature {key!r}"))
+        if weights is not None:
+            w = _per_feature(model, inst.get("weights"), f"{where}: 'weights'")
+            for key in model.features:
+                n = len(sparse[key][-1])
+                wk = _numbers(w[key], f"{where}: weights of {key!r}", n, np.float32)
+                weights[key].append(wk.tolist())
+    dense = np.stack(dense_rows) if model.num_dense else np.zeros((len(instances), 0))
+    return DecodedBatch(dense.astype(model.dense_dtype, copy=False), sparse, weights)
+
+
+def _kind(x: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(x), "null" if x is None else "a number"
+    )
+
+
+def _per_feature(model: Any, x: Any, where: str) -> Mapping:
+    if not isinstance(x, dict):
+        raise RequestError(f"{where} must be an object {{feature: [...]}}, got {_kind(x)}")
+    unknown = [k for k in x if k not in model.features]
+    if unknown:
+        raise RequestError(
+            f"{where}: unknown feature(s) {unknown}; this model's features are "
+            f"{list(model.features)}"
+        )
+    missing = [k for k in model.features if k not in x]
+    if missing:
+        raise RequestError(
+            f"{where}: missing feature(s) {missing}: give every feature (an empty list for none)"
+        )
+    return x
+
+
+def _numbers(x: Any, where: str, n: int, dtype: Any) -> np.ndarray:
+    """``x``, a list of ``n`` JSON numbers, as ``dtype``; each must be finite there."""
+    if not isinstance(x, list):
+        raise RequestError(f"{where} must be a list of {n} numbers, got {_kind(x)}")
+    if len(x) != n:
+        raise RequestError(f"{where} has {len(x)} values; the model takes {n}")
+    for j, v in enumerate(x):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise RequestError(f"{where}[{j}] must be a number, got {_kind(v)}")
+    try:
+        wide = np.asarray([float(v) for v in x], np.float64)
+    except OverflowError:  # an integer beyond float64
+        wide = np.asarray([float(v) if abs(v) < 1e308 else math.inf for v in x], np.float64)
+    with np.errstate(over="ignore"):  # overflow to inf is reported below
+        arr = wide.astype(dtype)
+    bad = np.flatnonzero(~np.isfinite(arr.astype(np.float32)))
+    if bad.size:
+        j = int(bad[0])
+        raise RequestError(
+            f"{where}[{j}] = {x[j]!r:.40} is not finite as {np.dtype(dtype).name}; "
+            "inputs must be finite numbers"
+        )
+    return arr
+
+
+def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
+    if not isinstance(x, list):
+        raise RequestError(f"{where}: ids must be a list of integers, got {_kind(x)}")
+    limit, rows = model.max_ids[k], model.num_embeddings[k]
+    if len(x) > limit:
+        raise RequestError(
+            f"{where} has {len(x)} ids; this artifact allows at most {limit} "
+            f"(max_ids_per_sample[{model.features[k]!r}] = {limit})"
+        )
+    for v in x:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RequestError(f"{where}: ids must be integers, got {_kind(v)} {v!r:.40}")
+        if not 0 <= v < rows:
+            raise RequestError(
+                f"{where}: id {v} is outside [0, {rows}) (num_embeddings of its table)"
+            )
+    return list(x)
+
+
+def check_finite_output(out: np.ndarray) -> None:
+    """Raises :class:`NonFiniteOutput` when a prediction is NaN or infinite."""
+    bad = ~np.isfinite(np.asarray(out, np.float32)).reshape(out.shape[0], -1).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad).tolist()
+        raise NonFiniteOutput(
+            f"the model produced NaN/infinite predictions for instance(s) {rows[:10]}"
+            f"{' ...' if len(rows) > 10 else ''}; not sent (JSON has no NaN). Check the "
+            "inputs' ranges and the model's weights"
+        )
+
+
+class NonFiniteOutput(RuntimeError):
+    """The model's output holds NaN or infinity (HTTP 500, never sent as ``NaN``)."""
