@@ -83,6 +83,12 @@ def movielens_split(
         is_test = np.random.default_rng(seed).random(n) < test_fraction
     else:
         raise ValueError(f"split must be 'time' or 'random', got {split!r}")
+    for side, mask in (("train", ~is_test), ("test", is_test)):
+        if not mask.any():
+            raise ValueError(
+                f"the {side} split of {path} is empty ({n} ratings, split={split!r}, "
+                f"test_fraction={test_fraction}); change test_fraction or use the other split"
+            )
     rows = np.arange(n)
     train = _dataset(cols, meta, raw, threshold, rows[~is_test])
     return train, _dataset(cols, meta, raw, threshold, rows[is_test])
@@ -93,7 +99,8 @@ def _vocab(tokens) -> dict:
 
 
 def _sort_key(t: str):
-    return (0, int(t), "") if t.isdigit() else (1, 0, t)  # numeric ids in numeric order
+    # numeric ids in numeric order; isdigit() alone also takes "²", which int() refuses
+    return (0, int(t), "") if t.isascii() and t.isdigit() else (1, 0, t)
 
 
 def _encode(raw: RawRatings):
