@@ -147,6 +147,10 @@ class TableDataset:
         self.oracle_logits = oracle_logits
         self.truncated_ids = dict.fromkeys(self.keys, 0)
         self._starts = np.cumsum([0] + [len(t) for t in self.tables])
+        if self.num_rows == 0:
+            raise ValueError(
+                f"no rows: all {len(self.tables)} table(s) are empty; a dataset needs data to batch"
+            )
         given = dict(max_ids_per_sample or {})
         unknown = set(given) - set(self.keys)
         if unknown:
@@ -270,6 +274,7 @@ class TableDataset:
     def _batch(self, rows: np.ndarray, caps: list[int], overflow: str) -> Batch:
         b = len(rows)
         dense, labels, cols = self._take(rows)
+        self._check_finite(rows, dense, labels)
         values, lengths = [], []
         for i, key in enumerate(self.keys):
             v, ln = cols[i]
@@ -294,6 +299,19 @@ class TableDataset:
             on_host=True,
         )
         return Batch(dense, kjt, labels)
+
+    def _check_finite(self, rows: np.ndarray, dense: np.ndarray, labels: np.ndarray) -> None:
+        """NaN or inf would reach the loss silently; name where it is instead."""
+        for what, arr in (("dense value", dense), ("label", labels)):
+            bad = ~np.isfinite(np.asarray(arr).reshape(len(rows), -1))
+            if bad.any():
+                j = int(np.argmax(bad.any(axis=1)))
+                t = int(np.searchsorted(self._starts, rows[j], side="right") - 1)
+                value = np.asarray(arr).reshape(len(rows), -1)[j][bad[j]][0]
+                raise ValueError(
+                    f"table {t} row {rows[j] - self._starts[t]}: non-finite {what} {value}; "
+                    "fix or drop that row"
+                )
 
     def _overflow(self, key, v, ln, cap, overflow):
         if overflow == "raise":

@@ -91,6 +91,9 @@ class MultiHot:
         """Bags ``[len(ids), multi_hot_sizes[k]]`` int64 for one-hot ``ids`` of table ``k``."""
         ids = np.asarray(ids, np.int64)
         n, size = self.num_embeddings_per_feature[k], self.multi_hot_sizes[k]
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"table {k}: ids must lie in [0, {n}), got {bad}; hash them first")
         if self.tables is not None:
             return self.tables[k][ids]
         slots = np.arange(1, size, dtype=np.uint64)

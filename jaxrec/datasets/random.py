@@ -144,6 +144,18 @@ class RandomRecDataset(TableDataset):
     ):
         keys = list(keys)
         f = len(keys)
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        floats = dict(
+            alpha=0.0 if alpha is None else alpha,
+            bias_scale=bias_scale,
+            dense_scale=dense_scale,
+            latent_scale=latent_scale,
+            intercept=intercept,
+        )
+        for name, value in floats.items():
+            if not np.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
         hash_sizes = list(hash_sizes) if hash_sizes is not None else [hash_size or 100] * f
         if ids_per_features is None:
             ids_per_features = [ids_per_feature or 2] * f
