@@ -116,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     world = args.devices
     per_epoch = train_data.num_batches(args.batch_size * world)
+    if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
+        raise SystemExit(
+            f"{train_data.num_rows} training rows: fewer than one global batch of "
+            f"{args.batch_size * world} (--batch-size {args.batch_size} x {world} devices); "
+            "use a smaller --batch-size or more data"
+        )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
     writer = ScalarWriter(run_dir / "tb") if args.tensorboard else None
