@@ -1,5 +1,6 @@
 """Inference: row-wise quantized tables and collections, sharded inference, export."""
 
+from .artifact import ArtifactError as ArtifactError
 from .artifact import ExportedModel as ExportedModel
 from .artifact import InputError as InputError
 from .artifact import load as load

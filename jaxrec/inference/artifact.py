@@ -21,9 +21,11 @@ per concrete shape.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-FORMAT = "jaxrec.export/1"
+FORMAT = "jaxrec.export/2"  # /2 adds the "integrity" section
+LEGACY_FORMATS = ("jaxrec.export/1",)
 MANIFEST = "manifest.json"
 MODULE = "module.jaxexport"
 WEIGHTS = "weights.npz"
@@ -39,6 +42,14 @@ WEIGHTS = "weights.npz"
 
 class InputError(ValueError):
     """An invalid prediction input (unknown/missing feature, wrong type, too many ids...)."""
+
+
+class ArtifactError(ValueError):
+    """An artifact whose files fail their checksums or disagree with each other."""
+
+
+class UnverifiedArtifactWarning(UserWarning):
+    """An artifact from before checksums (format ``jaxrec.export/1``) was loaded unverified."""
 
 
 def load(
@@ -80,12 +91,8 @@ class ExportedModel:
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             raise FileNotFoundError(f"{self.path} is not an export artifact (no {MANIFEST})")
-        self.manifest = json.loads((self.path / MANIFEST).read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(
-                f"{self.path}: unknown artifact format {self.manifest.get('format')!r}, "
-                f"expected {FORMAT!r}"
-            )
+        self.manifest = read_manifest(self.path)
+        verify_checksums(self.path, self.manifest)
         _check_runtime(self.manifest, self.path)
         m = self.manifest
         self.features: tuple[str, ...] = tuple(m["features"])
@@ -99,9 +106,13 @@ class ExportedModel:
         self.max_batch_size = max_batch_size
         if max_batch_size is None and self.buckets and self.buckets != "pow2":
             self.max_batch_size = max(self.buckets)
-        self.exported = jax.export.deserialize(bytearray((self.path / MODULE).read_bytes()))
+        try:
+            self.exported = jax.export.deserialize(bytearray((self.path / MODULE).read_bytes()))
+        except Exception as e:
+            raise _tampered(self.path, MODULE, f"does not deserialize ({e!r:.200})") from e
         with np.load(self.path / WEIGHTS, allow_pickle=False) as npz:
-            self._weights = [jax.device_put(_load_leaf(npz, w)) for w in m["weights"]]
+            check_facts(self.path, m, self.exported, npz)
+            self._weights = [jax.device_put(_load_leaf(self.path, npz, w)) for w in m["weights"]]
         self._call = jax.jit(self.exported.call)
         self._lock = threading.Lock()
         self.compiled_batch_sizes: set[int] = set()
@@ -331,13 +342,186 @@ def _check_runtime(m: Mapping, path: Path) -> None:
         )
 
 
-def _load_leaf(npz: Any, w: Mapping) -> np.ndarray:
+# ----- integrity -----
+def field_checksum(value: Any) -> str:
+    """sha256 of a manifest field's canonical JSON."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_checksum(path: Path) -> dict:
+    """``{"sha256": hex, "bytes": size}`` of a file (read in chunks)."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"sha256": digest, "bytes": path.stat().st_size}
+
+
+def integrity_section(path: Path, manifest: Mapping) -> dict:
+    """What :func:`export` records: checksums of the module, the weights and every field."""
+    return {
+        "algorithm": "sha256",
+        "files": {name: file_checksum(path / name) for name in (MODULE, WEIGHTS)},
+        "fields": {k: field_checksum(v) for k, v in manifest.items() if k != "integrity"},
+    }
+
+
+def _tampered(path: Path, name: str, what: str) -> ArtifactError:
+    return ArtifactError(
+        f"{path / name}: {what}. The artifact was modified or corrupted after export: "
+        "re-export the model (or restore the artifact from a good copy)"
+    )
+
+
+def read_manifest(path: Path) -> dict:
+    """The parsed ``manifest.json`` of a known format (raises :class:`ArtifactError`)."""
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(
+            f"{path / MANIFEST} is not valid JSON ({e}). The artifact was modified or "
+            "corrupted after export: re-export the model"
+        ) from None
+    fmt = m.get("format") if isinstance(m, dict) else None
+    if fmt != FORMAT and fmt not in LEGACY_FORMATS:
+        raise ValueError(
+            f"{path}: unknown artifact format {fmt!r}, expected {FORMAT!r} (or {LEGACY_FORMATS})"
+        )
+    return m
+
+
+def verify_checksums(path: Path, m: Mapping) -> None:
+    """Checks every manifest field and file against the checksums recorded at export.
+
+    A legacy artifact (``jaxrec.export/1``, no checksums) only warns
+    (:class:`UnverifiedArtifactWarning`); its facts are still checked against
+    the module and the weights by :func:`check_facts`.
+    """
+    if m["format"] in LEGACY_FORMATS:
+        warnings.warn(
+            f"{path} has no checksums (format {m['format']!r}, from an older jaxrec): its "
+            "files are loaded unverified; re-export the model to add them",
+            UnverifiedArtifactWarning,
+            stacklevel=4,
+        )
+        return
+    sums = m.get("integrity")
+    if not isinstance(sums, dict) or not isinstance(sums.get("fields"), dict):
+        raise _tampered(path, MANIFEST, "no 'integrity' section (checksums) in a /2 manifest")
+    fields = {k: v for k, v in m.items() if k != "integrity"}
+    extra = sorted(set(fields) - set(sums["fields"]))
+    if extra:
+        raise _tampered(path, MANIFEST, f"field(s) {extra} have no checksum")
+    for k, digest in sums["fields"].items():
+        if k not in fields:
+            raise _tampered(path, MANIFEST, f"field {k!r} is missing")
+        if field_checksum(fields[k]) != digest:
+            raise _tampered(path, MANIFEST, f"field {k!r} differs from what was exported")
+    files = sums.get("files")
+    if not isinstance(files, dict) or set(files) != {MODULE, WEIGHTS}:
+        raise _tampered(path, MANIFEST, f"'integrity.files' must list {[MODULE, WEIGHTS]}")
+    for name, want in files.items():
+        if not (path / name).is_file():
+            raise _tampered(path, name, "missing")
+        size = (path / name).stat().st_size
+        if size != want.get("bytes"):
+            raise _tampered(
+                path, name, f"{size} bytes but the manifest records {want.get('bytes')}"
+            )
+        got = file_checksum(path / name)["sha256"]
+        if got != want.get("sha256"):
+            raise _tampered(
+                path,
+                name,
+                f"sha256 {got[:12]}... but the manifest records {str(want.get('sha256'))[:12]}...",
+            )
+
+
+def _shape(aval: Any) -> str:
+    dims = ", ".join(str(d) for d in aval.shape)
+    return f"[{dims}] {np.dtype(aval.dtype).name}"
+
+
+def check_facts(path: Path, m: Mapping, exported: Any, npz: Any) -> None:
+    """The manifest's facts against the module's input/output types and the weights.
+
+    Raises:
+        ArtifactError: naming the file and what differs.
+    """
+    feats = m["features"]
+    if len(set(feats)) != len(feats):
+        raise _tampered(path, MANIFEST, f"features repeat: {feats}")
+    for key in ("max_ids_per_sample", "num_embeddings"):
+        if sorted(m[key]) != sorted(feats):
+            raise _tampered(path, MANIFEST, f"{key} names {sorted(m[key])}, features {feats}")
+    ws = m["weights"]
+    ins = exported.in_avals
+    n_args = 3 + bool(m["weighted"])
+    if len(ins) != len(ws) + n_args:
+        raise _tampered(
+            path,
+            MODULE,
+            f"takes {len(ins)} inputs; {MANIFEST} lists {len(ws)} weights + {n_args} inputs "
+            f"(weighted={m['weighted']})",
+        )
+    names = sorted(npz.files)
+    if names != sorted(w["name"] for w in ws):
+        raise _tampered(path, WEIGHTS, f"holds {names}; {MANIFEST} lists {[w['name'] for w in ws]}")
+    for w, aval in zip(ws, ins, strict=False):
+        said = f"[{', '.join(str(d) for d in w['shape'])}] {w['dtype']}"
+        if said != _shape(aval):
+            raise _tampered(
+                path,
+                MANIFEST,
+                f"weight {w['name']} ({w['path']}): {MANIFEST} says {said}, {MODULE} takes "
+                f"{_shape(aval)}",
+            )
+    dense, values, lengths = ins[len(ws) : len(ws) + 3]
+    if dense.shape[1] != m["num_dense"] or np.dtype(dense.dtype).name != m["dense_dtype"]:
+        raise _tampered(
+            path,
+            MODULE,
+            f"takes dense features {_shape(dense)}; {MANIFEST} says num_dense={m['num_dense']} "
+            f"{m['dense_dtype']}",
+        )
+    if lengths.shape[1] != len(feats):
+        raise _tampered(
+            path,
+            MODULE,
+            f"takes lengths for {lengths.shape[1]} features; {MANIFEST} lists {len(feats)}",
+        )
+    slots = sum(int(m["max_ids_per_sample"][k]) for k in feats)
+    if values.shape[1] != slots:
+        raise _tampered(
+            path,
+            MODULE,
+            f"takes {values.shape[1]} id slots per sample; {MANIFEST}'s max_ids_per_sample "
+            f"sum to {slots}",
+        )
+    out, said = exported.out_avals[0], m["output"]
+    if [int(d) for d in out.shape[1:]] != list(said["shape"][1:]) or np.dtype(
+        out.dtype
+    ).name != said["dtype"]:
+        raise _tampered(
+            path, MODULE, f"returns {_shape(out)}; {MANIFEST} says {said['shape']} {said['dtype']}"
+        )
+    if list(exported.platforms) != list(m["platforms"]):
+        raise _tampered(
+            path,
+            MODULE,
+            f"is lowered for {list(exported.platforms)}; {MANIFEST} says {m['platforms']}",
+        )
+
+
+def _load_leaf(path: Path, npz: Any, w: Mapping) -> np.ndarray:
     arr = npz[w["name"]]
     dtype = np.dtype(jax.numpy.dtype(w["dtype"]))
-    if arr.dtype != dtype:  # e.g. bfloat16, stored as same-width unsigned ints
+    if arr.dtype != dtype and arr.dtype.itemsize == dtype.itemsize:  # e.g. bfloat16 as uint16
         arr = arr.view(dtype)
-    if list(arr.shape) != list(w["shape"]):
-        raise ValueError(
-            f"weight {w['name']} ({w['path']}): shape {arr.shape}, manifest says {w['shape']}"
+    if arr.dtype != dtype or list(arr.shape) != list(w["shape"]):
+        raise _tampered(
+            path,
+            WEIGHTS,
+            f"weight {w['name']} ({w['path']}) is {list(arr.shape)} {arr.dtype.name}; "
+            f"{MANIFEST} says {w['shape']} {w['dtype']}",
         )
     return arr

@@ -3,7 +3,9 @@
 An artifact is a directory::
 
     manifest.json       features, per-sample id limits, table sizes, dense width,
-                        dtypes, output shape, jax version, platforms, weight files
+                        dtypes, output shape, jax version, platforms, weight files,
+                        and "integrity": sha256 of the two files below and of
+                        every other manifest field
     module.jaxexport    jax.export.export(...).serialize(): the forward pass,
                         weight-independent (weights are arguments)
     weights.npz         the weights, one array per state leaf (w0000, w0001, ... in
@@ -63,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .artifact import FORMAT, MANIFEST, MODULE, WEIGHTS
+from .artifact import FORMAT, MANIFEST, MODULE, WEIGHTS, integrity_section
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -309,4 +311,5 @@ def _write(path: Path, manifest: dict, module: bytearray, paths_leaves, overwrit
         arrays[name] = arr
     np.savez(path / WEIGHTS, allow_pickle=False, **arrays)
     (path / MODULE).write_bytes(bytes(module))
+    manifest["integrity"] = integrity_section(path, manifest)
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
