@@ -1,21 +1,22 @@
-"""Malformed MovieLens folders: bad bytes, values, ids and empty files raise naming file and line."""
+"""Malformed MovieLens folders: bad bytes, values, ids, empty files; errors name file and line."""
 
 import numpy as np
 import pytest
 
 from jaxrec.datasets import load_movielens, movielens_split
 
+RECBOLE_HEADER = ["user_id:token", "item_id:token", "rating:float", "timestamp:float"]
 ROWS = [("1", "10", "5", "100"), ("1", "20", "3", "200"), ("2", "10", "4", "50")]
 
 
 def write_format(root, fmt, rows=ROWS, raw_line=None):
-    """A folder of ``fmt`` whose ratings are ``rows``; ``raw_line`` (bytes) becomes rating line 2."""
+    """A ``fmt`` folder rating ``rows``; ``raw_line`` (bytes) becomes the second rating."""
     root.mkdir()
     sep, name, header = {
         "ml-100k": ("\t", "u.data", None),
         "ml-1m": ("::", "ratings.dat", None),
         "ml-20m": (",", "ratings.csv", "userId,movieId,rating,timestamp"),
-        "recbole": ("\t", "ml.inter", "user_id:token\titem_id:token\trating:float\ttimestamp:float"),
+        "recbole": ("\t", "ml.inter", "\t".join(RECBOLE_HEADER)),
     }[fmt]
     lines = [sep.join(r).encode() for r in rows]
     if raw_line is not None:

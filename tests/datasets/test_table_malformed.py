@@ -1,4 +1,4 @@
-"""Bad values in in-memory tables, random-data parameters and multi-hot ids raise, never propagate."""
+"""Bad values in tables, random-data parameters and multi-hot ids raise; nothing propagates."""
 
 import numpy as np
 import pytest
