@@ -4,7 +4,9 @@
 they contribute zero to their bag (FBGEMM instead reads row 0). ``WARNING``
 also logs how many ids were dropped and one example, via a host callback that
 runs only when a bad id is present. ``FATAL`` raises at run time (a
-``JaxRuntimeError`` whose message names the feature). ``NONE`` skips the check:
+``JaxRuntimeError`` whose message names the feature); inside a train step it is
+collected instead (:func:`collect_fatal`): the step applies nothing and raises
+``jaxrec.train.BoundsCheckError`` holding the unchanged state. ``NONE`` skips the check:
 an out-of-range id then reads an arbitrary row (XLA clamps gather indices, and
 in a stacked buffer that is a neighbouring table's row): use it only for ids
 known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``,
@@ -14,8 +16,12 @@ cast, so a uint32 id >= 2**31 is out of range, not a negative row).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import logging
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +37,53 @@ class BoundsCheckMode(enum.Enum):
     NONE = "NONE"
 
 
+class FatalReport(NamedTuple):
+    """A ``FATAL`` check collected by :func:`collect_fatal` (values of the trace that made it)."""
+
+    where: str  # names the lookup (feature / table)
+    count: jax.Array  # int32 scalar: ids out of range
+    example: jax.Array  # one of them (any value when count is 0)
+
+
+_FATAL_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxrec_fatal_sink", default=None
+)
+
+
+@contextlib.contextmanager
+def collect_fatal() -> Iterator[list[FatalReport]]:
+    """Inside, ``FATAL`` reports are appended to the yielded list instead of raising.
+
+    A host callback that raises inside a jitted step with donated arguments
+    leaves the caller with deleted buffers. Within this context
+    :func:`report_out_of_range` (every ``FATAL`` check goes through it) emits
+    no callback for ``FATAL``; the caller acts on the collected counts (the
+    train step skips its update and raises ``BoundsCheckError`` with the
+    unchanged state). The values belong to the trace that made them: code
+    that checks inside another transformation (a ``shard_map`` body) collects
+    its own reports there, returns them and reports them again outside.
+    """
+    reports: list[FatalReport] = []
+    token = _FATAL_SINK.set(reports)
+    try:
+        yield reports
+    finally:
+        _FATAL_SINK.reset(token)
+
+
+def out_of_range_message(count: int, example: int, where: str) -> str:
+    return (
+        f"{count} ids out of range in {where} (e.g. id {example}); ids must lie in "
+        "[0, num_embeddings): hash or remap them before the lookup"
+    )
+
+
 def _report(mode: BoundsCheckMode, where: str):
     def callback(count, example):
         count, example = int(count), int(example)
         if count == 0:
             return
-        msg = (
-            f"{count} ids out of range in {where} (e.g. id {example}); ids must lie in "
-            "[0, num_embeddings): hash or remap them before the lookup"
-        )
+        msg = out_of_range_message(count, example, where)
         if mode is BoundsCheckMode.FATAL:
             raise ValueError(msg)
         logger.warning("%s; they were dropped (contribute zero)", msg)
@@ -101,9 +145,16 @@ def ids_in_range(ids: jax.Array, num_embeddings: jax.Array | int) -> jax.Array:
 def report_out_of_range(
     count: jax.Array, example: jax.Array, mode: BoundsCheckMode, where: str
 ) -> None:
-    """WARNING logs and FATAL raises (at run time) when ``count > 0`` ids were out of range."""
+    """WARNING logs and FATAL raises (at run time) when ``count > 0`` ids were out of range.
+
+    Under :func:`collect_fatal` (a train step) FATAL is collected, not raised.
+    """
     mode = BoundsCheckMode(mode)
     if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE):
+        return
+    sink = _FATAL_SINK.get()
+    if mode is BoundsCheckMode.FATAL and sink is not None:
+        sink.append(FatalReport(where, jnp.asarray(count, jnp.int32), jnp.asarray(example)))
         return
     jax.lax.cond(
         count > 0,

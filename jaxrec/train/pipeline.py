@@ -5,8 +5,9 @@ free while step ``i`` runs. The pipeline fills that time: a background thread
 pulls the next batches from the data loader (host preprocessing) and starts
 their host-to-device transfers (``jax.device_put``, or ``shard_batch`` over a
 mesh), ``depth`` batches ahead. The main thread only dispatches steps, and
-reads a sharded step's dropped-id count one step late, so it never waits on
-the step it just launched.
+reads a step's report (a sharded step's dropped-id count, FATAL bounds
+checks, the skipped flag) one step late, so it never waits on the step it
+just launched.
 
 A sharded model's input distribution (the ``all_to_all`` of ids) stays inside
 the step's program, where XLA schedules it; TorchRec runs it on a separate
@@ -22,7 +23,7 @@ from typing import Any
 
 import jax
 
-from .step import CapacityOverflowError, TrainState
+from .step import TrainState, raise_for_report
 
 _DONE = object()
 
@@ -79,7 +80,8 @@ class TrainPipeline:
         self._source: Iterator | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
-        self._dropped = None  # the previous step's dropped-id count (sharded models)
+        self._report = None  # the previous step's StepReport (read one step late)
+        self._skipped = getattr(train_step, "skipped_steps", None)
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
         """Runs one step on the next batch; returns ``(loss, aux)`` (not yet synchronised).
@@ -88,12 +90,15 @@ class TrainPipeline:
             StopIteration: the loader is exhausted (every batch has been trained on).
             CapacityOverflowError: the previous step dropped ids (sharded models,
                 ``overflow="raise"``).
+            BoundsCheckError: the previous step found out-of-range ids under
+                ``BoundsCheckMode.FATAL`` and applied nothing; ``err.state`` (also
+                ``pipeline.state``) includes the step after it.
         """
         self._attach(dataloader_iter)
         item = self._queue.get()
         if item is _DONE:
             self._source = None
-            self._check_dropped()
+            self._check_report()
             raise StopIteration
         if isinstance(item, BaseException):
             self._source = None
@@ -101,10 +106,16 @@ class TrainPipeline:
         if self._step is None:  # a plain step function
             self.state, loss, aux = self._plain_step(self.state, item)
             return loss, aux
-        self.state, loss, aux, dropped = self._step(self.state, item)
-        self._check_dropped()  # the previous step's count: long finished, no stall
-        self._dropped = dropped
+        self.state, loss, aux, report = self._step(self.state, item)
+        if self._skipped is not None:
+            self._skipped.add(report.skipped)
+        self._check_report()  # the previous step's: long finished, no stall
+        self._report = report
         return loss, aux
+
+    def skipped_steps(self) -> int:
+        """Steps that applied nothing (``make_train_step(skip_nonfinite=True)``) so far."""
+        return 0 if self._skipped is None else self._skipped()
 
     def close(self) -> None:
         """Stops the background thread (it also stops at the loader's end)."""
@@ -129,10 +140,10 @@ class TrainPipeline:
             target=_produce, args=(it, self._to_device, self._queue, self._stop), daemon=True
         ).start()
 
-    def _check_dropped(self) -> None:
-        dropped, self._dropped = self._dropped, None
-        if dropped is not None and int(dropped) > 0:
-            raise CapacityOverflowError(int(dropped), self.state)
+    def _check_report(self) -> None:
+        report, self._report = self._report, None
+        if report is not None:
+            raise_for_report(report, self.state)
 
 
 def _produce(it: Iterator, to_device: Callable, out: queue.Queue, stop: threading.Event) -> None:

@@ -103,11 +103,21 @@ def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) 
     tkey = jax.random.fold_in(key, names.index(table))
 
     def write(w):
+        # The rows' previous values, read before the write in the same branch (so the
+        # write stays in place): a step that skips its update puts them back.
+        old = w.at[group_rows].get(mode="fill", fill_value=0)
         values = init_rows(config, tkey, jnp.where(valid, rows, 0))
-        return w.at[group_rows].set(values, mode="drop")
+        # Fill entries are dropped by the write anyway; taking them from ``old`` makes the
+        # write wait for that read (else XLA copies the table to keep both alive).
+        values = jnp.where(valid[:, None], values, old)
+        return w.at[group_rows].set(values, mode="drop"), old
 
-    var.set_value(jax.lax.cond(jnp.any(valid), write, lambda w: w, var.get_value()))
-    record_reset(storage, group.name, group_rows)
+    def keep(w):
+        return w, jnp.zeros((rows.shape[0], w.shape[1]), w.dtype)
+
+    new, old = jax.lax.cond(jnp.any(valid), write, keep, var.get_value())
+    var.set_value(new)
+    record_reset(storage, group.name, group_rows, old)
 
 
 def reset_optimizer_rows(

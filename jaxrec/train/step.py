@@ -7,7 +7,8 @@ probe gradient to per-id row gradients, sums duplicate ids and applies each
 table's fused optimizer to the touched rows of its donated buffer. Rows a
 module re-initialised during the forward (managed-collision evictions, see
 ``reset.py``) keep their fresh weights and get fresh optimizer state before
-that update.
+that update. A step whose ``FATAL`` bounds check failed, or (opt-in) whose loss
+or gradients are not finite, applies nothing (see ``guard.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ..modules.tables import EmbeddingTable
 from ..ops.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
 from ..ops.dispatch import try_cpu
 from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
+from . import guard
+from .guard import BoundsCheckError, StepReport
 from .reset import reset_optimizer_rows
 from .sparse_update import backward_update, update_subgroup
 from .tape import Tape
@@ -61,6 +64,7 @@ def make_train_step(
     has_aux: bool = False,
     donate: bool = True,
     implementation: str | None = None,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array, Any]]:
     """Builds a jitted train step ``step(state, batch) -> (state, loss, aux)``.
 
@@ -75,10 +79,25 @@ def make_train_step(
             (the Pallas kernel on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``
             (on CPU: the Pallas interpreter, slow, for tests). Arguments the
             kernel does not support fall back to XLA.
+        skip_nonfinite: when the loss, a dense gradient or an embedding output
+            gradient is NaN or inf, apply nothing: params, tables, optimizer
+            states (step counters included) and ``rest`` stay bit-identical, and
+            ``step.skipped_steps()`` counts the step (the loss is still
+            returned). Off by default: the step then compiles to the same
+            program as before; a skip hides a data error unless someone reads
+            the count, and the check adds a pass over the dense and output
+            gradients plus selects over the dense state. Turn it on for long
+            jobs (``jaxrec-train-dlrm`` does and reports the count), where one
+            bad batch would otherwise leave NaN in the touched rows and in
+            Adagrad / Adam state for good. Tables are not copied: the skipped
+            sparse update runs with no valid id (see ``jaxrec.train.guard``).
 
     Raises:
         CapacityOverflowError: a sharded collection built with ``overflow="raise"``
             (the default) dropped row-wise ids for lack of capacity in this step.
+        BoundsCheckError: a collection with ``BoundsCheckMode.FATAL`` looked up
+            out-of-range ids; the step applied nothing and ``err.state`` is the
+            unchanged (valid) state. Only then does a step wait for its result.
 
     Example:
         >>> graphdef, state = init_train_state(model, optimizer)
@@ -98,19 +117,33 @@ def make_train_step(
             calls.extend((c.path, c.module) for c in tape.calls)
             resets.extend((r.path, r.module, r.group) for r in tape.resets)
             dropped = sum(tape.overflow) if tape.overflow else None
-            reset_rows = [r.rows for r in tape.resets]
-            return loss, (aux, [c.features for c in tape.calls], tables, rest, reset_rows, dropped)
+            reset_rows = [(r.rows, r.old) for r in tape.resets]
+            fatal = guard.merge_fatal(tape.fatal)
+            features = [c.features for c in tape.calls]
+            return loss, (aux, features, tables, rest, reset_rows, dropped, fatal)
 
         calls: list = []
         resets: list = []  # (path, collection, group) of rows re-initialised in the forward
         grad_fn = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
-        (loss, (aux, features, tables, rest, reset_rows, dropped)), (g_params, g_probes) = grad_fn(
+        (loss, found), (g_params, g_probes) = grad_fn(
             state.params, probes, state.tables, state.rest
         )
+        aux, features, tables, rest, reset_rows, dropped, fatal = found
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
         sparse_state = state.opt_state.sparse
-        for (path, module, group), rows in zip(resets, reset_rows, strict=True):
+        ok = guard.apply_mask(loss, g_params, g_probes, fatal, skip_nonfinite)
+        if ok is not None:  # skip by masking: only small things are selected (see guard.py)
+            params = optax.tree.where(ok, params, state.params)
+            dense_state = optax.tree.where(ok, dense_state, state.opt_state.dense)
+            rest = optax.tree.where(ok, rest, state.rest)
+            tables = _undo_resets(tables, resets, reset_rows, ok)
+            reset_rows = [
+                (guard.no_reset_rows(module, group, rows, ok), old)
+                for (_, module, group), (rows, old) in zip(resets, reset_rows, strict=True)
+            ]
+            features = [guard.without_ids(f, ok) for f in features]
+        for (path, module, group), (rows, _) in zip(resets, reset_rows, strict=True):
             sparse_state = reset_optimizer_rows(optimizer, module, path, group, sparse_state, rows)
         tables, sparse_state = _sparse_update(
             optimizer,
@@ -122,20 +155,36 @@ def make_train_step(
             loss,
             implementation,
         )
+        if ok is not None:
+            sparse_state = guard.keep_counts(sparse_state, state.opt_state.sparse, ok)
         new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
-        return new, loss, aux, dropped
+        skipped = None if ok is None else jnp.logical_not(ok)
+        return new, loss, aux, StepReport(dropped, skipped, fatal)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    skipped_steps = guard.SkipCounter()
 
     def train_step(state: TrainState, batch: Any):
-        new, loss, aux, dropped = jitted(state, batch)
-        if dropped is not None and int(dropped) > 0:  # one scalar sync, sharded models only
-            raise CapacityOverflowError(int(dropped), new)
+        new, loss, aux, report = jitted(state, batch)
+        skipped_steps.add(report.skipped)
+        raise_for_report(report, new)
         return new, loss, aux
 
     train_step.lower = jitted.lower  # for inspecting the compiled program
-    train_step.jitted = jitted
+    train_step.jitted = jitted  # returns (state, loss, aux, StepReport); see TrainPipeline
+    train_step.skipped_steps = skipped_steps  # () -> steps skipped so far
     return train_step
+
+
+def raise_for_report(report: StepReport, state: TrainState) -> None:
+    """Raises the error a step's report calls for, with ``state`` (a host sync only when
+    the step has FATAL checks or can drop ids)."""
+    if report.fatal:
+        failures = guard.fatal_failures(report.fatal)
+        if failures:
+            raise BoundsCheckError(failures, state)
+    if report.dropped is not None and int(report.dropped) > 0:
+        raise CapacityOverflowError(int(report.dropped), state)
 
 
 class CapacityOverflowError(RuntimeError):
@@ -200,14 +249,25 @@ def _grad_sources(module, features, g):
     return out
 
 
-def _sparse_update(
-    optimizer, tables, sparse_state, calls, features, g_probes, loss, implementation
-):
+def _table_leaves(tables):
+    """``(leaves, index, treedef)``: ``index[(*module_path, "weights", group)]`` is a leaf's."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tables)
     index = {
         tuple(k.key for k in p if hasattr(k, "key")): i for i, (p, _) in enumerate(leaves_with_path)
     }
-    leaves = [leaf for _, leaf in leaves_with_path]
+    return [leaf for _, leaf in leaves_with_path], index, treedef
+
+
+def _undo_resets(tables, resets, reset_rows, ok):
+    leaves, index, treedef = _table_leaves(tables)
+    guard.undo_resets(leaves, index, resets, reset_rows, ok)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _sparse_update(
+    optimizer, tables, sparse_state, calls, features, g_probes, loss, implementation
+):
+    leaves, index, treedef = _table_leaves(tables)
     sparse_state = dict(sparse_state)
     # A data dependency of every row update on the loss orders the forward's
     # table reads before the in-place scatters. Without it, when the output

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..ops.bounds import FatalReport, collect_fatal
+
 _TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
 
 
@@ -39,6 +41,7 @@ class Reset:
     module: Any  # the collection
     group: str  # its table group (stacked buffer) name
     rows: Any  # [K] group rows; fill entries are >= the group's rows
+    old: Any  # [K, D] the rows' values before the reset (written back if the step skips)
 
 
 class Tape:
@@ -50,12 +53,17 @@ class Tape:
         self.calls: list[Call] = []
         self.overflow: list = []  # dropped-id counts of sharded calls that raise
         self.resets: list[Reset] = []  # rows re-initialised during the forward (see reset.py)
+        # FATAL bounds checks: collected, not raised from a callback inside the donated step.
+        self.fatal: list[FatalReport] = []
 
     def __enter__(self) -> Tape:
         self._token = _TAPE.set(self)
+        self._fatal = collect_fatal()
+        self.fatal = self._fatal.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._fatal.__exit__(*exc)
         _TAPE.reset(self._token)
 
 
@@ -85,13 +93,14 @@ def report_overflow(dropped: Any) -> bool:
     return True
 
 
-def record_reset(module: nnx.Module, group: str, rows: Any) -> bool:
-    """Tells the train step that ``rows`` of ``module``'s ``group`` were re-initialised,
-    so that it resets their optimizer state too. Returns False outside a train step."""
+def record_reset(module: nnx.Module, group: str, rows: Any, old: Any) -> bool:
+    """Tells the train step that ``rows`` of ``module``'s ``group`` were re-initialised
+    (their values were ``old``), so that it resets their optimizer state too, or puts
+    ``old`` back if it skips its update. Returns False outside a train step."""
     tape = _TAPE.get()
     if tape is None:
         return False
-    tape.resets.append(Reset(_path(tape, module, "reset rows"), module, group, rows))
+    tape.resets.append(Reset(_path(tape, module, "reset rows"), module, group, rows, old))
     return True
 
 

@@ -142,7 +142,7 @@ def test_mixed_optimizers_in_one_stacked_group():
     np.testing.assert_allclose(w1[30:], w0[30:] - 2 * LR * g[30:], rtol=1e-5, atol=1e-7)
 
 
-def _abstract_step(dense_autodiff: bool):
+def _abstract_step(dense_autodiff: bool, **step_kwargs):
     """Compiles a step for a 4M x 128 fp32 table without allocating it."""
     tables = [jr.EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=4_000_000,
                                     feature_names=["f"])]  # fmt: skip
@@ -163,7 +163,8 @@ def _abstract_step(dense_autodiff: bool):
         return jnp.sum(m.head(m.ebc(kjt).values()))
 
     if not dense_autodiff:
-        return train.make_train_step(graphdef, opt, loss_fn).lower(state, kjt).compile()
+        step = train.make_train_step(graphdef, opt, loss_fn, **step_kwargs)
+        return step.lower(state, kjt).compile()
 
     def dense_step(tables, state, kjt):  # plain JAX: grads through the table
         def f(tables):

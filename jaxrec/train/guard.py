@@ -1,0 +1,151 @@
+"""Skipping a train step's update without copying its tables.
+
+A step skips its update when a ``FATAL`` bounds check failed, or, with
+``make_train_step(skip_nonfinite=True)``, when the loss or a gradient (dense
+params, embedding outputs) is not finite. Skipping must leave every piece of
+state as it was, yet the tables are huge and updated in place, so a
+``where(ok, new_table, old_table)`` (a pass over every table, and a second
+buffer) is out. Instead:
+
+* the sparse update runs on the same features with every length zeroed: no id
+  is valid, no row is touched (the C++ kernel, the XLA and Pallas paths and
+  the sharded collections all read the ids from the lengths); the optimizer
+  step counters, which those updates advance, are selected back;
+* rows a managed-collision reset re-initialised during the forward are
+  written back (the reset reads their ``K`` previous values just before its
+  write; nothing table-sized), and their optimizer rows are not reset;
+* small things are selected with ``where``: dense params, dense optimizer
+  state, step counters and ``rest`` (batch stats, managed-collision state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..ops.bounds import FatalReport, out_of_range_message
+
+
+class StepReport(NamedTuple):
+    """What the jitted step returns beside ``(state, loss, aux)`` (read by the wrappers)."""
+
+    dropped: jax.Array | None  # row-wise ids dropped for capacity (sharded, overflow="raise")
+    skipped: jax.Array | None  # bool scalar: nothing was applied (None: the step never skips)
+    fatal: dict[str, tuple[jax.Array, jax.Array]]  # where -> (count, example) of FATAL checks
+
+
+class BoundsCheckError(ValueError):
+    """A ``BoundsCheckMode.FATAL`` check found out-of-range ids inside a train step.
+
+    The step applied nothing: ``state`` is the state it was given, valid and
+    unchanged (the input was donated, so use this one). ``failures`` maps each
+    failing lookup (``where`` names its features / table) to
+    ``(count, example id)``; ``where``, ``count`` and ``example`` are the first
+    failure's. :class:`~jaxrec.train.TrainPipeline` reads the report one step
+    late: its ``state`` then also holds the following (good) step.
+    """
+
+    def __init__(self, failures: Mapping[str, tuple[int, int]], state: Any):
+        text = "; ".join(out_of_range_message(c, e, w) for w, (c, e) in failures.items())
+        super().__init__(f"{text}. The step applied nothing; err.state is the unchanged state")
+        self.failures = dict(failures)
+        self.where, (self.count, self.example) = next(iter(self.failures.items()))
+        self.state = state
+
+
+def merge_fatal(reports: Sequence[FatalReport]) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """``where -> (count, example)``: counts of the same lookup (called twice) summed."""
+    out: dict[str, tuple[jax.Array, jax.Array]] = {}
+    for r in reports:
+        if r.where in out:
+            count, example = out[r.where]
+            example = jnp.where(count > 0, example, r.example.astype(example.dtype))
+            out[r.where] = (count + r.count, example)
+        else:
+            out[r.where] = (r.count, r.example)
+    return out
+
+
+def fatal_failures(fatal: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple[int, int]]:
+    """The failed checks of a step's report, on the host (one sync)."""
+    got = jax.device_get(dict(fatal))
+    return {w: (int(c), int(e)) for w, (c, e) in got.items() if int(c) > 0}
+
+
+def apply_mask(loss, g_params, g_probes, fatal, skip_nonfinite: bool) -> jax.Array | None:
+    """Bool scalar: apply this step's update (``None``: nothing can stop it)."""
+    checks = [count == 0 for count, _ in fatal.values()]
+    if skip_nonfinite:
+        checks.append(jnp.all(jnp.isfinite(loss)))
+        for g in jax.tree.leaves((g_params, g_probes)):
+            if jnp.issubdtype(g.dtype, jnp.inexact):
+                checks.append(jnp.all(jnp.isfinite(g)))
+    return jnp.all(jnp.stack(checks)) if checks else None
+
+
+def without_ids(features: Any, ok: jax.Array) -> Any:
+    """``features`` (a KeyedJaggedTensor, leaves of any leading shape) with every length
+    zeroed unless ``ok``: a sparse update from it touches no row."""
+    if not hasattr(features, "tree_flatten") or not hasattr(features, "lengths"):
+        raise NotImplementedError(
+            f"cannot skip the sparse update of a lookup on {type(features).__name__}; "
+            "collections are called with a KeyedJaggedTensor"
+        )
+    (values, lengths, weights), aux = features.tree_flatten()
+    lengths = jnp.where(ok, lengths, jnp.zeros_like(lengths))
+    return type(features).tree_unflatten(aux, (values, lengths, weights))
+
+
+def undo_resets(leaves, index, resets, reset_rows, ok) -> None:
+    """Writes reset rows' previous values back into ``leaves`` (in place) unless ``ok``.
+
+    ``reset_rows``: ``(rows [K], old [K, D])`` per reset, in forward order; undone
+    last first, so a row reset twice in one forward gets its pre-step value.
+    """
+    for (path, _, group), (rows, old) in reversed(list(zip(resets, reset_rows, strict=True))):
+        i = index[(*path, "weights", group)]
+        num_rows = leaves[i].shape[0]
+        leaves[i] = leaves[i].at[jnp.where(ok, num_rows, rows)].set(old, mode="drop")
+
+
+def no_reset_rows(module, group: str, rows: jax.Array, ok: jax.Array) -> jax.Array:
+    """``rows`` unless ``ok`` is False: then all fill (no optimizer row is reset)."""
+    num_rows = next(g for g in module.groups if g.name == group).num_rows
+    return jnp.where(ok, rows, num_rows)
+
+
+def keep_counts(new: dict, old: Mapping, ok: jax.Array) -> dict:
+    """``new`` sparse states with the step counters of ``old`` unless ``ok``."""
+    out = dict(new)
+    for k, st in new.items():
+        if k in old and hasattr(st, "count"):
+            out[k] = st._replace(count=jnp.where(ok, st.count, old[k].count))
+    return out
+
+
+class SkipCounter:
+    """Counts skipped steps from the steps' device flags without waiting on the latest step.
+
+    ``add`` keeps the last two flags pending and folds older ones (their steps
+    have finished); calling the counter folds all (it waits for the last step).
+    """
+
+    def __init__(self):
+        self._total = 0
+        self._pending: list = []
+
+    def add(self, skipped: jax.Array | None) -> None:
+        if skipped is None:
+            return
+        self._pending.append(skipped)
+        while len(self._pending) > 2:
+            self._total += int(self._pending.pop(0))
+
+    def __call__(self) -> int:
+        """Steps skipped so far (synchronises with the last step)."""
+        self._total += sum(int(x) for x in self._pending)
+        self._pending = []
+        return self._total
