@@ -34,7 +34,8 @@ from .artifact import InputError
 MAX_JSON_DEPTH = 32  # a valid request nests 5 deep
 # A JSON string (escapes included): removed before counting brackets.
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
-_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+_STEP = np.zeros(256, np.int8)  # byte -> nesting step
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 class RequestError(InputError):
@@ -69,9 +70,10 @@ def _reject_constant(name: str) -> None:
 
 def json_depth(raw: bytes) -> int:
     """How deeply ``raw`` nests arrays and objects (exact for valid JSON)."""
-    a = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
-    steps = np.isin(a, _OPEN).astype(np.int32) - np.isin(a, _CLOSE).astype(np.int32)
-    return int(np.cumsum(steps).max(initial=0))
+    if b'"' in raw:
+        raw = _STRING.sub(b"", raw)
+    steps = _STEP[np.frombuffer(raw, np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def parse_json(body: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
@@ -146,7 +148,7 @@ def decode_instances(
             f"{len(instances)} instances in one request; at most {max_instances} allowed"
         )
     fields = {"dense", "sparse"} | ({"weights"} if model.weighted else set())
-    dense_rows: list[np.ndarray] = []
+    dense_rows: list[list[float]] = []
     sparse: dict[str, list[list[int]]] = {k: [] for k in model.features}
     weights = {k: [] for k in model.features} if model.weighted else None
     for i, inst in enumerate(instances):
@@ -157,7 +159,7 @@ def decode_instances(
         if extra:
             raise RequestError(f"{where}: unknown field(s) {extra}; use {sorted(fields)}")
         d = inst.get("dense", [] if model.num_dense == 0 else None)
-        dense_rows.append(_numbers(d, f"{where}: 'dense'", model.num_dense, model.dense_dtype))
+        dense_rows.append(_numbers(d, f"{where}: 'dense'", model.num_dense))
         ids = _per_feature(model, inst.get("sparse"), f"{where}: 'sparse'")
         for k, key in enumerate(model.features):
             sparse[key].append(_ids(model, k, ids[key], f"{where}: feature {key!r}"))
@@ -165,10 +167,13 @@ def decode_instances(
             w = _per_feature(model, inst.get("weights"), f"{where}: 'weights'")
             for key in model.features:
                 n = len(sparse[key][-1])
-                wk = _numbers(w[key], f"{where}: weights of {key!r}", n, np.float32)
-                weights[key].append(wk.tolist())
-    dense = np.stack(dense_rows) if model.num_dense else np.zeros((len(instances), 0))
-    return DecodedBatch(dense.astype(model.dense_dtype, copy=False), sparse, weights)
+                weights[key].append(_numbers(w[key], f"{where}: weights of {key!r}", n))
+    dense = _finite(dense_rows, model.dense_dtype, "'dense'")
+    dense = dense.reshape(len(instances), model.num_dense)
+    if weights is not None:
+        for key, rows in weights.items():
+            weights[key] = _finite(rows, np.float32, f"weights of {key!r}", ragged=True)
+    return DecodedBatch(dense, sparse, weights)
 
 
 def _kind(x: Any) -> str:
@@ -194,8 +199,8 @@ def _per_feature(model: Any, x: Any, where: str) -> Mapping:
     return x
 
 
-def _numbers(x: Any, where: str, n: int, dtype: Any) -> np.ndarray:
-    """``x``, a list of ``n`` JSON numbers, as ``dtype``; each must be finite there."""
+def _numbers(x: Any, where: str, n: int) -> list[float]:
+    """``x``, a list of ``n`` JSON numbers, as floats (inf beyond float64)."""
     if not isinstance(x, list):
         raise RequestError(f"{where} must be a list of {n} numbers, got {_kind(x)}")
     if len(x) != n:
@@ -204,19 +209,33 @@ def _numbers(x: Any, where: str, n: int, dtype: Any) -> np.ndarray:
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise RequestError(f"{where}[{j}] must be a number, got {_kind(v)}")
     try:
-        wide = np.asarray([float(v) for v in x], np.float64)
-    except OverflowError:  # an integer beyond float64
-        wide = np.asarray([float(v) if abs(v) < 1e308 else math.inf for v in x], np.float64)
+        return [float(v) for v in x]
+    except OverflowError:  # an integer beyond float64: reported by _finite
+        return [float(v) if abs(v) < 1e308 else math.inf for v in x]
+
+
+def _finite(rows: list[list[float]], dtype: Any, what: str, ragged: bool = False) -> Any:
+    """``rows`` (one per instance) as ``dtype`` (a ``[B, n]`` array, or lists of
+    rounded floats if ``ragged``); a value not finite in ``dtype`` is a RequestError."""
+    lens = [len(r) for r in rows]
+    flat = np.fromiter((v for r in rows for v in r), np.float64, sum(lens))
     with np.errstate(over="ignore"):  # overflow to inf is reported below
-        arr = wide.astype(dtype)
+        arr = flat.astype(dtype)
     bad = np.flatnonzero(~np.isfinite(arr.astype(np.float32)))
     if bad.size:
-        j = int(bad[0])
+        i = int(np.searchsorted(np.cumsum(lens), bad[0], side="right"))
+        j = int(bad[0]) - sum(lens[:i])
         raise RequestError(
-            f"{where}[{j}] = {x[j]!r:.40} is not finite as {np.dtype(dtype).name}; "
-            "inputs must be finite numbers"
+            f"instance {i}: {what}[{j}] = {float(flat[bad[0]])!r} is not finite as "
+            f"{np.dtype(dtype).name}; inputs must be finite numbers"
         )
-    return arr
+    if not ragged:
+        return arr
+    out, start = [], 0
+    for n in lens:
+        out.append(arr[start : start + n].tolist())
+        start += n
+    return out
 
 
 def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
@@ -236,6 +255,28 @@ def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
                 f"{where}: id {v} is outside [0, {rows}) (num_embeddings of its table)"
             )
     return list(x)
+
+
+def batch_arrays(model: Any, batch: DecodedBatch) -> tuple:
+    """``(dense, values, lengths[, weights])`` for ``ExportedModel.run``: the
+    per-sample layout, built without re-checking what the decoder checked."""
+    b = batch.dense.shape[0]
+    values = np.zeros((b, int(model.starts[-1])), np.int32)
+    lengths = np.zeros((b, len(model.features)), np.int32)
+    wts = np.zeros(values.shape, np.float32) if batch.weights is not None else None
+    for k, key in enumerate(model.features):
+        lens = np.fromiter(map(len, batch.sparse[key]), np.int64, b)
+        n = int(lens.sum())
+        if not n:
+            continue
+        row = np.repeat(np.arange(b), lens)
+        col = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens) + int(model.starts[k])
+        values[row, col] = np.fromiter((v for ids in batch.sparse[key] for v in ids), np.int64, n)
+        lengths[:, k] = lens
+        if wts is not None:
+            flat = (v for w in batch.weights[key] for v in w)
+            wts[row, col] = np.fromiter(flat, np.float32, n)
+    return (batch.dense, values, lengths) + ((wts,) if wts is not None else ())
 
 
 def check_finite_output(out: np.ndarray) -> None:

@@ -77,6 +77,7 @@ from .request import (
     MAX_JSON_DEPTH,
     NonFiniteOutput,
     RequestError,
+    batch_arrays,
     check_finite_output,
     decode_instances,
     decode_request,
@@ -110,7 +111,7 @@ def predict_instances(
 
 
 def _predict(model: ExportedModel, batch) -> list:
-    out = model(batch.dense, batch.sparse, batch.weights)
+    out = model.run(*batch_arrays(model, batch))
     check_finite_output(out)
     return [float(row.reshape(())) if row.size == 1 else row.tolist() for row in out]
 

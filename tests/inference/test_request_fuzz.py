@@ -17,7 +17,12 @@ from export_cases import KEYS, MAX_IDS, NUM_DENSE, ROWS, make_batch, make_model
 from hypothesis import HealthCheck, given, settings
 
 from jaxrec.inference import PredictionServer, export, load
-from jaxrec.inference.request import MAX_JSON_DEPTH, RequestError, decode_request
+from jaxrec.inference.request import (
+    MAX_JSON_DEPTH,
+    RequestError,
+    batch_arrays,
+    decode_request,
+)
 
 MAX_INSTANCES = 4
 
@@ -30,6 +35,7 @@ def stub(weighted):
         max_ids=(MAX_IDS,) * len(KEYS),
         num_embeddings=ROWS,
         weighted=weighted,
+        starts=np.arange(len(KEYS) + 1) * MAX_IDS,
     )
 
 
@@ -221,6 +227,28 @@ def test_decode_matches_reference_or_raises_4xx(weighted, data):
     np.testing.assert_array_equal(got.dense, np.asarray(dense, np.float32).reshape(-1, NUM_DENSE))
     assert got.sparse == sparse
     assert got.weights == weights
+    check_arrays(model, got, sparse, weights)
+
+
+def check_arrays(model, got, sparse, weights):
+    """``batch_arrays`` (what the server runs) against the per-sample layout built by hand."""
+    arrays = batch_arrays(model, got)
+    b = got.dense.shape[0]
+    values = np.zeros((b, MAX_IDS * len(KEYS)), np.int32)
+    lengths = np.zeros((b, len(KEYS)), np.int32)
+    wts = np.zeros(values.shape, np.float32)
+    for k, key in enumerate(KEYS):
+        for i in range(b):
+            ids = sparse[key][i]
+            values[i, k * MAX_IDS : k * MAX_IDS + len(ids)] = ids
+            lengths[i, k] = len(ids)
+            if weights is not None:
+                wts[i, k * MAX_IDS : k * MAX_IDS + len(ids)] = weights[key][i]
+    want = (got.dense, values, lengths) + ((wts,) if weights is not None else ())
+    assert len(arrays) == len(want)
+    for a, w in zip(arrays, want, strict=True):
+        assert a.dtype == w.dtype
+        np.testing.assert_array_equal(a, w)
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
@@ -236,6 +264,7 @@ def test_valid_batch_decodes_like_the_reference(weighted):
     np.testing.assert_array_equal(got.dense, dense)
     np.testing.assert_array_equal(got.dense, np.asarray(want_dense, np.float32))
     assert got.sparse == want_sparse == raw and got.weights == want_weights
+    check_arrays(stub(weighted), got, raw, want_weights)
 
 
 @pytest.fixture(scope="module")
