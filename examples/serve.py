@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--max-instances", type=int, default=256, help="per request")
+    p.add_argument("--workers", type=int, default=8, help="threads answering requests")
+    p.add_argument(
+        "--max-queued", type=int, default=64, help="connections waiting for a worker (then 503)"
+    )
+    p.add_argument("--idle-timeout", type=float, default=5.0, help="seconds; then closed")
     p.add_argument("--input", help="batch mode: requests.jsonl, one instance per line")
     p.add_argument("--output", help="batch mode: where predictions go (JSON lines)")
     p.add_argument("--batch-size", type=int, default=64, help="batch mode: lines per call")
@@ -44,7 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(stats), flush=True)
         return 0 if stats["errors"] == 0 else 1
     server = PredictionServer(
-        model, args.host, args.port, max_instances=args.max_instances, quiet=not args.verbose
+        model,
+        args.host,
+        args.port,
+        max_instances=args.max_instances,
+        max_workers=args.workers,
+        max_queued=args.max_queued,
+        idle_timeout=args.idle_timeout,
+        quiet=not args.verbose,
     )
     print(f"serving {args.artifact} at {server.url} (POST /predict, GET /health)", flush=True)
     try:
