@@ -19,6 +19,7 @@ from ..configs import PoolingType
 from ..ops.bounds import BoundsCheckMode, report_out_of_range
 from ..ops.pooled import embedding_bag_xla
 from ..optim.base import WeightDecayMode, lr_at, row_fields
+from ..sparse.bags import checked_lengths, finite_weights
 from .loader import load
 
 _TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -39,6 +40,22 @@ def _fits_int32(dtype) -> bool:
     """
     info = jnp.iinfo(dtype)
     return info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max
+
+
+def _kernel_lengths(features) -> jax.Array:
+    """int32 lengths with invalid bags emptied (``jaxrec.sparse.bags``): the kernels then
+    read exactly the bags the XLA path reads (no valid bag moves)."""
+    lengths = features.lengths()
+    return checked_lengths(lengths, features.capacity_per_key(), features.stride()).astype(
+        jnp.int32
+    )
+
+
+def _kernel_weights(weights) -> jax.Array:
+    """float32 per-sample weights, NaN / inf zeroed as on the XLA path; ``[0]`` for none."""
+    if weights is None:
+        return jnp.zeros((0,), jnp.float32)
+    return finite_weights(weights.astype(jnp.float32))
 
 
 def _require_kernels() -> None:
@@ -108,8 +125,7 @@ def _kjt_call(weights, features, static):
     slots, drop = static
     b = features.stride()
     values = features.values()
-    pvw = features.weights_or_none()
-    pvw = jnp.zeros((0,), jnp.float32) if pvw is None else pvw.astype(jnp.float32)
+    pvw = _kernel_weights(features.weights_or_none())
     info = np.asarray([s[:4] for s in slots], np.int32).reshape(len(slots), 4)
     starts = np.asarray(features.capacity_offsets(), np.int32)
     shapes = (
@@ -120,7 +136,7 @@ def _kjt_call(weights, features, static):
     return call(
         weights,
         values.astype(jnp.int32),
-        features.lengths().astype(jnp.int32),
+        _kernel_lengths(features),
         pvw,
         jnp.asarray(info),
         jnp.asarray(starts),
@@ -282,8 +298,7 @@ def kjt_backward_update_cpu(
         raise NotImplementedError("missing keys or ids wider than int32: the XLA path checks them")
     if grad.ndim != 2 or grad.shape[0] != features.stride():
         raise NotImplementedError(f"grad must be [B, W], got {grad.shape=}")
-    pvw = features.weights_or_none() if is_weighted else None
-    pvw = jnp.zeros((0,), jnp.float32) if pvw is None else pvw.astype(jnp.float32)
+    pvw = _kernel_weights(features.weights_or_none() if is_weighted else None)
     info = np.asarray(
         [
             (
@@ -306,7 +321,7 @@ def kjt_backward_update_cpu(
         lambda lr: (
             grad.astype(jnp.float32),
             values.astype(jnp.int32),
-            features.lengths().astype(jnp.int32),
+            _kernel_lengths(features),
             pvw,
             jnp.asarray(info),
             jnp.asarray(starts),

@@ -86,7 +86,7 @@ class EmbeddingBagCollection(TableStorage):
             for g in self.groups
         ]
         if len(pooled) == 1:  # one group holds every table, already in output order
-            values = pooled[0].reshape(pooled[0].shape[0], -1)
+            values = pooled[0].reshape(pooled[0].shape[0], sum(self.length_per_embedding))
         else:
             pieces: list = [None] * len(self.embedding_names)
             for g, p in zip(self.groups, pooled, strict=True):

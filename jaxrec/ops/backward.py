@@ -43,7 +43,7 @@ def pooled_row_grads(
         divided by the bag length for MEAN.
     """
     rows, seg, scale, valid = pooled_grad_sources(features, slots, is_weighted=is_weighted)
-    flat = out_grad.astype(jnp.float32).reshape(features.stride() * len(slots), -1)
+    flat = out_grad.astype(jnp.float32).reshape(features.stride() * len(slots), out_grad.shape[-1])
     return rows, source_grads(flat, seg, scale, valid), valid
 
 

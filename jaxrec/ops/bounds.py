@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -71,7 +71,15 @@ def collect_fatal() -> Iterator[list[FatalReport]]:
         _FATAL_SINK.reset(token)
 
 
+# ``where`` -> message of a check about something other than ids (bag layouts,
+# weights), set by :func:`report_check`.
+_MESSAGES: dict[str, Callable[[int, int], str]] = {}
+
+
 def out_of_range_message(count: int, example: int, where: str) -> str:
+    message = _MESSAGES.get(where)
+    if message is not None:
+        return message(count, example)
     return (
         f"{count} ids out of range in {where} (e.g. id {example}); ids must lie in "
         "[0, num_embeddings): hash or remap them before the lookup"
@@ -161,3 +169,20 @@ def report_out_of_range(
         lambda: jax.debug.callback(_report(mode, where), count, example),
         lambda: None,
     )
+
+
+def report_check(
+    count: jax.Array,
+    example: jax.Array,
+    mode: BoundsCheckMode,
+    where: str,
+    message: Callable[[int, int], str],
+) -> None:
+    """:func:`report_out_of_range` for other bad inputs (bag layouts, weights).
+
+    ``message(count, example)`` is the text of the warning, of the ``FATAL``
+    error and of a train step's ``BoundsCheckError``; ``where`` must name this
+    check alone (it keys the message).
+    """
+    _MESSAGES[where] = message
+    report_out_of_range(count, example, mode, where)

@@ -17,8 +17,10 @@ import numpy as np
 
 from ..configs import PoolingType
 from ..sparse import KeyedJaggedTensor
+from ..sparse.bags import finite_weights
 from .bounds import BoundsCheckMode, check_ids
 from .dispatch import try_cpu
+from .layout import report_layout
 from .pooled import embedding_bag, embedding_gather
 
 
@@ -40,30 +42,39 @@ class FeatureSlot:
 
 
 def _slot_positions(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]):
-    """Ids, per-value slot/bag positions and masks for the slots, in slot order."""
+    """Ids, per-value slot/bag positions and masks for the slots, in slot order.
+
+    Invalid bags (``jaxrec.sparse.bags``) are masked like padding; non-finite
+    weights are zeroed, so their ids contribute zero.
+    """
     keys = features.keys()
-    missing = sorted({s.key for s in slots} - set(keys))
-    if missing:
-        raise ValueError(f"features lack keys {missing} needed by the lookup; got keys {keys}")
+    _check_keys(features, slots)
     f, b = len(keys), features.stride()
     starts = features.capacity_offsets()
     key_idx = [keys.index(s.key) for s in slots]
     caps = [features.capacity_per_key()[k] for k in key_idx]
     seg_all = features.segment_ids()
     if key_idx == list(range(f)):  # slots read every key in order: no copies
-        ids, seg_k, w = features.values(), seg_all, features.weights_or_none()
+        ids, seg_k, w = features.values(), seg_all, finite_weights(features.weights_or_none())
     else:
 
         def take(x):
             return jnp.concatenate([x[starts[k] : starts[k + 1]] for k in key_idx])
 
         ids, seg_k = take(features.values()), take(seg_all)
-        w = None if features.weights_or_none() is None else take(features.weights())
+        w = finite_weights(None if features.weights_or_none() is None else take(features.weights()))
     slot_of = np.repeat(np.arange(len(slots), dtype=np.int32), caps)
     key_of = np.repeat(np.asarray(key_idx, np.int32), caps)
     valid = seg_k < f * b
     bag = seg_k - key_of * b
     return ids, w, slot_of, bag, valid, caps
+
+
+def _check_keys(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> None:
+    keys = features.keys()
+    missing = sorted({s.key for s in slots} - set(keys))
+    if missing:
+        raise ValueError(f"features lack keys {missing} needed by the lookup; got keys {keys}")
 
 
 def _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where):
@@ -91,12 +102,15 @@ def grouped_pooled_lookup(
         slots: ``S`` feature slots.
         is_weighted: multiply each id's row by its per-sample weight
             (MEAN then divides the weighted sum by the bag length, as FBGEMM).
-        bounds_check_mode: what out-of-range ids do (see ``BoundsCheckMode``).
+        bounds_check_mode: how out-of-range ids, invalid bags and (if weighted)
+            non-finite weights are reported (see ``BoundsCheckMode``).
         implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (one C++ call
             reading the KJT directly; see ``jaxrec.cpu``).
 
     Returns:
-        ``[B, S, D]`` float32; empty bags give zeros.
+        ``[B, S, D]`` float32; empty bags give zeros, and so do invalid bags (a
+        negative length, or past the key's capacity: ``jaxrec.sparse.bags``).
+        An id with a NaN or infinite weight contributes zero. ``B`` may be 0.
     """
     if not slots:
         raise ValueError("grouped_pooled_lookup needs at least one slot")
@@ -105,6 +119,10 @@ def grouped_pooled_lookup(
             "is_weighted=True but the features carry no weights; build the KJT with weights="
         )
     where = f"pooled lookup of {[sl.key for sl in slots]}"
+    _check_keys(features, slots)
+    report_layout(
+        features, [sl.key for sl in slots], bounds_check_mode, where, weighted=is_weighted
+    )
     xla_fn = functools.partial(
         _grouped_pooled_xla,
         slots=tuple(slots),
@@ -136,7 +154,7 @@ def _grouped_pooled_xla(
     seg = jnp.where(valid, bag * s + slot_of, b * s)  # output order [B, S]
     pooled = embedding_bag(
         weights, rows, seg, b * s, w if is_weighted else None, implementation=implementation
-    ).reshape(b, s, -1)
+    ).reshape(b, s, weights.shape[1])  # not -1: B may be 0
     means = [i for i, sl in enumerate(slots) if PoolingType(sl.pooling) is PoolingType.MEAN]
     if means:
         keys = features.keys()
@@ -157,11 +175,17 @@ def grouped_sequence_lookup(
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
     implementation: str | None = None,
 ) -> list[jax.Array]:
-    """Unpooled lookup: one ``[capacity_k, D]`` array per slot, padding rows zero."""
+    """Unpooled lookup: one ``[capacity_k, D]`` array per slot, padding rows zero.
+
+    Rows of invalid bags (``jaxrec.sparse.bags``) are zero too; they are
+    reported by ``bounds_check_mode`` as in :func:`grouped_pooled_lookup`.
+    """
     if not slots:
         raise ValueError("grouped_sequence_lookup needs at least one slot")
-    ids, _, slot_of, _, valid, caps = _slot_positions(features, slots)
     where = f"sequence lookup of {[sl.key for sl in slots]}"
+    _check_keys(features, slots)
+    report_layout(features, [sl.key for sl in slots], bounds_check_mode, where)
+    ids, _, slot_of, _, valid, caps = _slot_positions(features, slots)
     rows, valid = _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
     emb = embedding_gather(weights, rows, valid, implementation=implementation)
     return jnp.split(emb, np.cumsum(caps)[:-1].tolist())

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from ..configs import PoolingType
+from ..sparse.bags import finite_weights, valid_bags
 from ..sparse.jagged_tensor import segment_ids_from_lengths
 from .bounds import BoundsCheckMode, check_ids
+from .layout import report_bags, report_weights
 from .pooled import embedding_bag, embedding_gather
 
 
@@ -29,6 +31,9 @@ def pooled_lookup(
         lengths: ``[B]`` bag lengths.
         weights: optional ``[C]`` per-sample weights.
         pooling: SUM or MEAN (MEAN of an empty bag is zero).
+        bounds_check_mode: how out-of-range ids, invalid bags (a negative
+            length, or past ``C``) and non-finite weights are reported; all of
+            them contribute zero (see ``BoundsCheckMode``).
 
     Returns:
         ``[B, D]`` float32.
@@ -39,7 +44,12 @@ def pooled_lookup(
         [[4.0, 5.0]]
     """
     b, c = lengths.shape[0], values.shape[0]
-    seg = segment_ids_from_lengths(lengths, c)
+    seg = segment_ids_from_lengths(lengths, c)  # invalid bags: b, like padding
+    report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "pooled_lookup", None)
+    if weights is not None:
+        bad = ~jnp.isfinite(weights) & (seg < b)
+        report_weights(bad, None, bounds_check_mode, "pooled_lookup")
+        weights = finite_weights(weights)
     valid = check_ids(values, seg < b, table.shape[0], bounds_check_mode, "pooled_lookup")
     rows = jnp.where(valid, values, 0)
     seg = jnp.where(valid, seg, b)
@@ -59,9 +69,13 @@ def sequence_lookup(
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
     implementation: str | None = None,
 ) -> jax.Array:
-    """``torch.nn.Embedding`` over a jagged buffer: ``[C, D]``, padding rows zero."""
-    c = values.shape[0]
-    valid = jnp.arange(c) < jnp.sum(lengths)
+    """``torch.nn.Embedding`` over a jagged buffer: ``[C, D]``, padding rows zero.
+
+    Rows of invalid bags (a negative length, or past ``C``) are zero too.
+    """
+    b, c = lengths.shape[0], values.shape[0]
+    report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "sequence_lookup", None)
+    valid = segment_ids_from_lengths(lengths, c) < b
     valid = check_ids(values, valid, table.shape[0], bounds_check_mode, "sequence_lookup")
     return embedding_gather(
         table, jnp.where(valid, values, 0), valid, implementation=implementation

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import validation as v
+from .bags import checked_lengths
 from .capacity import bucket_capacity
 from .formatting import jagged_repr
 
@@ -31,8 +32,9 @@ class JaggedTensor:
         lengths: ``[B]`` integer bag lengths. Give ``lengths`` or ``offsets``.
         offsets: ``[B + 1]`` TorchRec offsets (``[0, cumsum(lengths)]``).
         validate: check values on the host (negative lengths, capacity
-            overflow). ``None`` checks only host inputs (numpy arrays, lists),
-            which never forces a device-to-host copy.
+            overflow, non-finite weights). ``None`` checks only host inputs
+            (numpy arrays, lists), which never forces a device-to-host copy.
+            Unchecked device inputs follow ``jaxrec.sparse.bags`` in lookups.
 
     Example:
         >>> jt = JaggedTensor(values=[5, 7, 1], lengths=[1, 2])
@@ -56,6 +58,7 @@ class JaggedTensor:
                 raise ValueError("JaggedTensor needs lengths or offsets; pass lengths=[...]")
             lengths = v.lengths_from_offsets(offsets)
         host = all(v.is_host(x) for x in (values, lengths) if x is not None)
+        host_weights = weights is not None and v.is_host(weights)
         values = v.as_values_array(values, "values")
         lengths = v.as_int_array(lengths, "lengths")
         if values.ndim < 1:
@@ -69,6 +72,8 @@ class JaggedTensor:
                 )
         if validate or (validate is None and host):
             v.check_lengths_values(v.to_host(lengths), values.shape[0])
+        if weights is not None and (validate or (validate is None and host_weights)):
+            v.check_finite_weights(weights)
         self._values, self._lengths, self._weights = values, lengths, weights
 
     # pytree: arrays are leaves; nothing else is stored.
@@ -117,11 +122,15 @@ class JaggedTensor:
         return self._lengths.shape[0]
 
     def valid_mask(self) -> jax.Array:
-        """``[C]`` bool, True where a value belongs to a bag (not padding)."""
-        return jnp.arange(self.capacity()) < jnp.sum(self._lengths)
+        """``[C]`` bool, True where a value belongs to a valid bag (not padding).
+
+        Bags with a negative length or running past the capacity are invalid
+        (see ``jaxrec.sparse.bags``): their values are False here.
+        """
+        return self.segment_ids() < self.num_bags()
 
     def segment_ids(self) -> jax.Array:
-        """``[C]`` bag index of each value; padding gets ``B`` (out of range)."""
+        """``[C]`` bag index of each value; padding and invalid bags get ``B`` (out of range)."""
         return segment_ids_from_lengths(self._lengths, self.capacity())
 
     # ----- conversions -----
@@ -174,7 +183,13 @@ class JaggedTensor:
         flat = _pad_to(np.concatenate(bags) if bags else np.zeros(0, np.int32), cap)
         w = None
         if weights is not None:
-            w = _pad_to(np.concatenate([np.asarray(x, np.float32) for x in weights]), cap)
+            ws = [np.asarray(x, np.float32).reshape(-1) for x in weights]
+            if [x.shape[0] for x in ws] != lengths.tolist():
+                raise ValueError(
+                    f"weights must have one entry per id of each bag: bag lengths "
+                    f"{lengths.tolist()}, weight lengths {[x.shape[0] for x in ws]}"
+                )
+            w = _pad_to(np.concatenate(ws) if ws else np.zeros(0, np.float32), cap)
         return JaggedTensor(values=flat, lengths=lengths, weights=w)
 
     @staticmethod
@@ -208,7 +223,12 @@ def lengths_to_offsets(lengths: jax.Array) -> jax.Array:
 
 
 def segment_ids_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
-    """``[capacity]`` bag index of each position; positions past the total get ``B``."""
+    """``[capacity]`` bag index of each position; positions past the total get ``B``.
+
+    Positions of invalid bags (negative length, or past ``capacity``: see
+    ``jaxrec.sparse.bags``) get ``B`` too.
+    """
+    lengths = checked_lengths(lengths, (capacity,), lengths.shape[0])
     return segment_ids_from_ends(jnp.cumsum(lengths), capacity)
 
 
@@ -225,6 +245,8 @@ def segment_ids_from_ends(ends: jax.Array, capacity: int) -> jax.Array:
 
 def _split_host(x: Any, lengths: Any) -> list[np.ndarray]:
     x, lengths = v.to_host(x), v.to_host(lengths)
+    if lengths.size == 0:
+        return []  # np.split would return one empty piece
     return np.split(x[: int(lengths.sum())], np.cumsum(lengths)[:-1])
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import validation as v
+from .bags import checked_lengths
 from .capacity import resolve_capacities
 from .formatting import keyed_jagged_repr
 from .jagged_tensor import JaggedTensor, lengths_to_offsets, segment_ids_from_ends
@@ -47,7 +48,10 @@ class KeyedJaggedTensor:
         capacities: per-key capacities (a sequence, a mapping or one int).
             ``None`` means TorchRec's packed layout (capacity = length of each
             key), which needs concrete lengths.
-        validate: value checks on the host; ``None`` checks host inputs only.
+        validate: value checks on the host (lengths, capacities, finite
+            weights); ``None`` checks host inputs only. Unchecked device inputs
+            follow ``jaxrec.sparse.bags`` in lookups (invalid bags and
+            non-finite weights contribute zero, reported by the bounds check).
 
     Example:
         >>> kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=[0, 1, 2, 3, 4, 5, 6, 7],
@@ -76,6 +80,7 @@ class KeyedJaggedTensor:
                 raise ValueError("KeyedJaggedTensor needs lengths or offsets; pass lengths=[...]")
             lengths = v.lengths_from_offsets(offsets)
         host = v.is_host(values) and v.is_host(lengths)
+        host_weights = weights is not None and v.is_host(weights)
         values = v.as_int_array(values, "values")
         lengths = v.as_int_array(lengths, "lengths")
         v.check_rank(values, 1, "values")
@@ -95,8 +100,13 @@ class KeyedJaggedTensor:
                 )
         self._keys, self._caps, self._stride = keys, caps, stride
         self._values, self._lengths, self._weights = values, lengths, weights
-        if validate or (validate is None and host):
+        if validate:
             self.validate()
+        elif validate is None:  # host inputs only: no device-to-host copy
+            if host:
+                self._check_layout()
+            if host_weights:
+                v.check_finite_weights(weights)
 
     # ----- pytree -----
     def tree_flatten(self):
@@ -165,13 +175,15 @@ class KeyedJaggedTensor:
         """``[C]`` global bag index ``k * B + b`` of every value; padding gets ``F * B``.
 
         This is how lookups address this buffer: one sorted segment id per
-        value, across all keys.
+        value, across all keys. Values of invalid bags (a negative length, or
+        past the key's capacity: see ``jaxrec.sparse.bags``) get ``F * B`` too,
+        so a key that overflows never spills into the next key's bags.
         """
         f, b = len(self._keys), self._stride
         starts = np.asarray(self.capacity_offsets()[:-1], np.int32)
         key_of = np.repeat(np.arange(f, dtype=np.int32), self._caps)
         local = np.arange(sum(self._caps), dtype=np.int32) - starts[key_of]
-        per_key = self._lengths.reshape(f, b)
+        per_key = checked_lengths(self._lengths, self._caps, b).reshape(f, b)
         ends = jnp.cumsum(per_key, axis=1)  # [F, B] local bag ends
         global_ends = (ends + starts[:, None]).reshape(-1)
         seg = segment_ids_from_ends(global_ends, sum(self._caps))
@@ -250,8 +262,8 @@ class KeyedJaggedTensor:
             ((8, 8), [1, 0, 2, 0])
         """
         keys = _check_keys(keys)
-        vals = v.to_host(values)
-        lens = v.to_host(lengths)
+        vals = v.untyped_empty_as_int(v.to_host(values), values)
+        lens = v.untyped_empty_as_int(v.to_host(lengths), lengths)
         if not np.issubdtype(lens.dtype, np.integer) or not np.issubdtype(vals.dtype, np.integer):
             bad = "lengths" if not np.issubdtype(lens.dtype, np.integer) else "values"
             arr = lens if bad == "lengths" else vals
@@ -260,11 +272,18 @@ class KeyedJaggedTensor:
             raise ValueError(f"values and lengths must be 1-D, got {vals.shape=}, {lens.shape=}")
         stride = _resolve_stride(len(keys), lens.shape[0], stride)
         v.check_lengths_values(lens, vals.shape[0])
+        if int(lens.sum()) != vals.shape[0]:  # trailing values would be dropped silently
+            raise ValueError(
+                f"sum(lengths)={int(lens.sum())} must equal the number of values "
+                f"{vals.shape[0]} (TorchRec's packed layout); pass only the ids of the bags"
+            )
         lpk = lens.reshape(len(keys), stride).sum(axis=1) if keys else np.zeros(0, np.int64)
         caps = resolve_capacities(keys, lpk.tolist(), capacities)
         w = None if weights is None else np.asarray(v.as_float_array(v.to_host(weights), "weights"))
         if w is not None and w.shape != vals.shape:
             raise ValueError(f"weights must match values: {w.shape=} vs {vals.shape=}")
+        if w is not None:
+            v.check_finite_weights(w)
         out_v, out_w = _repack(vals, w, lpk, caps)
         if on_host:  # validated above; the same narrowing as the device path
             out_v = v.host_int_array(out_v, "values")
@@ -359,7 +378,13 @@ class KeyedJaggedTensor:
 
     # ----- checks and printing -----
     def validate(self) -> None:
-        """Host value check: non-negative lengths and every key within its capacity."""
+        """Host value check: non-negative lengths, every key within its capacity and
+        finite weights (a device copy for arrays on device)."""
+        self._check_layout()
+        if self._weights is not None:
+            v.check_finite_weights(self._weights)
+
+    def _check_layout(self) -> None:
         lens = v.to_host(self._lengths)
         v.check_lengths_values(lens, sum(self._caps))
         if not self._keys:

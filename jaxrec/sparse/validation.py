@@ -54,11 +54,16 @@ def as_int_array(x: Any, name: str) -> jax.Array:
     return jnp.asarray(host_int_array(x, name))
 
 
+def untyped_empty_as_int(a: np.ndarray, x: Any) -> np.ndarray:
+    """``a = np.asarray(x)``, as int32 when ``x`` is an empty Python list (it carries no dtype)."""
+    if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
+        return a.astype(np.int32)
+    return a
+
+
 def host_int_array(x: Any, name: str) -> np.ndarray:
     """:func:`as_int_array` for host inputs, staying on the host (numpy)."""
-    a = np.asarray(x)
-    if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
-        a = a.astype(np.int32)  # an empty Python list carries no dtype
+    a = untyped_empty_as_int(np.asarray(x), x)
     if not np.issubdtype(a.dtype, np.integer):
         raise TypeError(
             f"{name} must have an integer dtype, got {a.dtype=}; ids and lengths are integers"
@@ -97,6 +102,17 @@ def as_values_array(x: Any, name: str) -> jax.Array:
     if np.issubdtype(a.dtype, np.integer) or (a.size == 0 and a.dtype == np.float64):
         return as_int_array(a if a.size else a.astype(np.int32), name)
     return as_float_array(a, name)
+
+
+def check_finite_weights(weights: Any, name: str = "weights") -> None:
+    """Host value check: per-sample weights must be finite (NaN / inf would poison a bag)."""
+    w = to_host(weights)
+    if w.size and not np.all(np.isfinite(w)):
+        bad = int(np.flatnonzero(~np.isfinite(w))[0])
+        raise ValueError(
+            f"{name} must be finite, got {name}[{bad}]={w[bad]}; drop or fix the sample "
+            "before building the batch"
+        )
 
 
 def check_rank(x: jax.Array, rank: int, name: str) -> None:

@@ -1,0 +1,59 @@
+"""Which bags of a ragged buffer are usable, decided on device (works under ``jit``).
+
+Host builders reject negative lengths and keys that overflow their capacity,
+but arrays built on device are never pulled to the host. Every lookup path
+(XLA, C++, Pallas) applies one rule to them instead:
+
+* a bag's ids start where the previous bags of its key end, counting only
+  non-negative lengths;
+* a bag with a negative length, or whose ids run past its key's capacity,
+  is invalid: it contributes zero (its ids are neither read nor trained).
+
+Once a bag runs past the capacity every later non-empty bag of the key does
+too, so setting invalid bags' lengths to zero (:func:`checked_lengths`) moves
+no valid bag: the result is a layout every kernel handles as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def valid_bags(lengths: jax.Array, capacities: Sequence[int], stride: int) -> jax.Array:
+    """``[F, B]`` bool: bag ``b`` of key ``k`` follows the rule above.
+
+    Args:
+        lengths: ``[F * B]`` key-major bag lengths, any integer dtype (compared
+            in its own width).
+        capacities: ``F`` static capacities (each below ``2**31 - 1``).
+        stride: ``B``.
+    """
+    per_key = lengths.reshape(len(capacities), stride)
+    caps = np.minimum(np.asarray(capacities, np.int64), 2**31 - 2).reshape(-1, 1)
+    limit = np.minimum(caps, jnp.iinfo(per_key.dtype).max).astype(per_key.dtype)
+    caps = caps.astype(np.int32)
+    negative = per_key < 0
+    fits = ~negative & (per_key <= limit)
+    # A length above the capacity counts as capacity + 1: the running sum stays
+    # below 2 * capacity + 2 (no int32 wrap) up to the first bag past the end.
+    n = jnp.where(fits, per_key.astype(jnp.int32), jnp.where(negative, 0, caps + 1))
+    ends = jnp.cumsum(n, axis=1)
+    past = jax.lax.cummax((ends > caps).astype(jnp.int32), axis=1) > 0
+    return ~negative & ((n == 0) | ~past)
+
+
+def checked_lengths(lengths: jax.Array, capacities: Sequence[int], stride: int) -> jax.Array:
+    """``[F * B]`` lengths with every invalid bag's length set to zero (same dtype)."""
+    ok = valid_bags(lengths, capacities, stride).reshape(-1)
+    return jnp.where(ok, lengths, jnp.zeros((), lengths.dtype))
+
+
+def finite_weights(weights: jax.Array | None) -> jax.Array | None:
+    """Per-sample weights with NaN / inf replaced by 0 (their ids contribute zero)."""
+    if weights is None:
+        return None
+    return jnp.where(jnp.isfinite(weights), weights, jnp.zeros((), weights.dtype))
