@@ -94,7 +94,7 @@ def lookup(impl, mode, weighted):
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, "pallas"])  # pallas: the interpreter off GPU
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("weighted", [False, True])
 def test_pooled_lookup_matches_reference(impl, layout, weighted):
