@@ -17,6 +17,7 @@ from ..models import DLRM, DLRM_DCN
 from ..modules import EmbeddingBagCollection
 from ..optim import CombinedOptimizer, rowwise_adagrad
 from ..train import init_train_state, make_eval_step, make_train_step
+from ..train.in_flight import InFlight
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 
@@ -200,6 +201,7 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
     update = jax.jit(collection.update)
     caps = data.capacities(size)
     local = list(_padded_batches(data.batches(size, shuffle=False, drop_last=False), size, caps))
+    window = InFlight()  # never far ahead of the devices: see jaxrec.train.in_flight
     for i in range(0, len(local), world):
         group = local[i : i + world]
         group += [(_pad(group[0][0], size, caps, keep=0), 0)] * (world - len(group))
@@ -207,6 +209,7 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
         weights = np.concatenate([np.arange(size) < n for _, n in group]).astype(np.float32)
         batch = dist.shard_batch(batches, mesh) if mesh is not None else jax.device_put(batches[0])
         mstate = update(mstate, eval_step(state, batch), batch.labels, weights)
+        window.push(mstate)
     collection.check(mstate)
     out = collection.compute(mstate)
     return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}
