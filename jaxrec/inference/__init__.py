@@ -3,6 +3,7 @@
 from .artifact import ArtifactError as ArtifactError
 from .artifact import ExportedModel as ExportedModel
 from .artifact import InputError as InputError
+from .artifact import UnverifiedArtifactWarning as UnverifiedArtifactWarning
 from .artifact import load as load
 from .export import export as export
 from .from_run import click_probability as click_probability

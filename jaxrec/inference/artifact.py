@@ -13,6 +13,17 @@ never a silent wrong answer: in particular ids outside ``[0, num_embeddings)``
 are rejected here, because the exported lookup drops them (bounds checks in
 the compiled module cannot report).
 
+The artifact is verified before use: the sha256 of the module, of the weights
+and of every manifest field must match those recorded at export, and the
+manifest's facts must match the module's input/output types and the weights
+present; otherwise :class:`ArtifactError` names the file and what differs.
+An artifact from before checksums (``jaxrec.export/1``) loads with an
+:class:`UnverifiedArtifactWarning` rather than an error, so that a deployed
+artifact whose model is gone keeps working; re-export it to add checksums.
+The fact checks apply to it too. Checksums stored beside the data catch
+corruption and careless edits, not a deliberate forgery (that needs a
+signature over the files).
+
 Batch sizes are rounded up to a bucket (powers of two by default) with empty
 padding samples, so a stream of requests of varying sizes compiles a handful
 of times: the artifact's batch dimension is symbolic, but XLA compiles once
@@ -70,6 +81,12 @@ def load(
 
     Returns:
         An :class:`ExportedModel`: ``model(dense, sparse) -> np.ndarray``.
+
+    Raises:
+        ArtifactError: a file fails its checksum or the files disagree (the
+            artifact was modified or corrupted: re-export it).
+        ValueError: an unknown format, or a platform/JAX version it was not
+            exported for.
 
     Example:
         >>> predict = load("/tmp/dlrm_artifact")

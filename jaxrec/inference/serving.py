@@ -8,8 +8,10 @@ Endpoints:
                     "sparse": {"f1": [3, 17], "f2": []}}, # every feature, ids
                    ...]}                                  # <= max_instances
 
-answers ``200 {"predictions": [p0, p1, ...]}``: one entry per instance, a
-number when the model has one output per sample, else a (nested) list.
+(a weighted model's instances also carry ``"weights": {feature: [one float
+per id]}``) answers ``200 {"predictions": [p0, p1, ...]}``: one entry per
+instance, a number when the model has one output per sample, else a (nested)
+list.
 
 ``GET /health`` answers ``200 {"status": "ok", "manifest": {...}}`` (the
 artifact's manifest without its weight list and checksums).
@@ -34,14 +36,15 @@ The server keeps answering after any of them.
 **Bounded load.** The listening socket has a ``backlog`` of 1024 (the stdlib
 default is 5: a burst of connections was reset by the kernel). Accepted
 connections wait in a queue of ``max_queued`` for one of ``max_workers``
-threads; past that, a single extra thread answers ``503`` and closes. A
-connection idle for ``idle_timeout`` (or a read that stalls that long) is
-closed, a request must arrive whole within ``request_timeout``, and a worker
+threads; past that, a single extra thread answers ``503`` and closes (with a
+1 s read limit; if even its queue, ``backlog`` long, is full, the connection is
+closed unanswered). A connection idle for ``idle_timeout`` (or a read that
+stalls that long) is closed, a request must arrive whole within ``request_timeout``, and a worker
 closes a keep-alive connection after its answer when others are waiting.
 Threads, memory per request and time per connection are therefore bounded.
 
 **Why the standard library.** This is ``http.server`` on a bounded worker
-pool, about 200 lines, with no dependency. A well-kept server (``waitress``
+pool, a few hundred lines, with no dependency. A well-kept server (``waitress``
 for WSGI, ``uvicorn`` for ASGI; both install from PyPI) would bring an event
 loop for idle connections and years of HTTP edge cases, but also a runtime
 dependency for a package whose serving is a demo/template, and their own

@@ -47,6 +47,7 @@ def test_health(model_and_server):
     status, body = request(server, "GET", "/health")
     assert status == 200 and body["status"] == "ok"
     assert body["manifest"]["features"] == list(KEYS) and "weights" not in body["manifest"]
+    assert "integrity" not in body["manifest"]
 
 
 def test_predict_matches_loaded_model(model_and_server):
