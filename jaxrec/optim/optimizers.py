@@ -7,6 +7,14 @@ summed over every occurrence in the batch, ``w`` the row before the update,
 ``t`` the table group's step count (FBGEMM's ``iter``, 1 on the first step).
 State is float32 whatever the table dtype.
 
+Rounding follows FBGEMM's float kernels: hyper-parameters are float32 (as its
+``float`` arguments), ``1 - beta`` is taken from the rounded ``beta``, bias
+corrections are ``1 - powf(beta, float(t))`` in float32, and each expression
+keeps FBGEMM's order. FBGEMM keeps some terms in double (C++'s ``1.0``
+literal) and fuses some multiply-adds; jaxrec rounds in float32, which agrees
+with a model of FBGEMM's rounding to a few float32 ulps over several steps
+(``tests/optim/test_fbgemm_rounding.py``).
+
 Not carried over from FBGEMM: stochastic rounding of fp16/bf16 tables (jaxrec
 rounds to nearest), ``gradient_clipping``, row-wise Adagrad's ``max_norm``
 post-update and counter-based modes, and Adam's ``use_rowwise_bias_correction``.
@@ -18,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .base import ScalarOrSchedule, SparseOptimizer, WeightDecayMode, lr_at
 
@@ -183,23 +192,30 @@ class AdamState(NamedTuple):
     momentum2: jax.Array  # [rows, dim], or [rows] for the partial row-wise variants
 
 
-def _adam_moments(g, state, b1, b2, rowwise_v, dim, row_sum):
-    m = b1 * state.momentum1 + (1.0 - b1) * g
-    g2 = _row_mean(g * g, dim, row_sum) if rowwise_v else g * g
-    v = b2 * state.momentum2 + (1.0 - b2) * g2
-    return m, v
+def _one_minus(b):
+    """FBGEMM's ``1.0 - beta`` for a float ``beta``: ``beta`` rounded to float32 first.
+
+    ``1.0 - 0.999`` rounded once (Python) differs from ``1.0 - float(0.999)`` by
+    1.3e-5 relative; FBGEMM subtracts from the float, exactly for ``beta >= 0.5``.
+    """
+    return np.float32(1.0 - np.float64(np.float32(b)))
 
 
-def _adam_direction(m, v, count, b1, b2, eps, rowwise_v):
-    t = count.astype(jnp.float32)
-    m_hat = m / (1.0 - b1**t)
-    v_hat = v / (1.0 - b2**t)
-    if rowwise_v:
-        v_hat = v_hat[:, None]
-    return m_hat / (jnp.sqrt(v_hat) + eps)
+def _bias_correction(b, count):
+    """``1.0 - powf(beta, iter)``: float ``beta`` and ``iter``, float32 ``powf``.
+
+    FBGEMM keeps the difference in double; in float32 it is exact while
+    ``powf(...) >= 0.5`` (the steps where it is small and amplifies any error).
+    """
+    return 1.0 - jnp.power(np.float32(b), count.astype(jnp.float32))
 
 
 def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb):
+    hp = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    # Hyper-parameters as FBGEMM's float kernel arguments, and its ``1.0 - beta`` terms.
+    b1, b2, eps, wd = (np.float32(x) for x in (b1, b2, eps, weight_decay))
+    one_minus_b1, one_minus_b2 = _one_minus(b1), _one_minus(b2)
+
     def init(num_rows, dim):
         v_shape = (num_rows,) if rowwise_v else (num_rows, dim)
         return AdamState(
@@ -210,17 +226,30 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
 
     def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
-        m, v = _adam_moments(g, state, b1, b2, rowwise_v, dim, row_sum)
-        rtw = _adam_direction(m, v, count, b1, b2, eps, rowwise_v) + weight_decay * w
+        c1, c2 = _bias_correction(b1, count), _bias_correction(b2, count)
+        # m_t.mul_(beta1); m_t.fma_(grad, 1.0 - beta1) (one rounding there, two here)
+        m = state.momentum1 * b1 + g * one_minus_b1
+        g2 = _row_mean(g * g, dim, row_sum) if rowwise_v else g * g
+        v = state.momentum2 * b2 + g2 * one_minus_b2
+        v_hat = (v / c2)[:, None] if rowwise_v else v / c2
+        if lamb and rowwise_v:
+            # m2_hat = 1.0 / (sqrtf(m2 / (1.0 - powf(beta2, iter))) + eps);
+            # grad = (m1 / (1.0 - powf(beta1, iter))) * m2_hat + weight_decay * weight
+            rtw = m / c1 * (1.0 / (jnp.sqrt(v_hat) + eps)) + wd * w
+        else:
+            # m_t / (1.0 - powf(beta1, iter)) / (sqrtf(v_t / (1.0 - powf(beta2, iter))) + eps)
+            #     + weight_decay * weight
+            rtw = m / c1 / (jnp.sqrt(v_hat) + eps) + wd * w
         if lamb:
             # Trust ratio ||w|| / ||r|| per row, unguarded in FBGEMM: ||w|| = 0 gives 0
             # (the row stays put, as there); ||r|| = 0 gives inf * 0 = NaN there, 0 here.
             w_norm, r_norm = _norm(w, row_sum), _norm(rtw, row_sum)
             ratio = jnp.where(r_norm > 0, w_norm / jnp.where(r_norm > 0, r_norm, 1.0), 0.0)
-            rtw = ratio * rtw
+            # weight_new.fma_(grad, -learning_rate * true_ratio): the scalar first
+            return w - (lr * ratio) * rtw, state._replace(momentum1=m, momentum2=v)
+        # weight_new -= learning_rate * (...)
         return w - lr * rtw, state._replace(momentum1=m, momentum2=v)
 
-    hp = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
     return SparseOptimizer(init, update, name, learning_rate, hp)
 
 
