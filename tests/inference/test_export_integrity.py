@@ -9,17 +9,15 @@ import shutil
 
 import numpy as np
 import pytest
-from export_cases import KEYS, make_batch, make_model
+from export_cases import KEYS, make_batch
 
-from jaxrec.inference import ArtifactError, export, load
+from jaxrec.inference import ArtifactError, load
 from jaxrec.inference.artifact import UnverifiedArtifactWarning
 
 
 @pytest.fixture(scope="module")
-def original(tmp_path_factory):
-    path = tmp_path_factory.mktemp("integrity") / "art"
-    dense, kjt, _ = make_batch(4)
-    export(make_model(), (dense, kjt), path)
+def original(dlrm_artifact):
+    path = dlrm_artifact
     dense, _, raw = make_batch(5, seed=11)
     return path, (dense, raw), load(path)(dense, raw)
 

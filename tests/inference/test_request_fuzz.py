@@ -13,10 +13,10 @@ import types
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from export_cases import KEYS, MAX_IDS, NUM_DENSE, ROWS, make_batch, make_model
+from export_cases import KEYS, MAX_IDS, NUM_DENSE, ROWS, make_batch
 from hypothesis import HealthCheck, given, settings
 
-from jaxrec.inference import PredictionServer, export, load
+from jaxrec.inference import PredictionServer, load
 from jaxrec.inference.request import (
     MAX_JSON_DEPTH,
     RequestError,
@@ -268,11 +268,8 @@ def test_valid_batch_decodes_like_the_reference(weighted):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fuzz") / "art"
-    dense, kjt, _ = make_batch(4)
-    export(make_model(), (dense, kjt), path)
-    srv = PredictionServer(load(path), port=0, max_instances=MAX_INSTANCES).start()
+def server(dlrm_artifact):
+    srv = PredictionServer(load(dlrm_artifact), port=0, max_instances=MAX_INSTANCES).start()
     yield srv
     srv.stop()
 

@@ -19,11 +19,8 @@ from jaxrec.inference import PredictionServer, export, load
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("limits") / "art"
-    dense, kjt, _ = make_batch(4)
-    export(make_model(), (dense, kjt), path)
-    return load(path)
+def loaded(dlrm_artifact):
+    return load(dlrm_artifact)
 
 
 @pytest.fixture
