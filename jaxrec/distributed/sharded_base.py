@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ..modules.tables import EmbeddingTable, common_count, group_tables
 from ..ops import check_ids
 from ..ops.backward import dedup_rows
-from ..ops.bounds import logger
+from ..ops.bounds import BoundsCheckMode, collect_fatal, logger, report_out_of_range
 from ..optim.base import row_fields
 from ..optim.combined import SubGroup, state_key
 from ..train.sparse_update import update_rows_xla, update_subgroup
@@ -170,13 +170,27 @@ class ShardedCollection(nnx.Module):
         return natural if self.capacity is None else min(self.capacity, natural)
 
     def _forward(self, tables, features):
-        return jax.shard_map(
-            self._forward_local,
+        wheres: list[str] = []
+
+        def local(tables, kjt_stacked):
+            # FATAL checks report out here: per-device counts cannot leave shard_map
+            # through a train step's collector (see jaxrec.ops.bounds.collect_fatal).
+            with collect_fatal() as fatal:
+                values, overflow = self._forward_local(tables, kjt_stacked)
+            wheres.extend(r.where for r in fatal)
+            return values, overflow, [(r.count[None], r.example[None]) for r in fatal]
+
+        values, overflow, fatal = jax.shard_map(
+            local,
             mesh=self.mesh,
             in_specs=(self._specs(), P(self.axis)),
-            out_specs=(P(self.axis), P(self.axis)),
+            out_specs=(P(self.axis), P(self.axis), P(self.axis)),
             check_vma=False,
         )(tables, features)
+        for where, (count, example) in zip(wheres, fatal, strict=True):
+            first = example[jnp.argmax(count > 0)]
+            report_out_of_range(jnp.sum(count), first, BoundsCheckMode.FATAL, where)
+        return values, overflow
 
     def __call__(self, features):
         tables = {name: v.get_value() for name, v in self.weights.items()}

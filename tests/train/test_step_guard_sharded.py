@@ -1,0 +1,88 @@
+"""The non-finite guard and FATAL bounds checks in a sharded (row-wise, 8 CPU devices) step."""
+
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_step_guard import assert_bitwise_equal, host
+
+import jaxrec as jr
+from jaxrec import distributed as d
+from jaxrec import optim, train
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
+from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d  # noqa: E402
+
+SPARSE = {"adam": lambda: optim.adam(0.05), "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1)}
+CASES = [("row_wise", "adam"), ("row_wise", "rowwise_adagrad"), ("mixed", "rowwise_adagrad")]
+
+
+def setup(plan_name, opt_name, bounds=jr.BoundsCheckMode.WARNING, **kwargs):
+    model = Model(rngs=nnx.Rngs(1))
+    model.ebc.bounds_check_mode = bounds
+    plan = d.construct_module_sharding_plan(model.ebc, PLANS[plan_name][0], world_size=8)
+    mesh = mesh_1d()
+    model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
+    opt = optim.CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name]())
+    graphdef, state = train.init_train_state(model, opt)
+    return mesh, state, train.make_train_step(graphdef, opt, loss_fn, **kwargs)
+
+
+def three_batches(mesh, poison):
+    rng = np.random.default_rng(0)
+    good1, bad, good2 = (batches(rng)[0] for _ in range(3))
+    bad = poison(bad)
+    return [d.shard_batch(b, mesh) for b in (good1, bad, good2)]
+
+
+def nan_label(local):
+    kjt, y = local[3]
+    return [*local[:3], (kjt, np.where(np.arange(y.shape[0]) == 1, np.nan, y)), *local[4:]]
+
+
+def bad_id(local):
+    kjt, y = local[5]
+    values = np.asarray(kjt.values()).copy()
+    start = kjt.capacity_offsets()[kjt.keys().index("f2")]
+    assert int(kjt["f2"].lengths().sum()) > 0
+    values[start] = 50  # t1 has 50 rows
+    kjt = jr.KeyedJaggedTensor._make(kjt.keys(), kjt.capacity_per_key(), kjt.stride(),
+                                     jnp.asarray(values), kjt.lengths(), None)  # fmt: skip
+    return [*local[:5], (kjt, y), *local[6:]]
+
+
+@pytest.mark.parametrize(("plan_name", "opt_name"), CASES)
+def test_sharded_nan_step_changes_nothing(plan_name, opt_name):
+    mesh, state, step = setup(plan_name, opt_name, skip_nonfinite=True)
+    good1, bad, good2 = three_batches(mesh, nan_label)
+    state, _, _ = step(state, good1)
+    before = host(state)
+    state, loss, _ = step(state, bad)
+    assert np.isnan(float(loss))
+    assert_bitwise_equal(host(state), before)
+    assert step.skipped_steps() == 1
+    state, _, _ = step(state, good2)
+    _, ref, ref_step = setup(plan_name, opt_name, skip_nonfinite=True)
+    for b in (good1, good2):
+        ref, _, _ = ref_step(ref, b)
+    assert_bitwise_equal(host(state), host(ref))
+
+
+def test_sharded_fatal_raises_with_the_unchanged_state():
+    fatal = jr.BoundsCheckMode.FATAL
+    mesh, state, step = setup("row_wise", "rowwise_adagrad", fatal)
+    good1, bad, good2 = three_batches(mesh, bad_id)
+    state, _, _ = step(state, good1)
+    before = host(state)
+    with pytest.raises(train.BoundsCheckError, match=r"1 ids out of range .*'f2'.*id 50") as err:
+        step(state, bad)
+    assert_bitwise_equal(host(err.value.state), before)
+    state, _, _ = step(err.value.state, good2)
+    _, ref, ref_step = setup("row_wise", "rowwise_adagrad", fatal)
+    for b in (good1, good2):
+        ref, _, _ = ref_step(ref, b)
+    assert_bitwise_equal(host(state), host(ref))
