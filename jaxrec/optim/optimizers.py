@@ -22,11 +22,13 @@ post-update and counter-based modes, and Adam's ``use_rowwise_bias_correction``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .base import ScalarOrSchedule, SparseOptimizer, WeightDecayMode, lr_at
 
@@ -201,13 +203,87 @@ def _one_minus(b):
     return np.float32(1.0 - np.float64(np.float32(b)))
 
 
-def _bias_correction(b, count):
-    """``1.0 - powf(beta, iter)``: float ``beta`` and ``iter``, float32 ``powf``.
+_ROUND_12, _KEEP_12 = 0x800, 0xFFFFF000  # round a float32's bits to 12 significant bits
 
-    FBGEMM keeps the difference in double; in float32 it is exact while
-    ``powf(...) >= 0.5`` (the steps where it is small and amplifies any error).
+
+def _split(a):
+    """``a = hi + lo`` exactly, ``hi`` rounded to 12 significant bits through the bit
+    pattern, so that no multiply-add the compiler fuses can change it."""
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    hi = lax.bitcast_convert_type((bits + np.uint32(_ROUND_12)) & np.uint32(_KEEP_12), a.dtype)
+    return hi, a - hi
+
+
+def _split_host(x):
+    """:func:`_split` of a host float32."""
+    bits = np.array(x, np.float32).view(np.uint32)
+    hi = np.array((int(bits) + _ROUND_12) & _KEEP_12, np.uint32).view(np.float32)[()]
+    return hi, np.float32(x) - hi
+
+
+def _two_float_mul(xh, xl, y):
+    """``(xh + xl) * y`` for a host factor ``y = (hi, lo, hi's 12-bit halves)``, as a
+    normalised float32 pair (about 44 bits).
+
+    Dekker's exact product of ``xh * y_hi``: every product of halves is exact, so
+    fused multiply-adds leave it unchanged. The host factor is split on the host
+    (Pallas' Triton lowering cannot bitcast a constant).
     """
-    return 1.0 - jnp.power(np.float32(b), count.astype(jnp.float32))
+    yh, yl, bh, bl = y
+    p = xh * yh
+    ah, al = _split(xh)
+    e = al * bl - (((p - ah * bh) - al * bh) - ah * bl)
+    e = e + (xh * yl + xl * yh)
+    s = p + e
+    return s, e - (s - p)
+
+
+def _powers_of_two(beta):
+    """Host float32 factors ``beta ** (2 ** k)`` as ``(hi, lo, hi_hi, hi_lo)`` (``hi + lo``
+    the power, ``hi_hi + hi_lo`` the 12-bit split of ``hi``), from ``k = 0`` while the
+    power is a normal float32 (at most 31: ``count`` is int32)."""
+    b = float(np.float32(beta))
+    factors = []
+    for k in range(31):
+        x = b if k == 0 or b == 0 else math.exp(2.0**k * math.log(abs(b)))
+        if not 2.0**-100 < abs(x) < 2.0**100:
+            break
+        hi = np.float32(x)
+        factors.append((hi, np.float32(x - float(hi)), *_split_host(hi)))
+    return factors
+
+
+def _powf(beta, factors, count):
+    """FBGEMM's ``powf(beta, iter)`` for the int32 step ``count``, correctly rounded.
+
+    XLA's float32 ``pow`` is not (on CPU 0.9999 ** 508 is one ulp off), and an ulp
+    of ``powf`` is ``ulp / (1 - powf)`` of Adam's step: tens of ulps early on.
+    Here the product of the powers of two in ``count``'s bits, in two-float
+    arithmetic, rounded once.
+    """
+    b = float(np.float32(beta))
+    if abs(b) == 1.0 or not factors:  # factors of +-1 (XLA's CPU compiler fails on that chain)
+        one = np.float32(1.0 if b > 0 else 0.0)  # 0 ** t = 0 for t >= 1
+        odd_sign = np.float32(-1.0 if b < 0 else one)
+        return jnp.where(count == 0, np.float32(1.0), jnp.where((count & 1) == 1, odd_sign, one))
+    # The first factor needs no product (and the accumulator must be traced to be split).
+    take = (count & 1) == 1
+    hi = jnp.where(take, factors[0][0], np.float32(1.0))
+    lo = jnp.where(take, factors[0][1], np.float32(0.0))
+    for k, factor in enumerate(factors[1:], start=1):
+        ph, pl = _two_float_mul(hi, lo, factor)
+        take = ((count >> k) & 1) == 1
+        hi, lo = jnp.where(take, ph, hi), jnp.where(take, pl, lo)
+    if len(factors) < 31:  # beta ** 2**len(factors) under- or overflows float32
+        beyond = np.float32(0.0 if abs(b) < 1 else np.inf)
+        hi = jnp.where(count >= 2 ** len(factors), beyond, hi)
+    return hi
+
+
+def _bias_correction(beta, factors, count):
+    """``1.0 - powf(beta, iter)``: exact in float32 while ``powf(...) >= 0.5`` (FBGEMM
+    keeps it in double; it is small, and amplifies any error, exactly then)."""
+    return 1.0 - _powf(beta, factors, count.astype(jnp.int32))
 
 
 def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb):
@@ -215,6 +291,7 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
     # Hyper-parameters as FBGEMM's float kernel arguments, and its ``1.0 - beta`` terms.
     b1, b2, eps, wd = (np.float32(x) for x in (b1, b2, eps, weight_decay))
     one_minus_b1, one_minus_b2 = _one_minus(b1), _one_minus(b2)
+    factors1, factors2 = _powers_of_two(b1), _powers_of_two(b2)
 
     def init(num_rows, dim):
         v_shape = (num_rows,) if rowwise_v else (num_rows, dim)
@@ -226,7 +303,7 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
 
     def update(w, g, state, count, *, dim=None, row_sum=None):
         lr = lr_at(learning_rate, count)
-        c1, c2 = _bias_correction(b1, count), _bias_correction(b2, count)
+        c1, c2 = _bias_correction(b1, factors1, count), _bias_correction(b2, factors2, count)
         # m_t.mul_(beta1); m_t.fma_(grad, 1.0 - beta1) (one rounding there, two here)
         m = state.momentum1 * b1 + g * one_minus_b1
         g2 = _row_mean(g * g, dim, row_sum) if rowwise_v else g * g
