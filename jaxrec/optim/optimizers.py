@@ -9,11 +9,11 @@ State is float32 whatever the table dtype.
 
 Rounding follows FBGEMM's float kernels: hyper-parameters are float32 (as its
 ``float`` arguments), ``1 - beta`` is taken from the rounded ``beta``, bias
-corrections are ``1 - powf(beta, float(t))`` in float32, and each expression
-keeps FBGEMM's order. FBGEMM keeps some terms in double (C++'s ``1.0``
-literal) and fuses some multiply-adds; jaxrec rounds in float32, which agrees
-with a model of FBGEMM's rounding to a few float32 ulps over several steps
-(``tests/optim/test_fbgemm_rounding.py``).
+corrections are ``1 - powf(beta, t)`` with a correctly rounded float32 ``powf``,
+and each expression keeps FBGEMM's order. FBGEMM keeps some terms in double
+(C++'s ``1.0`` literal) and fuses some multiply-adds; jaxrec rounds in float32,
+which agrees with a model of FBGEMM's rounding to a few float32 ulps over
+several steps (``tests/optim/test_fbgemm_rounding.py``).
 
 Not carried over from FBGEMM: stochastic rounding of fp16/bf16 tables (jaxrec
 rounds to nearest), ``gradient_clipping``, row-wise Adagrad's ``max_norm``
