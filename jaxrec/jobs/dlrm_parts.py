@@ -170,7 +170,9 @@ def bce(model, batch):
 
 def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.Namespace):
     graphdef, state = init_train_state(model, optimizer)
-    step = make_train_step(graphdef, optimizer, bce)
+    # A batch with a NaN/inf (label, dense feature) is skipped and counted, not trained on:
+    # one such batch would otherwise leave NaN in the MLPs and in the touched rows for good.
+    step = make_train_step(graphdef, optimizer, bce, skip_nonfinite=True)
     eval_step = make_eval_step(
         graphdef, lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0])
     )

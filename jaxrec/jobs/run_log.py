@@ -142,12 +142,13 @@ class Progress:
         self.tty = self.stream.isatty()
         self._start = time.perf_counter()
 
-    def update(self, step: int, samples: int, **values: float) -> None:
+    def update(self, step: int, samples: int, **values: float | int) -> None:
         if not self.tty and step % self.every and step != self.total:
             return
         rate = samples / max(time.perf_counter() - self._start, 1e-9)
         total = f"/{self.total}" if self.total else ""
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+        shown = "  ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
+                          for k, v in values.items())  # fmt: skip
         line = f"step {step}{total}  {shown}  {rate:,.0f} samples/s"
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()

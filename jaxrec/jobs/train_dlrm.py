@@ -8,6 +8,10 @@ Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
 ``--devices N > 1`` the embedding tables are sharded over N devices (the
 planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
 
+Steps whose loss or gradients are not finite (a NaN label or feature) are
+skipped and counted (``skipped`` on the progress line, ``skipped_steps`` in
+the summary; see ``make_train_step(skip_nonfinite=True)``).
+
 The run directory gets ``summary.json`` (also printed as the last line),
 ``metrics.jsonl`` (one line per evaluation), checkpoints (``--checkpoint-every``),
 TensorBoard scalars (``--tensorboard``) and ``curves.svg`` (``--plot``).
@@ -149,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             samples += args.batch_size * world
             losses.append(loss)
             if progress and (step_i % 10 == 0 or step_i == total):
-                progress.update(step_i - start_step, samples, loss=float(loss))
+                skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
+                shown = {"skipped": skipped} if skipped else {}
+                progress.update(step_i - start_step, samples, loss=float(loss), **shown)
             if step_i % 50 == 0 or step_i == total:
                 mean_loss = float(sum(float(x) for x in losses) / len(losses))
                 curves["train_loss"].append((step_i, mean_loss))
@@ -198,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "samples": samples,
         "samples_per_s": round(samples / max(train_time, 1e-9), 1),
         "train_seconds": round(train_time, 2),
+        "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
         **({"eval": history[-1]} if history else {}),
         **train_data.reference_metrics(eval_data),
     }
