@@ -1,7 +1,9 @@
 """The main job: train DLRM (or DLRM-DCN), evaluate AUC/NE, checkpoint, resume.
 
 A thin wrapper around ``jaxrec.jobs.train_dlrm`` (also installed as the
-``jaxrec-train-dlrm`` command); every flag is documented by ``--help``.
+``jaxrec-train-dlrm`` command); every flag is documented by ``--help``. Steps
+with a non-finite loss or gradient are skipped and counted (``skipped_steps``
+in the summary).
 
     python examples/train_dlrm.py                        # synthetic Criteo-like, ~15 s
     python examples/train_dlrm.py --devices 8            # tables sharded over 8 CPU devices

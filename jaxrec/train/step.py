@@ -83,10 +83,10 @@ def make_train_step(
             gradient is NaN or inf, apply nothing: params, tables, optimizer
             states (step counters included) and ``rest`` stay bit-identical, and
             ``step.skipped_steps()`` counts the step (the loss is still
-            returned). Off by default: the step then compiles to the same
-            program as before; a skip hides a data error unless someone reads
-            the count, and the check adds a pass over the dense and output
-            gradients plus selects over the dense state. Turn it on for long
+            returned). Off by default: the step then applies every update as
+            before (no check, no select); a skip hides a data error unless
+            someone reads the count, and the check adds a pass over the dense
+            and output gradients plus selects over the dense state. Turn it on for long
             jobs (``jaxrec-train-dlrm`` does and reports the count), where one
             bad batch would otherwise leave NaN in the touched rows and in
             Adagrad / Adam state for good. Tables are not copied: the skipped
