@@ -9,7 +9,7 @@ from flax import nnx
 from test_eviction_reset import FILL, KEY, NAMES, K, ResetModel, no_resets
 from test_eviction_reset import loss_fn as reset_loss
 from test_train_step import _abstract_step
-from train_models import bag_tables, random_batch
+from train_models import SeqModel, bag_tables, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
@@ -103,6 +103,39 @@ def test_bad_step_changes_nothing_and_training_goes_on(opt_name, kind):
         ref, _, _ = ref_step(ref, b)
     assert_bitwise_equal(host(state), host(ref))
     assert ref_step.skipped_steps() == 0
+
+
+def test_pallas_update_is_masked_too():
+    """The Pallas fused update (the GPU default; interpreted here) touches no row on a skip."""
+    rng = np.random.default_rng(4)
+    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    graphdef, state = train.init_train_state(DenseModel(rngs=nnx.Rngs(0)), opt)
+    step = train.make_train_step(graphdef, opt, loss, implementation="pallas", skip_nonfinite=True)
+    good, bad = batch(rng), poisoned("nan_label", rng)
+    assert "pallas_call" in str(jax.make_jaxpr(step.jitted)(state, bad))
+    state, _, _ = step(state, good)
+    before = host(state)
+    state, _, _ = step(state, bad)
+    assert_bitwise_equal(host(state), before)
+    assert step.skipped_steps() == 1
+
+
+def test_sequence_collection_called_twice_is_masked():
+    """EmbeddingCollection (sequence lookups) read twice in one step: both calls masked."""
+    rng = np.random.default_rng(5)
+    opt = optim.CombinedOptimizer(optax.sgd(0.01), optim.adam(0.05))
+    graphdef, state = train.init_train_state(SeqModel(rngs=nnx.Rngs(0)), opt)
+
+    def scaled(model, batch):
+        kjt, scale = batch
+        return model(kjt) * scale
+
+    step = train.make_train_step(graphdef, opt, scaled, skip_nonfinite=True)
+    state, _, _ = step(state, (random_batch(rng)[0], jnp.float32(1.0)))
+    before = host(state)
+    state, _, _ = step(state, (random_batch(rng)[0], jnp.float32(jnp.inf)))
+    assert_bitwise_equal(host(state), before)
+    assert step.skipped_steps() == 1
 
 
 def test_nonfinite_embedding_output_gradient_is_caught():
