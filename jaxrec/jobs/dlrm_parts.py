@@ -16,8 +16,7 @@ from ..configs import EmbeddingBagConfig
 from ..models import DLRM, DLRM_DCN
 from ..modules import EmbeddingBagCollection
 from ..optim import CombinedOptimizer, rowwise_adagrad
-from ..train import init_train_state, make_eval_step, make_train_step
-from ..train.in_flight import InFlight
+from ..train import InFlight, init_train_state, make_eval_step, make_train_step
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 

@@ -1,6 +1,7 @@
 """Sparse training: the train step that never builds a dense table gradient."""
 
 from .guard import BoundsCheckError as BoundsCheckError
+from .in_flight import InFlight as InFlight
 from .pipeline import TrainPipeline as TrainPipeline
 from .step import CapacityOverflowError as CapacityOverflowError
 from .step import TrainState as TrainState

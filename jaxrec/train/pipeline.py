@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from .in_flight import InFlight
 from .step import TrainState, raise_for_report
 
 _DONE = object()
@@ -42,7 +43,9 @@ class TrainPipeline:
             ``mesh``, :func:`jaxrec.distributed.shard_batch` of a list of
             per-device local batches, which is then what the loader yields).
         mesh: the device mesh of a sharded model.
-        depth: batches prepared and in flight ahead of the running step.
+        depth: batches prepared and in flight ahead of the running step; also the
+            steps whose results may be outstanding (the host waits for the step
+            ``depth`` back before launching another: see ``in_flight.py``).
 
     Example:
         >>> pipeline = TrainPipeline(step, state)
@@ -82,6 +85,7 @@ class TrainPipeline:
         self._stop = threading.Event()
         self._report = None  # the previous step's StepReport (read one step late)
         self._skipped = getattr(train_step, "skipped_steps", None)
+        self._window = InFlight(depth)  # never further ahead: see in_flight.py
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
         """Runs one step on the next batch; returns ``(loss, aux)`` (not yet synchronised).
@@ -105,12 +109,14 @@ class TrainPipeline:
             raise item
         if self._step is None:  # a plain step function
             self.state, loss, aux = self._plain_step(self.state, item)
+            self._window.push(loss)
             return loss, aux
         self.state, loss, aux, report = self._step(self.state, item)
         if self._skipped is not None:
             self._skipped.add(report.skipped)
         self._check_report()  # the previous step's: long finished, no stall
         self._report = report
+        self._window.push(loss)
         return loss, aux
 
     def skipped_steps(self) -> int:
