@@ -176,8 +176,10 @@ def test_reset_outside_a_train_step_writes_weights_only():
         reset_table_rows(model.head, "t1", jnp.zeros((1,), jnp.int32), KEY)
 
 
-def test_reset_step_stays_in_place():
-    """A 4M x 128 table with 1024 reset rows a step: updated in place, no table-sized temporary."""
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_reset_step_stays_in_place(skip_nonfinite):
+    """A 4M x 128 table with 1024 reset rows a step: updated in place, no table-sized
+    temporary (also when the non-finite guard may write reset rows back)."""
     tables = [jr.EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=4_000_000,
                                     feature_names=["f"])]  # fmt: skip
 
@@ -197,7 +199,7 @@ def test_reset_step_stays_in_place():
     kjt = jr.KeyedJaggedTensor(["f"], jnp.zeros(4096 * 20, jnp.int32),
                                lengths=jnp.full((4096,), 20), capacities=(4096 * 20,))  # fmt: skip
     rows = jnp.zeros((1024,), jnp.int32)
-    step = train.make_train_step(graphdef, opt, big_loss)
+    step = train.make_train_step(graphdef, opt, big_loss, skip_nonfinite=skip_nonfinite)
     mem = step.lower(state, (kjt, rows)).compile().memory_analysis()
     table_bytes = 4_000_000 * 128 * 4
     assert mem.temp_size_in_bytes < table_bytes / 8, mem

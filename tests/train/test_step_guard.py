@@ -6,14 +6,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_eviction_reset import FILL, KEY, NAMES, K, ResetModel, no_resets
+from test_eviction_reset import FILL, NAMES, K, ResetModel, no_resets
 from test_eviction_reset import loss_fn as reset_loss
 from test_train_step import _abstract_step
 from train_models import SeqModel, bag_tables, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
-from jaxrec.train.reset import reset_table_rows
 
 OPTIMIZERS = {  # (sparse optimizer, implementation): the C++ KJT kernel, XLA fused, XLA rows
     "rowwise_adagrad": (lambda: optim.rowwise_adagrad(0.1), None),
@@ -205,31 +204,3 @@ def test_skipped_step_undoes_row_resets():
     state, _, _ = step(state, (kjt, y, resets))
     after = np.asarray(state.tables["ebc"]["weights"]["fp32_d8"].get_value())
     assert not np.array_equal(after[3], before.tables["ebc"]["weights"]["fp32_d8"][3])
-
-
-def test_guarded_reset_step_stays_in_place():
-    """Undoing resets gathers and scatters the reset rows only: still no table copy."""
-    tables = [jr.EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=4_000_000,
-                                    feature_names=["f"])]  # fmt: skip
-
-    class Big(nnx.Module):
-        def __init__(self, rngs):
-            self.ebc = jr.EmbeddingBagCollection(tables, rngs=rngs)
-            self.head = nnx.Linear(128, 1, rngs=rngs)
-
-    def big_loss(m, batch):
-        kjt, rows = batch
-        reset_table_rows(m.ebc, "big", rows, KEY)
-        return jnp.sum(m.head(m.ebc(kjt).values()))
-
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Big(nnx.Rngs(0))))
-    state = jax.eval_shape(lambda: train.init_train_state(Big(nnx.Rngs(0)), opt)[1])
-    kjt = jr.KeyedJaggedTensor(["f"], jnp.zeros(4096 * 20, jnp.int32),
-                               lengths=jnp.full((4096,), 20), capacities=(4096 * 20,))  # fmt: skip
-    rows = jnp.zeros((1024,), jnp.int32)
-    step = train.make_train_step(graphdef, opt, big_loss, skip_nonfinite=True)
-    mem = step.lower(state, (kjt, rows)).compile().memory_analysis()
-    table_bytes = 4_000_000 * 128 * 4
-    assert mem.temp_size_in_bytes < table_bytes / 8, mem
-    assert mem.alias_size_in_bytes >= table_bytes + 4_000_000 * 4, mem
