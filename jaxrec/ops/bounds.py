@@ -122,7 +122,9 @@ def check_ids(
     if mode is not BoundsCheckMode.IGNORE:
         bad = valid & ~in_range
         count = jnp.sum(bad, dtype=jnp.int32)
-        example = ids[jnp.argmax(bad)] if ids.shape[0] else jnp.zeros((), ids.dtype)
+        example = jnp.zeros((), ids.dtype)
+        if ids.shape[0]:  # the argmax pass only when an id is bad
+            example = jax.lax.cond(count > 0, lambda: ids[jnp.argmax(bad)], lambda: example)
         report_out_of_range(count, example, mode, where)
     return valid & in_range
 

@@ -36,16 +36,25 @@ def report_layout(
     keys = list(dict.fromkeys(keys))
     all_keys = features.keys()
     idx = np.asarray([all_keys.index(k) for k in keys], np.int32)
-    ok = valid_bags(features.lengths(), features.capacity_per_key(), features.stride())
+    caps, b = features.capacity_per_key(), features.stride()
+    ok = valid_bags(features.lengths(), caps, b)
     report_bags(~ok[idx], mode, where, keys)
     if weighted:
-        f, b = len(all_keys), features.stride()
-        key_of = np.repeat(np.arange(f, dtype=np.int32), features.capacity_per_key())
-        position = np.full(f, -1, np.int32)  # key index -> its position in ``keys``
-        position[idx] = np.arange(len(keys), dtype=np.int32)
-        w = features.weights()
-        bad = ~jnp.isfinite(w) & (features.segment_ids() < f * b) & (position[key_of] >= 0)
-        report_weights(bad, jnp.asarray(position[key_of]), mode, where, keys)
+        # Valid bags are packed at the front of their key's slot, so the ids in
+        # use are the first sum(valid lengths) of each read slot: one
+        # elementwise pass (no per-id segment ids, no gathers); the first bad
+        # position is mapped to its key on the host, in the message.
+        f = len(all_keys)
+        used = jnp.sum(jnp.where(ok, features.lengths().reshape(f, b), 0).astype(jnp.int32), 1)
+        starts = features.capacity_offsets()
+        end = jnp.concatenate(
+            [
+                jnp.broadcast_to(starts[k] + used[k] if k in idx else starts[k], (caps[k],))
+                for k in range(f)
+            ]
+        )
+        bad = ~jnp.isfinite(features.weights()) & (jax.lax.iota(jnp.int32, starts[-1]) < end)
+        report_weights(bad, mode, where, all_keys, starts)
 
 
 def report_bags(
@@ -67,17 +76,28 @@ def report_bags(
 
 
 def report_weights(
-    bad: jax.Array, key_of: jax.Array | None, mode: BoundsCheckMode, where: str, keys=None
+    bad: jax.Array,
+    mode: BoundsCheckMode,
+    where: str,
+    keys: Sequence[str] | None = None,
+    starts: Sequence[int] | None = None,
 ) -> None:
-    """``bad``: ``[C]`` non-finite weights of valid ids; ``key_of[c]`` indexes ``keys``."""
-    first = jnp.argmax(bad) if bad.size else 0
-    example = key_of[first] if key_of is not None and bad.size else first
+    """``bad``: ``[C]`` non-finite weights of valid ids; key ``keys[k]`` owns
+    positions ``[starts[k], starts[k + 1])`` (``keys=None``: one unnamed key)."""
+    count = jnp.sum(bad, dtype=jnp.int32)
+    # argmax over every weight costs more than the check itself: only when needed.
+    first = jnp.int32(0)
+    if bad.size:
+        first = jax.lax.cond(count > 0, lambda: jnp.argmax(bad).astype(jnp.int32), lambda: first)
 
     def message(count: int, example: int) -> str:
-        at = f"key {keys[example]!r}" if keys else f"position {example}"
+        if keys:
+            at = f"key {keys[int(np.searchsorted(starts, example, side='right')) - 1]!r}"
+        else:
+            at = f"position {example}"
         return (
             f"{count} per-sample weights of {where} are NaN or infinite (the first in {at}); "
             "their ids contribute zero: fix the weights where the batch is built"
         )
 
-    report_check(jnp.sum(bad, dtype=jnp.int32), example, mode, f"weights of {where}", message)
+    report_check(count, first, mode, f"weights of {where}", message)

@@ -48,7 +48,7 @@ def pooled_lookup(
     report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "pooled_lookup", None)
     if weights is not None:
         bad = ~jnp.isfinite(weights) & (seg < b)
-        report_weights(bad, None, bounds_check_mode, "pooled_lookup")
+        report_weights(bad, bounds_check_mode, "pooled_lookup")
         weights = finite_weights(weights)
     valid = check_ids(values, seg < b, table.shape[0], bounds_check_mode, "pooled_lookup")
     rows = jnp.where(valid, values, 0)
