@@ -506,14 +506,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+_DRAIN_BYTES = 64 << 20  # what an answered, refused client may still send
+
+
 def _drain_and_close(sock: socket.socket, limit: int) -> None:
     """Half-closes, then reads what the client still sends (bounded), so that our
     answer is not lost to a reset: closing with unread data sends a TCP RST."""
     try:
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(0.5)
-        end, n = time.monotonic() + 2.0, 0
-        while n < 2 * limit and time.monotonic() < end:
+        # Bounded by time and bytes, but the bytes bound must exceed what a
+        # client may still have in flight (a body a few times the limit, or the
+        # reset reaches it before our answer; loopback buffers hid this).
+        end, n, most = time.monotonic() + 2.0, 0, max(4 * limit, _DRAIN_BYTES)
+        while n < most and time.monotonic() < end:
             chunk = sock.recv(1 << 16)
             if not chunk:
                 break

@@ -3,6 +3,7 @@ and time): a burst of 200 connections gets 200s or 503s (no resets), idle and sl
 connections are closed, every malformed request class gets its 4xx JSON, non-finite
 inputs are 400 and non-finite outputs a 500 JSON error, never a NaN."""
 
+import contextlib
 import http.client
 import json
 import re
@@ -298,10 +299,10 @@ def test_oversize_body_413_while_client_still_sends(serve):
     """The client sends the whole 3 MB body (http.client does): the 413 arrives, no reset."""
     server = serve(max_body_bytes=1 << 20)
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=20)
-    conn.request("POST", "/predict", body=b" " * (3 << 20))
-    resp = conn.getresponse()
-    assert resp.status == 413 and "at most 1048576" in json.loads(resp.read())["error"]
-    conn.close()
+    with contextlib.closing(conn):  # closed on failure too (an unclosed socket warns later)
+        conn.request("POST", "/predict", body=b" " * (3 << 20))
+        resp = conn.getresponse()
+        assert resp.status == 413 and "at most 1048576" in json.loads(resp.read())["error"]
 
 
 def test_non_finite_output_is_a_500_json_error(tmp_path, serve):
