@@ -71,6 +71,37 @@ def collect_fatal() -> Iterator[list[FatalReport]]:
         _FATAL_SINK.reset(token)
 
 
+class HoistedReport(NamedTuple):
+    """A report of any mode collected by :func:`hoist_reports`, to be made again outside."""
+
+    where: str
+    mode: BoundsCheckMode
+    count: jax.Array
+    example: jax.Array
+
+
+_HOIST_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxrec_hoist_sink", default=None
+)
+
+
+@contextlib.contextmanager
+def hoist_reports() -> Iterator[list[HoistedReport]]:
+    """Inside, every report (any mode) is appended to the yielded list and nothing else happens.
+
+    For code traced inside a branch of a conditional (``jaxrec.ops.dispatch``'s
+    per-platform branches): its counts are values of the branch, so the branch
+    returns them and the caller reports them again outside (where they may be
+    collected by a train step or become a callback).
+    """
+    reports: list[HoistedReport] = []
+    token = _HOIST_SINK.set(reports)
+    try:
+        yield reports
+    finally:
+        _HOIST_SINK.reset(token)
+
+
 # ``where`` -> message of a check about something other than ids (bag layouts,
 # weights), set by :func:`report_check`.
 _MESSAGES: dict[str, Callable[[int, int], str]] = {}
@@ -161,6 +192,10 @@ def report_out_of_range(
     """
     mode = BoundsCheckMode(mode)
     if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE):
+        return
+    hoist = _HOIST_SINK.get()
+    if hoist is not None:
+        hoist.append(HoistedReport(where, mode, jnp.asarray(count, jnp.int32), example))
         return
     sink = _FATAL_SINK.get()
     if mode is BoundsCheckMode.FATAL and sink is not None:
