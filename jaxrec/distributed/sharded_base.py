@@ -24,11 +24,11 @@ from jax.sharding import PartitionSpec as P
 from ..modules.tables import EmbeddingTable, common_count, group_tables
 from ..ops import check_ids
 from ..ops.backward import dedup_rows
-from ..ops.bounds import BoundsCheckMode, collect_fatal, logger, report_out_of_range
+from ..ops.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from ..optim.base import row_fields
 from ..optim.combined import SubGroup, state_key
 from ..train.sparse_update import update_rows_xla, update_subgroup
-from ..train.tape import report_overflow, tap
+from ..train.tape import log_overflow, report_overflow, tap
 from . import embedding_dist as dist
 from .layout import build_layout
 from .row_sums import column_split_row_sum
@@ -107,24 +107,30 @@ class ShardedCollection(nnx.Module):
         return next(t for t in self.table_configs if t.name == name)
 
     def _place(self, state_dict: Mapping[str, Any]) -> dict:
-        logical = {
-            t.name: np.asarray(state_dict[f"{self.prefix}.{t.name}.weight"])
-            for t in self.table_configs
-        }
+        logical = {t.name: state_dict[f"{self.prefix}.{t.name}.weight"] for t in self.table_configs}
+        # Traced (jax.eval_shape / jit: a model built without allocating it): jnp ops.
+        traced = any(isinstance(x, jax.core.Tracer) for x in logical.values())
+        xp = jnp if traced else np
+        if not traced:
+            logical = {k: np.asarray(v) for k, v in logical.items()}
         out = {}
         n = self.layout.world_size
         for g in self.layout.groups:
             dtype = self._config(next(s[0] for r in g.shards for s in r)).dtype
-            buf = np.zeros((n * g.rows_per_rank, g.ncols), np.float32)
+            buf = xp.zeros((n * g.rows_per_rank, g.ncols), np.float32)
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
-                    buf[start : start + nr] = logical[table][r0 : r0 + nr, c0 : c0 + g.ncols]
+                    block = logical[table][r0 : r0 + nr, c0 : c0 + g.ncols]
+                    if traced:
+                        buf = buf.at[start : start + nr].set(block.astype(np.float32))
+                    else:
+                        buf[start : start + nr] = block
             out[g.name] = EmbeddingTable(
                 jax.device_put(jnp.asarray(buf, dtype), self._sharded(P(self.axis)))
             )
         for rg in self.replicated_groups:
-            buf = np.concatenate([logical[t] for t in rg.tables])
+            buf = xp.concatenate([logical[t] for t in rg.tables])
             dtype = self._config(rg.tables[0]).dtype
             out["dp_" + rg.name] = EmbeddingTable(
                 jax.device_put(jnp.asarray(buf, dtype), self._sharded(P()))
@@ -170,26 +176,30 @@ class ShardedCollection(nnx.Module):
         return natural if self.capacity is None else min(self.capacity, natural)
 
     def _forward(self, tables, features):
-        wheres: list[str] = []
+        wheres: list[tuple[BoundsCheckMode, str]] = []
 
         def local(tables, kjt_stacked):
-            # FATAL checks report out here: per-device counts cannot leave shard_map
-            # through a train step's collector (see jaxrec.ops.bounds.collect_fatal).
-            with collect_fatal() as fatal:
+            # Checks collected here report again out here (summed over devices):
+            # per-device counts cannot leave shard_map through a train step's
+            # collector (see jaxrec.ops.bounds.collect_checks). WARNING checks are
+            # collected only when the caller collects them (a train step).
+            with collect_checks() as checks:
                 values, overflow = self._forward_local(tables, kjt_stacked)
-            wheres.extend(r.where for r in fatal)
-            return values, overflow, [(r.count[None], r.example[None]) for r in fatal]
+            found = [(BoundsCheckMode.FATAL, r) for r in checks.fatal]
+            found += [(BoundsCheckMode.WARNING, r) for r in checks.warning or ()]
+            wheres.extend((mode, r.where) for mode, r in found)
+            return values, overflow, [(r.count[None], r.example[None]) for _, r in found]
 
-        values, overflow, fatal = jax.shard_map(
+        values, overflow, found = jax.shard_map(
             local,
             mesh=self.mesh,
             in_specs=(self._specs(), P(self.axis)),
             out_specs=(P(self.axis), P(self.axis), P(self.axis)),
             check_vma=False,
         )(tables, features)
-        for where, (count, example) in zip(wheres, fatal, strict=True):
+        for (mode, where), (count, example) in zip(wheres, found, strict=True):
             first = example[jnp.argmax(count > 0)]
-            report_out_of_range(jnp.sum(count), first, BoundsCheckMode.FATAL, where)
+            report_out_of_range(jnp.sum(count), first, mode, where)
         return values, overflow
 
     def __call__(self, features):
@@ -203,9 +213,10 @@ class ShardedCollection(nnx.Module):
                 fn = _EAGER_FORWARD.setdefault(self, jax.jit(lambda t, f: ref()._forward(t, f)))
             values, overflow = fn(tables, features)
         total = jnp.sum(overflow)
-        raised = self.overflow_mode == "raise" and report_overflow(total)  # by the train step
-        if not raised and self.overflow_mode != "count":  # one host callback, only on drops
-            jax.lax.cond(total > 0, lambda: jax.debug.callback(_warn_overflow, total), lambda: None)
+        # A train step takes the count (it raises, or logs it on the host for "warn");
+        # elsewhere "raise" and "warn" log from one host callback, only on drops.
+        if self.overflow_mode != "count" and not report_overflow(total, self.overflow_mode):
+            jax.lax.cond(total > 0, lambda: jax.debug.callback(log_overflow, total), lambda: None)
         self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
         values = tap(self, values, features)  # a train step's gradient probe
         return self._finish(values, features)
@@ -460,12 +471,3 @@ def _gathered(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.array(x)
-
-
-def _warn_overflow(overflow) -> None:
-    if int(overflow):
-        logger.warning(
-            "row-wise input_dist dropped %d ids that did not fit the per-destination "
-            "capacity (counted in overflow_count); raise capacity=",
-            int(overflow),
-        )

@@ -107,7 +107,8 @@ class CombinedOptimizer:
             dense = jax.tree.map(
                 lambda x: (
                     jax.device_put(x, replicated)
-                    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
+                    if isinstance(x, jax.core.Tracer)  # built under eval_shape / jit
+                    or isinstance(x.sharding, jax.sharding.SingleDeviceSharding)
                     else x
                 ),
                 dense,
