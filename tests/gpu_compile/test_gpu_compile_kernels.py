@@ -1,0 +1,53 @@
+"""Every Pallas kernel compiles deviceless for an H100 (Triton -> PTX -> ptxas, sm_90a).
+
+One run compiles all cases in worker subprocesses (see compile_runner.py);
+the tests then read its results, one test per case. The harness's own
+failure cases run in the same batch, early, so the kernel cases also show
+that an aborted or hung case takes nothing else down.
+"""
+
+import harness_cases
+import kernel_cases
+import pytest
+from compile_runner import assert_compiled, case_id, require_deviceless, run_cases
+
+
+@pytest.fixture(scope="module")
+def results():
+    require_deviceless()
+    return run_cases(harness_cases.CASES + kernel_cases.CASES)
+
+
+@pytest.mark.parametrize("case", kernel_cases.CASES, ids=case_id)
+def test_kernel_compiles(results, case):
+    assert_compiled(results[case.name], case)
+
+
+def test_shared_memory_over_the_limit_fails_compilation(results):
+    assert_compiled(results[harness_cases.SHARED_MEMORY_OK.name], harness_cases.SHARED_MEMORY_OK)
+    over = results[harness_cases.SHARED_MEMORY_OVER.name]
+    assert not over.ok
+    assert "RESOURCE_EXHAUSTED" in over.error and "Shared memory" in over.error
+
+
+def test_spills_over_the_limit_fail(results):
+    case = harness_cases.SPILLS
+    result = results[case.name]
+    assert result.ok, result.error  # it compiles; the spill check is what fails it
+    assert result.spill_store_bytes > case.max_spill_bytes
+    with pytest.raises(AssertionError, match="ptxas spilled"):
+        assert_compiled(result, case)
+
+
+def test_abort_fails_only_its_case(results):
+    result = results[harness_cases.ABORT.name]
+    assert not result.ok
+    assert "SIGABRT" in result.error and harness_cases.ABORT_MESSAGE in result.error
+    # the worker was replaced: more workers ran than the two started at first
+    assert len({r.worker_pid for r in results.values()}) >= 3
+
+
+def test_hang_times_out(results):
+    result = results[harness_cases.HANG.name]
+    assert not result.ok
+    assert "timed out after 2 s" in result.error
