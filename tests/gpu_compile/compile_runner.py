@@ -218,7 +218,8 @@ class _Worker:
             start_new_session=True,  # its own process group: a kill also ends ptxas
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.startup: list[str] = []
 
     def _read(self):
@@ -252,8 +253,11 @@ class _Worker:
     def run(self, case: Case) -> tuple[CaseResult, bool]:
         """The case's result and whether the worker is still usable."""
         spec = {"name": case.name, "target": case.target, "kwargs": case.kwargs}
-        self.proc.stdin.write(json.dumps(spec) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(spec) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # died after its last case; its EOF is read below
+            pass
         deadline = time.monotonic() + case.timeout_s
         log: list[str] = []
         started = False
@@ -304,6 +308,7 @@ class _Worker:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self.reader.join(timeout=30)  # it ends at EOF; closing stdout under it would raise
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         self.proc.stdout.close()
@@ -329,11 +334,13 @@ def _slot(pending: queue.Queue, results: dict[str, CaseResult]) -> None:
         if worker is None:
             worker = _Worker()
             why = worker.wait_ready()
-            if why is not None:
+            if why is not None:  # a worker that cannot start fails every case left
                 worker.close(kill=True)
-                worker = None
                 results[case.name] = CaseResult(name=case.name, error=why)
-                continue
+                while not pending.empty():
+                    case = pending.get_nowait()
+                    results[case.name] = CaseResult(name=case.name, error=why)
+                return
         result, usable = worker.run(case)
         results[case.name] = result
         if not usable:

@@ -1,7 +1,7 @@
 """Cases that must fail: proof that the harness and the compiler can say no.
 
 A kernel whose tile needs more shared memory than an H100 has, a real kernel
-at a tiling that spills 16 KiB, a case that aborts its worker (as an op the
+at a tiling that spills 5 KiB, a case that aborts its worker (as an op the
 target cannot compile does) and one that hangs (as a pathological tiling kept
 ``ptxas`` busy for minutes). Each costs well under a second of compiling.
 """
@@ -58,9 +58,9 @@ SHARED_MEMORY_OVER = Case(
 )
 ABORT = Case(name="harness-abort", target="harness_cases:abort")
 HANG = Case(name="harness-hang", target="harness_cases:hang", kwargs={"seconds": 600}, timeout_s=2)
-SPILLS = Case(  # LAMB's row update on 16 rows x 512 lanes over 64 threads
-    name="harness-spills-lamb-d512-t16w2",
-    target="kernel_cases:fused_update",
-    kwargs=dict(optimizer="lamb", dim=512, block_rows=16, num_warps=2, ids=16_384),
+SPILLS = Case(  # 32 bags x 256 float32 lanes accumulated by one warp: 256 values a thread
+    name="harness-spills-pooled-d256-t32w1",
+    target="kernel_cases:pooled",
+    kwargs=dict(dtype="float32", dim=256, segments=False, mean=False, block_rows=32, num_warps=1),
 )
 CASES = (ABORT, HANG, SHARED_MEMORY_OVER, SHARED_MEMORY_OK, SPILLS)
