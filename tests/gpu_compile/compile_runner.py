@@ -15,12 +15,14 @@ run costs one Python + JAX start per worker, not per case.
 Adding cases (e.g. ``train_cases.py`` beside this file):
 
 1. Write a function that builds abstract inputs and returns the compiled
-   program, usually ``compile_abstract(fn, *args)``; it may return
+   program, usually ``compile_abstract(fn, *args)`` (sharded programs: build
+   ``jaxrec.deviceless`` shardings yourself and compile with
+   ``compiler_options=COMPILER_OPTIONS``, which see); it may return
    ``(compiled, facts)`` where ``facts`` is a JSON-able dict (e.g. bytes of
    collectives read from ``compiled.as_text()``), reported in
    ``CaseResult.facts`` (compiled programs cannot leave the worker). Raise to
    fail the case. Keep arguments JSON-able: the worker receives them as JSON.
-2. List ``Case(name, "train_cases:my_function", {"dim": 128, ...})`` in a
+2. List ``Case(name="...", target="train_cases:my_function", kwargs={...})`` in a
    module-level tuple. ``timeout_s`` bounds one case (the default suits
    kernels; a sharded train step may need more), ``max_spill_bytes`` its
    ``ptxas`` spills (see ``SPILL_LIMIT``).
