@@ -28,10 +28,19 @@ same two numbers are computed for it (``torchrec_bytes``; ids counted at
 4 bytes, as jaxrec's, plus TorchRec's lengths) and ``jaxrec_over_torchrec_wire``.
 A last ``unsharded`` line times the same step on one device and the global batch.
 
+``--gpu`` times nothing: per type it compiles the same step twice, for the 8
+fake CPU devices (concrete, as above) and deviceless for 8 H100s (topology
+``1x1x8``, or ``1x2x4`` for the host-based types; abstract state, nothing
+allocated; see ``deviceless_step.py``), and records both programs'
+collectives (``comm_hlo_cpu``, ``comm_hlo_gpu``: XLA's GPU collectives are the
+asynchronous ``*-start`` ops, counted under their base name) beside the GPU
+program's per-device memory and the planner's estimate of it (``gpu_memory``).
+
 Run from the repository root with jaxrec installed (``pip install -e .``)::
 
     python bench/sharded.py                        # T=8 E=100000 D=64 B=512 L=10
     python bench/sharded.py --E 1000 --B 16 --reps 2 --types table_wise,row_wise
+    JAX_PLATFORMS=cpu python bench/sharded.py --gpu --out bench/results/x.jsonl
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_jaxrec, jaxrec_kjt, record, time_ms  # noqa: E402
+from common import build_jaxrec, cpu_model, jaxrec_kjt, record, time_ms  # noqa: E402
 from specs import LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "sharded_train_step"
@@ -200,7 +209,31 @@ def _group_size(attrs: str, default: int) -> int:
     if m:
         return len(m.group(1).split(","))
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # iota form [groups,size]<=[...]
-    return int(m.group(2)) if m else default
+    if m:
+        return int(m.group(2))
+    # XLA:GPU's mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (the reduced axes in braces)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2))]))
+    return default
+
+
+def _start_operands(op: str, result: str) -> str | None:
+    """The operands of an async ``*-start`` whose result is ``(operands, results)``.
+
+    XLA:GPU prints them without shapes; the result's first element holds them
+    (a tuple when there are several, or one operand wrapped alone). An
+    ``all-reduce-start``'s result is its output only (the operands' size).
+    """
+    if op == "all-reduce" or not result.startswith("("):
+        return None
+    depth = 0
+    for i, ch in enumerate(result[1:], start=1):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if depth == 0 and ch in ",)":
+            return result[1:i]
+    return None
 
 
 def hlo_collectives(hlo_text: str) -> list[dict]:
@@ -211,7 +244,10 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
         if not m:
             continue
         operand = _nbytes(m.group("args"))
-        if operand == 0:  # operands printed without shapes: derive from the result
+        operands = _start_operands(m.group("op"), m.group("result")) if m.group("start") else None
+        if operand == 0 and operands is not None:  # XLA:GPU's async ops: ((operands), results)
+            operand = _nbytes(operands)
+        elif operand == 0:  # operands printed without shapes: derive from the result
             result = _nbytes(m.group("result"))
             n = _group_size(m.group("attrs"), WORLD)
             operand = result // n if m.group("op") == "all-gather" else result
@@ -401,7 +437,114 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="untimed steps (the first compiles)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="compile for 8 H100s deviceless (no timing): collectives and memory",
+    )
+    p.add_argument("--implementation", default=None, help="--gpu: xla, pallas (default: None)")
+    p.add_argument("--bounds-check", default=None, help="--gpu: a BoundsCheckMode name")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     return p.parse_args(argv)
+
+
+# ----- deviceless GPU compile: collectives and memory of the 8-GPU program -----
+GPU_TARGET = "deviceless compile for H100 (sm_90a), no GPU run"
+
+
+def gpu_compile_type(
+    kind: str, spec: LookupSpec, seed: int, implementation: str | None, bounds_check: str | None
+) -> dict:
+    """Collectives and per-device memory of the step compiled for 8 H100s, plus the
+    planner's estimate; the same model, plan and per-device batch as ``run_type``."""
+    import deviceless_step as ds
+
+    from jaxrec import BoundsCheckMode
+
+    gens, hosts = generators(kind, spec.T)
+    mesh = ds.gpu_mesh("1x1x8" if hosts == 1 else f"1x{HOSTS}x{LOCAL}")
+    kw = {} if bounds_check is None else {"bounds_check_mode": BoundsCheckMode[bounds_check]}
+    tables = build_jaxrec(spec, seed=seed).table_configs  # small enough to build once
+    ebc = nnx.eval_shape(
+        lambda: jr_ebc(tables, rngs=nnx.Rngs(seed), implementation=implementation, **kw)
+    )
+    module = d.construct_module_sharding_plan(
+        ebc, gens, world_size=WORLD, local_size=WORLD // hosts
+    )
+    plan = d.ShardingPlan({"ebc": module})
+
+    def build():
+        ebc = jr_ebc(tables, rngs=nnx.Rngs(seed), implementation=implementation, **kw)
+        return d.DistributedModelParallel(Model(ebc), plan, mesh)
+
+    kjt, r = local_batches(spec, seed)[0]
+    opt = optimizer()
+    compiled, state = ds.compile_train_step(
+        build, opt, loss_fn, (kjt, r), mesh, implementation=implementation
+    )
+    estimate = ds.planner_estimate(
+        plan, {"ebc": list(tables)}, world_size=WORLD, local_world_size=WORLD // hosts,
+        batch_size=spec.B, capacities={t.name: [spec.B * spec.L] for t in tables}, optimizer=opt,
+    )  # fmt: skip
+    return {
+        "mesh": "x".join(map(str, mesh.devices.shape)),
+        "comm_hlo_gpu": summarize(hlo_collectives(compiled.as_text())),
+        "gpu_memory": ds.memory_report(compiled, state, estimate),
+    }
+
+
+def jr_ebc(tables, **kwargs):
+    from jaxrec import EmbeddingBagCollection
+
+    return EmbeddingBagCollection(list(tables), **kwargs)
+
+
+def cpu_collectives(kind: str, spec: LookupSpec, seed: int) -> tuple[dict, dict]:
+    """``(comm_plan, comm_hlo)`` of the step compiled for the 8 CPU devices (not run)."""
+    gens, hosts = generators(kind, spec.T)
+    model = Model(build_jaxrec(spec, seed=seed))
+    plan = d.construct_module_sharding_plan(
+        model.ebc, gens, world_size=WORLD, local_size=WORLD // hosts
+    )
+    model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh_for(hosts))
+    locals_ = local_batches(spec, seed)
+    batch = d.shard_batch(locals_, model.ebc.mesh)
+    opt = optimizer()
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    ops = hlo_collectives(step.lower(state, batch).compile().as_text())
+    return plan_bytes(model.ebc, locals_[0][0], spec), summarize(ops)
+
+
+def run_gpu(kind, spec, seed, implementation, bounds_check) -> dict:
+    predicted, cpu = cpu_collectives(kind, spec, seed)
+    gpu = gpu_compile_type(kind, spec, seed, implementation, bounds_check)
+    gpu_kinds = {}
+    for k, v in gpu["comm_hlo_gpu"]["kinds"].items():
+        gpu_kinds[k] = gpu_kinds.get(k, 0) + v
+    return {
+        "bench": BENCH + "_gpu_compile",
+        "impl": kind,
+        **spec.as_dict(),
+        "target": GPU_TARGET,
+        "machine": f"compiled on {cpu_model()} (no GPU)",
+        "jax_version": jax.__version__,
+        "sharding_type": kind,
+        "world": WORLD,
+        "mesh": gpu["mesh"],
+        "B_global": WORLD * spec.B,
+        "optimizer": "EXACT_ROWWISE_ADAGRAD",
+        "implementation": implementation,
+        "bounds_check": bounds_check or "default",
+        "comm_plan": predicted,
+        "comm_hlo_cpu": cpu,
+        "comm_hlo_gpu": gpu["comm_hlo_gpu"],
+        "gpu_over_cpu_bytes": round(
+            sum(gpu["comm_hlo_gpu"]["kinds"].values()) / max(1, sum(cpu["kinds"].values())), 4
+        ),
+        "gpu_memory": gpu["gpu_memory"],
+        "bytes_meaning": "per device per step: summed operand sizes of its collectives",
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -411,9 +554,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = sorted(set(kinds) - set(TYPES))
     if bad:
         raise SystemExit(f"unknown types {bad}; choose from {TYPES}")
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 (closed below)
     for kind in kinds:
-        print(json.dumps(run_type(kind, spec, args.reps, args.warmup, args.seed)), flush=True)
-    if not args.no_unsharded:
+        if args.gpu:
+            rec = run_gpu(kind, spec, args.seed, args.implementation, args.bounds_check)
+        else:
+            rec = run_type(kind, spec, args.reps, args.warmup, args.seed)
+        print(json.dumps(rec), flush=True)
+        if out:
+            out.write(json.dumps(rec) + "\n")
+    if out:
+        out.close()
+    if not args.no_unsharded and not args.gpu:
         print(json.dumps(run_unsharded(spec, args.reps, args.warmup, args.seed)), flush=True)
     return 0
 
