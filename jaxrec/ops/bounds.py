@@ -2,14 +2,19 @@
 
 ``WARNING`` (the default, as in FBGEMM) and ``IGNORE`` drop out-of-range ids:
 they contribute zero to their bag (FBGEMM instead reads row 0). ``WARNING``
-also logs how many ids were dropped and one example, via a host callback that
-runs only when a bad id is present. ``FATAL`` raises at run time (a
-``JaxRuntimeError`` whose message names the feature); inside a train step it is
-collected instead (:func:`collect_fatal`): the step applies nothing and raises
-``jaxrec.train.BoundsCheckError`` holding the unchanged state. ``NONE`` skips the check:
-an out-of-range id then reads an arbitrary row (XLA clamps gather indices, and
-in a stacked buffer that is a neighbouring table's row): use it only for ids
-known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``,
+also logs how many ids were dropped and one example. Outside a train step (a
+plain or jitted module call, an eval step, inference) it logs from a host
+callback that runs only when a bad id is present. Inside a train step it is
+collected instead (:func:`collect_checks`): the counts are outputs of the
+step's program, which then holds no host callback (a program with one cannot
+be compiled without a live backend, e.g. deviceless for a GPU), and the host
+logs the same text a step or two later (``jaxrec/train/step_warnings.py``).
+``FATAL`` raises at run time (a ``JaxRuntimeError`` whose message names the
+feature); inside a train step it is collected too: the step applies nothing
+and raises ``jaxrec.train.BoundsCheckError`` holding the unchanged state.
+``NONE`` skips the check: an out-of-range id then reads an arbitrary row (XLA
+clamps gather indices, and in a stacked buffer that is a neighbouring table's
+row): use it only for ids known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``,
 compared in the ids' own dtype (any JAX integer dtype; never after a narrowing
 cast, so a uint32 id >= 2**31 is out of range, not a negative row).
 """
@@ -38,37 +43,55 @@ class BoundsCheckMode(enum.Enum):
 
 
 class FatalReport(NamedTuple):
-    """A ``FATAL`` check collected by :func:`collect_fatal` (values of the trace that made it)."""
+    """A check collected by :func:`collect_checks` (values of the trace that made it)."""
 
     where: str  # names the lookup (feature / table)
     count: jax.Array  # int32 scalar: ids out of range
     example: jax.Array  # one of them (any value when count is 0)
 
 
-_FATAL_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxrec_fatal_sink", default=None
-)
+class Checks(NamedTuple):
+    """The reports collected by :func:`collect_checks`, in the order they were made."""
+
+    fatal: list[FatalReport]
+    warning: list[FatalReport] | None  # None: WARNING logs from a host callback
+
+
+_SINK: contextvars.ContextVar[Checks | None] = contextvars.ContextVar("jaxrec_checks", default=None)
+
+
+@contextlib.contextmanager
+def collect_checks(*, warnings: bool | None = None) -> Iterator[Checks]:
+    """Inside, checks are appended to the yielded lists instead of calling back to the host.
+
+    ``FATAL`` checks are always collected: a host callback that raises inside
+    a jitted step with donated arguments leaves the caller with deleted
+    buffers; the train step skips its update and raises ``BoundsCheckError``
+    with the unchanged state instead. ``WARNING`` checks are collected when
+    ``warnings`` is True (a train step: its program then holds no callback),
+    keep their callback when False, and follow the enclosing collector when
+    None (no enclosing one: the callback). Every check goes through
+    :func:`report_out_of_range`. The values belong to the trace that made
+    them: code that checks inside another transformation (a ``shard_map``
+    body) collects its own reports there, returns them and reports them again
+    outside.
+    """
+    if warnings is None:
+        outer = _SINK.get()
+        warnings = outer is not None and outer.warning is not None
+    checks = Checks([], [] if warnings else None)
+    token = _SINK.set(checks)
+    try:
+        yield checks
+    finally:
+        _SINK.reset(token)
 
 
 @contextlib.contextmanager
 def collect_fatal() -> Iterator[list[FatalReport]]:
-    """Inside, ``FATAL`` reports are appended to the yielded list instead of raising.
-
-    A host callback that raises inside a jitted step with donated arguments
-    leaves the caller with deleted buffers. Within this context
-    :func:`report_out_of_range` (every ``FATAL`` check goes through it) emits
-    no callback for ``FATAL``; the caller acts on the collected counts (the
-    train step skips its update and raises ``BoundsCheckError`` with the
-    unchanged state). The values belong to the trace that made them: code
-    that checks inside another transformation (a ``shard_map`` body) collects
-    its own reports there, returns them and reports them again outside.
-    """
-    reports: list[FatalReport] = []
-    token = _FATAL_SINK.set(reports)
-    try:
-        yield reports
-    finally:
-        _FATAL_SINK.reset(token)
+    """:func:`collect_checks` for ``FATAL`` alone (``WARNING`` keeps its callback)."""
+    with collect_checks(warnings=False) as checks:
+        yield checks.fatal
 
 
 class HoistedReport(NamedTuple):
@@ -117,15 +140,21 @@ def out_of_range_message(count: int, example: int, where: str) -> str:
     )
 
 
+def log_out_of_range(count: int, example: int, where: str) -> None:
+    """The ``WARNING`` log line of a check that found ``count > 0`` bad inputs."""
+    logger.warning(
+        "%s; they were dropped (contribute zero)", out_of_range_message(count, example, where)
+    )
+
+
 def _report(mode: BoundsCheckMode, where: str):
     def callback(count, example):
         count, example = int(count), int(example)
         if count == 0:
             return
-        msg = out_of_range_message(count, example, where)
         if mode is BoundsCheckMode.FATAL:
-            raise ValueError(msg)
-        logger.warning("%s; they were dropped (contribute zero)", msg)
+            raise ValueError(out_of_range_message(count, example, where))
+        log_out_of_range(count, example, where)
 
     return callback
 
@@ -188,7 +217,7 @@ def report_out_of_range(
 ) -> None:
     """WARNING logs and FATAL raises (at run time) when ``count > 0`` ids were out of range.
 
-    Under :func:`collect_fatal` (a train step) FATAL is collected, not raised.
+    Under :func:`collect_checks` (a train step) they are collected instead.
     """
     mode = BoundsCheckMode(mode)
     if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE):
@@ -197,10 +226,12 @@ def report_out_of_range(
     if hoist is not None:
         hoist.append(HoistedReport(where, mode, jnp.asarray(count, jnp.int32), example))
         return
-    sink = _FATAL_SINK.get()
-    if mode is BoundsCheckMode.FATAL and sink is not None:
-        sink.append(FatalReport(where, jnp.asarray(count, jnp.int32), jnp.asarray(example)))
-        return
+    sink = _SINK.get()
+    if sink is not None:
+        into = sink.fatal if mode is BoundsCheckMode.FATAL else sink.warning
+        if into is not None:
+            into.append(FatalReport(where, jnp.asarray(count, jnp.int32), jnp.asarray(example)))
+            return
     jax.lax.cond(
         count > 0,
         lambda: jax.debug.callback(_report(mode, where), count, example),

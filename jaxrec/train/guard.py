@@ -35,6 +35,10 @@ class StepReport(NamedTuple):
     dropped: jax.Array | None  # row-wise ids dropped for capacity (sharded, overflow="raise")
     skipped: jax.Array | None  # bool scalar: nothing was applied (None: the step never skips)
     fatal: dict[str, tuple[jax.Array, jax.Array]]  # where -> (count, example) of FATAL checks
+    # ... of WARNING checks, and the dropped ids of each sharded call with overflow="warn":
+    # logged by the host (see step_warnings.py), not by callbacks inside the step.
+    warnings: dict[str, tuple[jax.Array, jax.Array]]
+    overflow_warned: tuple[jax.Array, ...]
 
 
 class BoundsCheckError(ValueError):
@@ -56,7 +60,7 @@ class BoundsCheckError(ValueError):
         self.state = state
 
 
-def merge_fatal(reports: Sequence[FatalReport]) -> dict[str, tuple[jax.Array, jax.Array]]:
+def merge_reports(reports: Sequence[FatalReport]) -> dict[str, tuple[jax.Array, jax.Array]]:
     """``where -> (count, example)``: counts of the same lookup (called twice) summed."""
     out: dict[str, tuple[jax.Array, jax.Array]] = {}
     for r in reports:

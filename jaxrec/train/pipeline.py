@@ -7,7 +7,9 @@ their host-to-device transfers (``jax.device_put``, or ``shard_batch`` over a
 mesh), ``depth`` batches ahead. The main thread only dispatches steps, and
 reads a step's report (a sharded step's dropped-id count, FATAL bounds
 checks, the skipped flag) one step late, so it never waits on the step it
-just launched.
+just launched; warnings (``BoundsCheckMode.WARNING``, ``overflow="warn"``)
+are logged once ready, at the latest two steps late, and all of them when the
+loader is exhausted or the pipeline is closed.
 
 A sharded model's input distribution (the ``all_to_all`` of ids) stays inside
 the step's program, where XLA schedules it; TorchRec runs it on a separate
@@ -85,6 +87,7 @@ class TrainPipeline:
         self._stop = threading.Event()
         self._report = None  # the previous step's StepReport (read one step late)
         self._skipped = getattr(train_step, "skipped_steps", None)
+        self._warnings = getattr(train_step, "step_warnings", None)
         self._window = InFlight(depth)  # never further ahead: see in_flight.py
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
@@ -102,6 +105,7 @@ class TrainPipeline:
         item = self._queue.get()
         if item is _DONE:
             self._source = None
+            self._flush_warnings()
             self._check_report()
             raise StopIteration
         if isinstance(item, BaseException):
@@ -114,6 +118,8 @@ class TrainPipeline:
         self.state, loss, aux, report = self._step(self.state, item)
         if self._skipped is not None:
             self._skipped.add(report.skipped)
+        if self._warnings is not None:
+            self._warnings.add(report.warnings, report.overflow_warned)
         self._check_report()  # the previous step's: long finished, no stall
         self._report = report
         self._window.push(loss)
@@ -124,7 +130,9 @@ class TrainPipeline:
         return 0 if self._skipped is None else self._skipped()
 
     def close(self) -> None:
-        """Stops the background thread (it also stops at the loader's end)."""
+        """Stops the background thread (it also stops at the loader's end) and logs
+        every pending warning."""
+        self._flush_warnings()
         self._stop.set()
         if self._queue is not None:
             while not self._queue.empty():  # unblock a producer waiting on a full queue
@@ -146,10 +154,18 @@ class TrainPipeline:
             target=_produce, args=(it, self._to_device, self._queue, self._stop), daemon=True
         ).start()
 
+    def _flush_warnings(self) -> None:
+        if self._warnings is not None:
+            self._warnings.flush()
+
     def _check_report(self) -> None:
         report, self._report = self._report, None
         if report is not None:
-            raise_for_report(report, self.state)
+            try:
+                raise_for_report(report, self.state)
+            except Exception:
+                self._flush_warnings()  # the failed step has finished: log what it found
+                raise
 
 
 def _produce(it: Iterator, to_device: Callable, out: queue.Queue, stop: threading.Event) -> None:

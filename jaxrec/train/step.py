@@ -31,6 +31,7 @@ from . import guard
 from .guard import BoundsCheckError, StepReport
 from .reset import reset_optimizer_rows
 from .sparse_update import backward_update, update_subgroup
+from .step_warnings import StepWarnings
 from .tape import Tape
 
 
@@ -67,6 +68,14 @@ def make_train_step(
     skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array, Any]]:
     """Builds a jitted train step ``step(state, batch) -> (state, loss, aux)``.
+
+    Checks that warn (``BoundsCheckMode.WARNING``, the default, and sharded
+    collections built with ``overflow="warn"``) are outputs of the step's program,
+    not host callbacks (the program then compiles without a live backend, e.g.
+    deviceless for a GPU). The host logs them on the ``jaxrec`` logger with the
+    text of a plain module call, once per step, when their counts are ready: at
+    the latest two steps later, so no step waits for the one just launched.
+    ``step.flush_warnings()`` logs the rest (see ``step_warnings.py``).
 
     Args:
         graphdef: from :func:`init_train_state`.
@@ -118,9 +127,10 @@ def make_train_step(
             resets.extend((r.path, r.module, r.group) for r in tape.resets)
             dropped = sum(tape.overflow) if tape.overflow else None
             reset_rows = [(r.rows, r.old) for r in tape.resets]
-            fatal = guard.merge_fatal(tape.fatal)
+            fatal = guard.merge_reports(tape.fatal)
+            warned = (guard.merge_reports(tape.warning), tuple(tape.overflow_warned))
             features = [c.features for c in tape.calls]
-            return loss, (aux, features, tables, rest, reset_rows, dropped, fatal)
+            return loss, (aux, features, tables, rest, reset_rows, dropped, fatal, warned)
 
         calls: list = []
         resets: list = []  # (path, collection, group) of rows re-initialised in the forward
@@ -128,7 +138,7 @@ def make_train_step(
         (loss, found), (g_params, g_probes) = grad_fn(
             state.params, probes, state.tables, state.rest
         )
-        aux, features, tables, rest, reset_rows, dropped, fatal = found
+        aux, features, tables, rest, reset_rows, dropped, fatal, warned = found
         updates, dense_state = optimizer.dense.update(g_params, state.opt_state.dense, state.params)
         params = optax.apply_updates(state.params, updates)
         sparse_state = state.opt_state.sparse
@@ -159,20 +169,28 @@ def make_train_step(
             sparse_state = guard.keep_counts(sparse_state, state.opt_state.sparse, ok)
         new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
         skipped = None if ok is None else jnp.logical_not(ok)
-        return new, loss, aux, StepReport(dropped, skipped, fatal)
+        return new, loss, aux, StepReport(dropped, skipped, fatal, *warned)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
     skipped_steps = guard.SkipCounter()
+    step_warnings = StepWarnings()
 
     def train_step(state: TrainState, batch: Any):
         new, loss, aux, report = jitted(state, batch)
         skipped_steps.add(report.skipped)
-        raise_for_report(report, new)
+        step_warnings.add(report.warnings, report.overflow_warned)
+        try:
+            raise_for_report(report, new)
+        except (BoundsCheckError, CapacityOverflowError):
+            step_warnings.flush()  # the step has finished: log what it found before raising
+            raise
         return new, loss, aux
 
     train_step.lower = jitted.lower  # for inspecting the compiled program
     train_step.jitted = jitted  # returns (state, loss, aux, StepReport); see TrainPipeline
     train_step.skipped_steps = skipped_steps  # () -> steps skipped so far
+    train_step.step_warnings = step_warnings  # StepWarnings (shared with TrainPipeline)
+    train_step.flush_warnings = step_warnings.flush  # () -> logs every pending warning
     return train_step
 
 

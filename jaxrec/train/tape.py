@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..ops.bounds import FatalReport, collect_fatal
+from ..ops.bounds import FatalReport, collect_checks, logger
 
 _TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
 
@@ -52,18 +52,21 @@ class Tape:
         self.probes = probes
         self.calls: list[Call] = []
         self.overflow: list = []  # dropped-id counts of sharded calls that raise
+        self.overflow_warned: list = []  # ... and of those that warn (logged by the host)
         self.resets: list[Reset] = []  # rows re-initialised during the forward (see reset.py)
-        # FATAL bounds checks: collected, not raised from a callback inside the donated step.
+        # Bounds checks: FATAL ones are not raised from a callback inside the donated
+        # step; WARNING ones are step outputs too, so the program holds no callback.
         self.fatal: list[FatalReport] = []
+        self.warning: list[FatalReport] = []
 
     def __enter__(self) -> Tape:
         self._token = _TAPE.set(self)
-        self._fatal = collect_fatal()
-        self.fatal = self._fatal.__enter__()
+        self._checks = collect_checks(warnings=True)
+        self.fatal, self.warning = self._checks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._fatal.__exit__(*exc)
+        self._checks.__exit__(*exc)
         _TAPE.reset(self._token)
 
 
@@ -80,17 +83,30 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
     return jax.tree.map(jnp.add, output, tape.probes[i])
 
 
-def report_overflow(dropped: Any) -> bool:
-    """Hands a sharded call's dropped-id count to the train step, which raises on it.
+def report_overflow(dropped: Any, mode: str = "raise") -> bool:
+    """Hands a sharded call's dropped-id count to the train step, which raises on it
+    (``mode="raise"``) or returns it for the host to log (``"warn"``).
 
     Returns False outside a train step (the caller then logs instead).
     """
+    if mode not in ("raise", "warn"):
+        raise ValueError(f"report_overflow: mode must be 'raise' or 'warn', got {mode!r}")
     tape = _TAPE.get()
     if tape is None:
         return False
     if tape.probes is not None:  # the differentiated pass, not the shape-only one
-        tape.overflow.append(dropped)
+        (tape.overflow if mode == "raise" else tape.overflow_warned).append(dropped)
     return True
+
+
+def log_overflow(dropped: Any) -> None:
+    """The warning of a sharded call that dropped ``dropped > 0`` ids (overflow="warn")."""
+    if int(dropped):
+        logger.warning(
+            "row-wise input_dist dropped %d ids that did not fit the per-destination "
+            "capacity (counted in overflow_count); raise capacity=",
+            int(dropped),
+        )
 
 
 def record_reset(module: nnx.Module, group: str, rows: Any, old: Any) -> bool:
