@@ -40,9 +40,8 @@ guarantees to load on later JAX versions and on any listed platform. The
 Pallas Triton kernels lower to a ``stablehlo.custom_call
 @__gpu$xla.gpu.triton`` carrying Triton IR bytecode, which ``jax.export``
 refuses to serialize ("custom calls whose targets have no compatibility
-guarantees"); ``implementation="pallas"`` disables that one check and the
-manifest then pins the exact JAX version and ``cuda`` (the loader refuses
-another version). Bounds checking is set to ``IGNORE`` (the WARNING/FATAL
+guarantees"), and need static grids while the batch is symbolic here, so
+``implementation="pallas"`` is refused. Bounds checking is set to ``IGNORE`` (the WARNING/FATAL
 modes use a host callback, which cannot be serialized); the loader checks ids
 against ``num_embeddings`` on the host instead.
 
@@ -98,8 +97,7 @@ def export(
         apply_fn: ``apply_fn(model, dense [1, N], kjt) -> [1, ...]`` (default
             ``model(dense, kjt)``), e.g. to add a sigmoid.
         platforms: lowering platforms, e.g. ``("cpu", "cuda")``.
-        implementation: ``"xla"`` (portable, default) or ``"pallas"`` (Triton
-            custom calls: pinned to this JAX version, cuda only).
+        implementation: ``"xla"`` (the only one: ``"pallas"`` raises, see above).
         output_name: a name for the output recorded in the manifest.
         overwrite: replace an existing artifact in ``path``.
         verify: run the deserialized module once (batch of 1, no ids) when this
@@ -118,10 +116,12 @@ def export(
     if implementation not in ("xla", "pallas"):
         raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
     platforms = tuple(platforms)
-    if implementation == "pallas" and platforms != ("cuda",):
+    if implementation == "pallas":
         raise ValueError(
-            f"implementation='pallas' exports Triton kernels: platforms must be ('cuda',), "
-            f"got {platforms}"
+            "implementation='pallas' cannot be exported: an artifact's batch size is "
+            "symbolic and the Triton kernels need a static grid ('dynamic grid bounds not "
+            "supported in the Triton backend'); export with implementation='xla' (the "
+            "default), which XLA compiles for GPUs too"
         )
     dense, kjt = _split_batch(example_batch)
     keys = tuple(kjt.keys())
@@ -171,12 +171,7 @@ def export(
     ]
     if weighted:
         args.append(jax.ShapeDtypeStruct((b, total), jnp.float32))
-    checks = []
-    if implementation == "pallas":
-        checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
-    exported = jax.export.export(jax.jit(forward), platforms=platforms, disabled_checks=checks)(
-        *args
-    )
+    exported = jax.export.export(jax.jit(forward), platforms=platforms)(*args)
     if verify:
         _verify(exported, leaves, args)
     out = exported.out_avals[0]

@@ -1,32 +1,59 @@
-"""``implementation=None | "xla" | "pallas" | "cpu"`` dispatch with fallback.
+"""``implementation=None | "xla" | "pallas" | "cpu"`` dispatch, resolved per lowering platform.
 
-``None`` picks a registered Pallas kernel on GPU, the C++ CPU kernels
-(``jaxrec.cpu``) on the CPU backend when they are built, and XLA elsewhere. A
-kernel that cannot handle its arguments raises ``NotImplementedError`` and the
-call falls back to XLA. Pallas kernels register themselves from
+The program that runs a lookup may be compiled for another platform than the
+one this process runs on (ahead-of-time compilation for GPUs, multi-platform
+``jax.export``), so the choice is not made from ``jax.default_backend()``:
+each call stages one branch per platform with ``jax.lax.platform_dependent``
+and XLA keeps only the branch of the platform it compiles for. The branches:
+
+==============  =====================  =======================  ==========
+implementation  ``cpu``                ``cuda`` / ``rocm``      others
+==============  =====================  =======================  ==========
+``None``        C++ kernel (if built)  Pallas kernel, compiled  XLA
+``"cpu"``       C++ kernel             XLA                      XLA
+``"pallas"``    Pallas, interpreted    Pallas kernel, compiled  Pallas, interpreted
+``"xla"``       XLA                    XLA                      XLA
+==============  =====================  =======================  ==========
+
+A kernel that cannot handle its arguments raises ``NotImplementedError`` and
+its branch runs XLA instead. Pallas kernels register themselves from
 ``jaxrec.pallas`` and CPU kernels from ``jaxrec.cpu``; each package is imported
-the first time one of its kernels may be wanted (so importing jaxrec imports
-neither). ``"cpu"`` runs XLA for ops without a CPU kernel, and when the
-extension cannot be loaded (saying why, once: a warning when ``"cpu"`` was
-asked for, a log line when ``None`` would have picked it).
+the first time one of its kernels may be wanted. When the C++ extension cannot
+be loaded, the CPU branch runs XLA (saying why once: a warning when ``"cpu"``
+was asked for, a log line for ``None``).
+
+Bounds-check reports made inside a branch (the C++ lookup counts bad ids
+itself) leave it as outputs and are reported again outside
+(``jaxrec.ops.bounds.hoist_reports``).
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+
+from .bounds import hoist_reports, report_out_of_range
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
-# Whether ``implementation=None`` picks the C++ kernels on the CPU backend.
+GPU_PLATFORMS = ("cuda", "rocm")
+# Whether ``implementation=None`` picks the C++ kernels on the CPU platform.
 CPU_BY_DEFAULT = True
 _PALLAS: dict[str, Callable] = {}
 _CPU: dict[str, Callable] = {}
 _LOADED = False
 _CPU_LOADED = False
+# The platform whose branch is being traced (None outside any branch): calls
+# nested in a branch choose directly instead of staging branches again.
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxrec_platform", default=None
+)
 
 
 def register_pallas(op: str, fn: Callable) -> None:
+    """``fn(*args, interpret=bool, **kwargs)``: the op's Pallas kernel."""
     _PALLAS[op] = fn
 
 
@@ -62,55 +89,137 @@ def _cpu_kernel(op: str, explicit: bool) -> Callable | None:
     return kernel
 
 
-def _wants_cpu(implementation: str | None, backend: str) -> bool:
+def _check(implementation: str | None) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    return implementation == "cpu" or (
-        implementation is None and backend == "cpu" and CPU_BY_DEFAULT
-    )
 
 
-def try_cpu(op: str, implementation: str | None, *args, **kwargs):
-    """The op's C++ CPU kernel's result, or None when it is not selected or declines.
+def _wants_cpu(implementation: str | None) -> bool:
+    return implementation == "cpu" or (implementation is None and CPU_BY_DEFAULT)
 
-    For entry points whose only accelerated form is a CPU kernel (no Pallas
-    twin): the caller runs its XLA path when this returns None.
-    """
-    if not _wants_cpu(implementation, jax.default_backend()):
+
+def _kernel_for(op: str, implementation: str | None, platform: str) -> Callable | None:
+    """The kernel ``op`` runs on ``platform`` (``"default"``: any other), None for XLA."""
+    if implementation == "xla":
         return None
-    kernel = _cpu_kernel(op, explicit=implementation == "cpu")
-    if kernel is None:
-        return None
-    try:
-        return kernel(*args, **kwargs)
-    except NotImplementedError:
-        return None  # the kernel declined these arguments
+    if platform == "cpu" and _wants_cpu(implementation):
+        return _cpu_kernel(op, explicit=implementation == "cpu")
+    on_gpu = platform in GPU_PLATFORMS
+    if implementation == "pallas" or (implementation is None and on_gpu):
+        _load_kernels()
+        kernel = _PALLAS.get(op)
+        if kernel is None:
+            if implementation == "pallas":
+                raise NotImplementedError(
+                    f"no Pallas kernel is registered for {op!r}; use implementation='xla'"
+                )
+            return None
+        return lambda *a, **k: kernel(*a, interpret=not on_gpu, **k)
+    return None
 
 
 def dispatch(op: str, implementation: str | None, xla_fn: Callable, *args, **kwargs):
-    backend = jax.default_backend()
-    if _wants_cpu(implementation, backend):
-        kernel = _cpu_kernel(op, explicit=implementation == "cpu")
+    """``op``'s kernel for the lowering platform (see the table above), else ``xla_fn``."""
+    _check(implementation)
+
+    def run(platform):
+        kernel = _kernel_for(op, implementation, platform)
         if kernel is not None:
             try:
                 return kernel(*args, **kwargs)
             except NotImplementedError:
                 pass  # the kernel declined these arguments
         return xla_fn(*args, **kwargs)
-    on_gpu = backend == "gpu"
-    if implementation == "pallas" or (implementation is None and on_gpu):
-        _load_kernels()
-    kernel = _PALLAS.get(op)
-    if implementation == "pallas" and kernel is None:
-        raise NotImplementedError(
-            f"no Pallas kernel is registered for {op!r}; use implementation='xla'"
-        )
-    use_pallas = implementation == "pallas" or (
-        implementation is None and kernel is not None and on_gpu
-    )
-    if use_pallas:
-        try:
-            return kernel(*args, **kwargs)
-        except NotImplementedError:
-            pass  # the kernel declined these arguments
-    return xla_fn(*args, **kwargs)
+
+    if implementation == "xla":
+        return xla_fn(*args, **kwargs)
+    return by_platform(run, inputs=(args, kwargs))
+
+
+def try_cpu(op: str, implementation: str | None, fallback: Callable, *args, **kwargs):
+    """The op's C++ kernel where the program runs on CPU, ``fallback()`` elsewhere.
+
+    For entry points whose only accelerated form is a CPU kernel (no Pallas
+    twin); ``fallback`` also runs when the kernel declines its arguments.
+    """
+    _check(implementation)
+    if not _wants_cpu(implementation) or _cpu_kernel(op, implementation == "cpu") is None:
+        return fallback()
+
+    def run(platform):
+        if platform == "cpu":
+            try:
+                return _CPU[op](*args, **kwargs)
+            except NotImplementedError:
+                pass  # the kernel declined these arguments
+        return fallback()
+
+    return by_platform(run, platforms=("cpu",), inputs=(args, kwargs))
+
+
+def by_platform(run: Callable[[str], object], platforms=("cpu", *GPU_PLATFORMS), inputs=()):
+    """``run(platform)`` for the platform the program is lowered for.
+
+    ``run`` is traced once per platform in ``platforms`` and once for any other
+    (``"default"``); inside a branch already chosen, it runs that platform's
+    directly. Reports made inside a branch leave it as outputs (they must be
+    the same checks in every branch) and are reported here. Inside a
+    ``shard_map``, outputs vary over every mesh axis some array of ``inputs``
+    varies over (an FFI call's outputs carry no such type, an XLA path's do,
+    and the branches must agree).
+    """
+    vma = frozenset().union(*(_vma(x) for x in jax.tree.leaves(inputs)))
+    known = _PLATFORM.get()
+    if known is not None:
+        return run(known if known in platforms else "default")
+    kinds: list = []
+
+    def branch(platform):
+        def traced():
+            token = _PLATFORM.set(platform)
+            try:
+                with hoist_reports() as reports:
+                    out = run(platform)
+            finally:
+                _PLATFORM.reset(token)
+            kind = [(r.where, r.mode) for r in reports]
+            if kinds and kind != kinds[0]:
+                raise AssertionError(
+                    f"platform branches report different checks: {kinds[0]} / {kind}"
+                )
+            kinds.append(kind)
+            return _varying((out, [(r.count, _widen(r.example)) for r in reports]), vma)
+
+        return traced
+
+    per_platform = {p: branch(p) for p in platforms}
+    out, counts = jax.lax.platform_dependent(default=branch("default"), **per_platform)
+    for (where, mode), (count, example) in zip(kinds[0], counts, strict=True):
+        report_out_of_range(count, example, mode, where)
+    return out
+
+
+def _vma(x) -> frozenset:
+    """Mesh axes ``x`` varies over inside a ``shard_map`` (JAX 0.10: ``aval.mat.varying``)."""
+    if not isinstance(x, jax.Array):
+        return frozenset()
+    return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()))
+
+
+def _varying(tree, vma: frozenset):
+    """``tree`` with every array cast to vary over ``vma`` too (a no-op outside shard_map)."""
+    if not vma:
+        return tree
+
+    def cast(x):
+        missing = tuple(sorted(vma - _vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _widen(example: jax.Array) -> jax.Array:
+    """Narrow integer examples as int32: branches may find the same id in different widths."""
+    if jnp.issubdtype(example.dtype, jnp.integer) and example.dtype.itemsize < 4:
+        return example.astype(jnp.int32)
+    return example

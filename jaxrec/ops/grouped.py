@@ -131,9 +131,10 @@ def grouped_pooled_lookup(
         where=where,
         implementation=implementation,
     )
-    out = try_cpu(
+    return try_cpu(
         "grouped_pooled_lookup",
         implementation,
+        lambda: xla_fn(weights, features),
         weights,
         features,
         slots,
@@ -142,7 +143,6 @@ def grouped_pooled_lookup(
         where=where,
         xla_fn=xla_fn,
     )
-    return xla_fn(weights, features) if out is None else out
 
 
 def _grouped_pooled_xla(

@@ -202,7 +202,7 @@ def quant_pooled_lookup_reference(
 
 
 def quant_embedding_bag_pallas(
-    qweights, rows, segment_ids, num_segments, per_value_scale=None, *, dim, dtype
+    qweights, rows, segment_ids, num_segments, per_value_scale=None, *, dim, dtype, interpret
 ):
     """``jaxrec.inference.quant_embedding_bag`` on :func:`quant_pooled_lookup`."""
     if dtype not in KERNEL_DTYPES:
@@ -211,7 +211,6 @@ def quant_embedding_bag_pallas(
     starts, ends = ranges_from_segments(segment_ids, num_segments)
     scale = jnp.ones(rows.shape, jnp.float32) if per_value_scale is None else per_value_scale
     scale = jnp.where(segment_ids < num_segments, scale.astype(jnp.float32), 0.0)
-    interpret = jax.default_backend() != "gpu"
     return quant_pooled_lookup(
         qweights, rows, starts, ends, scale, segment_ids, dim=dim, dtype=dtype,
         interpret=interpret,

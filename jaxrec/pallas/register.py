@@ -1,12 +1,13 @@
 """Adapters from ``jaxrec.ops`` entry points to the Pallas kernels, and their registration.
 
 ``jaxrec.ops.dispatch`` imports this package the first time a Pallas kernel
-may be wanted (``implementation="pallas"``, or ``None`` on a GPU backend), so
-importing jaxrec stays cheap on CPU. On GPU the kernels are compiled; on any
-other backend a forced ``"pallas"`` runs them in the Pallas interpreter (slow:
-for tests). Forward kernels get a ``custom_vjp`` whose backward is the XLA
-path's autodiff (the gradient oracle), so ``jax.grad`` through a lookup works
-whichever forward ran.
+may be wanted (``implementation="pallas"``, or ``None`` when a program may be
+lowered for a GPU), so importing jaxrec stays cheap. Each adapter takes
+``interpret``: the dispatcher passes False in the branch it stages for GPUs
+(compiled through Triton) and True for other platforms, where a forced
+``"pallas"`` runs in the Pallas interpreter (slow: for tests). Forward kernels
+get a ``custom_vjp`` whose backward is the XLA path's autodiff (the gradient
+oracle), so ``jax.grad`` through a lookup works whichever forward ran.
 """
 
 from __future__ import annotations
@@ -24,19 +25,15 @@ from .sequence import sequence_lookup
 from .update import fused_backward_update, sparse_update
 
 
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _bag(weights, rows, segment_ids, num_segments, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 5))
+def _bag(weights, rows, segment_ids, num_segments, scale, interpret):
     starts, ends = ranges_from_segments(segment_ids, num_segments)
     scale = jnp.where(segment_ids < num_segments, scale.astype(jnp.float32), 0.0)
-    return pooled_lookup(weights, rows, starts, ends, scale, segment_ids, interpret=_interpret())
+    return pooled_lookup(weights, rows, starts, ends, scale, segment_ids, interpret=interpret)
 
 
-def _bag_fwd(weights, rows, segment_ids, num_segments, scale):
-    return _bag(weights, rows, segment_ids, num_segments, scale), (
+def _bag_fwd(weights, rows, segment_ids, num_segments, scale, interpret):
+    return _bag(weights, rows, segment_ids, num_segments, scale, interpret), (
         weights,
         rows,
         segment_ids,
@@ -44,7 +41,7 @@ def _bag_fwd(weights, rows, segment_ids, num_segments, scale):
     )
 
 
-def _bag_bwd(num_segments, res, g):
+def _bag_bwd(num_segments, interpret, res, g):
     weights, rows, segment_ids, scale = res
     _, vjp = jax.vjp(
         lambda w, s: embedding_bag_xla(w, rows, segment_ids, num_segments, s), weights, scale
@@ -56,40 +53,48 @@ def _bag_bwd(num_segments, res, g):
 _bag.defvjp(_bag_fwd, _bag_bwd)
 
 
-def embedding_bag_pallas(weights, rows, segment_ids, num_segments, per_value_scale=None):
+def embedding_bag_pallas(
+    weights, rows, segment_ids, num_segments, per_value_scale=None, *, interpret
+):
     """``jaxrec.ops.embedding_bag`` on :func:`pooled_lookup` (segments -> ranges first)."""
     scale = jnp.ones(rows.shape, jnp.float32) if per_value_scale is None else per_value_scale
-    return _bag(weights, rows, segment_ids.astype(jnp.int32), num_segments, scale)
+    return _bag(weights, rows, segment_ids.astype(jnp.int32), num_segments, scale, interpret)
 
 
-@jax.custom_vjp
-def embedding_gather_pallas(weights, rows, valid):
+def embedding_gather_pallas(weights, rows, valid, *, interpret):
     """``jaxrec.ops.embedding_gather`` on :func:`sequence_lookup`."""
-    return sequence_lookup(weights, rows, valid, interpret=_interpret())
+    return _gather(weights, rows, valid, interpret)
 
 
-def _gather_fwd(weights, rows, valid):
-    return embedding_gather_pallas(weights, rows, valid), (weights, rows, valid)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather(weights, rows, valid, interpret):
+    return sequence_lookup(weights, rows, valid, interpret=interpret)
 
 
-def _gather_bwd(res, g):
+def _gather_fwd(weights, rows, valid, interpret):
+    return _gather(weights, rows, valid, interpret), (weights, rows, valid)
+
+
+def _gather_bwd(interpret, res, g):
     weights, rows, valid = res
     _, vjp = jax.vjp(lambda w: embedding_gather_xla(w, rows, valid), weights)
     return (*vjp(g), None, None)
 
 
-embedding_gather_pallas.defvjp(_gather_fwd, _gather_bwd)
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None):
+def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None, *, interpret):
     """``jaxrec.train.sparse_update``'s row update on :func:`sparse_update`."""
-    return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=_interpret())
+    return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=interpret)
 
 
-def fused_backward_update_pallas(optimizer, table, state, out_grad, seg, scale, rows, valid):
+def fused_backward_update_pallas(
+    optimizer, table, state, out_grad, seg, scale, rows, valid, *, interpret
+):
     """``jaxrec.train.backward_update`` on :func:`fused_backward_update`."""
     return fused_backward_update(
-        optimizer, table, state, out_grad, seg, scale, rows, valid, interpret=_interpret()
+        optimizer, table, state, out_grad, seg, scale, rows, valid, interpret=interpret
     )
 
 

@@ -13,6 +13,7 @@ or gradients are not finite, applies nothing (see ``guard.py``).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -328,42 +329,45 @@ def _sparse_update(
         subs = optimizer.subgroups(module, grp)
         fused = len(subs) == 1 and subs[0].covers_group  # one optimizer: the fused path
         key = state_key(path, name, 0)
-        if fused and len(parts) == 1 and hasattr(module, "output_columns"):
-            # One pooled call: the C++ CPU kernel reads the KJT and the output
-            # gradient directly (the sources traced above are then dead code,
-            # which XLA drops).
-            (feats, g), cols = raw[(path, name)][0], module.output_columns()
-            out = try_cpu(
-                "kjt_backward_update",
-                implementation,
-                subs[0].optimizer,
-                leaves[i],
-                sparse_state[key],
-                g,
-                feats,
-                grp.slots,
-                tuple(cols[o] for o in grp.outputs),
-                is_weighted=module.is_weighted(),
-                dep=finite_loss,
-            )
-            if out is not None:
-                leaves[i], sparse_state[key] = out
-                continue
-        flat, seg, scale, rows, valid = _concat_sources(parts)
-        flat = flat + 0.0 * finite_loss  # see above
         if fused:
-            leaves[i], sparse_state[key] = backward_update(
+            flat, seg, scale, rows, valid = _concat_sources(parts)
+
+            generic = functools.partial(
+                backward_update,
                 subs[0].optimizer,
                 leaves[i],
                 sparse_state[key],
-                flat,
+                flat + 0.0 * finite_loss,  # see above
                 seg,
                 scale,
                 rows,
                 valid,
                 implementation=implementation,
             )
+            if len(parts) == 1 and hasattr(module, "output_columns"):
+                # One pooled call: where the program runs on CPU, the C++ kernel
+                # reads the KJT and the output gradient directly (the sources
+                # traced above are then dead code, which XLA drops).
+                (feats, g), cols = raw[(path, name)][0], module.output_columns()
+                leaves[i], sparse_state[key] = try_cpu(
+                    "kjt_backward_update",
+                    implementation,
+                    generic,
+                    subs[0].optimizer,
+                    leaves[i],
+                    sparse_state[key],
+                    g,
+                    feats,
+                    grp.slots,
+                    tuple(cols[o] for o in grp.outputs),
+                    is_weighted=module.is_weighted(),
+                    dep=finite_loss,
+                )
+            else:
+                leaves[i], sparse_state[key] = generic()
             continue
+        flat, seg, scale, rows, valid = _concat_sources(parts)
+        flat = flat + 0.0 * finite_loss  # see above
         unique, summed = dedup_rows(
             rows, source_grads(flat, seg, scale, valid), valid, grp.num_rows
         )

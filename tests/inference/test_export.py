@@ -250,20 +250,26 @@ def test_pallas_triton_call_is_refused_by_jax_export():
     assert TRITON_TARGET in exp.mlir_module()
 
 
-def test_pallas_export_is_pinned(model, tmp_path):
-    """implementation='pallas' marks the artifact non-portable (cuda, this JAX version).
-    Off a GPU the model's kernels trace in interpret mode: no Triton call then."""
+def test_pallas_export_is_refused(model, tmp_path):
+    """The Triton kernels need static grids, and an artifact's batch is symbolic."""
     dense, kjt, _ = make_batch(2)
-    m = export(
-        model,
-        (dense, kjt),
-        tmp_path / "p",
-        platforms=("cuda",),
-        implementation="pallas",
-        max_ids_per_sample=2,
+    with pytest.raises(ValueError, match="implementation='xla'"):
+        export(model, (dense, kjt), tmp_path / "p", platforms=("cuda",), implementation="pallas")
+    assert not (tmp_path / "p").exists()
+
+
+def test_pallas_kernel_with_a_symbolic_batch_does_not_lower_for_cuda():
+    """Why the refusal: if JAX learns dynamic Triton grids, this fails and export may allow it."""
+    from jaxrec.pallas.pooled import pooled_lookup
+
+    (b,) = jax.export.symbolic_shape("b")
+    args = (
+        jax.ShapeDtypeStruct((64, 16), jnp.float32),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
     )
-    assert not m["portable"] and m["implementation"] == "pallas"
-    exp = jax.export.deserialize(bytearray((tmp_path / "p/module.jaxexport").read_bytes()))
-    assert (TRITON_TARGET in exp.mlir_module()) == (jax.default_backend() == "gpu")
-    with pytest.raises(ValueError, match="platforms must be"):
-        export(model, (dense, kjt), tmp_path / "q", implementation="pallas")
+    f = jax.jit(lambda w, r, s, e: pooled_lookup(w, r, s, e))
+    check = jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)
+    with pytest.raises((NotImplementedError, ValueError), match="dynamic"):
+        jax.export.export(f, platforms=("cuda",), disabled_checks=[check])(*args)

@@ -33,7 +33,7 @@ def test_importing_jaxrec_does_not_import_pallas():
 def test_default_is_xla_off_gpu_and_fallback_on_not_implemented():
     calls = []
 
-    def kernel(x):
+    def kernel(x, *, interpret):
         calls.append(x)
         if x < 0:
             raise NotImplementedError("declined")
