@@ -563,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
         if out:
             out.write(json.dumps(rec) + "\n")
+            out.flush()  # a long --gpu run keeps what it has measured
     if out:
         out.close()
     if not args.no_unsharded and not args.gpu:

@@ -39,6 +39,9 @@ class StepReport(NamedTuple):
     # logged by the host (see step_warnings.py), not by callbacks inside the step.
     warnings: dict[str, tuple[jax.Array, jax.Array]]
     overflow_warned: tuple[jax.Array, ...]
+    # int32 [n]: those counts stacked (checks, then overflows), the one array the host
+    # reads per step (None: nothing can warn)
+    counts: jax.Array | None
 
 
 class BoundsCheckError(ValueError):
@@ -71,6 +74,14 @@ def merge_reports(reports: Sequence[FatalReport]) -> dict[str, tuple[jax.Array, 
         else:
             out[r.where] = (r.count, r.example)
     return out
+
+
+def warned(warnings: dict, overflow: Sequence[jax.Array]) -> tuple:
+    """``(warnings, overflow, counts)`` of a :class:`StepReport`."""
+    warnings = dict(sorted(warnings.items()))  # the order a jitted function returns a dict in
+    counts = [c for c, _ in warnings.values()] + list(overflow)
+    stacked = jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]) if counts else None
+    return warnings, tuple(overflow), stacked
 
 
 def fatal_failures(fatal: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple[int, int]]:

@@ -119,7 +119,7 @@ class TrainPipeline:
         if self._skipped is not None:
             self._skipped.add(report.skipped)
         if self._warnings is not None:
-            self._warnings.add(report.warnings, report.overflow_warned)
+            self._warnings.add(report)
         self._check_report()  # the previous step's: long finished, no stall
         self._report = report
         self._window.push(loss)

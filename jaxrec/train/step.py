@@ -129,7 +129,7 @@ def make_train_step(
             dropped = sum(tape.overflow) if tape.overflow else None
             reset_rows = [(r.rows, r.old) for r in tape.resets]
             fatal = guard.merge_reports(tape.fatal)
-            warned = (guard.merge_reports(tape.warning), tuple(tape.overflow_warned))
+            warned = guard.warned(guard.merge_reports(tape.warning), tape.overflow_warned)
             features = [c.features for c in tape.calls]
             return loss, (aux, features, tables, rest, reset_rows, dropped, fatal, warned)
 
@@ -179,7 +179,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Any):
         new, loss, aux, report = jitted(state, batch)
         skipped_steps.add(report.skipped)
-        step_warnings.add(report.warnings, report.overflow_warned)
+        step_warnings.add(report)
         try:
             raise_for_report(report, new)
         except (BoundsCheckError, CapacityOverflowError):
