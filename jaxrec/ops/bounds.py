@@ -14,9 +14,10 @@ feature); inside a train step it is collected too: the step applies nothing
 and raises ``jaxrec.train.BoundsCheckError`` holding the unchanged state.
 ``NONE`` skips the check: an out-of-range id then reads an arbitrary row (XLA
 clamps gather indices, and in a stacked buffer that is a neighbouring table's
-row): use it only for ids known to be valid. Ids are out of range when ``< 0`` or ``>= num_embeddings``,
-compared in the ids' own dtype (any JAX integer dtype; never after a narrowing
-cast, so a uint32 id >= 2**31 is out of range, not a negative row).
+row): use it only for ids known to be valid. Ids are out of range when ``< 0``
+or ``>= num_embeddings``, compared in the ids' own dtype (any JAX integer
+dtype; never after a narrowing cast, so a uint32 id >= 2**31 is out of range,
+not a negative row).
 """
 
 from __future__ import annotations
