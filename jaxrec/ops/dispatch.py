@@ -154,16 +154,17 @@ def try_cpu(op: str, implementation: str | None, fallback: Callable, *args, **kw
                 pass  # the kernel declined these arguments
         return fallback()
 
-    return by_platform(run, platforms=("cpu",), inputs=(args, kwargs))
+    return by_platform(run, inputs=(args, kwargs))
 
 
-def by_platform(run: Callable[[str], object], platforms=("cpu", *GPU_PLATFORMS), inputs=()):
+def by_platform(run: Callable[[str], object], inputs=()):
     """``run(platform)`` for the platform the program is lowered for.
 
-    ``run`` is traced once per platform in ``platforms`` and once for any other
-    (``"default"``); inside a branch already chosen, it runs that platform's
-    directly. Reports made inside a branch leave it as outputs (they must be
-    the same checks in every branch) and are reported here. Inside a
+    ``run`` is traced once for CPU, once for GPUs and once for any other
+    platform (``"default"``); calls nested in a branch see its platform and run
+    directly (so a C++-or-fallback choice keeps the fallback's own kernels).
+    Reports made inside a branch leave it as outputs (they must be the same
+    checks in every branch) and are reported here. Inside a
     ``shard_map``, outputs vary over every mesh axis some array of ``inputs``
     varies over (an FFI call's outputs carry no such type, an XLA path's do,
     and the branches must agree).
@@ -171,7 +172,7 @@ def by_platform(run: Callable[[str], object], platforms=("cpu", *GPU_PLATFORMS),
     vma = frozenset().union(*(_vma(x) for x in jax.tree.leaves(inputs)))
     known = _PLATFORM.get()
     if known is not None:
-        return run(known if known in platforms else "default")
+        return run(known)
     kinds: list = []
 
     def branch(platform):
@@ -192,7 +193,10 @@ def by_platform(run: Callable[[str], object], platforms=("cpu", *GPU_PLATFORMS),
 
         return traced
 
-    per_platform = {p: branch(p) for p in platforms}
+    # One branch object for every GPU platform: platform_dependent joins equal
+    # branches, so the GPU code is traced once (GPU platforms choose alike).
+    gpu = branch(GPU_PLATFORMS[0])
+    per_platform = {"cpu": branch("cpu"), **{p: gpu for p in GPU_PLATFORMS}}
     out, counts = jax.lax.platform_dependent(default=branch("default"), **per_platform)
     for (where, mode), (count, example) in zip(kinds[0], counts, strict=True):
         report_out_of_range(count, example, mode, where)

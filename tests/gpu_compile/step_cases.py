@@ -122,6 +122,14 @@ def _collectives(compiled) -> dict[str, int]:
     return counts
 
 
+def _kernels(compiled) -> dict[str, int]:
+    """Custom calls of the GPU program: Pallas (Triton) kernels, and jaxrec's CPU FFI targets
+    (which must never land in a GPU program: the lowering platform picks the branch)."""
+    text = compiled.as_text()
+    return {"triton": text.count('custom_call_target="__gpu$xla.gpu.triton"'),
+            "cpu_ffi": text.count('custom_call_target="jaxrec_')}  # fmt: skip
+
+
 def dlrm_unsharded(*, rows=10_000_000, num_tables=8, dim=128, batch=4096, ids_per_bag=20,
                    implementation=None, bounds_check=None):  # fmt: skip
     """One H100: 8 tables of 10M x 128 fp32 (41 GB), row-wise Adagrad, batch 4096 x 20 ids."""
@@ -141,6 +149,7 @@ def dlrm_unsharded(*, rows=10_000_000, num_tables=8, dim=128, batch=4096, ids_pe
         "compile_s": time.perf_counter() - t0,
         "memory": ds.memory_report(compiled, state),
         "table_bytes": rows * num_tables * dim * 4,
+        "kernels": _kernels(compiled),
     }
     return compiled, facts
 
@@ -173,6 +182,7 @@ def _sharded(tables, plan, topology, batch, ids_per_bag, implementation, bounds_
         "compile_s": seconds,
         "memory": ds.memory_report(compiled, state, estimate),
         "collectives": _collectives(compiled),
+        "kernels": _kernels(compiled),
     }
     return compiled, facts
 

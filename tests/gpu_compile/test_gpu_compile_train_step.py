@@ -49,3 +49,15 @@ def test_planner_estimate_matches_the_gpu_compiler(results, name):
     mem = result.facts["memory"]
     assert abs(mem["ratio_tables_state"] - 1) < 0.01, mem
     assert 1.0 <= mem["ratio_buffers_temp"] <= 2.5, mem
+
+
+@pytest.mark.parametrize("name", [c.name for c in step_cases.CASES])
+def test_gpu_programs_use_the_pallas_kernels_and_no_cpu_kernel(results, name):
+    """The default (and forced "pallas") lookups and updates are Triton kernels in a GPU
+    program, chosen for the lowering platform on this CPU host; no C++ FFI call leaks in."""
+    result = results[name]
+    if not result.ok:
+        pytest.fail(f"{name} did not compile: {result.error}")
+    kernels = result.facts["kernels"]
+    assert kernels["cpu_ffi"] == 0, kernels
+    assert kernels["triton"] >= 1, kernels

@@ -118,3 +118,36 @@ def test_update_subgroup_pallas_equals_xla(covers):
     want = update_subgroup(*args, implementation="xla")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas", "xla", "cpu"])
+def test_the_lowering_platform_picks_the_kernels(implementation):
+    """One traced train step, lowered for cuda and for cpu on this (CPU) host: the GPU
+    program holds the Triton kernels (forward and fused update) and never the C++ FFI
+    calls; the CPU program holds the C++ kernels where ``None``/``"cpu"`` asks for them."""
+    import optax
+    from flax import nnx
+
+    from jaxrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from jaxrec.cpu import loader
+    from jaxrec.train import init_train_state, make_train_step
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["a"])]
+    model = EmbeddingBagCollection(tables, rngs=nnx.Rngs(0), implementation=implementation)
+    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
+    graphdef, state = init_train_state(model, opt)
+    loss = lambda m, kjt: jnp.sum(m(kjt).values() ** 2)
+    step = make_train_step(graphdef, opt, loss, implementation=implementation)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a"], [1, 2, 3, 4], [2, 0, 2], capacities={"a": 8})
+    traced = step.jitted.trace(state, kjt)
+    gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    pallas_on_gpu = implementation in (None, "pallas")
+    assert (gpu.count(TRITON) >= 2) == pallas_on_gpu  # lookup + fused backward update
+    assert "@jaxrec_" not in gpu  # custom calls to the C++ kernels (FFI targets)
+    assert TRITON not in cpu
+    if loader.available():
+        assert ("@jaxrec_" in cpu) == (implementation in (None, "cpu"))
