@@ -69,6 +69,7 @@ from flax import nnx  # noqa: E402
 
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
+from jaxrec.ops.bounds import BoundsCheckMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_jaxrec, cpu_model, jaxrec_kjt, record, time_ms  # noqa: E402
@@ -149,8 +150,10 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
     forward's, so ids move once. Data-parallel groups all_gather their row
     gradients (int32 rows, float32 grads, bool mask per local id). The loss
     (a sum over the sharded batch) adds one float32 all-reduce, the dropped-id
-    count one int32 all-reduce. Row-wise Adagrad reduces each row once: groups
-    holding column-split tables all-reduce one float32 per row of those tables.
+    count one int32 all-reduce, the id check of each feature (WARNING or
+    FATAL) one int32 count and one id each, reduced together. Row-wise Adagrad
+    reduces each row once: groups holding column-split tables all-reduce one
+    float32 per row of those tables.
     """
     n, b = WORLD, spec.B
     out = {
@@ -161,7 +164,13 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
         "loss_all_reduce": F32,
         "overflow_all_reduce": I32,
         "row_sum_all_reduce": 0,
+        "bounds_report_all_reduce": 0,
     }
+    if BoundsCheckMode(ebc.bounds_check_mode) in (BoundsCheckMode.WARNING, BoundsCheckMode.FATAL):
+        # each feature's id check (sharded tables' and replicated ones' lookups):
+        # its count summed, a bad id max-reduced
+        checked = sum(t.num_features() for t in ebc.table_configs)
+        out["bounds_report_all_reduce"] = checked * (I32 + kjt.values().dtype.itemsize)
     dims = {t.name: t.embedding_dim for t in ebc.table_configs}
     rows = {t.name: t.num_embeddings for t in ebc.table_configs}
     for g in ebc.layout.groups:

@@ -187,19 +187,27 @@ class ShardedCollection(nnx.Module):
                 values, overflow = self._forward_local(tables, kjt_stacked)
             found = [(BoundsCheckMode.FATAL, r) for r in checks.fatal]
             found += [(BoundsCheckMode.WARNING, r) for r in checks.warning or ()]
-            wheres.extend((mode, r.where) for mode, r in found)
-            return values, overflow, [(r.count[None], r.example[None]) for _, r in found]
+            wheres.extend((mode, r.where, jnp.dtype(r.example.dtype).name) for mode, r in found)
+            return values, overflow, _stack_checks([r for _, r in found])
 
-        values, overflow, found = jax.shard_map(
+        values, overflow, (counts, examples) = jax.shard_map(
             local,
             mesh=self.mesh,
             in_specs=(self._specs(), P(self.axis)),
             out_specs=(P(self.axis), P(self.axis), P(self.axis)),
             check_vma=False,
         )(tables, features)
-        for (mode, where), (count, example) in zip(wheres, found, strict=True):
-            first = example[jnp.argmax(count > 0)]
-            report_out_of_range(jnp.sum(count), first, mode, where)
+        # Every check's count summed and a bad id of any device, in one all-reduce
+        # per array (not one gather per check: a model has a check per feature).
+        bad = counts > 0
+        totals = jnp.sum(counts, axis=0)
+        picked = {}
+        for dt, ex in examples.items():
+            idx = [k for k, w in enumerate(wheres) if w[2] == dt]
+            best = jnp.max(jnp.where(bad[:, idx], ex, _lowest(ex.dtype)), axis=0)
+            picked.update((k, best[i]) for i, k in enumerate(idx))
+        for k, (mode, where, _) in enumerate(wheres):
+            report_out_of_range(totals[k], picked[k], mode, where)
         return values, overflow
 
     def __call__(self, features):
@@ -471,3 +479,18 @@ def _gathered(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.array(x)
+
+
+def _stack_checks(reports) -> tuple:
+    """``(counts [1, k] int32, {example dtype name: examples [1, k_dtype]})`` in check order."""
+    zero = [jnp.zeros((), jnp.int32)]
+    counts = jnp.stack([jnp.asarray(r.count, jnp.int32) for r in reports] or zero)
+    by_dtype: dict = {}
+    for r in reports:
+        by_dtype.setdefault(jnp.dtype(r.example.dtype).name, []).append(r.example)
+    return counts[None], {dt: jnp.stack(ex)[None] for dt, ex in by_dtype.items()}
+
+
+def _lowest(dtype):
+    dtype = jnp.dtype(dtype)
+    return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else -jnp.inf
