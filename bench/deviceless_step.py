@@ -25,12 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import train
-
-# XLA sends sorts of more than 16,384 keys to CUB's radix sort and asks the CUDA
-# runtime for its scratch size; without a device that fails ("cudaErrorInvalidDevice:
-# invalid device ordinal"). XLA's own sort kernels compile instead; CUB's scratch is
-# then missing from the temporaries (tests/gpu_compile/compile_runner.py says the same).
-COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+from jaxrec.deviceless import COMPILER_OPTIONS  # no CUB sort without a device: see there
 TARGET = "deviceless compile for H100 (sm_90a), no GPU run"
 
 

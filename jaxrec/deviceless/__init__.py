@@ -16,7 +16,7 @@ Example:
     >>> topo = deviceless.topology("1x1x8")  # one host, 8 H100s
     >>> mesh = deviceless.mesh(topo, ("model",))
     >>> table = deviceless.abstract((80_000_000, 128), "float32", mesh, P("model"))
-    >>> compiled = jax.jit(f).trace(table).lower().compile()
+    >>> compiled = jax.jit(f).trace(table).lower().compile(deviceless.COMPILER_OPTIONS)
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 REPLICATED = PartitionSpec()
+# Pass to ``.compile(compiler_options=...)``. XLA rewrites sorts of more than
+# 16,384 keys (the sparse update's id sort) into CUB's radix sort, whose scratch
+# size it asks the CUDA runtime for: without a device that fails with
+# "cudaErrorInvalidDevice: invalid device ordinal". Without CUB, XLA compiles
+# its own sort kernels; everything else is unchanged, but memory_analysis's
+# temporaries then lack CUB's scratch (about the sorted keys and values again).
+COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 TARGETS = ("h100_sxm",)  # target descriptions shipped here (XLA's, gpu_device_info only)
 
 

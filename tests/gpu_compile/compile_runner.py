@@ -121,11 +121,7 @@ def parse_spills(lines: Iterable[str]) -> tuple[tuple[str, int, int], ...]:
 # ----------------------------------------------------------------------------- worker side
 
 
-# XLA rewrites sorts of more than 16,384 keys into CUB's radix sort, whose
-# scratch size it asks the CUDA runtime for: deviceless, that fails with
-# "cudaErrorInvalidDevice: invalid device ordinal". Without CUB, XLA compiles
-# its own sort kernels; the Pallas kernels and everything else are unchanged
-# (CUB's scratch is then missing from memory_analysis's temp bytes).
+# No CUB radix sort without a device (see jaxrec.deviceless.COMPILER_OPTIONS).
 COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
