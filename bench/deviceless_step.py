@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrec import train
 from jaxrec.deviceless import COMPILER_OPTIONS  # no CUB sort without a device: see there
+
 TARGET = "deviceless compile for H100 (sm_90a), no GPU run"
 
 
