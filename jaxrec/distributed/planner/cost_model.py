@@ -9,33 +9,51 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .options import ShardSpec, TableInfo
 from .perf import Perf, replicated_perf, sharded_perf_coeffs
-from .storage import replicated_memory, sharded_memory_coeffs, state_bytes_per_row
+from .storage import (
+    replicated_memory,
+    row_sum_bytes,
+    row_sum_calls,
+    sharded_memory_coeffs,
+    state_bytes_per_row,
+)
 from .topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-    """Costs of one ``(columns, dtype, state bytes)`` group: ``mem = a*R + b*C + c*S``."""
+    """Costs of one ``(columns, dtype, state bytes)`` group: ``mem = a*R + b*C + c*S``,
+    plus, once it holds a column shard, ``max(mem_id_split * C, row sums)`` (see
+    :meth:`buffers`)."""
 
     weight_row: float
     state_row: float
     mem_row: float
     mem_id: float
+    mem_id_split: float
     mem_slot: float
     perf_id: Perf
     perf_slot: Perf
     time_id: float  # perf_id.total
     time_slot: float
 
-    def memory(self, rows: float, ids: float, slots: float) -> tuple[float, float, float]:
+    def buffers(self, ids, slots, split: bool = False, row_sum: float = 0.0):
+        """Lookup buffer bytes (``ids`` may be an array). A group with column shards
+        holds, after its row gradients, either its row-sum vectors or its updated
+        rows: the update computes the rows from the completed sums, so the
+        vectors are dead by then (``storage.row_sum_bytes``)."""
+        extra = np.maximum(ids * self.mem_id_split, row_sum) if split else 0.0
+        return ids * self.mem_id + slots * self.mem_slot + extra
+
+    def memory(
+        self, rows: float, ids: float, slots: float, split: bool = False, row_sum: float = 0.0
+    ) -> tuple[float, float, float]:
         """``(weights, optimizer state, buffers)`` bytes."""
-        return (
-            rows * self.weight_row,
-            rows * self.state_row,
-            ids * self.mem_id + slots * self.mem_slot,
-        )
+        buffers = float(self.buffers(ids, slots, split, row_sum))
+        return rows * self.weight_row, rows * self.state_row, buffers
 
     def perf(self, ids: float, slots: float) -> Perf:
         return self.perf_id.scale(ids) + self.perf_slot.scale(slots)
@@ -70,14 +88,17 @@ class CostModel:
     def capped(self, ids: float) -> float:
         return ids if self.capacity is None else min(ids, self.capacity)
 
+    def row_sums(self, table: TableInfo) -> float:
+        """Bytes on every device of a column-split table's per-row sums (see storage)."""
+        return row_sum_bytes(table.rows, row_sum_calls(table.optimizer, self._state))
+
     def shard_memory(self, table: TableInfo, shard: ShardSpec) -> float:
         """Bytes of one shard as if alone in its width group."""
         g = self.group_cost(table, shard.ncols)
-        return (
-            shard.nrows * g.mem_row
-            + self.capped(table.ids) * g.mem_id
-            + table.num_features * g.mem_slot
-        )
+        split = shard.ncols < table.dim
+        row_sum = self.row_sums(table) if split else 0.0
+        buffers = g.buffers(self.capped(table.ids), table.num_features, split, row_sum)
+        return shard.nrows * g.mem_row + float(buffers)
 
     def shard_perf(self, table: TableInfo, shard: ShardSpec) -> float:
         g = self.group_cost(table, shard.ncols)

@@ -26,7 +26,7 @@ from .perf import Perf
 
 class _Group:
     __slots__ = ("key", "cost", "rows", "ids", "slots", "max_rows", "max_ids", "max_slots", "opts",
-                 "tables")  # fmt: skip
+                 "tables", "split", "row_sum")  # fmt: skip
 
     def __init__(self, key, cost: GroupCost, n: int):
         self.key, self.cost = key, cost
@@ -36,6 +36,12 @@ class _Group:
         self.max_rows = self.max_ids = self.max_slots = 0
         self.opts: dict[int, str] = {}
         self.tables: list[str] = []
+        self.split = False  # holds a column shard: updated by the XLA path (storage.py)
+        self.row_sum = 0.0  # bytes of its column-split tables' row-sum vectors
+
+    def buffers(self, ids, slots, split=None, row_sum=None):
+        split = self.split if split is None else split
+        return self.cost.buffers(ids, slots, split, self.row_sum if row_sum is None else row_sum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +133,28 @@ class _Run:
 
     # ----- what-if and apply -----
     def _delta(self, items) -> tuple[float, float]:
-        """Padded (memory, time) increase of placing ``items`` [(group, rank, rows, ids, slots)]."""
+        """Padded (memory, time) increase of placing ``items``
+        [(group, rank, rows, ids, slots, column split, table key, row-sum bytes)]."""
         new: dict[int, list] = {}
-        for g, r, nr, ids, ns in items:
+        for g, r, nr, ids, ns, split, key, rs in items:
             m = new.get(id(g))
             if m is None:
-                m = new[id(g)] = [g, g.max_rows, g.max_ids, g.max_slots]
+                m = new[id(g)] = [g, g.max_rows, g.max_ids, g.max_slots, g.split, g.row_sum, set()]
             m[1] = max(m[1], int(g.rows[r]) + nr)
             m[2] = max(m[2], int(g.ids[r]) + ids)
             m[3] = max(m[3], int(g.slots[r]) + ns)
+            m[4] = m[4] or split
+            if split and key not in g.tables and key not in m[6]:
+                m[5] += rs
+                m[6].add(key)
         dm = dt = 0.0
-        for g, rows, ids, slots in new.values():
+        for g, rows, ids, slots, split, row_sum, _ in new.values():
             c = g.cost
-            d_ids = self._capped(ids) - self._capped(g.max_ids)
+            new_ids, old_ids = self._capped(ids), self._capped(g.max_ids)
             d_slots = slots - g.max_slots
-            dm += (rows - g.max_rows) * c.mem_row + d_ids * c.mem_id + d_slots * c.mem_slot
-            dt += d_ids * c.time_id + d_slots * c.time_slot
+            dm += (rows - g.max_rows) * c.mem_row
+            dm += float(g.buffers(new_ids, slots, split, row_sum) - g.buffers(old_ids, g.max_slots))
+            dt += (new_ids - old_ids) * c.time_id + d_slots * c.time_slot
         return dm, dt
 
     def _fits(self, items) -> bool:
@@ -153,7 +165,10 @@ class _Run:
         if self.padded_mem + dm > self.usable and o.table.key not in self.overflow:
             self.overflow.append(o.table.key)
         self.padded_mem += dm
-        for g, r, nr, ids, ns in items:
+        for g, r, nr, ids, ns, split, key, rs in items:
+            if split and key not in g.tables:
+                g.row_sum += rs
+            g.split = g.split or split
             g.rows[r] += nr
             g.ids[r] += ids
             g.slots[r] += ns
@@ -161,7 +176,8 @@ class _Run:
             g.max_ids = max(g.max_ids, int(g.ids[r]))
             g.max_slots = max(g.max_slots, int(g.slots[r]))
             c, cids = g.cost, self._capped(ids)
-            self.own_mem[r] += nr * c.mem_row + cids * c.mem_id + ns * c.mem_slot
+            own = c.buffers(cids, ns, split, rs if split else 0.0)
+            self.own_mem[r] += nr * c.mem_row + float(own)
             self.own_time[r] += cids * c.time_id + ns * c.time_slot
             g.opts.setdefault(id(o.table.optimizer), o.table.optimizer.name)
             if o.table.key not in g.tables:
@@ -175,8 +191,18 @@ class _Run:
 
     def _items(self, o: ShardingOption, shards_ranks) -> list:
         t = o.table
+        rs = self.cost.row_sums(t)
         return [
-            (self._group(o, sh.ncols), r, sh.nrows, t.ids, t.num_features)
+            (
+                self._group(o, sh.ncols),
+                r,
+                sh.nrows,
+                t.ids,
+                t.num_features,
+                sh.ncols < t.dim,
+                t.key,
+                rs,
+            )
             for sh, r in shards_ranks
             if sh.nrows and sh.ncols
         ]
@@ -198,9 +224,14 @@ class _Run:
         new_ids = np.maximum(g.ids[cands] + t.ids, g.max_ids)
         if self.cap is not None:
             new_ids = np.minimum(new_ids, self.cap)
-        d_ids = new_ids - self._capped(g.max_ids)
+        old_ids = self._capped(g.max_ids)
+        d_ids = new_ids - old_ids
         d_slots = np.maximum(g.slots[cands] + t.num_features - g.max_slots, 0)
-        dm = d_rows * c.mem_row + d_ids * c.mem_id + d_slots * c.mem_slot
+        split = sh.ncols < t.dim
+        row_sum = g.row_sum + (self.cost.row_sums(t) if split and t.key not in g.tables else 0.0)
+        new_slots = np.maximum(g.slots[cands] + t.num_features, g.max_slots)
+        new_buf = g.buffers(new_ids, new_slots, g.split or split, row_sum)
+        dm = d_rows * c.mem_row + new_buf - g.buffers(old_ids, g.max_slots)
         dt = d_ids * c.time_id + d_slots * c.time_slot
         fits = self.padded_mem + dm <= self.usable
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
@@ -292,7 +323,7 @@ class _Run:
         groups = []
         for g in self.groups.values():
             ids = self._capped(g.max_ids)
-            gm = g.cost.memory(g.max_rows, ids, g.max_slots)
+            gm = g.cost.memory(g.max_rows, ids, g.max_slots, g.split, g.row_sum)
             gp = g.cost.perf(ids, g.max_slots)
             mem = [a + b for a, b in zip(mem, gm, strict=True)]
             perf = perf + gp
