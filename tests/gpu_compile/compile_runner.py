@@ -68,6 +68,13 @@ WORKER_START_TIMEOUT_S = 180.0  # importing JAX and the CUDA plugin on a loaded 
 # accumulators or optimizer state stop fitting in registers (hundreds of bytes
 # and up) fails. Known larger spills get a per-case allowance, justified there.
 SPILL_LIMIT = 64
+# The limits above are for jaxrec's own kernels (Pallas kernels are named
+# "jaxrec_*"). A train step's program also holds XLA's fusions, whose register
+# allocation is XLA's: spills there are reported and bounded only against a
+# blow-up. Measured (ptxas 13.0, default train-step cases): 44-60 bytes in
+# most, 1,564 in one reduce fusion of the 8 x 80 GB Criteo plan (bounds-report
+# and row-sum reductions over many tables); 4 KiB leaves 2.5x room.
+XLA_SPILL_LIMIT = 4096
 TAIL_LINES = 40
 _SPILL = re.compile(r"in function '([^']+)', (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -385,14 +392,22 @@ def require_deviceless() -> None:
 
 
 def assert_compiled(result: CaseResult, case: Case) -> None:
-    """The case compiled and ``ptxas`` spilled no more than the case allows."""
+    """The case compiled and ``ptxas`` spilled no more than the case allows (jaxrec's
+    kernels together: ``case.max_spill_bytes``; each XLA fusion: ``XLA_SPILL_LIMIT``)."""
     if not result.ok:
         raise AssertionError(f"{case.name} did not compile: {result.error}")
-    if result.spill_store_bytes > case.max_spill_bytes:
+    ours = [s for s in result.spills if s[0].startswith("jaxrec_")]
+    stored = sum(s[1] for s in ours)
+    if stored > case.max_spill_bytes:
         raise AssertionError(
-            f"{case.name}: ptxas spilled {result.spill_store_bytes} bytes to local memory "
-            f"(loads {result.spill_load_bytes}; allowed {case.max_spill_bytes}): "
-            f"{result.spills}. Use a smaller tile or fewer live values per thread."
+            f"{case.name}: ptxas spilled {stored} bytes to local memory in jaxrec's kernels "
+            f"(allowed {case.max_spill_bytes}): {ours}. Use a smaller tile or fewer live "
+            "values per thread."
+        )
+    xla = [s for s in result.spills if not s[0].startswith("jaxrec_") and s[1] > XLA_SPILL_LIMIT]
+    if xla:
+        raise AssertionError(
+            f"{case.name}: ptxas spilled over {XLA_SPILL_LIMIT} bytes in XLA's fusions: {xla}"
         )
 
 

@@ -51,3 +51,18 @@ def test_hang_times_out(results):
     result = results[harness_cases.HANG.name]
     assert not result.ok
     assert "timed out after 2 s" in result.error
+
+
+def test_spill_limits_separate_jaxrec_kernels_from_xla_fusions():
+    """jaxrec's kernels share the case's allowance; XLA's fusions only a blow-up bound."""
+    from compile_runner import XLA_SPILL_LIMIT, Case, CaseResult
+
+    case = Case(name="c", target="m:f")
+    ok = CaseResult(name="c", error=None, spills=(("loop_fusion", XLA_SPILL_LIMIT, 0),))
+    assert_compiled(ok, case)
+    for spills in (
+        (("jaxrec_pooled_lookup", 40, 0), ("jaxrec_sparse_update", 40, 0)),  # 80 > 64 together
+        (("input_reduce_fusion", XLA_SPILL_LIMIT + 1, 0),),
+    ):
+        with pytest.raises(AssertionError, match="spilled"):
+            assert_compiled(CaseResult(name="c", error=None, spills=spills), case)
