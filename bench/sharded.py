@@ -150,8 +150,9 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
     forward's, so ids move once. Data-parallel groups all_gather their row
     gradients (int32 rows, float32 grads, bool mask per local id). The loss
     (a sum over the sharded batch) adds one float32 all-reduce, the dropped-id
-    count one int32 all-reduce, the id check of each feature (WARNING or
-    FATAL) one int32 count and one id each, reduced together. Row-wise Adagrad
+    count one int32 all-reduce, each bounds check (WARNING or FATAL: ids per
+    feature of a sharded table, ids and layouts per replicated group) one int32
+    count and one example each, reduced together. Row-wise Adagrad
     reduces each row once: groups holding column-split tables all-reduce one
     float32 per row of those tables.
     """
@@ -167,9 +168,13 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
         "bounds_report_all_reduce": 0,
     }
     if BoundsCheckMode(ebc.bounds_check_mode) in (BoundsCheckMode.WARNING, BoundsCheckMode.FATAL):
-        # each feature's id check (sharded tables' and replicated ones' lookups):
-        # its count summed, a bad id max-reduced
-        checked = sum(t.num_features() for t in ebc.table_configs)
+        # each check's count summed, a bad id max-reduced: one id check per feature
+        # of a sharded table; a replicated group's lookup checks its ids and bag
+        # layouts (and weights) once for the group
+        checked = sum(
+            t.num_features() for t in ebc.table_configs if t.name not in ebc.layout.replicated
+        )
+        checked += len(ebc.replicated_groups) * (3 if ebc._weighted() else 2)
         out["bounds_report_all_reduce"] = checked * (I32 + kjt.values().dtype.itemsize)
     dims = {t.name: t.embedding_dim for t in ebc.table_configs}
     rows = {t.name: t.num_embeddings for t in ebc.table_configs}

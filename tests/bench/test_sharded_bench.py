@@ -9,7 +9,7 @@ import sharded  # noqa: E402
 
 
 def test_tiny_run_predicts_the_compiled_collectives(capsys):
-    argv = ["--E", "200", "--B", "8", "--T", "2", "--reps", "1", "--no-unsharded",
+    argv = ["--E", "200", "--B", "8", "--T", "3", "--reps", "1", "--no-unsharded",
             "--types", "row_wise,column_wise,data_parallel"]  # fmt: skip
     assert sharded.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
@@ -17,7 +17,7 @@ def test_tiny_run_predicts_the_compiled_collectives(capsys):
     for x in lines:
         assert x["comm_plan"]["kinds"] == x["comm_hlo"]["kinds"], x["impl"]
         assert x["median_ms"] > 0 and x["world"] == 8
-    assert lines[1]["comm_plan"]["stages"]["row_sum_all_reduce"] == 4 * 2 * 200
+    assert lines[1]["comm_plan"]["stages"]["row_sum_all_reduce"] == 4 * 3 * 200  # T x E x f32
 
 
 # Lines of the step compiled deviceless for 8 H100s (trimmed after the attributes that
