@@ -43,9 +43,10 @@ def test_planner_estimate_matches_the_gpu_compiler(results, name):
     arguments within 1%. In all (those + lookup buffers vs those + temporaries) the
     estimate is within 10% above the compiler's, never below it.
 
-    Lookup buffers alone bound XLA's temporaries from above, by at most 1.4x: one
+    Lookup buffers alone bound XLA's temporaries from above, by at most 1.6x: one
     group on its own matches within 0.3% (table/row-wise and every row split:
-    1.002; data-parallel 1.02; column splits 1.10-1.15, their ids' int32 buffers
+    1.002; data-parallel 1.5, three gathered copies counted where this model
+    holds two and bench/sharded.py's three; column splits 1.10-1.15, their ids' int32 buffers
     and CUB's sort scratch counted in full), but the estimate sums every group's
     own peak while XLA overlaps them only in part: every sharded group's row
     gradients are live together (the dumped buffer assignment shows it, so
@@ -60,4 +61,16 @@ def test_planner_estimate_matches_the_gpu_compiler(results, name):
     mem = result.facts["memory"]
     assert abs(mem["ratio_tables_state"] - 1) < 0.01, mem
     assert 1.0 <= mem["ratio_total"] <= 1.10, mem
-    assert 1.0 <= mem["ratio_buffers_temp"] <= 1.4, mem
+    assert 1.0 <= mem["ratio_buffers_temp"] <= 1.6, mem
+
+
+@pytest.mark.parametrize("name", [c.name for c in step_cases.CASES])
+def test_gpu_programs_use_the_pallas_kernels_and_no_cpu_kernel(results, name):
+    """The default (and forced "pallas") lookups and updates are Triton kernels in a GPU
+    program, chosen for the lowering platform on this CPU host; no C++ FFI call leaks in."""
+    result = results[name]
+    if not result.ok:
+        pytest.fail(f"{name} did not compile: {result.error}")
+    kernels = result.facts["kernels"]
+    assert kernels["cpu_ffi"] == 0, kernels
+    assert kernels["triton"] >= 1, kernels

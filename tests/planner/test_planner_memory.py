@@ -68,7 +68,7 @@ def expected_buffers(tables, layout, world, row_sum_calls) -> float:
     for name in layout.replicated:
         t = conf[name]
         n = world * CAP * len(t.feature_names)
-        total += n * (2 * t.embedding_dim * 4 + 4 + 1 + 8 + 8)
+        total += n * (3 * t.embedding_dim * 4 + 4 + 1 + 8 + 8)  # 3 gathered float32 copies
     return total
 
 

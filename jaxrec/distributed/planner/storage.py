@@ -167,12 +167,15 @@ def replicated_memory(
 
     ``ids`` is the table's features' capacity per device; the backward gathers
     every device's row gradients (ids, ``[ids, dim]`` float32, mask) and
-    de-duplicates them. XLA keeps two ``[N * ids, dim]`` float32 arrays: the
-    gathered gradients masked to valid ids (a collective's result is not fused
-    into the segment sum) and their sums.
+    de-duplicates them. XLA:GPU keeps up to three ``[N * ids, dim]`` float32
+    arrays live: the gathered gradients, them masked to valid ids (a
+    collective's result is not fused into the segment sum) and their sums. The
+    DLRM of tests/gpu_compile (D=128, 20 ids per bag) held two, bench/sharded.py's
+    (D=64, 10 ids per bag) three at every table count: three are counted, as an
+    estimate below the compiler's would accept plans that do not fit.
     """
     n = topo.world_size
-    gathered = n * ids * (2 * dim * F32 + 4 + 1 + SORT_BYTES + CUB_SCRATCH_BYTES)
+    gathered = n * ids * (3 * dim * F32 + 4 + 1 + SORT_BYTES + CUB_SCRATCH_BYTES)
     return rows * dim * itemsize, rows * state_per_row, gathered
 
 
