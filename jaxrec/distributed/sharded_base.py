@@ -185,8 +185,7 @@ class ShardedCollection(nnx.Module):
             # collected only when the caller collects them (a train step).
             with collect_checks() as checks:
                 values, overflow = self._forward_local(tables, kjt_stacked)
-            found = [(BoundsCheckMode.FATAL, r) for r in checks.fatal]
-            found += [(BoundsCheckMode.WARNING, r) for r in checks.warning or ()]
+            found = checks.by_mode()
             wheres.extend((mode, r.where, jnp.dtype(r.example.dtype).name) for mode, r in found)
             return values, overflow, _stack_checks([r for _, r in found])
 

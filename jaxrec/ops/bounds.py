@@ -57,6 +57,12 @@ class Checks(NamedTuple):
     fatal: list[FatalReport]
     warning: list[FatalReport] | None  # None: WARNING logs from a host callback
 
+    def by_mode(self) -> list[tuple[BoundsCheckMode, FatalReport]]:
+        """Every collected check with its mode, FATAL ones first."""
+        return [(BoundsCheckMode.FATAL, r) for r in self.fatal] + [
+            (BoundsCheckMode.WARNING, r) for r in self.warning or ()
+        ]
+
 
 _SINK: contextvars.ContextVar[Checks | None] = contextvars.ContextVar("jaxrec_checks", default=None)
 
@@ -93,37 +99,6 @@ def collect_fatal() -> Iterator[list[FatalReport]]:
     """:func:`collect_checks` for ``FATAL`` alone (``WARNING`` keeps its callback)."""
     with collect_checks(warnings=False) as checks:
         yield checks.fatal
-
-
-class HoistedReport(NamedTuple):
-    """A report of any mode collected by :func:`hoist_reports`, to be made again outside."""
-
-    where: str
-    mode: BoundsCheckMode
-    count: jax.Array
-    example: jax.Array
-
-
-_HOIST_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxrec_hoist_sink", default=None
-)
-
-
-@contextlib.contextmanager
-def hoist_reports() -> Iterator[list[HoistedReport]]:
-    """Inside, every report (any mode) is appended to the yielded list and nothing else happens.
-
-    For code traced inside a branch of a conditional (``jaxrec.ops.dispatch``'s
-    per-platform branches): its counts are values of the branch, so the branch
-    returns them and the caller reports them again outside (where they may be
-    collected by a train step or become a callback).
-    """
-    reports: list[HoistedReport] = []
-    token = _HOIST_SINK.set(reports)
-    try:
-        yield reports
-    finally:
-        _HOIST_SINK.reset(token)
 
 
 # ``where`` -> message of a check about something other than ids (bag layouts,
@@ -222,10 +197,6 @@ def report_out_of_range(
     """
     mode = BoundsCheckMode(mode)
     if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE):
-        return
-    hoist = _HOIST_SINK.get()
-    if hoist is not None:
-        hoist.append(HoistedReport(where, mode, jnp.asarray(count, jnp.int32), example))
         return
     sink = _SINK.get()
     if sink is not None:

@@ -24,7 +24,7 @@ was asked for, a log line for ``None``).
 
 Bounds-check reports made inside a branch (the C++ lookup counts bad ids
 itself) leave it as outputs and are reported again outside
-(``jaxrec.ops.bounds.hoist_reports``).
+(``jaxrec.ops.bounds.collect_checks``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .bounds import hoist_reports, report_out_of_range
+from .bounds import collect_checks, report_out_of_range
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
 GPU_PLATFORMS = ("cuda", "rocm")
@@ -179,17 +179,18 @@ def by_platform(run: Callable[[str], object], inputs=()):
         def traced():
             token = _PLATFORM.set(platform)
             try:
-                with hoist_reports() as reports:
+                with collect_checks(warnings=True) as checks:
                     out = run(platform)
             finally:
                 _PLATFORM.reset(token)
-            kind = [(r.where, r.mode) for r in reports]
+            reports = checks.by_mode()
+            kind = [(r.where, mode) for mode, r in reports]
             if kinds and kind != kinds[0]:
                 raise AssertionError(
                     f"platform branches report different checks: {kinds[0]} / {kind}"
                 )
             kinds.append(kind)
-            return _varying((out, [(r.count, _widen(r.example)) for r in reports]), vma)
+            return _varying((out, [(r.count, _widen(r.example)) for _, r in reports]), vma)
 
         return traced
 
