@@ -43,6 +43,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrec import EmbeddingTable, optim  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import init_train_state, make_train_step  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -193,7 +194,7 @@ def run_train(name, spec, inputs, optimizer, impl, reps, warmup, seed, lr=0.1) -
     ebc = build_jaxrec(spec, seed=seed)
     initial = [np.array(w) for w in jax.tree.leaves(nnx.state(ebc, EmbeddingTable))]
     (initial,) = initial  # one stacked [T * E, D] group
-    opt = optim.CombinedOptimizer(optax.sgd(0.0), OPTIMIZERS[optimizer][1](lr))
+    opt = CombinedOptimizer(optax.sgd(0.0), OPTIMIZERS[optimizer][1](lr))
     graphdef, state = init_train_state(ebc, opt)
     del ebc
     loss = lambda m, batch: jnp.sum(m(batch[0]).values() * batch[1])

@@ -54,8 +54,8 @@ import numpy as np
 
 from jaxrec import optim
 from jaxrec.ops import embedding_bag, embedding_gather
-from jaxrec.ops.backward import dedup_rows
 from jaxrec.pallas import fused_backward_update, pooled_lookup, sequence_lookup
+from jaxrec.xla.backward import dedup_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import EPS, add_spec_args, add_timing_args, record, time_ms  # noqa: E402

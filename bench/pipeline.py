@@ -34,8 +34,9 @@ import optax
 from flax import nnx
 
 from jaxrec import KeyedJaggedTensor
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import TrainPipeline, init_train_state, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrec.inference import QuantEmbeddingBagCollection, quantize_rows, row_bytes
-from jaxrec.inference.quantize import row_error_bound
+from jaxrec.xla.quantize import row_error_bound
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402

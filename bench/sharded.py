@@ -69,7 +69,8 @@ from flax import nnx  # noqa: E402
 
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
-from jaxrec.ops.bounds import BoundsCheckMode  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer  # noqa: E402
+from jaxrec.xla.bounds import BoundsCheckMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_jaxrec, cpu_model, jaxrec_kjt, record, time_ms  # noqa: E402
@@ -116,7 +117,7 @@ def loss_fn(model, batch):
 
 
 def optimizer():
-    return optim.CombinedOptimizer(optax.sgd(0.0), optim.rowwise_adagrad(0.1))
+    return CombinedOptimizer(optax.sgd(0.0), optim.rowwise_adagrad(0.1))
 
 
 def local_batches(spec: LookupSpec, seed: int) -> list:

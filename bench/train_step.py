@@ -45,6 +45,7 @@ import optax
 from flax import nnx
 
 from jaxrec import EmbeddingTable, optim
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import init_train_state, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +154,7 @@ def _stacked(tables: nnx.State) -> jax.Array:
 
 # ----- (a) jaxrec -----
 def run_jaxrec(spec, cfg, batch, touched, ebc) -> tuple[dict, Snapshot]:
-    opt = optim.CombinedOptimizer(optax.sgd(0.0), OPTIMIZERS[cfg.optimizer][1](cfg.lr))
+    opt = CombinedOptimizer(optax.sgd(0.0), OPTIMIZERS[cfg.optimizer][1](cfg.lr))
     graphdef, state = init_train_state(ebc, opt)
     step = make_train_step(graphdef, opt, jax_loss(cfg))
     box = [state]

@@ -159,7 +159,7 @@ def main() -> None:
             print(f"  {s.device}: rows {rows.start}:{rows.stop} of the buffer, {s.data.shape}")
 
     section("5. Training")
-    opt = jaxrec.optim.CombinedOptimizer(optax.adam(1e-2), jaxrec.optim.rowwise_adagrad(0.1))
+    opt = jaxrec.embedding.CombinedOptimizer(optax.adam(1e-2), jaxrec.optim.rowwise_adagrad(0.1))
     graphdef, state = jaxrec.train.init_train_state(model, opt)
     step = jaxrec.train.make_train_step(graphdef, opt, loss_fn)
     for i in range(STEPS):

@@ -25,7 +25,8 @@ import optax
 from flax import nnx
 
 from jaxrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import init_train_state, make_eval_step, make_train_step
 
 FEATURES = {"user": 2000, "item": 1000, "site": 300, "category": 50, "device": 20, "history": 1000}

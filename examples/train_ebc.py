@@ -30,7 +30,8 @@ import optax
 from flax import nnx
 
 from jaxrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import init_train_state, make_eval_step, make_train_step
 
 USERS, ITEMS, CATEGORIES, DENSE = 2000, 1000, 20, 4

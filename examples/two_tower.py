@@ -28,8 +28,9 @@ import optax
 from flax import nnx
 
 from jaxrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import TwoTower, in_batch_softmax_loss, top_k_candidates
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import init_train_state, make_eval_step, make_train_step
 
 USERS, ITEMS, TASTE = 2000, 1000, 8

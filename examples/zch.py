@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from jaxrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.modules import (
     EVICTION_FILL,
     DistanceLFU_EvictionPolicy,
@@ -43,7 +44,7 @@ from jaxrec.modules import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import init_train_state, make_train_step
 
 POLICIES = {

@@ -4,6 +4,7 @@ from .configs import DataType as DataType
 from .configs import EmbeddingBagConfig as EmbeddingBagConfig
 from .configs import EmbeddingConfig as EmbeddingConfig
 from .configs import PoolingType as PoolingType
+from .embedding import CombinedOptimizer as CombinedOptimizer
 from .modules import EmbeddingBagCollection as EmbeddingBagCollection
 from .modules import EmbeddingCollection as EmbeddingCollection
 from .modules import EmbeddingTable as EmbeddingTable

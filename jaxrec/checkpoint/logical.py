@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..optim.combined import CombinedOptimizer, CombinedOptState, embedding_modules
+from ..embedding.optimizer import CombinedOptimizer, CombinedOptState, embedding_modules
 from ..train.step import TrainState, merge_model
 from .paths import PLAN_LOCAL, components, dense_leaves, is_key, is_variable, nest, table_key
 from .spec import check_compatible, logical_spec, state_spec

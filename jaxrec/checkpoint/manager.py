@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ..optim.combined import CombinedOptimizer
+from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState
 from .logical import LogicalState, logical_state, place_state
 from .paths import components, dense_leaves, is_variable, nest

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ..embedding.optimizer import CombinedOptimizer, embedding_modules
 from ..optim.base import row_fields
-from ..optim.combined import CombinedOptimizer, embedding_modules
 from ..train.step import TrainState, merge_model
 from .paths import dense_leaves, flatten, table_key
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..configs import PoolingType
-from ..ops.bounds import BoundsCheckMode, report_out_of_range
-from ..ops.pooled import embedding_bag_xla
 from ..optim.base import WeightDecayMode, lr_at, row_fields
 from ..sparse.bags import checked_lengths, finite_weights
+from ..xla.bounds import BoundsCheckMode, report_out_of_range
+from ..xla.lookup import embedding_bag_xla
 from .loader import load
 
 _TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -36,7 +36,7 @@ def _fits_int32(dtype) -> bool:
     """Ids the kernels may read as int32: a lossless cast, so they check each id's own value.
 
     Wider ids (uint32, int64, uint64) go to the XLA path, which bounds-checks them
-    in their own width before any narrowing (``jaxrec.ops.bounds.ids_in_range``).
+    in their own width before any narrowing (``jaxrec.xla.bounds.ids_in_range``).
     """
     info = jnp.iinfo(dtype)
     return info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max
@@ -280,7 +280,7 @@ def kjt_backward_update_cpu(
     """A pooled lookup's backward fused with one optimizer step, read from the KJT directly.
 
     The same update as :func:`backward_update_cpu` over
-    ``jaxrec.ops.backward.pooled_grad_sources(features, slots)``, without
+    ``jaxrec.xla.backward.pooled_grad_sources(features, slots)``, without
     forming any per-id array in XLA: the kernel walks the KJT's values and
     lengths and reads bag ``b`` of slot ``s``'s gradient in place from
     ``grad[b, columns[s] : columns[s] + D]``.

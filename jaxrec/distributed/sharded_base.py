@@ -21,14 +21,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..modules.tables import EmbeddingTable, common_count, group_tables
+from ..embedding.optimizer import SubGroup, state_key
+from ..embedding.sparse_update import update_subgroup
+from ..embedding.tables import EmbeddingTable, common_count, group_tables
+from ..embedding.tape import log_overflow, report_overflow, tap
 from ..ops import check_ids
-from ..ops.backward import dedup_rows
-from ..ops.bounds import BoundsCheckMode, collect_checks, report_out_of_range
-from ..optim.base import row_fields
-from ..optim.combined import SubGroup, state_key
-from ..train.sparse_update import update_rows_xla, update_subgroup
-from ..train.tape import log_overflow, report_overflow, tap
+from ..optim.base import apply_rows, row_fields
+from ..xla.backward import dedup_rows
+from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
 from .layout import build_layout
 from .row_sums import column_split_row_sum
@@ -181,7 +181,7 @@ class ShardedCollection(nnx.Module):
         def local(tables, kjt_stacked):
             # Checks collected here report again out here (summed over devices):
             # per-device counts cannot leave shard_map through a train step's
-            # collector (see jaxrec.ops.bounds.collect_checks). WARNING checks are
+            # collector (see jaxrec.xla.bounds.collect_checks). WARNING checks are
             # collected only when the caller collects them (a train step).
             with collect_checks() as checks:
                 values, overflow = self._forward_local(tables, kjt_stacked)
@@ -369,7 +369,7 @@ class ShardedCollection(nnx.Module):
                 SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,), table, state, rows, grads
             )
         row_sum, width = reduce(rows)
-        return update_rows_xla(opt, table, state, rows, grads, rows, dim=width, row_sum=row_sum)
+        return apply_rows(opt, table, state, rows, grads, dim=width, row_sum=row_sum)
 
     # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
     def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:

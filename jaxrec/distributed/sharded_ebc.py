@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..ops import grouped_pooled_lookup
-from ..ops.backward import pooled_row_grads
 from ..sparse import KeyedTensor
+from ..xla.backward import pooled_row_grads
 from .embedding_dist import column_offsets
 from .sharded_base import OverflowCount as OverflowCount
 from .sharded_base import ShardedCollection

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from ..modules.embedding_collection import EmbeddingCollection
 from ..ops import grouped_sequence_lookup
-from ..ops.backward import sequence_row_grads
 from ..sparse import JaggedTensor
+from ..xla.backward import sequence_row_grads
 from .sharded_base import ShardedCollection
 from .types import ParameterSharding
 

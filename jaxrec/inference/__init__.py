@@ -1,5 +1,8 @@
 """Inference: row-wise quantized tables and collections, sharded inference, export."""
 
+from ..xla.quantize import dequantize_rows as dequantize_rows
+from ..xla.quantize import quantize_rows as quantize_rows
+from ..xla.quantize import row_bytes as row_bytes
 from .artifact import ArtifactError as ArtifactError
 from .artifact import ExportedModel as ExportedModel
 from .artifact import InputError as InputError
@@ -12,9 +15,6 @@ from .quant_modules import QuantEmbeddingBagCollection as QuantEmbeddingBagColle
 from .quant_modules import QuantEmbeddingCollection as QuantEmbeddingCollection
 from .quant_modules import quantize_inference_model as quantize_inference_model
 from .quant_ops import quant_embedding_bag as quant_embedding_bag
-from .quantize import dequantize_rows as dequantize_rows
-from .quantize import quantize_rows as quantize_rows
-from .quantize import row_bytes as row_bytes
 from .serving import PredictionServer as PredictionServer
 from .serving import predict_file as predict_file
 from .sharded import ShardedQuantEmbeddingBagCollection as ShardedQuantEmbeddingBagCollection

@@ -254,7 +254,7 @@ def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
 
 def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
     """A copy whose embedding collections use ``implementation`` and IGNORE bounds checks."""
-    from ..ops.bounds import BoundsCheckMode
+    from ..xla.bounds import BoundsCheckMode
 
     model = nnx.clone(model)
     for _, node in nnx.iter_graph(model):

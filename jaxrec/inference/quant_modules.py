@@ -2,7 +2,7 @@
 ``quantize_inference_model``.
 
 Tables are stored as ``uint8`` rows in FBGEMM's TBE inference layout
-(:mod:`jaxrec.inference.quantize`), stacked per ``(embedding_dim, dtype)``
+(:mod:`jaxrec.xla.quantize`), stacked per ``(embedding_dim, dtype)``
 group like the float collections; lookups gather packed rows and dequantize
 only those (:mod:`jaxrec.inference.quant_ops`).
 """
@@ -18,13 +18,13 @@ import numpy as np
 from flax import nnx
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
+from ..embedding.tables import TableGroup
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
-from ..modules.tables import TableGroup
 from ..ops import BoundsCheckMode, FeatureSlot
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
-from .quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 
 quantize_jit = quantize_rows  # already jitted (dtype, row_alignment static); sharded.py imports it
 

@@ -18,9 +18,9 @@ import numpy as np
 from ..configs import PoolingType
 from ..ops import BoundsCheckMode, FeatureSlot
 from ..ops.dispatch import dispatch
-from ..ops.grouped import _rows_and_mask, _slot_positions
 from ..sparse import KeyedJaggedTensor
-from .quantize import canonical_dtype, dequantize_rows
+from ..xla.quantize import canonical_dtype, dequantize_rows
+from ..xla.slots import rows_and_mask, slot_positions
 
 
 def quant_embedding_bag(
@@ -93,13 +93,13 @@ def quant_grouped_pooled_lookup(
     if not slots:
         raise ValueError("quant_grouped_pooled_lookup needs at least one slot")
     b, s = features.stride(), len(slots)
-    ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
+    ids, w, slot_of, bag, valid, _ = slot_positions(features, slots)
     if is_weighted and w is None:
         raise ValueError(
             "is_weighted=True but the features carry no weights; build the KJT with weights="
         )
     where = f"quantized pooled lookup of {[sl.key for sl in slots]}"
-    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
+    rows, valid = rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
     seg = jnp.where(valid, bag * s + slot_of, b * s)
     pooled = quant_embedding_bag(
         qweights, rows, seg, b * s, w if is_weighted else None,
@@ -129,9 +129,9 @@ def quant_grouped_sequence_lookup(
     """Unpooled lookup: one dequantized ``[capacity_k, D]`` float32 array per slot."""
     if not slots:
         raise ValueError("quant_grouped_sequence_lookup needs at least one slot")
-    ids, _, slot_of, _, valid, caps = _slot_positions(features, slots)
+    ids, _, slot_of, _, valid, caps = slot_positions(features, slots)
     where = f"quantized sequence lookup of {[sl.key for sl in slots]}"
-    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
+    rows, valid = rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
     emb = _gather_dequantize(qweights, rows, valid, dim=dim, dtype=dtype)
     return jnp.split(emb, np.cumsum(caps)[:-1].tolist())
 

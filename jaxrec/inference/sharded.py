@@ -40,6 +40,7 @@ from ..distributed.sharded_ec import ShardedEmbeddingCollection
 from ..distributed.types import ParameterSharding, ShardingPlan
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
+from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, dequantize_table, row_bytes
 from .quant_modules import (
     QuantEmbeddingBagCollection,
     QuantEmbeddingCollection,
@@ -52,7 +53,6 @@ from .quant_ops import (
     quant_grouped_pooled_lookup,
     quant_grouped_sequence_lookup,
 )
-from .quantize import DEFAULT_ROW_ALIGNMENT, dequantize_table, row_bytes
 
 _QUANT = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
 

@@ -13,9 +13,10 @@ from flax import nnx
 
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
+from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
 from ..modules import EmbeddingBagCollection
-from ..optim import CombinedOptimizer, rowwise_adagrad
+from ..optim import rowwise_adagrad
 from ..train import InFlight, init_train_state, make_eval_step, make_train_step
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"

@@ -1,5 +1,6 @@
 """Flax NNX embedding modules."""
 
+from ..embedding.tables import EmbeddingTable as EmbeddingTable
 from .activation import SwishLayerNorm as SwishLayerNorm
 from .crossnet import CrossNet as CrossNet
 from .crossnet import LowRankCrossNet as LowRankCrossNet
@@ -37,7 +38,6 @@ from .mc_policies import average_threshold_filter as average_threshold_filter
 from .mc_policies import dynamic_threshold_filter as dynamic_threshold_filter
 from .mlp import MLP as MLP
 from .mlp import Perceptron as Perceptron
-from .tables import EmbeddingTable as EmbeddingTable
 from .torchrec_state import load_torchrec_state_dict as load_torchrec_state_dict
 from .torchrec_state import torchrec_keys as torchrec_keys
 from .torchrec_state import torchrec_state_dict as torchrec_state_dict

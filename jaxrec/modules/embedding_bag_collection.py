@@ -10,10 +10,10 @@ import numpy as np
 from flax import nnx
 
 from ..configs import EmbeddingBagConfig, check_tables
+from ..embedding.tables import TableStorage
+from ..embedding.tape import tap
 from ..ops import BoundsCheckMode, grouped_pooled_lookup
 from ..sparse import KeyedJaggedTensor, KeyedTensor
-from ..train.tape import tap
-from .tables import TableStorage
 
 
 class EmbeddingBagCollection(TableStorage):

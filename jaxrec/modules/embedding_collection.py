@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_table
+from ..embedding.tables import TableStorage
+from ..embedding.tape import tap
 from ..ops import BoundsCheckMode, grouped_sequence_lookup
 from ..sparse import JaggedTensor, KeyedJaggedTensor
-from ..train.tape import tap
-from .tables import TableStorage
 
 
 class EmbeddingCollection(TableStorage):

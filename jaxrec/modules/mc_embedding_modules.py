@@ -16,7 +16,7 @@ reset the evicted rows, look up::
 Evicted rows get the table's initialiser (``weight_init_min/max`` uniform or
 ``init_fn``) and, inside :func:`jaxrec.train.make_train_step`, their sparse
 optimizer state is reset to its initial value in the same step, before the
-step's update (see :mod:`jaxrec.train.reset`). TorchRec's unsharded modules
+step's update (see :mod:`jaxrec.embedding.reset`). TorchRec's unsharded modules
 leave evicted rows as they are (their ``evict`` is a TODO); its sharded ones
 reset weights and momentum, which is what jaxrec does everywhere.
 
@@ -32,8 +32,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from ..embedding.reset import reset_table_rows
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from ..train.reset import reset_table_rows
 from .embedding_bag_collection import EmbeddingBagCollection
 from .embedding_collection import EmbeddingCollection
 from .mc_collection import ManagedCollisionCollection

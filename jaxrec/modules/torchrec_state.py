@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .tables import TableStorage
+from ..embedding.tables import TableStorage
 
 _RENAMES: dict[type, dict[str, str]] = {
     nnx.Linear: {"kernel": "weight"},

@@ -1,8 +1,8 @@
 """Pure lookup functions; ``implementation=`` selects XLA or Pallas kernels."""
 
-from .bounds import BoundsCheckMode as BoundsCheckMode
-from .bounds import check_ids as check_ids
-from .grouped import FeatureSlot as FeatureSlot
+from ..xla.bounds import BoundsCheckMode as BoundsCheckMode
+from ..xla.bounds import check_ids as check_ids
+from ..xla.slots import FeatureSlot as FeatureSlot
 from .grouped import grouped_pooled_lookup as grouped_pooled_lookup
 from .grouped import grouped_sequence_lookup as grouped_sequence_lookup
 from .pooled import embedding_bag as embedding_bag

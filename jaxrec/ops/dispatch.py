@@ -24,7 +24,7 @@ was asked for, a log line for ``None``).
 
 Bounds-check reports made inside a branch (the C++ lookup counts bad ids
 itself) leave it as outputs and are reported again outside
-(``jaxrec.ops.bounds.collect_checks``).
+(``jaxrec.xla.bounds.collect_checks``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .bounds import collect_checks, report_out_of_range
+from ..xla.bounds import collect_checks, report_out_of_range
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
 GPU_PLATFORMS = ("cuda", "rocm")

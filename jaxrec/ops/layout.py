@@ -18,7 +18,7 @@ import numpy as np
 
 from ..sparse import KeyedJaggedTensor
 from ..sparse.bags import valid_bags
-from .bounds import BoundsCheckMode, report_check
+from ..xla.bounds import BoundsCheckMode, report_check
 
 
 def report_layout(

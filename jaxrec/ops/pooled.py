@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
+from ..xla.lookup import embedding_bag_xla, embedding_gather_xla
 from .dispatch import dispatch
 
 
@@ -46,20 +46,8 @@ def embedding_bag(
     )
 
 
-def embedding_bag_xla(weights, rows, segment_ids, num_segments, per_value_scale=None):
-    emb = jnp.take(weights, rows, axis=0, mode="clip").astype(jnp.float32)
-    if per_value_scale is not None:
-        emb = emb * per_value_scale.astype(jnp.float32)[:, None]
-    return jax.ops.segment_sum(emb, segment_ids, num_segments=num_segments)
-
-
 def embedding_gather(
     weights: jax.Array, rows: jax.Array, valid: jax.Array, *, implementation: str | None = None
 ) -> jax.Array:
     """``[C, D]`` rows ``weights[rows]`` with invalid positions zeroed (sequence lookup)."""
     return dispatch("embedding_gather", implementation, embedding_gather_xla, weights, rows, valid)
-
-
-def embedding_gather_xla(weights, rows, valid):
-    emb = jnp.take(weights, rows, axis=0, mode="clip")
-    return jnp.where(valid[:, None], emb, jnp.zeros((), emb.dtype))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from ..configs import PoolingType
 from ..sparse.bags import finite_weights, valid_bags
 from ..sparse.jagged_tensor import segment_ids_from_lengths
-from .bounds import BoundsCheckMode, check_ids
+from ..xla.bounds import BoundsCheckMode, check_ids
 from .layout import report_bags, report_weights
 from .pooled import embedding_bag, embedding_gather
 

@@ -1,10 +1,11 @@
-"""Fused sparse optimizers (FBGEMM's set, optax idioms) and the combined optimizer."""
+"""Fused sparse optimizers (FBGEMM's set, optax idioms): pure functions, no model walking.
+
+They are bound to tables by ``jaxrec.embedding.CombinedOptimizer``.
+"""
 
 from .base import SparseOptimizer as SparseOptimizer
 from .base import WeightDecayMode as WeightDecayMode
 from .base import apply_rows as apply_rows
-from .combined import CombinedOptimizer as CombinedOptimizer
-from .combined import CombinedOptState as CombinedOptState
 from .optimizers import adagrad as adagrad
 from .optimizers import adam as adam
 from .optimizers import lamb as lamb

@@ -107,8 +107,11 @@ def apply_rows(
     state: Any,
     rows: jax.Array,
     grads: jax.Array,
+    state_rows: jax.Array | None = None,
+    **update_kwargs: Any,
 ) -> tuple[jax.Array, Any]:
-    """Applies one optimizer step to the touched ``rows`` of ``table``.
+    """Applies one optimizer step to the touched ``rows`` of ``table``: the XLA row update
+    (gather, ``optimizer.update``, scatter) every kernel is checked against.
 
     Args:
         optimizer: the sparse optimizer.
@@ -116,16 +119,20 @@ def apply_rows(
         state: the optimizer state for ``table`` (per-row fields ``[R, ...]``).
         rows: ``[U]`` unique row ids; ids ``>= R`` (fill) are skipped.
         grads: ``[U, D]`` summed gradients of those rows.
+        state_rows: ``[U]`` the rows' state rows, when the state covers a subset
+            of the table's rows (default: ``rows``); fill entries are skipped.
+        update_kwargs: to ``optimizer.update`` (``dim=``, ``row_sum=`` for column shards).
 
     Returns:
         The updated ``(table, state)``. Untouched rows are unchanged; under
         ``jit`` with donated inputs, XLA updates both in place.
     """
+    state_rows = rows if state_rows is None else state_rows
     count = state.count + 1
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w, new_state_rows = optimizer.update(
-        w, grads.astype(jnp.float32), gather_state(state, rows), count
+        w, grads.astype(jnp.float32), gather_state(state, state_rows), count, **update_kwargs
     )
     table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
-    state = scatter_state(state, rows, new_state_rows)._replace(count=count)
+    state = scatter_state(state, state_rows, new_state_rows)._replace(count=count)
     return table, state

@@ -2,7 +2,7 @@
 
 The quantized twin of :mod:`jaxrec.pallas.pooled`: the table is ``[R, W]``
 uint8 rows in FBGEMM's TBE inference layout (``[scale fp16][bias fp16][data]``,
-see ``jaxrec.inference.quantize``). Each program owns ``block_rows`` bags and
+see ``jaxrec.xla.quantize``). Each program owns ``block_rows`` bags and
 walks their ids in lock step: one step loads one id per bag, that row's scale
 and bias (four bytes) and its ``[block_rows, next_pow2(D)]`` data bytes (INT4:
 the byte holding each column, then its nibble), dequantizes
@@ -185,7 +185,7 @@ def quant_pooled_lookup_reference(
     qweights, rows, starts, ends, scale=None, segment_ids=None, *, dim, dtype, mean=False
 ) -> jax.Array:
     """Pure-jnp :func:`quant_pooled_lookup` (same arguments and clamping): the tests' oracle."""
-    from ..inference.quantize import dequantize_rows
+    from ..xla.quantize import dequantize_rows
 
     c, s = rows.shape[0], starts.shape[0]
     pos = jnp.arange(c, dtype=jnp.int32)

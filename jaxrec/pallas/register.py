@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..ops.dispatch import register_pallas
-from ..ops.pooled import embedding_bag_xla, embedding_gather_xla
+from ..xla.lookup import embedding_bag_xla, embedding_gather_xla
 from .pooled import pooled_lookup, ranges_from_segments
 from .quant_lookup import quant_embedding_bag_pallas
 from .sequence import sequence_lookup
@@ -85,7 +85,7 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None, *, interpret):
-    """``jaxrec.train.sparse_update``'s row update on :func:`sparse_update`."""
+    """``jaxrec.embedding.sparse_update``'s row update on :func:`sparse_update`."""
     return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=interpret)
 
 

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from ..ops.backward import dedup_rows
 from ..optim.base import SparseOptimizer, apply_rows, row_fields
+from ..xla.backward import backward_update_xla
 from .tiling import Tiling, check_table, check_vector, next_pow2
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
@@ -274,8 +274,5 @@ def sparse_update_reference(optimizer, table, state, rows, grads, state_rows=Non
 def fused_backward_update_reference(
     optimizer, table, state, out_grad, segment_ids, scale, rows, valid
 ):
-    """Pure-jnp :func:`fused_backward_update`: per-id grads, ``dedup_rows``, ``apply_rows``."""
-    seg = jnp.where(valid, segment_ids, 0)
-    grads = jnp.take(out_grad.astype(jnp.float32), seg, axis=0) * scale.astype(jnp.float32)[:, None]
-    unique, summed = dedup_rows(rows, grads, valid, table.shape[0])
-    return apply_rows(optimizer, table, state, unique, summed)
+    """Pure-jnp :func:`fused_backward_update`: ``jaxrec.xla.backward.backward_update_xla``."""
+    return backward_update_xla(optimizer, table, state, out_grad, segment_ids, scale, rows, valid)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..ops.bounds import FatalReport, out_of_range_message
+from ..xla.bounds import FatalReport, out_of_range_message
 
 
 class StepReport(NamedTuple):

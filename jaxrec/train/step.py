@@ -24,16 +24,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ..modules.tables import EmbeddingTable
-from ..ops.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
+from ..embedding.optimizer import CombinedOptimizer, CombinedOptState, state_key
+from ..embedding.reset import reset_optimizer_rows
+from ..embedding.sparse_update import backward_update, update_subgroup
+from ..embedding.tables import EmbeddingTable
+from ..embedding.tape import Tape
 from ..ops.dispatch import try_cpu
-from ..optim.combined import CombinedOptimizer, CombinedOptState, state_key
+from ..xla.backward import dedup_rows, pooled_grad_sources, sequence_grad_sources, source_grads
 from . import guard
 from .guard import BoundsCheckError, StepReport
-from .reset import reset_optimizer_rows
-from .sparse_update import backward_update, update_subgroup
 from .step_warnings import StepWarnings
-from .tape import Tape
 
 
 class TrainState(NamedTuple):

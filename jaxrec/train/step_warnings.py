@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..ops.bounds import log_out_of_range
-from .tape import log_overflow
+from ..embedding.tape import log_overflow
+from ..xla.bounds import log_out_of_range
 
 
 class StepWarnings:

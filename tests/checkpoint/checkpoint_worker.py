@@ -38,6 +38,7 @@ from checkpoint_cases import Model, host  # noqa: E402
 from jaxrec import checkpoint as ckpt  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 
 WORLD = 4
 GLOO_UNAVAILABLE = 77
@@ -68,7 +69,7 @@ def main(process_id: int, port: int, directory: str) -> int:
             return GLOO_UNAVAILABLE
         raise
     mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.partial_rowwise_adam(0.05))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.partial_rowwise_adam(0.05))
     bump = lambda state: jax.tree.map(lambda x: x + 3, state)
 
     graphdef, state = build(opt, MIXED, mesh)

@@ -21,9 +21,10 @@ import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 # momentum1 is element-wise [rows, dim], momentum2 row-wise [rows]: both kinds of field.
-OPT = optim.CombinedOptimizer(optax.sgd(0.1), optim.partial_rowwise_adam(0.05))
+OPT = CombinedOptimizer(optax.sgd(0.1), optim.partial_rowwise_adam(0.05))
 
 
 def filled(logical, seed, constant_rows=False):
@@ -91,7 +92,7 @@ def test_tables_sharing_a_state_need_one_count():
 
 def test_per_table_optimizers_round_trip(tmp_path):
     """t1 and t3 share a stacked buffer but not an optimizer (two subgroup states)."""
-    opt = optim.CombinedOptimizer(
+    opt = CombinedOptimizer(
         optax.adam(0.01), optim.rowwise_adagrad(0.1), per_table={"t3": optim.adam(0.05)}
     )
     graphdef, state, _ = build("unsharded", opt)

@@ -15,8 +15,9 @@ from flax import nnx
 import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
-OPT = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+OPT = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
 
 
 def init(configs=None, opt=OPT, dropout=True):
@@ -148,7 +149,7 @@ def test_shape_mismatch(saved):
 
 
 def test_optimizer_mismatch(saved):
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.adam(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.adam(0.1))
     pattern = (
         r"(?s)table ebc.embedding_bags.t1: optimizer EXACT_ROWWISE_ADAGRAD in .*, the target "
         r"uses ADAM.*optimizer state fields \{momentum1: float32\[50\]\} in .* has "

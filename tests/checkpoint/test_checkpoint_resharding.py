@@ -8,6 +8,7 @@ from checkpoint_cases import assert_close, assert_equal, batch, build, host, los
 
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 OPTIMIZERS = {
     "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1),  # row-wise state [rows]
@@ -22,7 +23,7 @@ def uninterrupted(opt_name: str, directory: str):
     The save is async and the next (donating) step runs at once: what was
     saved must still be the state at the save.
     """
-    opt = optim.CombinedOptimizer(optax.adam(0.01), OPTIMIZERS[opt_name]())
+    opt = CombinedOptimizer(optax.adam(0.01), OPTIMIZERS[opt_name]())
     data = [samples(i) for i in range(BEFORE + AFTER)]
     graphdef, state, mesh = build("row_wise_8", opt)
     step = train.make_train_step(graphdef, opt, loss_fn)

@@ -10,6 +10,7 @@ from flax import nnx
 import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.modules import (
     DistanceLFU_EvictionPolicy,
     LRU_EvictionPolicy,
@@ -19,7 +20,7 @@ from jaxrec.modules import (
 )
 
 B, CAP = 8, 32
-OPT = optim.CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
+OPT = CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
 
 
 class Model(nnx.Module):

@@ -7,9 +7,8 @@ import pytest
 
 import jaxrec as jr
 from jaxrec import cpu, optim
-from jaxrec.ops.backward import pooled_grad_sources
-from jaxrec.ops.grouped import FeatureSlot
-from jaxrec.train.sparse_update import backward_update_xla
+from jaxrec.xla.backward import backward_update_xla, pooled_grad_sources
+from jaxrec.xla.slots import FeatureSlot
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.unavailable_reason()}")
 

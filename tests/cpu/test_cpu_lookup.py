@@ -18,7 +18,7 @@ import jaxrec as jr
 from jaxrec import cpu
 from jaxrec.cpu import loader
 from jaxrec.ops import BoundsCheckMode, FeatureSlot, dispatch, embedding_bag, grouped_pooled_lookup
-from jaxrec.ops.pooled import embedding_bag_xla
+from jaxrec.xla.lookup import embedding_bag_xla
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.unavailable_reason()}")
 

@@ -12,9 +12,9 @@ import pytest
 
 from jaxrec import cpu, optim
 from jaxrec.cpu import loader
+from jaxrec.embedding.sparse_update import backward_update
 from jaxrec.ops import embedding_bag
-from jaxrec.ops.pooled import embedding_bag_xla
-from jaxrec.train.sparse_update import backward_update
+from jaxrec.xla.lookup import embedding_bag_xla
 
 pytestmark = [
     pytest.mark.skipif(not cpu.available(), reason=f"{cpu.unavailable_reason()}"),

@@ -11,8 +11,9 @@ from flax import nnx
 
 import jaxrec as jr
 from jaxrec import cpu, optim
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.embedding.sparse_update import backward_update
 from jaxrec.train import init_train_state, make_train_step
-from jaxrec.train.sparse_update import backward_update
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.unavailable_reason()}")
 
@@ -125,7 +126,7 @@ def test_train_step_cpu_equals_xla(sparse):
     batches = [_batch(rng) for _ in range(3)]
     results = {}
     for impl in ("xla", "cpu"):
-        opt = optim.CombinedOptimizer(optax.sgd(0.01), OPTIMIZERS[sparse])
+        opt = CombinedOptimizer(optax.sgd(0.01), OPTIMIZERS[sparse])
         graphdef, state = init_train_state(_Model(rngs=nnx.Rngs(0)), opt)
         step = make_train_step(graphdef, opt, _loss, implementation=impl)
         if impl == "cpu":  # the kernels are in the program, updating the table in place

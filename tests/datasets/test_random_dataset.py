@@ -7,8 +7,9 @@ from flax import nnx
 
 from jaxrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from jaxrec.datasets import RandomRecDataset, prefetch, random_rec_split, zipf_ids
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
-from jaxrec.optim import CombinedOptimizer, rowwise_adagrad
+from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import init_train_state, make_eval_step, make_train_step
 
 

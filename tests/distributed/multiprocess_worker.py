@@ -41,6 +41,7 @@ from sharding_cases import CAP, Model, batches, loss_fn  # noqa: E402
 
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 from jaxrec.sparse import KeyedJaggedTensor  # noqa: E402
 
 NUM_PROCESSES = 2
@@ -58,7 +59,7 @@ PLAN = {
 
 
 def optimizer():
-    return optim.CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
+    return CombinedOptimizer(optax.adam(0.01), optim.adam(0.05))
 
 
 def fixed_capacity(batch, capacity: int):

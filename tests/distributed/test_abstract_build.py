@@ -15,6 +15,7 @@ from sharding_cases import PLANS, Model, mesh_1d, mesh_2d
 
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 
 def _build(name):
@@ -23,7 +24,7 @@ def _build(name):
     model = Model(rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ebc, gens, world_size=8, local_size=8 // hosts)
     model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     return train.init_train_state(model, opt)[1]
 
 

@@ -12,6 +12,7 @@ from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d, mesh_2d
 
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 
 def sharded_model(name, weighted=False, **kwargs):
@@ -34,7 +35,7 @@ STEPS = 2
 def reference(weighted: bool, opt_name: str):
     """Unsharded training on the global batches: forward output, losses, final state."""
     rng = np.random.default_rng(0)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name])
+    opt = CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name])
     graphdef, state = train.init_train_state(Model(weighted, rngs=nnx.Rngs(1)), opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
     losses, first = [], None
@@ -68,7 +69,7 @@ def test_training_equals_unsharded(name, opt_name):
     first, losses, tables_ref, params_ref = reference(weighted, opt_name)
     rng = np.random.default_rng(0)
     model, mesh = sharded_model(name, weighted)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name])
+    opt = CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name])
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
     for i in range(STEPS):
@@ -115,7 +116,7 @@ def test_row_wise_overflow_raises_in_the_train_step():
     """The default ``overflow="raise"``: the step that dropped ids raises, with its state."""
     rng = np.random.default_rng(3)
     local, _ = batches(rng)
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     model, mesh = sharded_model("row_wise", capacity=2)
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)

@@ -11,6 +11,7 @@ from sharding_cases import batches, mesh_1d, mesh_2d
 import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 
 def ec_tables():
@@ -83,7 +84,7 @@ def test_sequence_training_equals_unsharded(case):
     """Forward rows (and ids) per device, losses, tables and dense params after training."""
     gens, make_mesh, hosts = PLANS[case]
     mesh = make_mesh()
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     rng = np.random.default_rng(5)
     data = [batches(rng) for _ in range(STEPS)]
 

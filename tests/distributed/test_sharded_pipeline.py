@@ -9,6 +9,7 @@ from test_sharded_ebc import sharded_model
 
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 
 def _host(local):
@@ -16,7 +17,7 @@ def _host(local):
 
 
 def _setup(**kwargs):
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     model, mesh = sharded_model("row_wise", **kwargs)
     graphdef, state = train.init_train_state(model, opt)
     return train.make_train_step(graphdef, opt, loss_fn), state, mesh

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from compile_runner import Case, compile_abstract
 
 from jaxrec import optim
-from jaxrec.inference.quantize import row_bytes
 from jaxrec.pallas import Tiling, fused_backward_update, sequence_lookup, sparse_update
 from jaxrec.pallas import pooled_lookup as pallas_pooled_lookup
 from jaxrec.pallas.quant_lookup import quant_pooled_lookup
+from jaxrec.xla.quantize import row_bytes
 
 ROWS = 10_000_000  # stacked table rows
 BAGS = 8 * 65_536  # features x batch

@@ -27,6 +27,7 @@ import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim
 from jaxrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
@@ -102,7 +103,7 @@ def _local_batch(tables, batch: int, ids_per_bag: int):
 
 
 def _optimizer():
-    return optim.CombinedOptimizer(optax.adam(1e-3), optim.rowwise_adagrad(0.01))
+    return CombinedOptimizer(optax.adam(1e-3), optim.rowwise_adagrad(0.01))
 
 
 def _collectives(compiled) -> dict[str, int]:

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 import jaxrec as jr
-from jaxrec.inference.quantize import quantize_rows, row_error_bound
+from jaxrec.xla.quantize import quantize_rows, row_error_bound
 
 DTYPES = ("int8", "int4", "fp16", "bf16", "fp32")
 KEYS = ("f1", "f2", "f3")

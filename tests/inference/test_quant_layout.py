@@ -8,7 +8,7 @@ from quant_cases import DTYPES, random_table
 
 from jaxrec.configs import DataType
 from jaxrec.inference import dequantize_rows, quantize_rows, row_bytes
-from jaxrec.inference.quantize import canonical_dtype, row_error_bound, scale_bias
+from jaxrec.xla.quantize import canonical_dtype, row_error_bound, scale_bias
 
 
 def test_torchrec_tutorial_shape():

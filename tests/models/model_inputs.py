@@ -11,6 +11,7 @@ from torchrec_helpers import jax_kjt, random_kjt_arrays
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 B, DENSE, D = 6, 5, 4
 KEYS = ["f1", "f2", "f3"]
@@ -61,7 +62,7 @@ def check_train_step(model, loss_fn, batches):
         traces.append(1)
         return loss_fn(m, b)
 
-    opt = optim.CombinedOptimizer(optax.adam(1e-2), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(1e-2), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)
     before = jax.tree.map(np.array, (state.params, state.tables))
     step = train.make_train_step(graphdef, opt, counted)

@@ -23,6 +23,7 @@ from torchrec_helpers import (
 import jaxrec as jr
 import jaxrec.modules as jm
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 KEYS = ["f1", "f2"]
 MAX_LEN = {"f1": 4, "f2": 3}
@@ -123,7 +124,7 @@ def test_train_step_updates_position_weights_and_tables_like_autodiff():
     grads = nnx.jit(nnx.grad(loss_fn, argnums=nnx.DiffState(0, diff)))(model, (kjt, y))
     expect = jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, diff), grads)
 
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = train.init_train_state(model, opt)
     state, loss, _ = train.make_train_step(graphdef, opt, loss_fn)(state, (kjt, y))
     got = nnx.state(train.merge_model(graphdef, state), diff)

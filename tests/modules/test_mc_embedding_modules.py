@@ -10,6 +10,8 @@ from flax import nnx
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.embedding.reset import init_rows
 from jaxrec.modules import (
     EVICTION_FILL,
     LFU_EvictionPolicy,
@@ -19,7 +21,6 @@ from jaxrec.modules import (
     ManagedCollisionEmbeddingCollection,
     MCHManagedCollisionModule,
 )
-from jaxrec.train.reset import init_rows
 
 B, CAP = 6, 24
 KEYS = ["a", "b", "c"]
@@ -124,7 +125,7 @@ def looked_up(kjt):
 def test_train_step_equals_remap_reset_then_plain_step(policy):
     """MC-EBC step == (MCC remap, evicted rows and state reset by hand, plain EBC step)."""
     rng = np.random.default_rng(0)
-    opt = optim.CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.2))
+    opt = CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.2))
     model = MCModel(policy, rngs=nnx.Rngs(0))
     model.sparse.ensure_buffers(drifting_batch(rng, 0))
     ref_mcc = deep_copy(model.sparse.managed_collision_collection)
@@ -269,7 +270,7 @@ def test_sequence_collection_trains_and_returns_remapped_ids():
     model = SeqModel(nnx.Rngs(0))
     kjt = drifting_batch(rng, 0, keys=["a", "b"])
     model.mc.ensure_buffers(kjt)
-    opt = optim.CombinedOptimizer(optax.sgd(0.0), optim.adagrad(0.5))
+    opt = CombinedOptimizer(optax.sgd(0.0), optim.adagrad(0.5))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, lambda m, k: m(k), has_aux=True)
 

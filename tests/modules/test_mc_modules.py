@@ -19,6 +19,7 @@ from jaxrec import (
     optim,
     train,
 )
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.modules import (
     EVICTION_FILL,
     DistanceLFU_EvictionPolicy,
@@ -515,7 +516,7 @@ def test_state_flows_through_the_train_step():
             KeyedJaggedTensor.from_lengths_sync(["a", "b", "c"], values, lengths, capacities=4)
         )
     model.mcc.ensure_buffers(batches[0])
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, lambda m, b: m(b))
     for kjt in batches:

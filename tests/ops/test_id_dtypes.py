@@ -19,6 +19,7 @@ from flax import nnx
 
 import jaxrec as jr
 from jaxrec import cpu, optim
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import init_train_state, make_train_step
 
 ROWS, DIM = 5, 4
@@ -119,7 +120,7 @@ def loss_fn(model, kjt):
 def test_train_step_updates_only_rows_of_in_range_ids(impl, dtype):
     values, lengths, bags = batch(dtype)
     kjt = kjt_of(values, lengths)
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     for mode in ("IGNORE", "WARNING"):
         model = Model(impl, mode)
         before = np.asarray(model.ebc.weights["fp32_d4"].get_value())
@@ -139,7 +140,7 @@ def test_train_step_updates_only_rows_of_in_range_ids(impl, dtype):
 def test_train_step_fatal_catches_wide_ids(impl):
     values = np.asarray([1, 2**31, 3], np.uint32)
     kjt = jr.KeyedJaggedTensor(KEYS, values, lengths=[1, 0, 1, 1], capacities=[1, 2])
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = init_train_state(Model(impl, "FATAL"), opt)
     step = make_train_step(graphdef, opt, loss_fn, donate=False, implementation=impl)
     with pytest.raises(Exception, match="ids out of range"):
@@ -203,7 +204,7 @@ def test_cpu_path_reads_narrow_ids_itself_and_gets_wide_ids_checked(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num", [0, 1, 5, 200, 2**31 - 1])
 def test_ids_in_range_static_and_traced_bounds(dtype, num):
-    from jaxrec.ops.bounds import ids_in_range
+    from jaxrec.xla.bounds import ids_in_range
 
     info = np.iinfo(dtype)
     ids = np.unique(np.asarray([info.min, info.min + 1, -1, 0, 1, 4, 5, 127, 199, 200,

@@ -18,6 +18,7 @@ from flax import nnx
 
 import jaxrec as jr
 from jaxrec import cpu, optim
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.ops import FeatureSlot, grouped_pooled_lookup, grouped_sequence_lookup
 from jaxrec.train import init_train_state, make_train_step
 
@@ -222,7 +223,7 @@ def test_train_step_leaves_rows_of_invalid_bags_alone(impl):
     )
     model = Model(impl)
     before = np.asarray(model.ebc.weights["fp32_d4"].get_value())
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = init_train_state(model, opt)
 
     def loss_fn(m, x):
@@ -246,7 +247,7 @@ def test_train_step_fatal_names_the_bad_lengths(impl):
     model = Model(impl)
     model.ebc.bounds_check_mode = jr.BoundsCheckMode.FATAL
     before = np.asarray(model.ebc.weights["fp32_d4"].get_value())
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = init_train_state(model, opt)
     step = make_train_step(graphdef, opt, lambda m, x: jnp.sum(m(x)), implementation=impl)
     with pytest.raises(Exception, match="3 bags of pooled lookup .* first in key 'a'") as err:

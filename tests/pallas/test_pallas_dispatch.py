@@ -10,10 +10,11 @@ import pytest
 from pallas_cases import LENGTHS, TABLE_ROWS
 
 from jaxrec import KeyedJaggedTensor, PoolingType, optim
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.embedding.optimizer import SubGroup
+from jaxrec.embedding.sparse_update import update_subgroup
 from jaxrec.ops import FeatureSlot, grouped_pooled_lookup, pooled_lookup, sequence_lookup
 from jaxrec.ops.dispatch import dispatch, register_pallas
-from jaxrec.optim.combined import SubGroup
-from jaxrec.train.sparse_update import update_subgroup
 
 
 def test_importing_jaxrec_does_not_import_pallas():
@@ -137,7 +138,7 @@ def test_the_lowering_platform_picks_the_kernels(implementation):
 
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["a"])]
     model = EmbeddingBagCollection(tables, rngs=nnx.Rngs(0), implementation=implementation)
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     graphdef, state = init_train_state(model, opt)
     loss = lambda m, kjt: jnp.sum(m(kjt).values() ** 2)
     step = make_train_step(graphdef, opt, loss, implementation=implementation)

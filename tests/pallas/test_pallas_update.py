@@ -7,13 +7,13 @@ import pytest
 from pallas_cases import DTYPES, ragged_case
 
 from jaxrec import optim
-from jaxrec.ops.backward import dedup_rows
 from jaxrec.pallas import (
     fused_backward_update,
     fused_backward_update_reference,
     sparse_update,
     sparse_update_reference,
 )
+from jaxrec.xla.backward import dedup_rows
 
 OPTIMIZERS = {
     "sgd": lambda: optim.sgd(0.1),

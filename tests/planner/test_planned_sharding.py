@@ -10,6 +10,7 @@ import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.distributed.planner import ParameterConstraints, plan_for_model
+from jaxrec.embedding import CombinedOptimizer
 
 KEYS = ["f1", "f2", "f3", "f4"]
 ROWS = {"f1": 10, "f2": 50, "f3": 37, "f4": 20}
@@ -90,7 +91,7 @@ def test_planned_model_matches_unsharded():
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
 
     # One training step of the whole model under the mixed plan.
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.adam(0.05))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.adam(0.05))
     graphdef, state = train.init_train_state(Model(), opt)
     state, loss_ref, _ = train.make_train_step(graphdef, opt, loss_fn)(state, glob)
     tables_ref = train.merge_model(graphdef, state).ebc.state_dict()

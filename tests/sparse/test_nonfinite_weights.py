@@ -11,6 +11,7 @@ from flax import nnx
 
 import jaxrec as jr
 from jaxrec import cpu, optim
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import init_train_state, make_train_step
 
 IMPLS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C++"))]
@@ -141,7 +142,7 @@ def test_train_step_keeps_tables_finite(impl):
     kjt, _ = device_kjt(np.nan)
     model = Model(impl)
     before = np.asarray(model.ebc.weights["fp32_d4"].get_value())
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
     graphdef, state = init_train_state(model, opt)
     step = make_train_step(graphdef, opt, lambda m, x: jnp.sum(m(x)), implementation=impl)
     state, loss, _ = step(state, kjt)

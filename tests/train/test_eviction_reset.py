@@ -10,7 +10,8 @@ from train_models import KEYS, bag_tables, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
-from jaxrec.train.reset import init_rows, reset_table_rows
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.embedding.reset import init_rows, reset_table_rows
 
 KEY = jax.random.key(7)
 K = 4  # static reset-list length per table
@@ -65,8 +66,8 @@ def sparse_np(state):
 
 
 OPTIMIZERS = {
-    "rowwise_adagrad": lambda: optim.CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.1)),
-    "adam_mixed": lambda: optim.CombinedOptimizer(  # t1, t3 share a buffer, not an optimizer
+    "rowwise_adagrad": lambda: CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.1)),
+    "adam_mixed": lambda: CombinedOptimizer(  # t1, t3 share a buffer, not an optimizer
         optax.sgd(0.05), optim.adam(0.05), per_table={"t3": optim.adagrad(0.2)}
     ),
 }
@@ -193,7 +194,7 @@ def test_reset_step_stays_in_place(skip_nonfinite):
         reset_table_rows(m.ebc, "big", rows, KEY)
         return jnp.sum(m.head(m.ebc(kjt).values()))
 
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Big(nnx.Rngs(0))))
     state = jax.eval_shape(lambda: train.init_train_state(Big(nnx.Rngs(0)), opt)[1])
     kjt = jr.KeyedJaggedTensor(["f"], jnp.zeros(4096 * 20, jnp.int32),

@@ -10,6 +10,7 @@ from train_models import bag_tables, mse, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 FATAL = jr.BoundsCheckMode.FATAL
 
@@ -41,7 +42,7 @@ OPTIMIZERS = {
 
 def setup(opt_name):
     sparse, implementation = OPTIMIZERS[opt_name]
-    opt = optim.CombinedOptimizer(optax.adam(0.01), sparse())
+    opt = CombinedOptimizer(optax.adam(0.01), sparse())
     graphdef, state = train.init_train_state(FatalModel(rngs=nnx.Rngs(0)), opt)
     return graphdef, state, train.make_train_step(graphdef, opt, mse, implementation=implementation)
 

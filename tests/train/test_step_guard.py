@@ -13,6 +13,7 @@ from train_models import SeqModel, bag_tables, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 OPTIMIZERS = {  # (sparse optimizer, implementation): the C++ KJT kernel, XLA fused, XLA rows
     "rowwise_adagrad": (lambda: optim.rowwise_adagrad(0.1), None),
@@ -69,7 +70,7 @@ def assert_bitwise_equal(a, b):
 
 def setup(opt_name, loss_fn=loss, **kwargs):
     sparse, implementation = OPTIMIZERS[opt_name]
-    opt = optim.CombinedOptimizer(optax.adam(0.01), sparse())
+    opt = CombinedOptimizer(optax.adam(0.01), sparse())
     graphdef, state = train.init_train_state(DenseModel(rngs=nnx.Rngs(0)), opt)
     step = train.make_train_step(graphdef, opt, loss_fn, implementation=implementation, **kwargs)
     return graphdef, state, step
@@ -107,7 +108,7 @@ def test_bad_step_changes_nothing_and_training_goes_on(opt_name, kind):
 def test_pallas_update_is_masked_too():
     """The Pallas fused update (the GPU default; interpreted here) touches no row on a skip."""
     rng = np.random.default_rng(4)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(DenseModel(rngs=nnx.Rngs(0)), opt)
     step = train.make_train_step(graphdef, opt, loss, implementation="pallas", skip_nonfinite=True)
     good, bad = batch(rng), poisoned("nan_label", rng)
@@ -122,7 +123,7 @@ def test_pallas_update_is_masked_too():
 def test_sequence_collection_called_twice_is_masked():
     """EmbeddingCollection (sequence lookups) read twice in one step: both calls masked."""
     rng = np.random.default_rng(5)
-    opt = optim.CombinedOptimizer(optax.sgd(0.01), optim.adam(0.05))
+    opt = CombinedOptimizer(optax.sgd(0.01), optim.adam(0.05))
     graphdef, state = train.init_train_state(SeqModel(rngs=nnx.Rngs(0)), opt)
 
     def scaled(model, batch):
@@ -187,7 +188,7 @@ def test_skipped_step_undoes_row_resets():
     """Rows a managed-collision eviction re-initialised in the forward come back on a skip,
     with their optimizer state; ``rest`` (the reset call counter) is not advanced."""
     rng = np.random.default_rng(3)
-    opt = optim.CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.05), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(ResetModel(rngs=nnx.Rngs(0)), opt)
     step = train.make_train_step(graphdef, opt, reset_loss, skip_nonfinite=True)
     kjt, y = random_batch(rng)

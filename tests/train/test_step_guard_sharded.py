@@ -13,6 +13,7 @@ from test_step_guard import assert_bitwise_equal, host
 import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
 from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d  # noqa: E402
@@ -27,7 +28,7 @@ def setup(plan_name, opt_name, bounds=jr.BoundsCheckMode.WARNING, **kwargs):
     plan = d.construct_module_sharding_plan(model.ebc, PLANS[plan_name][0], world_size=8)
     mesh = mesh_1d()
     model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name]())
+    opt = CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name]())
     graphdef, state = train.init_train_state(model, opt)
     return mesh, state, train.make_train_step(graphdef, opt, loss_fn, **kwargs)
 

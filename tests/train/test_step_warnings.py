@@ -20,6 +20,7 @@ from train_models import BagModel, mse, random_batch
 import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
 import sharding_cases as sc  # noqa: E402
@@ -63,7 +64,7 @@ def test_the_detector_sees_a_warning_callback_outside_a_step():
 def test_unsharded_step_has_no_host_callback(implementation, weighted):
     model = BagModel(weighted, rngs=nnx.Rngs(0))
     model.sparse["ebc"].implementation = implementation
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, mse, implementation=implementation)
     lowered = step.lower(state, random_batch(np.random.default_rng(0), weighted=weighted))
@@ -78,7 +79,7 @@ def sharded_setup(plan_name, *, weighted=False, **kwargs):
     model = sc.Model(weighted, rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ebc, gens, world_size=8, local_size=8 // hosts)
     model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh, **kwargs)
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)
     return mesh, graphdef, state, train.make_train_step(graphdef, opt, sc.loss_fn)
 
@@ -155,7 +156,7 @@ def poison(kjt, rng, n_bad):
 def unsharded_setup(implementation=None):
     model = BagModel(True, rngs=nnx.Rngs(0))
     model.sparse["ebc"].implementation = implementation
-    opt = optim.CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)
     return state, train.make_train_step(graphdef, opt, mse, implementation=implementation)
 

@@ -21,8 +21,8 @@ from flax import nnx
 from numpy_reference import packed, random_bags
 
 import jaxrec as jr
+from jaxrec.embedding.optimizer import CombinedOptimizer
 from jaxrec.optim import adagrad, rowwise_adagrad, sgd
-from jaxrec.optim.combined import CombinedOptimizer
 from jaxrec.train.step import init_train_state, make_train_step, merge_model
 
 torch = pytest.importorskip("torch")

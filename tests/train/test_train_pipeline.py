@@ -11,7 +11,7 @@ from flax import nnx
 from train_models import BagModel, mse, random_batch
 
 from jaxrec import optim
-from jaxrec.optim import CombinedOptimizer
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import TrainPipeline, init_train_state, make_train_step
 
 

@@ -10,6 +10,7 @@ from train_models import BagModel, SeqModel, mse, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 LR = 0.05
 MODE = [jr.BoundsCheckMode.WARNING]
@@ -31,7 +32,7 @@ def snapshot(model):
 def test_sgd_step_equals_dense_autodiff(weighted):
     rng = np.random.default_rng(0)
     model = BagModel(weighted, rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(optax.sgd(LR), optim.sgd(LR))
+    opt = CombinedOptimizer(optax.sgd(LR), optim.sgd(LR))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, mse)
     for _ in range(3):
@@ -52,7 +53,7 @@ def test_sgd_step_equals_dense_autodiff(weighted):
 def test_sequence_collection_called_twice():
     rng = np.random.default_rng(1)
     model = SeqModel(rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(optax.sgd(LR), optim.sgd(LR))
+    opt = CombinedOptimizer(optax.sgd(LR), optim.sgd(LR))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, lambda m, b: m(b[0]))
     batch = random_batch(rng, keys=["a", "b"])
@@ -67,7 +68,7 @@ def test_sequence_collection_called_twice():
 def test_untouched_rows_never_change_and_state_is_donated():
     rng = np.random.default_rng(2)
     model = BagModel(rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(optax.adam(1e-2), optim.adam(0.1))
+    opt = CombinedOptimizer(optax.adam(1e-2), optim.adam(0.1))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, mse)
     kjt, y = random_batch(rng)
@@ -91,7 +92,7 @@ def test_untouched_rows_never_change_and_state_is_donated():
 def test_has_aux_eval_step_and_describe():
     rng = np.random.default_rng(3)
     model = BagModel(rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(
+    opt = CombinedOptimizer(
         optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         optim.rowwise_adagrad(0.01),
         per_table={"t2": optim.sgd(0.5)},
@@ -111,18 +112,16 @@ def test_has_aux_eval_step_and_describe():
     assert aux == {"n": 1} and float(loss) == pytest.approx(float(before), rel=1e-6)
     assert float(evaluate(state, batch)) < float(before)
     with pytest.raises(ValueError, match="match no table"):
-        optim.CombinedOptimizer(
-            optax.sgd(0.1), optim.sgd(0.1), per_table={"zz": optim.sgd(1)}
-        ).init(model)
+        CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1), per_table={"zz": optim.sgd(1)}).init(
+            model
+        )
 
 
 def test_mixed_optimizers_in_one_stacked_group():
     """t1 and t3 share a stacked buffer but not an optimizer."""
     rng = np.random.default_rng(4)
     model = BagModel(rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(
-        optax.sgd(0.0), optim.sgd(LR), per_table={"t3": optim.sgd(2 * LR)}
-    )
+    opt = CombinedOptimizer(optax.sgd(0.0), optim.sgd(LR), per_table={"t3": optim.sgd(2 * LR)})
     graphdef, state = train.init_train_state(model, opt)
     assert sorted(state.opt_state.sparse) == [
         "sparse/ebc/fp32_d4",
@@ -152,7 +151,7 @@ def _abstract_step(dense_autodiff: bool, **step_kwargs):
             self.ebc = jr.EmbeddingBagCollection(tables, rngs=rngs, bounds_check_mode=MODE[0])
             self.head = nnx.Linear(128, 1, rngs=rngs)
 
-    opt = optim.CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     abstract = nnx.eval_shape(lambda: Big(nnx.Rngs(0)))
     graphdef = nnx.graphdef(abstract)
     state = jax.eval_shape(lambda: train.init_train_state(Big(nnx.Rngs(0)), opt)[1])

@@ -18,6 +18,7 @@ from train_models import BagModel, mse, random_batch
 
 import jaxrec as jr
 from jaxrec import optim, train
+from jaxrec.embedding import CombinedOptimizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "optim"))
 import numpy_optimizers as ref  # noqa: E402
@@ -55,7 +56,7 @@ def test_optimizer_steps_match_numpy_reference(name):
     lr = kwargs["learning_rate"]
     rng = np.random.default_rng(7)
     model = BagModel(weighted=True, rngs=nnx.Rngs(0))
-    opt = optim.CombinedOptimizer(optax.sgd(0.0), getattr(optim, name)(**kwargs))
+    opt = CombinedOptimizer(optax.sgd(0.0), getattr(optim, name)(**kwargs))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, mse)
     tables = {

@@ -8,7 +8,7 @@ from flax import nnx
 from train_models import BagModel, SeqModel, mse, random_batch
 
 from jaxrec import optim
-from jaxrec.optim import CombinedOptimizer
+from jaxrec.embedding import CombinedOptimizer
 from jaxrec.train import init_train_state, make_train_step
 
 

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .base import SparseOptimizer
+from ..optim.base import SparseOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ class CombinedOptimizer:
 
 def embedding_modules(model: nnx.Module) -> Iterator[tuple[tuple, Any]]:
     """``(path, collection)`` for every embedding collection in the model."""
-    from ..modules.tables import TableStorage
+    from .tables import TableStorage
 
     for path, module in nnx.iter_modules(model):
         if isinstance(module, TableStorage) or hasattr(module, "init_optimizer_state"):

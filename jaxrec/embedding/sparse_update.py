@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ops.backward import dedup_rows, source_grads
 from ..ops.dispatch import dispatch
-from ..optim.base import gather_state, scatter_state
-from ..optim.combined import SubGroup
+from ..optim.base import apply_rows
+from ..xla.backward import backward_update_xla
+from .optimizer import SubGroup
 
 
 def update_subgroup(
@@ -39,7 +39,7 @@ def update_subgroup(
     return dispatch(
         "sparse_update",
         implementation,
-        update_rows_xla,
+        apply_rows,
         sub.optimizer,
         table,
         state,
@@ -66,20 +66,6 @@ def subgroup_rows(
     return jnp.where(member, rows, num_rows), jnp.where(member, local, sub.num_rows)
 
 
-def update_rows_xla(optimizer, table, state, rows, grads, state_rows, **update_kwargs):
-    """The XLA row update: gather, ``optimizer.update``, scatter (``mode="drop"`` skips fills).
-
-    ``update_kwargs`` go to ``optimizer.update`` (``dim=``, ``row_sum=`` for column shards).
-    """
-    count = state.count + 1
-    w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
-    new_w, new_state = optimizer.update(
-        w, grads.astype(jnp.float32), gather_state(state, state_rows), count, **update_kwargs
-    )
-    table = table.at[rows].set(new_w.astype(table.dtype), mode="drop")
-    return table, scatter_state(state, state_rows, new_state)._replace(count=count)
-
-
 def backward_update(
     optimizer,
     table: jax.Array,
@@ -95,7 +81,7 @@ def backward_update(
     """A lookup's backward fused with one optimizer step over a whole stacked buffer.
 
     Id ``c`` adds ``out_grad[seg[c]] * scale[c]`` to row ``rows[c]`` (see
-    ``jaxrec.ops.backward.pooled_grad_sources``); duplicates are summed before
+    ``jaxrec.xla.backward.pooled_grad_sources``); duplicates are summed before
     one update per row. On GPU (``implementation=None``) the Pallas kernel
     reads the output gradient directly, never forming per-id gradients.
     """
@@ -112,11 +98,3 @@ def backward_update(
         rows,
         valid,
     )
-
-
-def backward_update_xla(optimizer, table, state, out_grad, seg, scale, rows, valid):
-    """Per-id gradients, ``dedup_rows``, then :func:`update_rows_xla`."""
-    unique, summed = dedup_rows(
-        rows, source_grads(out_grad, seg, scale, valid), valid, table.shape[0]
-    )
-    return update_rows_xla(optimizer, table, state, unique, summed, unique)

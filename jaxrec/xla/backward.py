@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..configs import PoolingType
+from ..optim.base import apply_rows
 from ..sparse import KeyedJaggedTensor
 from .bounds import BoundsCheckMode
-from .grouped import FeatureSlot, _rows_and_mask, _slot_positions
+from .slots import FeatureSlot, rows_and_mask, slot_positions
 
 
 def pooled_row_grads(
@@ -58,8 +59,8 @@ def pooled_grad_sources(
     ``flat[seg[c]] * scale[c]``. The fused backward kernel reads this directly.
     """
     b, s = features.stride(), len(slots)
-    ids, w, slot_of, bag, valid, _ = _slot_positions(features, slots)
-    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
+    ids, w, slot_of, bag, valid, _ = slot_positions(features, slots)
+    rows, valid = rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
     scale = jnp.where(valid, 1.0, 0.0)
     if is_weighted:
         scale = scale * w.astype(jnp.float32)
@@ -90,8 +91,8 @@ def sequence_grad_sources(
     features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """:func:`pooled_grad_sources` for a sequence lookup (output rows concatenated by slot)."""
-    ids, _, slot_of, _, valid, _ = _slot_positions(features, slots)
-    rows, valid = _rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
+    ids, _, slot_of, _, valid, _ = slot_positions(features, slots)
+    rows, valid = rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
     seg = jnp.arange(ids.shape[0], dtype=jnp.int32)
     return rows, seg, jnp.where(valid, 1.0, 0.0), valid
 
@@ -127,3 +128,12 @@ def dedup_rows(
         jnp.where(valid[:, None], grads, 0.0), inverse.reshape(-1), num_segments=size
     )
     return unique, summed
+
+
+def backward_update_xla(optimizer, table, state, out_grad, seg, scale, rows, valid):
+    """A lookup's backward and one optimizer step in XLA: per-id gradients
+    (:func:`source_grads`), :func:`dedup_rows`, then ``jaxrec.optim.apply_rows``."""
+    unique, summed = dedup_rows(
+        rows, source_grads(out_grad, seg, scale, valid), valid, table.shape[0]
+    )
+    return apply_rows(optimizer, table, state, unique, summed)

@@ -18,7 +18,7 @@ from flax import nnx
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot
 from ..optim.base import row_fields
-from ..optim.combined import state_key
+from .optimizer import state_key
 
 
 class EmbeddingTable(nnx.Variable):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..ops.bounds import FatalReport, collect_checks, logger
+from ..xla.bounds import FatalReport, collect_checks, logger
 
 _TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from ..configs import BaseEmbeddingConfig
 from ..optim.base import row_fields
-from ..optim.combined import state_key
+from .optimizer import state_key
 from .sparse_update import subgroup_rows
 from .tape import record_reset
 

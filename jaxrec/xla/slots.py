@@ -1,0 +1,93 @@
+"""Feature slots of a stacked buffer: which ids each slot reads, and where they land.
+
+Every lookup path (XLA, Pallas, C++) and the sparse backward read ids through
+these, so a slot means the same rows everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..configs import PoolingType
+from ..sparse import KeyedJaggedTensor
+from ..sparse.bags import finite_weights
+from .bounds import check_ids
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureSlot:
+    """One (feature, table) lookup inside a stacked buffer.
+
+    Attributes:
+        key: the KeyedJaggedTensor key read.
+        row_offset: first row of the table in the stacked buffer.
+        num_embeddings: the table's rows; ids must lie in ``[0, num_embeddings)``.
+        pooling: SUM or MEAN for pooled lookups (ignored by sequence lookups).
+    """
+
+    key: str
+    row_offset: int
+    num_embeddings: int
+    pooling: PoolingType = PoolingType.SUM
+
+
+class SlotPositions(NamedTuple):
+    """Every id the slots read, in slot order (one entry per capacity position)."""
+
+    ids: jax.Array  # [C] the KJT's ids
+    weights: jax.Array | None  # [C] per-sample weights (non-finite zeroed), None if unweighted
+    slot_of: np.ndarray  # [C] static: the slot each position belongs to
+    bag: jax.Array  # [C] the position's bag (sample) within its key
+    valid: jax.Array  # [C] a real id of a valid bag (not padding)
+    caps: list[int]  # per slot: its key's capacity
+
+
+def slot_positions(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> SlotPositions:
+    """Ids, per-value slot/bag positions and masks for the slots, in slot order.
+
+    Invalid bags (``jaxrec.sparse.bags``) are masked like padding; non-finite
+    weights are zeroed, so their ids contribute zero.
+    """
+    keys = features.keys()
+    check_keys(features, slots)
+    f, b = len(keys), features.stride()
+    starts = features.capacity_offsets()
+    key_idx = [keys.index(s.key) for s in slots]
+    caps = [features.capacity_per_key()[k] for k in key_idx]
+    seg_all = features.segment_ids()
+    if key_idx == list(range(f)):  # slots read every key in order: no copies
+        ids, seg_k, w = features.values(), seg_all, finite_weights(features.weights_or_none())
+    else:
+
+        def take(x):
+            return jnp.concatenate([x[starts[k] : starts[k + 1]] for k in key_idx])
+
+        ids, seg_k = take(features.values()), take(seg_all)
+        w = finite_weights(None if features.weights_or_none() is None else take(features.weights()))
+    slot_of = np.repeat(np.arange(len(slots), dtype=np.int32), caps)
+    key_of = np.repeat(np.asarray(key_idx, np.int32), caps)
+    valid = seg_k < f * b
+    bag = seg_k - key_of * b
+    return SlotPositions(ids, w, slot_of, bag, valid, caps)
+
+
+def check_keys(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> None:
+    keys = features.keys()
+    missing = sorted({s.key for s in slots} - set(keys))
+    if missing:
+        raise ValueError(f"features lack keys {missing} needed by the lookup; got keys {keys}")
+
+
+def rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where):
+    """``(rows, valid)``: stacked-buffer rows of the ids (0 where invalid), bounds-checked."""
+    offsets = np.asarray([s.row_offset for s in slots], np.int32)[slot_of]
+    nums = np.asarray([s.num_embeddings for s in slots], np.int32)[slot_of]
+    valid = check_ids(ids, valid, nums, bounds_check_mode, where)
+    rows = jnp.where(valid, ids.astype(jnp.int32) + offsets, 0)
+    return rows, valid
