@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrec import inference
+from jaxrec.jobs.from_run import click_probability, model_from_run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--eval", action="store_true", help="AUC of the loaded artifact on the run's eval set"
     )
     args = p.parse_args(argv)
-    model, example = inference.model_from_run(args.run_dir, step=args.step)
+    model, example = model_from_run(args.run_dir, step=args.step)
     if args.quantize != "none":  # hook: the quantized collections of jaxrec.inference
         quantize = getattr(inference, "quantize_inference_model", None)
         if quantize is None:
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         example,
         args.artifact,
         max_ids_per_sample=args.max_ids,
-        apply_fn=inference.click_probability,
+        apply_fn=click_probability,
         platforms=tuple(args.platforms.split(",")),
         output_name="click_probability",
         overwrite=args.overwrite,

@@ -9,8 +9,6 @@ from .artifact import InputError as InputError
 from .artifact import UnverifiedArtifactWarning as UnverifiedArtifactWarning
 from .artifact import load as load
 from .export import export as export
-from .from_run import click_probability as click_probability
-from .from_run import model_from_run as model_from_run
 from .quant_modules import QuantEmbeddingBagCollection as QuantEmbeddingBagCollection
 from .quant_modules import QuantEmbeddingCollection as QuantEmbeddingCollection
 from .quant_modules import quantize_inference_model as quantize_inference_model

@@ -243,7 +243,7 @@ def _grouped(it: Iterator, n: int) -> Iterator[list]:
 
 def _save_args(run_dir: Path, args: argparse.Namespace, data) -> None:
     """``run_dir/args.json``: the flags and data sizes that rebuild this run's model
-    (read by ``jaxrec.inference.model_from_run``)."""
+    (read by ``jaxrec.jobs.from_run.model_from_run``)."""
     info = {
         "args": vars(args),
         "data": {

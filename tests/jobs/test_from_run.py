@@ -9,7 +9,8 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.inference import load, model_from_run
+from jaxrec.inference import load
+from jaxrec.jobs.from_run import model_from_run
 from jaxrec.jobs.train_dlrm import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
