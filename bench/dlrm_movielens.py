@@ -13,9 +13,9 @@ on the same data, batch for batch:
 * BCE with logits, mean over the batch; the same shuffled batches in the same
   order (``TableDataset.batches(B, shuffle=True, seed, epoch)``, last partial
   batch dropped), each jaxrec ``Batch``'s KJT converted to TorchRec's;
-* after every epoch, AUC (``jaxrec.datasets.roc_auc``) and NE (log loss over
+* after every epoch, AUC (``jaxrec.metrics.roc_auc``) and NE (log loss over
   the entropy of the test CTR) of the logits over the whole test set, computed
-  in numpy by the same code for both.
+  on the host by the same code for both.
 
 jaxrec runs the job's own pieces (``jaxrec.jobs.dlrm_parts``: ``build_model``,
 ``build_optimizer``, ``make_steps``) through ``TrainPipeline``, as the job does;
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrec
-from jaxrec.datasets import roc_auc
+from jaxrec.metrics import roc_auc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_model, torchrec_available  # noqa: E402

@@ -19,8 +19,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from jaxrec import inference
+from jaxrec.jobs.dlrm_parts import load_data
 from jaxrec.jobs.from_run import click_probability, model_from_run
+from jaxrec.jobs.train_dlrm import parse_args
+from jaxrec.metrics import roc_auc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,12 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def eval_auc(run_dir: str, artifact: str) -> float:
     """The artifact's AUC on the run's eval set, through ``load`` (as a server runs it)."""
-    import numpy as np
-
-    from jaxrec.datasets import roc_auc
-    from jaxrec.jobs.dlrm_parts import load_data
-    from jaxrec.jobs.train_dlrm import parse_args
-
     saved = json.loads((Path(run_dir) / "args.json").read_text())["args"]
     run_args = argparse.Namespace(**{**vars(parse_args([])), **saved})
     _, data = load_data(run_args)

@@ -39,5 +39,4 @@ from .multi_hot import MultiHot as MultiHot
 from .random import PlantedModel as PlantedModel
 from .random import RandomRecDataset as RandomRecDataset
 from .random import random_rec_split as random_rec_split
-from .random import roc_auc as roc_auc
 from .random import zipf_ids as zipf_ids

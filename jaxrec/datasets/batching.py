@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..metrics import roc_auc
 from ..sparse import KeyedJaggedTensor
 
 
@@ -186,8 +187,6 @@ class TableDataset:
         data = self if other is None else other
         if data.oracle_logits is None:
             return {}
-        from .random import roc_auc
-
         return {"oracle_auc": roc_auc(data.labels(), data.oracle_logits)}
 
     # ----- iteration -----

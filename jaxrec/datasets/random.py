@@ -219,17 +219,3 @@ def random_rec_split(
     train = RandomRecDataset(num_samples=num_train, manual_seed=seed, data_stream=0, **kwargs)
     test = RandomRecDataset(num_samples=num_eval, manual_seed=seed, data_stream=1, **kwargs)
     return train, test
-
-
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Rank-based (Mann-Whitney) AUC; tied scores share their average rank."""
-    labels, scores = np.asarray(labels).reshape(-1), np.asarray(scores).reshape(-1)
-    order = np.argsort(scores, kind="stable")
-    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
-    ranks = np.empty(len(scores))
-    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
-    pos = labels > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))

@@ -7,6 +7,7 @@ a fixed-shape pytree state; see `base.py`.
 from .auc import AUCMetric as AUCMetric
 from .auc import AUPRCMetric as AUPRCMetric
 from .auc import SampleBuffer as SampleBuffer
+from .auc import roc_auc as roc_auc
 from .base import Metric as Metric
 from .base import Sum as Sum
 from .base import SumMetric as SumMetric

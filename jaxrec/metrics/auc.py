@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Metric, acc_dtype, gather_invariant, replicated_like
+from .base import Metric, acc_dtype, gather_invariant, replicated_like, validate_inputs
 from .ranking import auc_from_groups, auprc_from_groups, group_by_score
 from .rates import to_probabilities
 
@@ -205,3 +205,47 @@ class AUPRCMetric(_BufferMetric):
 
     def compute(self, state):
         return {"auprc": self._per_task(state, auprc_from_groups)}
+
+
+@jax.jit
+def _roc_auc(predictions: jax.Array, labels: jax.Array, weights: jax.Array) -> jax.Array:
+    valid = jnp.ones(predictions.shape, bool)
+    return auc_from_groups(*group_by_score(predictions, labels, weights, valid))
+
+
+def roc_auc(
+    labels: jax.typing.ArrayLike,
+    predictions: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None = None,
+) -> float:
+    """Exact weighted ROC AUC of whole arrays, in one host call: :class:`AUCMetric`'s
+    maths in float64 (whatever `jax_enable_x64` says), for evaluations that already
+    hold every sample.
+
+    Ties in predictions count half; 0.5 when there are no positives or no negatives.
+
+    Args:
+      labels: `[N]` (any shape, flattened) in [0, 1].
+      predictions: `[N]` finite scores; probabilities or logits (only their order
+        matters).
+      weights: `[N]` >= 0, or None (all 1).
+
+    Returns:
+      The AUC as a Python float.
+
+    Example::
+
+        >>> roc_auc([0, 1, 0, 1], [0.1, 0.8, 0.4, 0.4])
+        0.875
+    """
+    y = np.asarray(labels, np.float64).reshape(-1)
+    p = np.asarray(predictions, np.float64).reshape(-1)
+    w = np.ones_like(p) if weights is None else np.asarray(weights, np.float64).reshape(-1)
+    if not y.size == p.size == w.size:
+        raise ValueError(
+            f"roc_auc: labels, predictions and weights need the same number of entries, "
+            f"got {y.size}, {p.size} and {w.size}"
+        )
+    validate_inputs(p, y, None if weights is None else w, probabilities=False)
+    with jax.enable_x64(True):
+        return float(_roc_auc(jnp.asarray(p), jnp.asarray(y), jnp.asarray(w)))

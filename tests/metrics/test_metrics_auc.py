@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 from metrics_refs import auc_ref, auprc_ref, binary_data, torchrec_metrics
 
-from jaxrec.metrics import AUCMetric, AUPRCMetric, StreamingAUCMetric, StreamingAUPRCMetric
+from jaxrec.metrics import (
+    AUCMetric,
+    AUPRCMetric,
+    StreamingAUCMetric,
+    StreamingAUPRCMetric,
+    roc_auc,
+)
 
 
 def _torchrec(p, y, w):
@@ -176,3 +182,46 @@ def test_streaming_auc_error_is_within_its_bound_and_small():
     g, y, w = np.round(p[:2000] * 8) / 8, y[:2000], w[:2000]
     m = StreamingAUCMetric(num_buckets=16)
     np.testing.assert_allclose(m.compute(_run(m, g, y, w))["auc"], auc_ref(g, y, w), rtol=1e-5)
+
+
+def _rank_auc(labels, scores):
+    """Rank-based (Mann-Whitney) AUC in float64, tied scores sharing their average
+    rank: a formula independent of the pairwise `auc_ref` and of the library's groups."""
+    order = np.argsort(scores, kind="stable")
+    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(scores))
+    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
+    pos = labels > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return (ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_roc_auc_matches_numpy(ties, weighted):
+    rng = np.random.default_rng(5)
+    p, y, w = binary_data(rng, 300, weighted=weighted, ties=ties)
+    got = roc_auc(y, p, w if weighted else None)
+    assert isinstance(got, float)
+    want = auc_ref(*(x.astype(np.float64) for x in (p, y, w)))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_roc_auc_is_float64_exact_on_many_samples():
+    # 200k samples with ties: float32 sums of P*N pair counts would drift past 1e-9.
+    rng = np.random.default_rng(6)
+    n = 200_000
+    scores = np.round(rng.standard_normal(n), 3)
+    labels = (rng.random(n) < 1 / (1 + np.exp(-scores))).astype(np.float32)
+    np.testing.assert_allclose(roc_auc(labels, scores), _rank_auc(labels, scores), rtol=1e-12)
+
+
+def test_roc_auc_no_signal_and_bad_input():
+    assert roc_auc(np.ones(5), np.arange(5.0)) == 0.5  # no negatives: AUCMetric's 0.5
+    assert roc_auc(np.zeros(5), np.arange(5.0)) == 0.5
+    with pytest.raises(ValueError, match="predictions"):
+        roc_auc(np.ones(3), np.array([0.1, np.nan, 0.2]))
+    with pytest.raises(ValueError, match="labels"):
+        roc_auc(np.array([0.0, 2.0]), np.array([0.1, 0.2]))
+    with pytest.raises(ValueError, match="same number"):
+        roc_auc(np.ones(3), np.arange(4.0))
