@@ -6,11 +6,9 @@ with static capacities. TorchRec: ``torchrec.datasets``.
 """
 
 from .batching import Batch as Batch
-from .batching import Prefetcher as Prefetcher
 from .batching import Ragged as Ragged
 from .batching import Table as Table
 from .batching import TableDataset as TableDataset
-from .batching import prefetch as prefetch
 from .criteo import CRITEO_KAGGLE_NUM_EMBEDDINGS as CRITEO_KAGGLE_NUM_EMBEDDINGS
 from .criteo import CriteoDataset as CriteoDataset
 from .criteo import criteo_split as criteo_split
@@ -36,6 +34,8 @@ from .movielens_files import RawRatings as RawRatings
 from .movielens_files import read_atomic as read_atomic
 from .movielens_files import read_movielens as read_movielens
 from .multi_hot import MultiHot as MultiHot
+from .prefetch import Prefetcher as Prefetcher
+from .prefetch import prefetch as prefetch
 from .random import PlantedModel as PlantedModel
 from .random import RandomRecDataset as RandomRecDataset
 from .random import random_rec_split as random_rec_split

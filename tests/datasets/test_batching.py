@@ -1,12 +1,9 @@
-"""TableDataset batching (shuffle, process sharding, capacities, overflow) and prefetch."""
-
-import threading
-import time
+"""TableDataset batching (shuffle, process sharding, capacities, overflow)."""
 
 import numpy as np
 import pytest
 
-from jaxrec.datasets import Batch, Ragged, Table, TableDataset, prefetch
+from jaxrec.datasets import Batch, Ragged, Table, TableDataset
 
 
 def make_table(n, seed=0, start=0):
@@ -132,44 +129,3 @@ def test_ids_out_of_range_or_hashed():
     hashed = TableDataset(table, keys=["a"], num_embeddings_per_feature=[10], hash_ids=True)
     b = next(hashed.batches(4, shuffle=False))
     assert b.sparse_features.values()[:4].tolist() == [1, 5, 2, 3]
-
-
-def test_prefetch_preserves_order():
-    assert list(prefetch(iter(range(50)), size=3)) == list(range(50))
-    assert list(prefetch([], size=1)) == []
-
-
-def test_prefetch_reraises_producer_errors():
-    def gen():
-        yield 1
-        yield 2
-        raise RuntimeError("bad line 7")
-
-    it = prefetch(gen())
-    assert next(it) == 1 and next(it) == 2
-    with pytest.raises(RuntimeError, match="bad line 7"):
-        next(it)
-    with pytest.raises(StopIteration):
-        next(it)
-
-
-def test_prefetch_stops_when_the_consumer_stops():
-    produced = []
-
-    def endless():
-        i = 0
-        while True:
-            produced.append(i)
-            yield i
-            i += 1
-
-    before = threading.active_count()
-    with prefetch(endless(), size=2) as it:
-        assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
-    time.sleep(0.2)
-    n = len(produced)
-    time.sleep(0.2)
-    assert len(produced) == n <= 5 + 2 + 1  # bounded read-ahead, then stopped
-    assert threading.active_count() == before
-    with pytest.raises(ValueError, match="size must be >= 1"):
-        prefetch([], size=0)
