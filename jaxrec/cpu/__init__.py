@@ -4,7 +4,8 @@ The kernels are an optional extension (``jaxrec/cpu/_kernels``, built from
 ``csrc/`` by ``pip install``). They are loaded and registered with JAX the
 first time one may run (after the backend has started). If the extension is
 missing or fails to load, :func:`load` says why; the dispatcher then runs the
-XLA path and warns once.
+XLA path and warns once. ``jaxrec.ops.backends`` lists which wrapper serves
+which op; this package imports nothing of ``jaxrec.ops``.
 
 Threads: ``JAXREC_CPU_THREADS`` (default: every core the process may use).
 """
@@ -33,15 +34,3 @@ from .loader import (
 from .loader import (
     unavailable_reason as unavailable_reason,
 )
-
-
-def _register() -> None:
-    from ..ops.dispatch import register_cpu
-
-    register_cpu("embedding_bag", embedding_bag_cpu)
-    register_cpu("grouped_pooled_lookup", grouped_pooled_lookup_cpu)
-    register_cpu("fused_backward_update", backward_update_cpu)
-    register_cpu("kjt_backward_update", kjt_backward_update_cpu)
-
-
-_register()

@@ -16,11 +16,11 @@ implementation  ``cpu``                ``cuda`` / ``rocm``      others
 ==============  =====================  =======================  ==========
 
 A kernel that cannot handle its arguments raises ``NotImplementedError`` and
-its branch runs XLA instead. Pallas kernels register themselves from
-``jaxrec.pallas`` and CPU kernels from ``jaxrec.cpu``; each package is imported
-the first time one of its kernels may be wanted. When the C++ extension cannot
-be loaded, the CPU branch runs XLA (saying why once: a warning when ``"cpu"``
-was asked for, a log line for ``None``).
+its branch runs XLA instead. Which kernel serves an op is listed in
+``jaxrec.ops.backends`` (Pallas adapters from ``jaxrec.pallas``, C++ wrappers
+from ``jaxrec.cpu``). The C++ extension itself loads the first time a CPU
+kernel may run; when it cannot be loaded, the CPU branch runs XLA (saying why
+once: a warning when ``"cpu"`` was asked for, a log line for ``None``).
 
 Bounds-check reports made inside a branch (the C++ lookup counts bad ids
 itself) leave it as outputs and are reported again outside
@@ -35,16 +35,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ..cpu import loader
 from ..xla.bounds import collect_checks, report_out_of_range
+from .backends import CPU, PALLAS
 
 IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
 GPU_PLATFORMS = ("cuda", "rocm")
 # Whether ``implementation=None`` picks the C++ kernels on the CPU platform.
 CPU_BY_DEFAULT = True
-_PALLAS: dict[str, Callable] = {}
-_CPU: dict[str, Callable] = {}
-_LOADED = False
-_CPU_LOADED = False
 # The platform whose branch is being traced (None outside any branch): calls
 # nested in a branch choose directly instead of staging branches again.
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -52,37 +50,11 @@ _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-def register_pallas(op: str, fn: Callable) -> None:
-    """``fn(*args, interpret=bool, **kwargs)``: the op's Pallas kernel."""
-    _PALLAS[op] = fn
-
-
-def register_cpu(op: str, fn: Callable) -> None:
-    _CPU[op] = fn
-
-
-def _load_kernels() -> None:
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        from .. import pallas  # noqa: F401  (registers its kernels)
-
-
-def _load_cpu_kernels() -> None:
-    global _CPU_LOADED
-    if not _CPU_LOADED:
-        _CPU_LOADED = True
-        from .. import cpu  # noqa: F401  (registers its kernels; the .so loads on first use)
-
-
 def _cpu_kernel(op: str, explicit: bool) -> Callable | None:
-    """The op's C++ kernel if it is registered and loadable, else None (warning once)."""
-    _load_cpu_kernels()
-    kernel = _CPU.get(op)
+    """The op's C++ kernel if it has one and the extension loads, else None (warning once)."""
+    kernel = CPU.get(op)
     if kernel is None:
         return None
-    from ..cpu import loader
-
     if loader.load() is not None:
         loader.warn_unavailable(explicit)
         return None
@@ -106,12 +78,12 @@ def _kernel_for(op: str, implementation: str | None, platform: str) -> Callable 
         return _cpu_kernel(op, explicit=implementation == "cpu")
     on_gpu = platform in GPU_PLATFORMS
     if implementation == "pallas" or (implementation is None and on_gpu):
-        _load_kernels()
-        kernel = _PALLAS.get(op)
+        kernel = PALLAS.get(op)
         if kernel is None:
             if implementation == "pallas":
                 raise NotImplementedError(
-                    f"no Pallas kernel is registered for {op!r}; use implementation='xla'"
+                    f"no Pallas kernel serves {op!r} (jaxrec.ops.backends.PALLAS); "
+                    "use implementation='xla'"
                 )
             return None
         return lambda *a, **k: kernel(*a, interpret=not on_gpu, **k)
@@ -149,7 +121,7 @@ def try_cpu(op: str, implementation: str | None, fallback: Callable, *args, **kw
     def run(platform):
         if platform == "cpu":
             try:
-                return _CPU[op](*args, **kwargs)
+                return CPU[op](*args, **kwargs)
             except NotImplementedError:
                 pass  # the kernel declined these arguments
         return fallback()

@@ -18,14 +18,14 @@ means take ``dim=D`` (see ``jaxrec.optim.base``).
 
 Every kernel sits beside a pure-jnp ``*_reference`` and a jitted wrapper
 (validation, static ``tiling``, ``interpret`` flag). ``jaxrec.ops`` dispatches
-to them (``implementation=None`` picks them on GPU); importing this package
-registers them, which ``jaxrec.ops.dispatch`` does lazily.
+to them (``implementation=None`` picks them on GPU) through the adapters of
+``jaxrec.pallas.adapters``, listed per op in ``jaxrec.ops.backends``; this
+package imports nothing of ``jaxrec.ops``.
 """
 
 from .pooled import pooled_lookup as pooled_lookup
 from .pooled import pooled_lookup_reference as pooled_lookup_reference
 from .pooled import ranges_from_segments as ranges_from_segments
-from .register import register as _register
 from .sequence import sequence_lookup as sequence_lookup
 from .sequence import sequence_lookup_reference as sequence_lookup_reference
 from .tiling import Tiling as Tiling
@@ -33,5 +33,3 @@ from .update import fused_backward_update as fused_backward_update
 from .update import fused_backward_update_reference as fused_backward_update_reference
 from .update import sparse_update as sparse_update
 from .update import sparse_update_reference as sparse_update_reference
-
-_register()

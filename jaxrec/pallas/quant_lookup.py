@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from ..xla.quantize import dequantize_rows
 from .pooled import ranges_from_segments
 from .tiling import Tiling, check_vector, next_pow2
 
@@ -185,8 +186,6 @@ def quant_pooled_lookup_reference(
     qweights, rows, starts, ends, scale=None, segment_ids=None, *, dim, dtype, mean=False
 ) -> jax.Array:
     """Pure-jnp :func:`quant_pooled_lookup` (same arguments and clamping): the tests' oracle."""
-    from ..xla.quantize import dequantize_rows
-
     c, s = rows.shape[0], starts.shape[0]
     pos = jnp.arange(c, dtype=jnp.int32)
     inside = (pos[None, :] >= starts[:, None]) & (pos[None, :] < ends[:, None])  # [S, C]

@@ -13,25 +13,35 @@ from jaxrec import KeyedJaggedTensor, PoolingType, optim
 from jaxrec.embedding import CombinedOptimizer
 from jaxrec.embedding.optimizer import SubGroup
 from jaxrec.embedding.sparse_update import update_subgroup
-from jaxrec.ops import FeatureSlot, grouped_pooled_lookup, pooled_lookup, sequence_lookup
-from jaxrec.ops.dispatch import dispatch, register_pallas
+from jaxrec.ops import (
+    FeatureSlot,
+    backends,
+    grouped_pooled_lookup,
+    pooled_lookup,
+    sequence_lookup,
+)
+from jaxrec.ops.dispatch import dispatch
 
 
-def test_importing_jaxrec_does_not_import_pallas():
+def test_importing_jaxrec_loads_no_cpu_extension():
+    """The API imports its backends' Python wrappers; the C++ extension still loads only
+    when a CPU kernel may run (never for ``implementation="xla"``)."""
     code = (
         "import sys, jax.numpy as jnp, jaxrec\n"
         "from jaxrec.ops import pooled_lookup\n"
+        "assert 'jaxrec.pallas' in sys.modules and 'jaxrec.cpu' in sys.modules\n"
         "args = jnp.ones((4, 8)), jnp.array([1, 2]), jnp.array([2])\n"
-        "pooled_lookup(*args)\n"
-        "assert 'jaxrec.pallas' not in sys.modules, 'imported eagerly'\n"
-        "pooled_lookup(*args, implementation='pallas')\n"
-        "assert 'jaxrec.pallas' in sys.modules\n"
+        "pooled_lookup(*args, implementation='xla')\n"
+        "assert 'jaxrec.cpu._kernels' not in sys.modules, 'loaded eagerly'\n"
+        "pooled_lookup(*args, implementation='cpu')\n"
+        "from jaxrec.cpu import loader\n"
+        "assert ('jaxrec.cpu._kernels' in sys.modules) == loader.available()\n"
     )
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
-def test_default_is_xla_off_gpu_and_fallback_on_not_implemented():
+def test_default_is_xla_off_gpu_and_fallback_on_not_implemented(monkeypatch):
     calls = []
 
     def kernel(x, *, interpret):
@@ -40,7 +50,7 @@ def test_default_is_xla_off_gpu_and_fallback_on_not_implemented():
             raise NotImplementedError("declined")
         return "pallas"
 
-    register_pallas("_probe", kernel)
+    monkeypatch.setitem(backends.PALLAS, "_probe", kernel)
     xla = lambda x: "xla"
     expected_default = "pallas" if jax.default_backend() == "gpu" else "xla"
     assert dispatch("_probe", None, xla, 1) == expected_default

@@ -1,9 +1,8 @@
-"""Adapters from ``jaxrec.ops`` entry points to the Pallas kernels, and their registration.
+"""Adapters from ``jaxrec.ops`` entry points to the Pallas kernels.
 
-``jaxrec.ops.dispatch`` imports this package the first time a Pallas kernel
-may be wanted (``implementation="pallas"``, or ``None`` when a program may be
-lowered for a GPU), so importing jaxrec stays cheap. Each adapter takes
-``interpret``: the dispatcher passes False in the branch it stages for GPUs
+Each takes the arguments of the op's XLA function (``jaxrec.xla``) plus
+``interpret``; ``jaxrec.ops.backends`` lists which adapter serves which op.
+The dispatcher passes ``interpret=False`` in the branch it stages for GPUs
 (compiled through Triton) and True for other platforms, where a forced
 ``"pallas"`` runs in the Pallas interpreter (slow: for tests). Forward kernels
 get a ``custom_vjp`` whose backward is the XLA path's autodiff (the gradient
@@ -17,10 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..ops.dispatch import register_pallas
 from ..xla.lookup import embedding_bag_xla, embedding_gather_xla
 from .pooled import pooled_lookup, ranges_from_segments
-from .quant_lookup import quant_embedding_bag_pallas
 from .sequence import sequence_lookup
 from .update import fused_backward_update, sparse_update
 
@@ -85,22 +82,14 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None, *, interpret):
-    """``jaxrec.embedding.sparse_update``'s row update on :func:`sparse_update`."""
+    """``jaxrec.embedding.sparse_update.update_subgroup``'s row update on :func:`sparse_update`."""
     return sparse_update(optimizer, table, state, rows, grads, state_rows, interpret=interpret)
 
 
 def fused_backward_update_pallas(
     optimizer, table, state, out_grad, seg, scale, rows, valid, *, interpret
 ):
-    """``jaxrec.train.backward_update`` on :func:`fused_backward_update`."""
+    """``jaxrec.embedding.sparse_update.backward_update`` on :func:`fused_backward_update`."""
     return fused_backward_update(
         optimizer, table, state, out_grad, seg, scale, rows, valid, interpret=interpret
     )
-
-
-def register() -> None:
-    register_pallas("embedding_bag", embedding_bag_pallas)
-    register_pallas("embedding_gather", embedding_gather_pallas)
-    register_pallas("sparse_update", sparse_update_pallas)
-    register_pallas("fused_backward_update", fused_backward_update_pallas)
-    register_pallas("quant_embedding_bag", quant_embedding_bag_pallas)

@@ -1,0 +1,44 @@
+"""Which kernel serves each op on each backend: two plain tables.
+
+``jaxrec.ops.dispatch`` looks ops up here; an op missing from a table runs its
+XLA function on that backend. Importing the kernels' Python wrappers is cheap:
+the C++ extension loads the first time a CPU kernel may run
+(``jaxrec.cpu.loader``), and Pallas kernels compile only when traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..cpu.kernels import (
+    backward_update_cpu,
+    embedding_bag_cpu,
+    grouped_pooled_lookup_cpu,
+    kjt_backward_update_cpu,
+)
+from ..pallas.adapters import (
+    embedding_bag_pallas,
+    embedding_gather_pallas,
+    fused_backward_update_pallas,
+    sparse_update_pallas,
+)
+from ..pallas.quant_lookup import quant_embedding_bag_pallas
+
+# op -> ``fn(*xla_args, interpret=bool, **xla_kwargs)``: interpret is False in
+# the branch staged for GPUs, True elsewhere (the Pallas interpreter).
+PALLAS: dict[str, Callable] = {
+    "embedding_bag": embedding_bag_pallas,
+    "embedding_gather": embedding_gather_pallas,
+    "sparse_update": sparse_update_pallas,
+    "fused_backward_update": fused_backward_update_pallas,
+    "quant_embedding_bag": quant_embedding_bag_pallas,
+}
+
+# op -> ``fn(*args, **kwargs)``, the op's arguments (``try_cpu`` ops have no
+# XLA twin of the same signature: their fallback is a closure).
+CPU: dict[str, Callable] = {
+    "embedding_bag": embedding_bag_cpu,
+    "grouped_pooled_lookup": grouped_pooled_lookup_cpu,
+    "fused_backward_update": backward_update_cpu,
+    "kjt_backward_update": kjt_backward_update_cpu,
+}
