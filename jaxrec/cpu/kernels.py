@@ -2,14 +2,12 @@
 
 Each wrapper raises ``NotImplementedError`` for arguments its kernel does not
 take (the dispatcher then runs XLA). ``ffi_call`` has no autodiff: the pooled
-lookup is a ``custom_vjp`` whose backward is the XLA path's (the gradient
-oracle); the fused update is only called by the sparse train step's explicit
+lookups differentiate as the XLA path (``jaxrec.xla.vjp.with_xla_vjp``, the
+gradient oracle); the fused update is only called by the sparse train step's explicit
 backward. Handlers take fixed-rank buffers, so ``vmap`` runs them sequentially.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from ..optim.base import WeightDecayMode, lr_at, row_fields
 from ..sparse.bags import checked_lengths, finite_weights
 from ..xla.bounds import BoundsCheckMode, report_out_of_range
 from ..xla.lookup import embedding_bag_xla
+from ..xla.vjp import with_xla_vjp
 from .loader import load
 
 _TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -79,26 +78,7 @@ def _bag_call(weights, rows, segment_ids, num_segments, scale):
     return call(weights, rows, segment_ids, scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _bag(weights, rows, segment_ids, num_segments, scale):
-    return _bag_call(weights, rows, segment_ids, num_segments, scale)
-
-
-def _bag_fwd(weights, rows, segment_ids, num_segments, scale):
-    out = _bag_call(weights, rows, segment_ids, num_segments, scale)
-    return out, (weights, rows, segment_ids, scale)
-
-
-def _bag_bwd(num_segments, res, g):
-    weights, rows, segment_ids, scale = res
-    _, vjp = jax.vjp(
-        lambda w, s: embedding_bag_xla(w, rows, segment_ids, num_segments, s), weights, scale
-    )
-    dw, ds = vjp(g)
-    return dw, None, None, ds
-
-
-_bag.defvjp(_bag_fwd, _bag_bwd)
+_bag = with_xla_vjp(_bag_call, embedding_bag_xla, nondiff_argnums=(3,))
 
 
 def embedding_bag_cpu(weights, rows, segment_ids, num_segments, per_value_scale=None):
@@ -144,22 +124,18 @@ def _kjt_call(weights, features, static):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _kjt_bag(weights, features, static, xla_fn):
-    return _kjt_call(weights, features, static)
+def _kjt_xla(weights, features, static, xla_fn):
+    del static
+    return xla_fn(weights, features)
 
 
-def _kjt_bag_fwd(weights, features, static, xla_fn):
-    return _kjt_call(weights, features, static), (weights, features)
-
-
-def _kjt_bag_bwd(static, xla_fn, res, g):
-    weights, features = res
-    _, vjp = jax.vjp(xla_fn, weights, features)
-    return vjp(g[0])
-
-
-_kjt_bag.defvjp(_kjt_bag_fwd, _kjt_bag_bwd)
+# The kernel also returns the bad-id count and first bad id: no gradient.
+_kjt_bag = with_xla_vjp(
+    lambda weights, features, static, xla_fn: _kjt_call(weights, features, static),
+    _kjt_xla,
+    nondiff_argnums=(2, 3),
+    has_aux=True,
+)
 
 
 def grouped_pooled_lookup_cpu(

@@ -5,49 +5,33 @@ Each takes the arguments of the op's XLA function (``jaxrec.xla``) plus
 The dispatcher passes ``interpret=False`` in the branch it stages for GPUs
 (compiled through Triton) and True for other platforms, where a forced
 ``"pallas"`` runs in the Pallas interpreter (slow: for tests). Forward kernels
-get a ``custom_vjp`` whose backward is the XLA path's autodiff (the gradient
-oracle), so ``jax.grad`` through a lookup works whichever forward ran.
+differentiate as the XLA path (``jaxrec.xla.vjp.with_xla_vjp``), so
+``jax.grad`` through a lookup works whichever forward ran.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
 from ..xla.lookup import embedding_bag_xla, embedding_gather_xla
+from ..xla.vjp import with_xla_vjp
 from .pooled import pooled_lookup, ranges_from_segments
 from .sequence import sequence_lookup
 from .update import fused_backward_update, sparse_update
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 5))
-def _bag(weights, rows, segment_ids, num_segments, scale, interpret):
+def _bag_kernel(weights, rows, segment_ids, num_segments, scale, interpret):
     starts, ends = ranges_from_segments(segment_ids, num_segments)
     scale = jnp.where(segment_ids < num_segments, scale.astype(jnp.float32), 0.0)
     return pooled_lookup(weights, rows, starts, ends, scale, segment_ids, interpret=interpret)
 
 
-def _bag_fwd(weights, rows, segment_ids, num_segments, scale, interpret):
-    return _bag(weights, rows, segment_ids, num_segments, scale, interpret), (
-        weights,
-        rows,
-        segment_ids,
-        scale,
-    )
+def _bag_xla(weights, rows, segment_ids, num_segments, scale, interpret):
+    del interpret
+    return embedding_bag_xla(weights, rows, segment_ids, num_segments, scale)
 
 
-def _bag_bwd(num_segments, interpret, res, g):
-    weights, rows, segment_ids, scale = res
-    _, vjp = jax.vjp(
-        lambda w, s: embedding_bag_xla(w, rows, segment_ids, num_segments, s), weights, scale
-    )
-    dw, ds = vjp(g)
-    return dw, None, None, ds
-
-
-_bag.defvjp(_bag_fwd, _bag_bwd)
+_bag = with_xla_vjp(_bag_kernel, _bag_xla, nondiff_argnums=(3, 5))
 
 
 def embedding_bag_pallas(
@@ -58,27 +42,21 @@ def embedding_bag_pallas(
     return _bag(weights, rows, segment_ids.astype(jnp.int32), num_segments, scale, interpret)
 
 
-def embedding_gather_pallas(weights, rows, valid, *, interpret):
-    """``jaxrec.ops.embedding_gather`` on :func:`sequence_lookup`."""
-    return _gather(weights, rows, valid, interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gather(weights, rows, valid, interpret):
+def _gather_kernel(weights, rows, valid, interpret):
     return sequence_lookup(weights, rows, valid, interpret=interpret)
 
 
-def _gather_fwd(weights, rows, valid, interpret):
-    return _gather(weights, rows, valid, interpret), (weights, rows, valid)
+def _gather_xla(weights, rows, valid, interpret):
+    del interpret
+    return embedding_gather_xla(weights, rows, valid)
 
 
-def _gather_bwd(interpret, res, g):
-    weights, rows, valid = res
-    _, vjp = jax.vjp(lambda w: embedding_gather_xla(w, rows, valid), weights)
-    return (*vjp(g), None, None)
+_gather = with_xla_vjp(_gather_kernel, _gather_xla, nondiff_argnums=(3,))
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+def embedding_gather_pallas(weights, rows, valid, *, interpret):
+    """``jaxrec.ops.embedding_gather`` on :func:`sequence_lookup`."""
+    return _gather(weights, rows, valid, interpret)
 
 
 def sparse_update_pallas(optimizer, table, state, rows, grads, state_rows=None, *, interpret):
