@@ -17,7 +17,7 @@ import numpy as np
 
 from ..configs import PoolingType
 from ..ops import BoundsCheckMode, FeatureSlot
-from ..ops.dispatch import dispatch
+from ..ops.dispatch import Implementation, dispatch
 from ..sparse import KeyedJaggedTensor
 from ..xla.quantize import canonical_dtype, dequantize_rows
 from ..xla.slots import rows_and_mask, slot_positions
@@ -32,7 +32,7 @@ def quant_embedding_bag(
     *,
     dim: int,
     dtype: str,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
     """Sums dequantized ``qweights[rows]`` per segment, in float32.
 
@@ -44,7 +44,8 @@ def quant_embedding_bag(
         per_value_scale: optional ``[C]`` float multiplier.
         dim: the embedding dim ``D``.
         dtype: the rows' quantized type (``"int8"``, ``"int4"``, ``"fp16"``, ...).
-        implementation: ``None`` (Pallas on GPU for INT8/INT4), ``"xla"`` or ``"pallas"``.
+        implementation: ``None`` (Pallas on GPUs for INT8/INT4, XLA elsewhere),
+            ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++ kernel: runs XLA).
 
     Returns:
         ``[S, D]`` float32.
@@ -87,9 +88,13 @@ def quant_grouped_pooled_lookup(
     dtype: str,
     is_weighted: bool = False,
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
-    """``jaxrec.ops.grouped_pooled_lookup`` over a stacked quantized buffer: ``[B, S, D]``."""
+    """``jaxrec.ops.grouped_pooled_lookup`` over a stacked quantized buffer: ``[B, S, D]``.
+
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``, as in
+    :func:`quant_embedding_bag`.
+    """
     if not slots:
         raise ValueError("quant_grouped_pooled_lookup needs at least one slot")
     b, s = features.stride(), len(slots)

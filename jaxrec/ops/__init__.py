@@ -1,8 +1,10 @@
-"""Pure lookup functions; ``implementation=`` selects XLA or Pallas kernels."""
+"""Pure lookup functions; ``implementation=`` selects the kernels (XLA, Pallas or C++)."""
 
 from ..xla.bounds import BoundsCheckMode as BoundsCheckMode
 from ..xla.bounds import check_ids as check_ids
 from ..xla.slots import FeatureSlot as FeatureSlot
+from .dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
+from .dispatch import Implementation as Implementation
 from .grouped import grouped_pooled_lookup as grouped_pooled_lookup
 from .grouped import grouped_sequence_lookup as grouped_sequence_lookup
 from .pooled import embedding_bag as embedding_bag

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,11 @@ from ..cpu import loader
 from ..xla.bounds import collect_checks, report_out_of_range
 from .backends import CPU, PALLAS
 
-IMPLEMENTATIONS = (None, "xla", "pallas", "cpu")
+Implementation = Literal["xla", "pallas", "cpu"] | None
+"""Which kernels a lookup or update runs: ``None`` (chosen per lowering platform:
+C++ on CPU, Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+(see the table of ``jaxrec.ops.dispatch``)."""
+IMPLEMENTATIONS: tuple[Implementation, ...] = (None, "xla", "pallas", "cpu")
 GPU_PLATFORMS = ("cuda", "rocm")
 # Whether ``implementation=None`` picks the C++ kernels on the CPU platform.
 CPU_BY_DEFAULT = True
@@ -61,16 +66,16 @@ def _cpu_kernel(op: str, explicit: bool) -> Callable | None:
     return kernel
 
 
-def _check(implementation: str | None) -> None:
+def _check(implementation: Implementation) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
-def _wants_cpu(implementation: str | None) -> bool:
+def _wants_cpu(implementation: Implementation) -> bool:
     return implementation == "cpu" or (implementation is None and CPU_BY_DEFAULT)
 
 
-def _kernel_for(op: str, implementation: str | None, platform: str) -> Callable | None:
+def _kernel_for(op: str, implementation: Implementation, platform: str) -> Callable | None:
     """The kernel ``op`` runs on ``platform`` (``"default"``: any other), None for XLA."""
     if implementation == "xla":
         return None
@@ -90,8 +95,12 @@ def _kernel_for(op: str, implementation: str | None, platform: str) -> Callable 
     return None
 
 
-def dispatch(op: str, implementation: str | None, xla_fn: Callable, *args, **kwargs):
-    """``op``'s kernel for the lowering platform (see the table above), else ``xla_fn``."""
+def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, **kwargs):
+    """``op``'s kernel for the lowering platform, else ``xla_fn``.
+
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``, as in the
+    table above.
+    """
     _check(implementation)
 
     def run(platform):
@@ -108,11 +117,13 @@ def dispatch(op: str, implementation: str | None, xla_fn: Callable, *args, **kwa
     return by_platform(run, inputs=(args, kwargs))
 
 
-def try_cpu(op: str, implementation: str | None, fallback: Callable, *args, **kwargs):
+def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, **kwargs):
     """The op's C++ kernel where the program runs on CPU, ``fallback()`` elsewhere.
 
     For entry points whose only accelerated form is a CPU kernel (no Pallas
     twin); ``fallback`` also runs when the kernel declines its arguments.
+    ``implementation``: ``None`` or ``"cpu"`` try the kernel; ``"xla"`` and
+    ``"pallas"`` run ``fallback()``.
     """
     _check(implementation)
     if not _wants_cpu(implementation) or _cpu_kernel(op, implementation == "cpu") is None:

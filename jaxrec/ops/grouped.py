@@ -18,7 +18,7 @@ from ..configs import PoolingType
 from ..sparse import KeyedJaggedTensor
 from ..xla.bounds import BoundsCheckMode
 from ..xla.slots import FeatureSlot, check_keys, rows_and_mask, slot_positions
-from .dispatch import try_cpu
+from .dispatch import Implementation, try_cpu
 from .layout import report_layout
 from .pooled import embedding_bag, embedding_gather
 
@@ -30,7 +30,7 @@ def grouped_pooled_lookup(
     *,
     is_weighted: bool = False,
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
     """Pooled lookup of every slot over one stacked buffer.
 
@@ -42,8 +42,9 @@ def grouped_pooled_lookup(
             (MEAN then divides the weighted sum by the bag length, as FBGEMM).
         bounds_check_mode: how out-of-range ids, invalid bags and (if weighted)
             non-finite weights are reported (see ``BoundsCheckMode``).
-        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (one C++ call
-            reading the KJT directly; see ``jaxrec.cpu``).
+        implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            (one C++ call reading the KJT directly; see ``jaxrec.cpu``).
 
     Returns:
         ``[B, S, D]`` float32; empty bags give zeros, and so do invalid bags (a
@@ -111,12 +112,14 @@ def grouped_sequence_lookup(
     slots: Sequence[FeatureSlot],
     *,
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> list[jax.Array]:
     """Unpooled lookup: one ``[capacity_k, D]`` array per slot, padding rows zero.
 
     Rows of invalid bags (``jaxrec.sparse.bags``) are zero too; they are
     reported by ``bounds_check_mode`` as in :func:`grouped_pooled_lookup`.
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++
+    kernel gathers: ``"cpu"`` runs XLA), as in :func:`grouped_pooled_lookup`.
     """
     if not slots:
         raise ValueError("grouped_sequence_lookup needs at least one slot")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from ..xla.lookup import embedding_bag_xla, embedding_gather_xla
-from .dispatch import dispatch
+from .dispatch import Implementation, dispatch
 
 
 def embedding_bag(
@@ -15,7 +15,7 @@ def embedding_bag(
     num_segments: int,
     per_value_scale: jax.Array | None = None,
     *,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
     """Sums ``weights[rows]`` per segment, accumulating in float32.
 
@@ -29,7 +29,9 @@ def embedding_bag(
             (padding, dropped ids) contribute nothing.
         num_segments: static number of output rows ``S``.
         per_value_scale: optional ``[C]`` float multiplier (per-sample weights).
-        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+        implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            (``jaxrec.ops.dispatch``).
 
     Returns:
         ``[S, D]`` float32 sums.
@@ -47,7 +49,11 @@ def embedding_bag(
 
 
 def embedding_gather(
-    weights: jax.Array, rows: jax.Array, valid: jax.Array, *, implementation: str | None = None
+    weights: jax.Array, rows: jax.Array, valid: jax.Array, *, implementation: Implementation = None
 ) -> jax.Array:
-    """``[C, D]`` rows ``weights[rows]`` with invalid positions zeroed (sequence lookup)."""
+    """``[C, D]`` rows ``weights[rows]`` with invalid positions zeroed (sequence lookup).
+
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` as in
+    :func:`embedding_bag` (no C++ kernel gathers: ``"cpu"`` runs XLA).
+    """
     return dispatch("embedding_gather", implementation, embedding_gather_xla, weights, rows, valid)

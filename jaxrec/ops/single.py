@@ -9,6 +9,7 @@ from ..configs import PoolingType
 from ..sparse.bags import finite_weights, valid_bags
 from ..sparse.jagged_tensor import segment_ids_from_lengths
 from ..xla.bounds import BoundsCheckMode, check_ids
+from .dispatch import Implementation
 from .layout import report_bags, report_weights
 from .pooled import embedding_bag, embedding_gather
 
@@ -21,7 +22,7 @@ def pooled_lookup(
     *,
     pooling: PoolingType = PoolingType.SUM,
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
     """``torch.nn.EmbeddingBag`` over a jagged batch.
 
@@ -34,6 +35,9 @@ def pooled_lookup(
         bounds_check_mode: how out-of-range ids, invalid bags (a negative
             length, or past ``C``) and non-finite weights are reported; all of
             them contribute zero (see ``BoundsCheckMode``).
+        implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            (``jaxrec.ops.dispatch``).
 
     Returns:
         ``[B, D]`` float32.
@@ -67,11 +71,13 @@ def sequence_lookup(
     lengths: jax.Array,
     *,
     bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> jax.Array:
     """``torch.nn.Embedding`` over a jagged buffer: ``[C, D]``, padding rows zero.
 
     Rows of invalid bags (a negative length, or past ``C``) are zero too.
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++
+    kernel gathers: ``"cpu"`` runs XLA), as in :func:`pooled_lookup`.
     """
     b, c = lengths.shape[0], values.shape[0]
     report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "sequence_lookup", None)
