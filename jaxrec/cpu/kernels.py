@@ -15,6 +15,7 @@ import numpy as np
 
 from ..configs import PoolingType
 from ..optim.base import WeightDecayMode, lr_at, row_fields
+from ..sparse import KeyedJaggedTensor
 from ..sparse.bags import checked_lengths, finite_weights
 from ..xla.bounds import BoundsCheckMode, report_out_of_range
 from ..xla.lookup import embedding_bag_xla
@@ -170,13 +171,12 @@ def grouped_pooled_lookup_cpu(
         int(mode is not BoundsCheckMode.NONE),
     )
     if not is_weighted and features.weights_or_none() is not None:
-        features = type(features)._make(
+        features = KeyedJaggedTensor.from_parts(
             keys,
-            features.capacity_per_key(),
-            features.stride(),
             values,
             features.lengths(),
-            None,
+            capacities=features.capacity_per_key(),
+            stride=features.stride(),
         )
     out, bad = _kjt_bag(weights, features, static, xla_fn)
     report_out_of_range(bad[0], bad[1], mode, where)

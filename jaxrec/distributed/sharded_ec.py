@@ -96,12 +96,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
         for name, key, v in zip(self.embedding_names, self.output_keys, values, strict=True):
             k = keys.index(key)
             jt_ids = ids[:, caps[k] : caps[k + 1]] if self._need_indices else None
-            out[name] = JaggedTensor.tree_unflatten(
-                None,
-                (
-                    v.reshape(world, -1, v.shape[-1]).astype(self.dtype),
-                    lengths[:, k * b : (k + 1) * b],
-                    jt_ids,
-                ),
+            out[name] = JaggedTensor.from_parts(
+                v.reshape(world, -1, v.shape[-1]).astype(self.dtype),
+                lengths[:, k * b : (k + 1) * b],
+                jt_ids,
             )
         return out

@@ -306,9 +306,7 @@ class QuantEmbeddingCollection(QuantStorage):
         for name, (key, emb) in zip(self.embedding_names, rows, strict=True):
             jt = features[key]
             ids = jt.values() if self._need_indices else None
-            result[name] = JaggedTensor.tree_unflatten(
-                None, (emb.astype(self.dtype), jt.lengths(), ids)
-            )
+            result[name] = JaggedTensor.from_parts(emb.astype(self.dtype), jt.lengths(), ids)
         return result
 
     def embedding_configs(self) -> list:

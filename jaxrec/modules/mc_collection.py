@@ -151,7 +151,7 @@ def remap_by_table(
             pieces[i] = rows[at : at + n]
             at += n
     out = jnp.concatenate(pieces) if pieces else values.astype(jnp.int32)
-    return KeyedJaggedTensor.tree_unflatten(
-        (tuple(keys), features.capacity_per_key(), features.stride()),
-        (out, features.lengths(), features.weights_or_none()),
-    )
+    return KeyedJaggedTensor.from_parts(
+        keys, out, features.lengths(), features.weights_or_none(),
+        capacities=features.capacity_per_key(), stride=features.stride(),
+    )  # fmt: skip

@@ -435,7 +435,7 @@ def _check_keys(keys: jax.Array) -> None:
 
 
 def _with_values(jt: JaggedTensor, values: jax.Array) -> JaggedTensor:
-    return JaggedTensor.tree_unflatten(None, (values, jt.lengths(), jt.weights_or_none()))
+    return JaggedTensor.from_parts(values, jt.lengths(), jt.weights_or_none())
 
 
 def _check_features(features: Any) -> Mapping[str, JaggedTensor]:

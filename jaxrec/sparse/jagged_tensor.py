@@ -87,6 +87,30 @@ class JaggedTensor:
         obj._values, obj._lengths, obj._weights = children
         return obj
 
+    @classmethod
+    def from_parts(
+        cls, values: jax.Array, lengths: jax.Array, weights: jax.Array | None = None
+    ) -> JaggedTensor:
+        """Assembles a JaggedTensor from its leaves, as ``tree_unflatten`` does: the
+        cheap constructor for code that already holds a valid layout (a lookup's
+        output rows with the input's lengths).
+
+        The arrays are taken as they are: no conversion, no shape or value check
+        (``weights`` may be the ids of an ``EmbeddingCollection`` output, as in
+        TorchRec; leaves may carry leading dims inside ``shard_map``), so it adds
+        nothing to a traced program. Use the constructor for user input.
+
+        Args:
+            values: ``[C, ...]`` ids or embeddings.
+            lengths: ``[B]`` bag lengths.
+            weights: ``[C]`` or None.
+
+        Example:
+            >>> jt = JaggedTensor(values=[5, 7, 1], lengths=[1, 2])
+            >>> rows = JaggedTensor.from_parts(jnp.ones((3, 4)), jt.lengths())
+        """
+        return cls.tree_unflatten(None, (values, lengths, weights))
+
     # ----- accessors (TorchRec names) -----
     def values(self) -> jax.Array:
         """``[C, ...]`` buffer; entries past ``sum(lengths)`` are padding."""

@@ -120,9 +120,51 @@ class KeyedJaggedTensor:
         return obj
 
     @classmethod
-    def _make(cls, keys, caps, stride, values, lengths, weights) -> KeyedJaggedTensor:
-        """Internal constructor: no conversion, no checks."""
-        return cls.tree_unflatten((tuple(keys), tuple(caps), stride), (values, lengths, weights))
+    def from_parts(
+        cls,
+        keys: Sequence[str],
+        values: jax.Array,
+        lengths: jax.Array,
+        weights: jax.Array | None = None,
+        *,
+        capacities: Sequence[int],
+        stride: int,
+    ) -> KeyedJaggedTensor:
+        """Assembles a KJT from its leaves and its static layout, as ``tree_unflatten``
+        does: the cheap constructor for code that already holds a valid layout
+        (a lookup's remapped ids, a step's masked lengths).
+
+        The arrays are taken as they are: no conversion, no shape or value check
+        (they may carry leading dims, as inside ``shard_map`` or ``vmap``), so it
+        adds nothing to a traced program and never copies to the host. Only the
+        static layout is checked (at trace time). Use the constructor for user
+        input, and :meth:`validate` to check values.
+
+        Args:
+            keys: feature names, unique.
+            values: ``[sum(capacities)]`` ids, key ``k`` in its capacity slot.
+            lengths: ``[F * stride]`` bag lengths, key-major.
+            weights: ``[sum(capacities)]`` or None.
+            capacities: per-key capacities, in key order.
+            stride: the batch size ``B``.
+
+        Example:
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3], [1, 0, 2, 0])
+            >>> remapped = KeyedJaggedTensor.from_parts(
+            ...     kjt.keys(), kjt.values() % 2, kjt.lengths(), kjt.weights_or_none(),
+            ...     capacities=kjt.capacity_per_key(), stride=kjt.stride())
+        """
+        keys = _check_keys(keys)
+        caps = tuple(int(c) for c in capacities)
+        if len(caps) != len(keys):
+            raise ValueError(
+                f"from_parts needs one capacity per key: {len(keys)} keys, {len(caps)} capacities"
+            )
+        if any(c < 0 for c in caps):
+            raise ValueError(f"capacities must be non-negative, got {caps}")
+        if not isinstance(stride, int | np.integer) or stride < 0:
+            raise ValueError(f"stride must be a non-negative int, got {stride!r}")
+        return cls.tree_unflatten((keys, caps, int(stride)), (values, lengths, weights))
 
     # ----- static metadata -----
     def keys(self) -> list[str]:
@@ -201,9 +243,7 @@ class KeyedJaggedTensor:
         lo, hi = self.capacity_offsets()[i], self.capacity_offsets()[i + 1]
         b = self._stride
         w = None if self._weights is None else self._weights[lo:hi]
-        return JaggedTensor.tree_unflatten(
-            None, (self._values[lo:hi], self._lengths[i * b : (i + 1) * b], w)
-        )
+        return JaggedTensor.from_parts(self._values[lo:hi], self._lengths[i * b : (i + 1) * b], w)
 
     def _key_index(self, key: str) -> int:
         try:
@@ -237,7 +277,9 @@ class KeyedJaggedTensor:
         lengths = jnp.concatenate([jt.lengths() for jt in jts])
         weights = jnp.concatenate([jt.weights() for jt in jts]) if all(weighted) else None
         caps = tuple(jt.capacity() for jt in jts)
-        return KeyedJaggedTensor._make(keys, caps, strides.pop(), values, lengths, weights)
+        return KeyedJaggedTensor.from_parts(
+            keys, values, lengths, weights, capacities=caps, stride=strides.pop()
+        )
 
     @staticmethod
     def from_lengths_sync(
@@ -287,7 +329,9 @@ class KeyedJaggedTensor:
         out_v, out_w = _repack(vals, w, lpk, caps)
         if on_host:  # validated above; the same narrowing as the device path
             out_v = v.host_int_array(out_v, "values")
-            return KeyedJaggedTensor._make(keys, caps, stride, out_v, lens.astype(np.int32), out_w)
+            return KeyedJaggedTensor.from_parts(
+                keys, out_v, lens.astype(np.int32), out_w, capacities=caps, stride=stride
+            )
         return KeyedJaggedTensor(
             keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False
         )
@@ -313,21 +357,26 @@ class KeyedJaggedTensor:
         is_weighted: bool = False, stride: int = 0, values_dtype: Any = jnp.int32
     ) -> KeyedJaggedTensor:
         weights = jnp.zeros((0,), jnp.float32) if is_weighted else None
-        return KeyedJaggedTensor._make(
-            (), (), stride, jnp.zeros((0,), values_dtype), jnp.zeros((0,), jnp.int32), weights
+        return KeyedJaggedTensor.from_parts(
+            (),
+            jnp.zeros((0,), values_dtype),
+            jnp.zeros((0,), jnp.int32),
+            weights,
+            capacities=(),
+            stride=stride,
         )
 
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """No keys, same stride and dtypes (TorchRec's ``empty_like``)."""
         w = kjt.weights_or_none()
-        return KeyedJaggedTensor._make(
+        return KeyedJaggedTensor.from_parts(
             (),
-            (),
-            kjt.stride(),
             jnp.zeros((0,), kjt.values().dtype),
             jnp.zeros((0,), kjt.lengths().dtype),
             None if w is None else jnp.zeros((0,), w.dtype),
+            capacities=(),
+            stride=kjt.stride(),
         )
 
     # ----- reshaping (all static slicing and concatenation) -----
@@ -479,4 +528,6 @@ def _concat_parts(keys, parts: list[JaggedTensor], stride, weighted, like) -> Ke
     lengths = jnp.concatenate([p.lengths() for p in parts])
     weights = jnp.concatenate([p.weights() for p in parts]) if weighted else None
     caps = [p.capacity() for p in parts]
-    return KeyedJaggedTensor._make(keys, caps, stride, values, lengths, weights)
+    return KeyedJaggedTensor.from_parts(
+        keys, values, lengths, weights, capacities=caps, stride=stride
+    )

@@ -111,7 +111,9 @@ def without_ids(features: Any, ok: jax.Array) -> Any:
         )
     (values, lengths, weights), aux = features.tree_flatten()
     lengths = jnp.where(ok, lengths, jnp.zeros_like(lengths))
-    return type(features).tree_unflatten(aux, (values, lengths, weights))
+    return KeyedJaggedTensor.from_parts(
+        aux[0], values, lengths, weights, capacities=aux[1], stride=aux[2]
+    )
 
 
 def undo_resets(leaves, index, resets, reset_rows, ok) -> None:

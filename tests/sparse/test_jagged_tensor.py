@@ -103,3 +103,13 @@ def test_device_arrays_validate_only_on_request():
     JaggedTensor(values=values, lengths=lengths)  # no host sync by default
     with pytest.raises(ValueError, match="exceeds"):
         JaggedTensor(values=values, lengths=lengths, validate=True)
+
+
+def test_from_parts_takes_leaves_as_they_are():
+    # an EmbeddingCollection output: float [C, D] embeddings, the ids in the weights slot
+    emb, lengths, ids = jnp.ones((3, 4)), jnp.array([1, 2]), jnp.array([5, 7, 1])
+    jt = JaggedTensor.from_parts(emb, lengths, ids)
+    assert jt.values() is emb and jt.lengths() is lengths and jt.weights() is ids
+    assert JaggedTensor.from_parts(emb, lengths).weights_or_none() is None
+    jaxpr = jax.make_jaxpr(lambda v, n: JaggedTensor.from_parts(v, n).values())(emb, lengths)
+    assert jaxpr.eqns == []  # free under jit: no conversion, no check

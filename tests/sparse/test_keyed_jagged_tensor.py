@@ -191,3 +191,58 @@ def test_from_lengths_sync_on_host_keeps_numpy_leaves_equal_to_device_build():
         np.testing.assert_array_equal(h, np.asarray(d))
     with pytest.raises(ValueError, match="non-negative"):
         KeyedJaggedTensor.from_lengths_sync(keys, vals, [2, -1, 1, 3], on_host=True)
+
+
+def test_from_parts_takes_leaves_as_they_are():
+    kjt = tutorial_kjt()
+    w = jnp.linspace(0.5, 1.0, 11)
+    built = KeyedJaggedTensor.from_parts(
+        ["product", "user"],
+        kjt.values(),
+        kjt.lengths(),
+        w,
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
+    assert built.values() is kjt.values() and built.lengths() is kjt.lengths()
+    assert built.weights() is w
+    same = KeyedJaggedTensor(
+        ["product", "user"], kjt.values(), w, kjt.lengths(), capacities=kjt.capacity_per_key()
+    )
+    assert jax.tree.structure(built) == jax.tree.structure(same)  # keys, capacities, stride
+    assert [x.tolist() for x in built["user"].to_dense()] == [[2, 3], [4, 1]]
+    # leading dims (as inside shard_map or vmap) are kept: no shape checks on the leaves
+    stacked = KeyedJaggedTensor.from_parts(
+        ["a"], jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 3), jnp.int32), capacities=[4], stride=3
+    )
+    assert stacked.values().shape == (2, 4) and stacked.weights_or_none() is None
+
+
+def test_from_parts_is_free_under_jit():
+    # no conversion, no value check: the traced program holds no operation, and bad
+    # lengths are not inspected (validate() is the opt-in check)
+    def build(values, lengths):
+        kjt = KeyedJaggedTensor.from_parts(["a", "b"], values, lengths, capacities=(2, 2), stride=2)
+        return kjt.values(), kjt.lengths()
+
+    jaxpr = jax.make_jaxpr(build)(jnp.arange(4), jnp.array([1, 1, 5, -1]))
+    assert jaxpr.eqns == []
+    values, lengths = jnp.arange(2), jnp.array([3])
+    with jax.transfer_guard("disallow"):  # no device-to-host copy
+        kjt = KeyedJaggedTensor.from_parts(["a"], values, lengths, capacities=(2,), stride=1)
+    with pytest.raises(ValueError, match="exceeds the capacity"):
+        kjt.validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keys": ["a", "a"], "capacities": (1, 1), "stride": 1}, "duplicate keys"),
+        ({"keys": ["a", "b"], "capacities": (2,), "stride": 1}, "one capacity per key"),
+        ({"keys": ["a"], "capacities": (2,), "stride": -1}, "stride"),
+        ({"keys": ["a"], "capacities": (-2,), "stride": 1}, "capacities"),
+    ],
+)
+def test_from_parts_checks_its_static_layout(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        KeyedJaggedTensor.from_parts(values=jnp.arange(2), lengths=jnp.array([1]), **kwargs)

@@ -29,8 +29,8 @@ def with_bad_id(kjt, key, bad_id):
     start = kjt.capacity_offsets()[kjt.keys().index(key)]
     assert int(kjt[key].lengths().sum()) > 0
     values = kjt.values().at[start].set(bad_id)
-    return jr.KeyedJaggedTensor._make(
-        kjt.keys(), kjt.capacity_per_key(), kjt.stride(), values, kjt.lengths(), None
+    return jr.KeyedJaggedTensor.from_parts(
+        kjt.keys(), values, kjt.lengths(), capacities=kjt.capacity_per_key(), stride=kjt.stride()
     )
 
 

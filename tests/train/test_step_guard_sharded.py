@@ -51,8 +51,9 @@ def bad_id(local):
     start = kjt.capacity_offsets()[kjt.keys().index("f2")]
     assert int(kjt["f2"].lengths().sum()) > 0
     values[start] = 50  # t1 has 50 rows
-    kjt = jr.KeyedJaggedTensor._make(kjt.keys(), kjt.capacity_per_key(), kjt.stride(),
-                                     jnp.asarray(values), kjt.lengths(), None)  # fmt: skip
+    kjt = jr.KeyedJaggedTensor.from_parts(kjt.keys(), jnp.asarray(values), kjt.lengths(),
+                                          capacities=kjt.capacity_per_key(),
+                                          stride=kjt.stride())  # fmt: skip
     return [*local[:5], (kjt, y), *local[6:]]
 
 

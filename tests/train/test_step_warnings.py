@@ -43,9 +43,10 @@ def jaxrec_warnings(caplog) -> list[str]:
 
 def with_values(kjt, values, weights=None):
     w = kjt.weights_or_none() if weights is None else jnp.asarray(weights)
-    return jr.KeyedJaggedTensor._make(
-        kjt.keys(), kjt.capacity_per_key(), kjt.stride(), jnp.asarray(values), kjt.lengths(), w
-    )
+    return jr.KeyedJaggedTensor.from_parts(
+        kjt.keys(), jnp.asarray(values), kjt.lengths(), w,
+        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
+    )  # fmt: skip
 
 
 # ----- the compiled step has no host callback -----
