@@ -3,9 +3,15 @@
 They are bound to tables by ``jaxrec.embedding.CombinedOptimizer``.
 """
 
+from .base import EmbOptimType as EmbOptimType
+from .base import NoParams as NoParams
 from .base import SparseOptimizer as SparseOptimizer
 from .base import WeightDecayMode as WeightDecayMode
 from .base import apply_rows as apply_rows
+from .optimizers import AdagradParams as AdagradParams
+from .optimizers import AdamParams as AdamParams
+from .optimizers import LarsSgdParams as LarsSgdParams
+from .optimizers import SgdParams as SgdParams
 from .optimizers import adagrad as adagrad
 from .optimizers import adam as adam
 from .optimizers import lamb as lamb

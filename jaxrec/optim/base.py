@@ -39,6 +39,27 @@ class WeightDecayMode(enum.Enum):
     DECOUPLE = "DECOUPLE"  # w -= lr * weight_decay * w, beside the update
 
 
+class EmbOptimType(enum.Enum):
+    """FBGEMM's (and TorchRec's) optimizer types that jaxrec implements.
+
+    A native kernel picks its update by this kind (``jaxrec.cpu`` runs the
+    three EXACT ones); the value is the name printed in parameter groups.
+    """
+
+    EXACT_SGD = "EXACT_SGD"
+    EXACT_ADAGRAD = "EXACT_ADAGRAD"
+    EXACT_ROWWISE_ADAGRAD = "EXACT_ROWWISE_ADAGRAD"
+    ADAM = "ADAM"
+    PARTIAL_ROWWISE_ADAM = "PARTIAL_ROWWISE_ADAM"
+    LAMB = "LAMB"
+    PARTIAL_ROWWISE_LAMB = "PARTIAL_ROWWISE_LAMB"
+    LARS_SGD = "LARS_SGD"
+
+
+class NoParams(NamedTuple):
+    """No hyper-parameters besides the learning rate (an optimizer of your own)."""
+
+
 class SparseOptimizer(NamedTuple):
     """A row-wise optimizer: ``init(num_rows, dim)`` and ``update(...)``.
 
@@ -49,19 +70,36 @@ class SparseOptimizer(NamedTuple):
             the logical width when rows arrive zero-padded or column-split and
             ``row_sum`` completes per-row sums across column shards (both
             optional for custom optimizers that reduce nothing over a row).
-        name: FBGEMM's ``EmbOptimType`` name, for printing.
-        learning_rate: the learning rate or schedule, for printing.
-        hyperparams: the other hyper-parameters, for printing.
+        kind: FBGEMM's optimizer type; ``None`` for an optimizer of your own
+            (no native kernel runs it).
+        learning_rate: the learning rate or schedule.
+        params: the other hyper-parameters, a typed ``NamedTuple`` (e.g.
+            ``AdagradParams``; ``NoParams()`` by default). Native kernels read
+            them; ``update`` closes over them.
     """
 
     init: Callable[[int, int], Any]
     update: Callable[..., tuple[jax.Array, Any]]
-    name: str
+    kind: EmbOptimType | None
     learning_rate: ScalarOrSchedule
-    hyperparams: dict
+    params: NamedTuple = NoParams()
+
+    @property
+    def name(self) -> str:
+        """FBGEMM's name of the optimizer (``"CUSTOM"`` without a kind), for printing."""
+        return "CUSTOM" if self.kind is None else self.kind.value
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """``params`` as a dict for printing (enum members as their values)."""
+        return {
+            field: value.value if isinstance(value, enum.Enum) else value
+            for field, value in zip(self.params._fields, self.params, strict=True)
+        }
 
     # Hashed and compared by identity, so an optimizer can be a static argument
-    # of ``jax.jit`` (the ``hyperparams`` dict would make the tuple hash fail).
+    # of ``jax.jit`` and two optimizers built alike stay distinct (each closes
+    # over its own ``update``).
     def __hash__(self) -> int:
         return id(self)
 

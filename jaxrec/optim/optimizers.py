@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .base import ScalarOrSchedule, SparseOptimizer, WeightDecayMode, lr_at
+from .base import EmbOptimType, ScalarOrSchedule, SparseOptimizer, WeightDecayMode, lr_at
 
 
 def _mode(mode) -> WeightDecayMode:
@@ -76,6 +76,13 @@ class SgdState(NamedTuple):
     count: jax.Array
 
 
+class SgdParams(NamedTuple):
+    """:func:`sgd`'s hyper-parameters (besides the learning rate)."""
+
+    weight_decay: float
+    weight_decay_mode: WeightDecayMode
+
+
 def sgd(
     learning_rate: ScalarOrSchedule,
     weight_decay: float = 0.0,
@@ -99,14 +106,23 @@ def sgd(
         g = _decayed_grad(g, w, weight_decay, mode)
         return _decoupled(w, lr, weight_decay, mode) - lr * g, state
 
-    hp = {"weight_decay": weight_decay, "weight_decay_mode": mode.value}
-    return SparseOptimizer(init, update, "EXACT_SGD", learning_rate, hp)
+    params = SgdParams(weight_decay, mode)
+    return SparseOptimizer(init, update, EmbOptimType.EXACT_SGD, learning_rate, params)
 
 
 # ----- Adagrad -----
 class AdagradState(NamedTuple):
     count: jax.Array
     momentum1: jax.Array  # [rows, dim] sum of squared gradients
+
+
+class AdagradParams(NamedTuple):
+    """:func:`adagrad`'s and :func:`rowwise_adagrad`'s hyper-parameters (besides the
+    learning rate)."""
+
+    eps: float
+    weight_decay: float
+    weight_decay_mode: WeightDecayMode
 
 
 def adagrad(
@@ -135,8 +151,8 @@ def adagrad(
         w = _decoupled(w, lr, weight_decay, mode) - lr * g / (jnp.sqrt(m) + eps)
         return w, state._replace(momentum1=m)
 
-    hp = {"eps": eps, "weight_decay": weight_decay, "weight_decay_mode": mode.value}
-    return SparseOptimizer(init, update, "EXACT_ADAGRAD", learning_rate, hp)
+    params = AdagradParams(eps, weight_decay, mode)
+    return SparseOptimizer(init, update, EmbOptimType.EXACT_ADAGRAD, learning_rate, params)
 
 
 # ----- Row-wise Adagrad -----
@@ -183,8 +199,9 @@ def rowwise_adagrad(
             c = 1.0
         return c * w - mult * g, state._replace(momentum1=m)
 
-    hp = {"eps": eps, "weight_decay": weight_decay, "weight_decay_mode": mode.value}
-    return SparseOptimizer(init, update, "EXACT_ROWWISE_ADAGRAD", learning_rate, hp)
+    params = AdagradParams(eps, weight_decay, mode)
+    kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    return SparseOptimizer(init, update, kind, learning_rate, params)
 
 
 # ----- Adam family -----
@@ -192,6 +209,16 @@ class AdamState(NamedTuple):
     count: jax.Array
     momentum1: jax.Array  # [rows, dim]
     momentum2: jax.Array  # [rows, dim], or [rows] for the partial row-wise variants
+
+
+class AdamParams(NamedTuple):
+    """The Adam family's hyper-parameters (besides the learning rate): :func:`adam`,
+    :func:`partial_rowwise_adam`, :func:`lamb`, :func:`partial_rowwise_lamb`."""
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
 
 
 def _one_minus(b):
@@ -286,8 +313,8 @@ def _bias_correction(beta, factors, count):
     return 1.0 - _powf(beta, factors, count.astype(jnp.int32))
 
 
-def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb):
-    hp = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+def _adam_family(kind, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb):
+    params = AdamParams(b1, b2, eps, weight_decay)
     # Hyper-parameters as FBGEMM's float kernel arguments, and its ``1.0 - beta`` terms.
     b1, b2, eps, wd = (np.float32(x) for x in (b1, b2, eps, weight_decay))
     one_minus_b1, one_minus_b2 = _one_minus(b1), _one_minus(b2)
@@ -327,7 +354,7 @@ def _adam_family(name, learning_rate, b1, b2, eps, weight_decay, rowwise_v, lamb
         # weight_new -= learning_rate * (...)
         return w - lr * rtw, state._replace(momentum1=m, momentum2=v)
 
-    return SparseOptimizer(init, update, name, learning_rate, hp)
+    return SparseOptimizer(init, update, kind, learning_rate, params)
 
 
 def adam(
@@ -346,7 +373,7 @@ def adam(
     iter)) / (sqrtf((v_t / (1.0 - powf(beta2, iter)))) + eps) + weight_decay *
     weight_new)``. ``weight_decay`` is always on (decoupled-style, scaled by ``lr``).
     """
-    return _adam_family("ADAM", learning_rate, b1, b2, eps, weight_decay, False, False)
+    return _adam_family(EmbOptimType.ADAM, learning_rate, b1, b2, eps, weight_decay, False, False)
 
 
 def partial_rowwise_adam(
@@ -367,7 +394,7 @@ def partial_rowwise_adam(
     (sqrtf(v_hat_t) + eps) + weight_decay * weight_new)``.
     """
     return _adam_family(
-        "PARTIAL_ROWWISE_ADAM", learning_rate, b1, b2, eps, weight_decay, True, False
+        EmbOptimType.PARTIAL_ROWWISE_ADAM, learning_rate, b1, b2, eps, weight_decay, True, False
     )
 
 
@@ -391,7 +418,7 @@ def lamb(
     moves. Guarded where FBGEMM gives NaN: ``||r|| = 0`` (e.g. a zero gradient on
     a row's first step with ``wd = 0``) leaves the row unchanged.
     """
-    return _adam_family("LAMB", learning_rate, b1, b2, eps, weight_decay, False, True)
+    return _adam_family(EmbOptimType.LAMB, learning_rate, b1, b2, eps, weight_decay, False, True)
 
 
 def partial_rowwise_lamb(
@@ -412,7 +439,7 @@ def partial_rowwise_lamb(
     weight_decay * weight``; ``weight_new.fma_(grad, -learning_rate * true_ratio)``.
     """
     return _adam_family(
-        "PARTIAL_ROWWISE_LAMB", learning_rate, b1, b2, eps, weight_decay, True, True
+        EmbOptimType.PARTIAL_ROWWISE_LAMB, learning_rate, b1, b2, eps, weight_decay, True, True
     )
 
 
@@ -420,6 +447,14 @@ def partial_rowwise_lamb(
 class LarsSgdState(NamedTuple):
     count: jax.Array
     momentum1: jax.Array  # [rows, dim]
+
+
+class LarsSgdParams(NamedTuple):
+    """:func:`lars_sgd`'s hyper-parameters (besides the learning rate)."""
+
+    eta: float
+    momentum: float
+    weight_decay: float
 
 
 def lars_sgd(
@@ -452,5 +487,5 @@ def lars_sgd(
         m = momentum * state.momentum1 + row_lr * (g + weight_decay * w)
         return w - m, state._replace(momentum1=m)
 
-    hp = {"eta": eta, "momentum": momentum, "weight_decay": weight_decay}
-    return SparseOptimizer(init, update, "LARS_SGD", learning_rate, hp)
+    params = LarsSgdParams(eta, momentum, weight_decay)
+    return SparseOptimizer(init, update, EmbOptimType.LARS_SGD, learning_rate, params)

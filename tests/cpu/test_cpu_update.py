@@ -85,6 +85,23 @@ def test_update_is_in_place_under_donation():
     assert table.unsafe_buffer_pointer() == before  # written where it was
 
 
+def test_the_kernel_is_picked_by_the_optimizer_kind():
+    """SGD's kind runs the C++ SGD update; an optimizer of your own (no kind), here SGD
+    on doubled gradients, is declined and runs XLA with its own update."""
+    sgd = optim.sgd(0.1)
+    doubled = optim.SparseOptimizer(
+        sgd.init, lambda w, g, s, c, **kw: sgd.update(w, 2.0 * g, s, c, **kw), None, 0.1
+    )
+    args = _inputs(np.random.default_rng(3), 30, 8, 64, 16, jnp.float32, sgd)
+    assert "jaxrec_backward_update_sgd" in _update(sgd, "cpu").lower(*args).as_text()
+    assert "jaxrec_backward_update" not in _update(doubled, "cpu").lower(*args).as_text()
+    got = _update(doubled, "cpu")(*jax.tree.map(jnp.copy, args))
+    want = _update(doubled, "xla")(*jax.tree.map(jnp.copy, args))
+    plain = _update(sgd, "xla")(*jax.tree.map(jnp.copy, args))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert not np.allclose(np.asarray(got[0]), np.asarray(plain[0]))
+
+
 class _Model(nnx.Module):
     def __init__(self, *, rngs):
         tables = [

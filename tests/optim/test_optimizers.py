@@ -1,6 +1,7 @@
 """jaxrec.optim: FBGEMM's row-wise updates against a float64 numpy oracle, plus a
 contract suite over every optimizer and table dtype."""
 
+import inspect
 import pathlib
 import sys
 
@@ -244,6 +245,7 @@ def test_weight_decay_mode_accepts_values(name):
     for mode in WDM:
         by_value = FACTORIES[name](LR, weight_decay=0.1, weight_decay_mode=mode.value)
         assert by_value.hyperparams["weight_decay_mode"] == mode.value
+        assert by_value.params.weight_decay_mode is mode
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad"])
@@ -251,6 +253,37 @@ def test_weight_decay_mode_accepts_values(name):
 def test_bad_weight_decay_mode(name, bad):
     with pytest.raises(ValueError, match="weight_decay_mode="):
         FACTORIES[name](LR, weight_decay=0.1, weight_decay_mode=bad)
+
+
+KINDS = {
+    "sgd": optim.EmbOptimType.EXACT_SGD,
+    "adagrad": optim.EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": optim.EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adam": optim.EmbOptimType.ADAM,
+    "partial_rowwise_adam": optim.EmbOptimType.PARTIAL_ROWWISE_ADAM,
+    "lamb": optim.EmbOptimType.LAMB,
+    "partial_rowwise_lamb": optim.EmbOptimType.PARTIAL_ROWWISE_LAMB,
+    "lars_sgd": optim.EmbOptimType.LARS_SGD,
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kind_and_typed_hyperparameters(name):
+    """Each optimizer has FBGEMM's kind and its factory's keyword arguments as typed
+    fields (what native kernels read); ``name`` and ``hyperparams`` print them."""
+    factory = FACTORIES[name]
+    opt = factory(LR)
+    assert opt.kind is KINDS[name] and opt.name == KINDS[name].value
+    params = inspect.signature(factory).parameters
+    defaults = {k: p.default for k, p in params.items() if k != "learning_rate"}
+    assert opt.params._fields == tuple(defaults)
+    assert opt.params == tuple(
+        WDM(v) if k == "weight_decay_mode" else v for k, v in defaults.items()
+    )
+    shown = {k: v.value if isinstance(v, WDM) else v for k, v in defaults.items()}
+    assert opt.hyperparams == shown
+    custom = optim.SparseOptimizer(opt.init, opt.update, None, LR)
+    assert custom.name == "CUSTOM" and custom.params == () and custom.hyperparams == {}
 
 
 def test_optimizer_is_a_static_argument():
