@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..configs import PoolingType
-from ..optim.base import WeightDecayMode, lr_at, row_fields
+from ..optim import AdagradParams, EmbOptimType, SgdParams, WeightDecayMode
+from ..optim.base import lr_at, row_fields
 from ..sparse import KeyedJaggedTensor
 from ..sparse.bags import checked_lengths, finite_weights
 from ..xla.bounds import BoundsCheckMode, report_out_of_range
@@ -23,11 +24,11 @@ from ..xla.vjp import with_xla_vjp
 from .loader import load
 
 _TABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# FBGEMM optimizer name -> (FFI target, per-row state rank: None, 1 for [R], 2 for [R, D]).
+# Optimizer kind -> (FFI target, per-row state rank: None, 1 for [R], 2 for [R, D]).
 _UPDATES = {
-    "EXACT_SGD": ("jaxrec_backward_update_sgd", None),
-    "EXACT_ROWWISE_ADAGRAD": ("jaxrec_backward_update_rowwise_adagrad", 1),
-    "EXACT_ADAGRAD": ("jaxrec_backward_update_adagrad", 2),
+    EmbOptimType.EXACT_SGD: ("jaxrec_backward_update_sgd", None),
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: ("jaxrec_backward_update_rowwise_adagrad", 1),
+    EmbOptimType.EXACT_ADAGRAD: ("jaxrec_backward_update_adagrad", 2),
 }
 _MODES = {WeightDecayMode.NONE: 0, WeightDecayMode.L2: 1, WeightDecayMode.DECOUPLE: 2}
 
@@ -184,16 +185,35 @@ def grouped_pooled_lookup_cpu(
 
 
 # ----- fused backward + optimizer update -----
+def _update_attrs(optimizer) -> dict:
+    """The C++ update's scalar attributes, from the optimizer's typed hyper-parameters."""
+    match optimizer.params:
+        case SgdParams(weight_decay=weight_decay, weight_decay_mode=mode):
+            eps = 0.0
+        case AdagradParams(eps=eps, weight_decay=weight_decay, weight_decay_mode=mode):
+            pass
+        case params:
+            raise NotImplementedError(
+                f"the CPU kernels take SgdParams or AdagradParams, got {params!r} "
+                f"for {optimizer.name}"
+            )
+    return {
+        "eps": np.float32(eps),
+        "weight_decay": np.float32(weight_decay),
+        "mode": np.int32(_MODES[WeightDecayMode(mode)]),
+    }
+
+
 def _fused_update(optimizer, table, state, target_of, operands):
     """Calls the fused update FFI target ``target_of(name)`` in place on ``table`` and ``state``.
 
     ``operands(lr)`` are the arguments after the aliased table and state buffers.
     """
     _require_kernels()
-    if optimizer.name not in _UPDATES:
+    if optimizer.kind not in _UPDATES:
         raise NotImplementedError(f"no CPU kernel for the {optimizer.name} optimizer")
     _check_table(table, "table")
-    target, state_rank = _UPDATES[optimizer.name]
+    target, state_rank = _UPDATES[optimizer.kind]
     fields = row_fields(state)
     r, d = table.shape
     want = () if state_rank is None else ((r,) if state_rank == 1 else (r, d))
@@ -201,7 +221,7 @@ def _fused_update(optimizer, table, state, target_of, operands):
         getattr(state, f).shape != want or getattr(state, f).dtype != jnp.float32 for f in fields
     ):
         raise NotImplementedError(f"unexpected {optimizer.name} state layout")
-    hp = optimizer.hyperparams
+    attrs = _update_attrs(optimizer)
     count = state.count + 1
     lr = lr_at(optimizer.learning_rate, count).reshape(()).astype(jnp.float32)
     states = tuple(getattr(state, f) for f in fields)
@@ -218,9 +238,7 @@ def _fused_update(optimizer, table, state, target_of, operands):
         table,
         *states,
         *operands(lr),
-        eps=np.float32(hp.get("eps", 0.0)),
-        weight_decay=np.float32(hp.get("weight_decay", 0.0)),
-        mode=np.int32(_MODES[WeightDecayMode(hp.get("weight_decay_mode", "NONE"))]),
+        **attrs,
     )
     return new_table, state._replace(count=count, **dict(zip(fields, new_states, strict=True)))
 
