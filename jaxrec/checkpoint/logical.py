@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..embedding.optimizer import CombinedOptimizer, CombinedOptState, embedding_modules
+from ..embedding.collection import embedding_collections
+from ..embedding.optimizer import CombinedOptimizer, CombinedOptState
 from ..train.step import TrainState, merge_model
 from .paths import PLAN_LOCAL, components, dense_leaves, is_key, is_variable, nest, table_key
 from .spec import check_compatible, logical_spec, state_spec
@@ -60,7 +61,7 @@ def logical_state(
     """
     model = merge_model(graphdef, state)
     tables = {}
-    for path, module in embedding_modules(model):
+    for path, module in embedding_collections(model):
         try:
             entries = module.logical_tables(optimizer, path, state.opt_state.sparse)
         except KeyError as e:
@@ -101,7 +102,7 @@ def place_state(
     )
     model = merge_model(graphdef, target)
     weights, sparse = {}, {}
-    for path, module in embedding_modules(model):
+    for path, module in embedding_collections(model):
         mine = {
             t.name: logical.tables[table_key(path, module, t.name)] for t in module.table_configs
         }

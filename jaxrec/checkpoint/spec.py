@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..embedding.optimizer import CombinedOptimizer, embedding_modules
+from ..embedding.collection import embedding_collections
+from ..embedding.optimizer import CombinedOptimizer
 from ..optim.base import row_fields
 from ..train.step import TrainState, merge_model
 from .paths import dense_leaves, flatten, table_key
@@ -33,7 +34,7 @@ def state_spec(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: Trai
     """
     model = merge_model(graphdef, state)
     tables = {}
-    for path, module in embedding_modules(model):
+    for path, module in embedding_collections(model):
         for t in module.table_configs:
             opt = optimizer.for_table(t.name)
             init = functools.partial(opt.init, t.num_embeddings, t.embedding_dim)

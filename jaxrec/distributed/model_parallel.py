@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..embedding.collection import replace_collection
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..sparse import KeyedJaggedTensor
@@ -68,17 +69,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         sharder = SHARDERS.get(type(module))
         if sharder is not None and name in plan.plan:
             sharded = sharder(module, plan.plan[name], mesh, capacity=capacity, overflow=overflow)
-            parent = model
-            for key in path[:-1]:
-                parent = (
-                    parent[key]
-                    if isinstance(key, int) or not hasattr(parent, key)
-                    else getattr(parent, key)
-                )
-            if isinstance(parent, nnx.Dict | nnx.List) or isinstance(path[-1], int):
-                parent[path[-1]] = sharded
-            else:
-                setattr(parent, path[-1], sharded)
+            replace_collection(model, path, sharded)
             found.add(name)
     unknown = sorted(set(plan.plan) - found)
     if unknown:

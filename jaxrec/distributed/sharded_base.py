@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..embedding.collection import EmbeddingCollectionInterface
 from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
 from ..embedding.tables import EmbeddingTable, common_count, group_tables
@@ -42,7 +43,7 @@ class OverflowCount(nnx.Variable):
     """Row-wise ids dropped for lack of capacity, per device, since construction."""
 
 
-class ShardedCollection(nnx.Module):
+class ShardedCollection(EmbeddingCollectionInterface):
     """Base of the sharded collections (see their docstrings for the arguments)."""
 
     sequence = False  # one output row per id (EmbeddingCollection) instead of per bag
@@ -103,7 +104,8 @@ class ShardedCollection(nnx.Module):
     def _sharded(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
-    def _config(self, name):
+    def config(self, name):
+        """The config of table ``name``."""
         return next(t for t in self.table_configs if t.name == name)
 
     def _place(self, state_dict: Mapping[str, Any]) -> dict:
@@ -116,7 +118,7 @@ class ShardedCollection(nnx.Module):
         out = {}
         n = self.layout.world_size
         for g in self.layout.groups:
-            dtype = self._config(next(s[0] for r in g.shards for s in r)).dtype
+            dtype = self.config(next(s[0] for r in g.shards for s in r)).dtype
             buf = xp.zeros((n * g.rows_per_rank, g.ncols), np.float32)
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
@@ -131,7 +133,7 @@ class ShardedCollection(nnx.Module):
             )
         for rg in self.replicated_groups:
             buf = xp.concatenate([logical[t] for t in rg.tables])
-            dtype = self._config(rg.tables[0]).dtype
+            dtype = self.config(rg.tables[0]).dtype
             out["dp_" + rg.name] = EmbeddingTable(
                 jax.device_put(jnp.asarray(buf, dtype), self._sharded(P()))
             )
@@ -152,7 +154,7 @@ class ShardedCollection(nnx.Module):
         for rg in self.replicated_groups:
             buf = _host(self.weights["dp_" + rg.name].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
-                logical[t] = buf[lo : lo + self._config(t).num_embeddings]
+                logical[t] = buf[lo : lo + self.config(t).num_embeddings]
         return {
             f"{self.prefix}.{t.name}.weight": jnp.asarray(logical[t.name], t.dtype)
             for t in self.table_configs
@@ -265,9 +267,7 @@ class ShardedCollection(nnx.Module):
         first = np.cumsum([0] + [t.num_features() for t in self.table_configs]).tolist()
         index = {t.name: i for i, t in enumerate(self.table_configs)}
         return [
-            first[index[t]] + j
-            for t in rg.tables
-            for j in range(len(self._config(t).feature_names))
+            first[index[t]] + j for t in rg.tables for j in range(len(self.config(t).feature_names))
         ]
 
     # ----- training -----
@@ -305,8 +305,18 @@ class ShardedCollection(nnx.Module):
         out.update({"dp_" + rg.name: rg for rg in self.replicated_groups})
         return out
 
-    def sparse_update(self, optimizer, path, tables, states, features, out_grad):
-        """Fused optimizer step on the local shards from d loss / d output."""
+    def apply_sparse_gradients(
+        self, optimizer, path, weights, sparse_state, calls, *, dep, implementation=None
+    ):
+        """Fused optimizer step on the local shards from d loss / d output (one call)."""
+        del implementation  # the local updates pick their own (see update_subgroup)
+        if len(calls) != 1:
+            raise NotImplementedError(
+                f"the sharded collection at {path} was called twice in one step"
+            )
+        features = calls[0].features
+        out_grad = jax.tree.map(lambda x: x + 0.0 * dep, calls[0].grad)  # see jaxrec.train
+        tables, states = weights, sparse_state
         names = list(self.weights)
         keys = [state_key(path, n, 0) for n in names]
         opts = {
@@ -361,6 +371,12 @@ class ShardedCollection(nnx.Module):
         new_tables, new_states = run(tables, sub_states, features, out_grad)
         return new_tables, {**states, **new_states}
 
+    def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows):
+        raise NotImplementedError(
+            f"row resets (managed-collision evictions) of the sharded collection at {path} "
+            "are not supported; reset only unsharded collections"
+        )
+
     def _update(self, opt, group, table, state, rows, grads):
         """The row update of one width group; column-split rows reduce across their shards."""
         reduce = column_split_row_sum(group, self.layout, self.table_configs, self.axis)
@@ -388,7 +404,7 @@ class ShardedCollection(nnx.Module):
             out[g.name] = (self.layout.world_size * g.rows_per_rank, g.ncols, blocks)
         for rg in self.replicated_groups:
             blocks = [
-                (t, 0, self._config(t).num_embeddings, 0, lo)
+                (t, 0, self.config(t).num_embeddings, 0, lo)
                 for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
             ]
             out["dp_" + rg.name] = (rg.num_rows, rg.embedding_dim, blocks)
@@ -412,7 +428,7 @@ class ShardedCollection(nnx.Module):
             bufs.update({f: _gathered(getattr(st, f)) for f in row_fields(st)})
             count = np.array(st.count.addressable_data(0))  # replicated scalar
             for t, r0, nr, c0, start in blocks:
-                cfg, entry = self._config(t), out[t]
+                cfg, entry = self.config(t), out[t]
                 for f, buf in bufs.items():
                     if f not in entry:
                         cols = (cfg.embedding_dim,) if buf.ndim == 2 else ()
@@ -446,7 +462,7 @@ class ShardedCollection(nnx.Module):
             tables = sorted({b[0] for b in blocks})
             opt = self._group_optimizer(optimizer, set(tables))
             shape = jax.eval_shape(functools.partial(opt.init, rows, ncols))
-            bufs = {"weight": np.zeros((rows, ncols), self._config(tables[0]).dtype)}
+            bufs = {"weight": np.zeros((rows, ncols), self.config(tables[0]).dtype)}
             for f in row_fields(shape):
                 bufs[f] = np.zeros(getattr(shape, f).shape, getattr(shape, f).dtype)
             for t, r0, nr, c0, start in blocks:

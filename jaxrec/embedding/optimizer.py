@@ -5,7 +5,7 @@ optimizers for embedding tables (TorchRec's ``CombinedOptimizer`` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..optim.base import SparseOptimizer
+from .collection import embedding_collections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +73,14 @@ class CombinedOptimizer:
     def for_table(self, name: str) -> SparseOptimizer:
         return self.per_table.get(name, self.sparse)
 
-    def subgroups(self, module: Any, group: Any) -> list[SubGroup]:
-        """Splits a stacked group by optimizer (one subgroup in the common case)."""
+    def subgroups(self, group: Any) -> list[SubGroup]:
+        """Splits a stacked ``TableGroup`` by optimizer (one subgroup in the common case)."""
         opts: list[SparseOptimizer] = []
         for t in group.tables:
             o = self.for_table(t)
             if not any(o is x for x in opts):
                 opts.append(o)
-        rows = [module._config(t).num_embeddings for t in group.tables]
+        rows = group.table_rows
         out = []
         for o in opts:
             member = tuple(self.for_table(t) is o for t in group.tables)
@@ -88,20 +89,14 @@ class CombinedOptimizer:
         return out
 
     def init(self, model: nnx.Module) -> CombinedOptState:
-        """Dense optax state over the model's ``nnx.Param`` s and zeroed sparse states."""
+        """Dense optax state over the model's ``nnx.Param`` s and every embedding
+        collection's zeroed sparse states (``init_optimizer_state``)."""
         self._check_overrides(model)
         sparse = {}
-        for path, module in embedding_modules(model):
-            if hasattr(module, "init_optimizer_state"):  # sharded collections
-                sparse.update(module.init_optimizer_state(self, path))
-                continue
-            for g in module.groups:
-                for k, sg in enumerate(self.subgroups(module, g)):
-                    sparse[state_key(path, g.name, k)] = sg.optimizer.init(
-                        sg.num_rows, g.embedding_dim
-                    )
+        for path, module in embedding_collections(model):
+            sparse.update(module.init_optimizer_state(self, path))
         dense = self.dense.init(nnx.state(model, nnx.Param))
-        meshes = {m.mesh for _, m in embedding_modules(model) if hasattr(m, "mesh")}
+        meshes = {m.mesh for _, m in embedding_collections(model) if m.mesh is not None}
         if len(meshes) == 1:  # a sharded model: scalars (step counts) replicated, as after a step
             replicated = NamedSharding(meshes.pop(), PartitionSpec())
             dense = jax.tree.map(
@@ -116,7 +111,7 @@ class CombinedOptimizer:
         return CombinedOptState(dense, sparse)
 
     def _check_overrides(self, model: nnx.Module) -> None:
-        names = {t.name for _, m in embedding_modules(model) for t in m.table_configs}
+        names = {t.name for _, m in embedding_collections(model) for t in m.table_configs}
         unknown = sorted(set(self.per_table) - names)
         if unknown:
             raise ValueError(
@@ -133,10 +128,11 @@ class CombinedOptimizer:
             ".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))
         ]
         lr = None
-        if state is not None and hasattr(state.dense, "hyperparams"):
+        injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+        if state is not None and isinstance(state.dense, injected):
             lr = float(state.dense.hyperparams.get("learning_rate"))
         groups = [{"name": "dense", "optimizer": "optax", "lr": lr, "params": dense_params}]
-        for path, module in embedding_modules(model):
+        for path, module in embedding_collections(model):
             prefix = ".".join(map(str, path))
             for t in module.table_configs:
                 o = self.for_table(t.name)
@@ -159,15 +155,6 @@ class CombinedOptimizer:
             n = f"{len(g['params'])} params" if g["name"] == "dense" else ""
             lines.append(f"{g['name']:<50} {g['optimizer']:<22} lr={g['lr']} {n}{extra or ''}")
         return "\n".join(lines)
-
-
-def embedding_modules(model: nnx.Module) -> Iterator[tuple[tuple, Any]]:
-    """``(path, collection)`` for every embedding collection in the model."""
-    from .tables import TableStorage
-
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, TableStorage) or hasattr(module, "init_optimizer_state"):
-            yield path, module
 
 
 def state_key(path: tuple, group: str, k: int) -> str:

@@ -13,7 +13,7 @@ in one jitted step:
 2. inside a train step the call is also recorded on the tape; the step takes
    the reset tables from the forward and, before its sparse update, writes
    the optimizer's initial values into the state rows of the reset rows
-   (:func:`reset_optimizer_rows`). A row that is both reset and looked up in
+   (``TableStorage.reset_optimizer_rows``). A row that is both reset and looked up in
    the step is therefore updated from its fresh weights and fresh state.
 
 Static shapes: ``rows`` is a fixed-size ``[K]`` list in which entries past
@@ -35,15 +35,11 @@ list, so it can be reproduced row by row.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from ..configs import BaseEmbeddingConfig
-from ..optim.base import row_fields
-from .optimizer import state_key
-from .sparse_update import subgroup_rows
+from .tables import TableStorage
 from .tape import record_reset
 
 
@@ -67,7 +63,7 @@ def init_rows(config: BaseEmbeddingConfig, key: jax.Array, rows: jax.Array) -> j
     return draw(keys).astype(dtype)
 
 
-def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) -> None:
+def reset_table_rows(storage: TableStorage, table: str, rows: jax.Array, key: jax.Array) -> None:
     """Re-initialises ``rows`` of ``table`` in ``storage`` (an EBC or EC), in place.
 
     Writes fresh weights into the collection's table variable now (so a
@@ -83,7 +79,7 @@ def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) 
         key: a PRNG key for this call (fold in a per-call counter: the same
             key and row give the same values).
     """
-    if not hasattr(storage, "_locate"):  # e.g. a sharded collection
+    if not isinstance(storage, TableStorage):  # e.g. a sharded collection
         raise NotImplementedError(
             f"reset_table_rows needs an unsharded EmbeddingBagCollection / EmbeddingCollection, "
             f"got {type(storage).__name__}"
@@ -93,8 +89,8 @@ def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) 
         raise KeyError(f"reset_table_rows: no table {table!r}; tables are {names}")
     if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise TypeError(f"rows must be a [K] integer array, got {rows.shape=} {rows.dtype=}")
-    group, lo, n = storage._locate(table)
-    config = storage._config(table)
+    group, lo, n = storage.locate(table)
+    config = storage.config(table)
     total = group.num_rows
     rows = rows.astype(jnp.int32)
     valid = (rows >= 0) & (rows < n)
@@ -118,46 +114,3 @@ def reset_table_rows(storage: Any, table: str, rows: jax.Array, key: jax.Array) 
     new, old = jax.lax.cond(jnp.any(valid), write, keep, var.get_value())
     var.set_value(new)
     record_reset(storage, group.name, group_rows, old)
-
-
-def reset_optimizer_rows(
-    optimizer: Any, module: Any, path: tuple, group_name: str, sparse_state: dict, rows: jax.Array
-) -> dict:
-    """``sparse_state`` with the state rows of group rows ``rows`` ``[K]`` set to
-    their initial values (every optimizer subgroup of the group; ``count`` is
-    one counter per group and is left alone, as FBGEMM's
-    ``reset_embedding_weight_momentum`` leaves its step counter).
-
-    ``rows`` are rows of the stacked group buffer; fill entries (``>=`` the
-    group's rows) are ignored.
-    """
-    if hasattr(module, "sparse_update"):
-        raise NotImplementedError(
-            f"row resets (managed-collision evictions) of the sharded collection at {path} "
-            "are not supported; reset only unsharded collections"
-        )
-    group = next(g for g in module.groups if g.name == group_name)
-    out = dict(sparse_state)
-    for k, sub in enumerate(optimizer.subgroups(module, group)):
-        key = state_key(path, group.name, k)
-        _, state_rows = subgroup_rows(sub, group.row_offsets, rows, group.num_rows)
-        out[key] = _reset_state_rows(sub, out[key], state_rows, group.embedding_dim)
-    return out
-
-
-def _reset_state_rows(sub, state, rows, dim):
-    """Initial values into ``rows`` of every per-row field (skipped when all are fill)."""
-    fields = row_fields(state)
-    if not fields:  # SGD: nothing per row
-        return state
-    fresh = sub.optimizer.init(1, dim)  # one row of initial values (tiny, constant-folded)
-
-    def write(st):
-        new = {}
-        for f in fields:
-            x = getattr(st, f)
-            row = jnp.broadcast_to(getattr(fresh, f)[0], (rows.shape[0], *x.shape[1:]))
-            new[f] = x.at[rows].set(row.astype(x.dtype), mode="drop")
-        return st._replace(**new)
-
-    return jax.lax.cond(jnp.any(rows < sub.num_rows), write, lambda st: st, state)

@@ -1,4 +1,4 @@
-"""Applies fused sparse optimizers to the rows one step touched."""
+"""Applies fused sparse optimizers to the rows one step touched (and resets state rows)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops.dispatch import dispatch
-from ..optim.base import apply_rows
+from ..optim.base import apply_rows, row_fields
 from ..xla.backward import backward_update_xla
 from .optimizer import SubGroup
 
@@ -98,3 +98,22 @@ def backward_update(
         rows,
         valid,
     )
+
+
+def reset_state_rows(sub: SubGroup, state: Any, rows: jax.Array, dim: int) -> Any:
+    """``state`` with its per-row fields at their initial values in ``rows`` ``[K]`` (state
+    rows of the subgroup; fill ``>= sub.num_rows``); skipped when every row is fill."""
+    fields = row_fields(state)
+    if not fields:  # SGD: nothing per row
+        return state
+    fresh = sub.optimizer.init(1, dim)  # one row of initial values (tiny, constant-folded)
+
+    def write(st):
+        new = {}
+        for f in fields:
+            x = getattr(st, f)
+            row = jnp.broadcast_to(getattr(fresh, f)[0], (rows.shape[0], *x.shape[1:]))
+            new[f] = x.at[rows].set(row.astype(x.dtype), mode="drop")
+        return st._replace(**new)
+
+    return jax.lax.cond(jnp.any(rows < sub.num_rows), write, lambda st: st, state)

@@ -18,7 +18,10 @@ from flax import nnx
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot
 from ..optim.base import row_fields
+from ..xla.backward import dedup_rows, source_grads
+from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
 from .optimizer import state_key
+from .sparse_update import backward_update, reset_state_rows, subgroup_rows, update_subgroup
 
 
 class EmbeddingTable(nnx.Variable):
@@ -42,12 +45,25 @@ class TableGroup:
     slots: tuple[FeatureSlot, ...]
     outputs: tuple[int, ...]
 
+    @property
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows of each table of the group (its ``num_embeddings``), in group order."""
+        ends = (*self.row_offsets[1:], self.num_rows)
+        return tuple(e - lo for lo, e in zip(self.row_offsets, ends, strict=True))
 
-def group_tables(tables: Sequence[BaseEmbeddingConfig]) -> tuple[TableGroup, ...]:
-    """Groups tables by ``(embedding_dim, dtype)`` in first-seen order."""
+
+def group_tables(
+    tables: Sequence[BaseEmbeddingConfig], dtypes: Mapping[str, str] | None = None
+) -> tuple[TableGroup, ...]:
+    """Groups tables by ``(embedding_dim, dtype)`` in first-seen order.
+
+    ``dtypes`` (``{table: dtype name}``, e.g. the quantized collections' storage
+    types) replaces the tables' own ``data_type``.
+    """
     members: dict[tuple[int, str], list[int]] = {}
     for i, t in enumerate(tables):
-        members.setdefault((t.embedding_dim, t.data_type.value), []).append(i)
+        dtype = t.data_type.value if dtypes is None else dtypes[t.name]
+        members.setdefault((t.embedding_dim, dtype), []).append(i)
     first_output = np.cumsum([0] + [t.num_features() for t in tables]).tolist()
     groups = []
     for (dim, dtype), idx in members.items():
@@ -96,8 +112,12 @@ def init_table(config: BaseEmbeddingConfig, key: jax.Array) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, lo, hi).astype(config.dtype)
 
 
-class TableStorage(nnx.Module):
+class TableStorage(EmbeddingCollectionInterface):
     """Grouped table buffers plus TorchRec-style per-table views.
+
+    The unsharded side of :class:`EmbeddingCollectionInterface`: a subclass
+    says how one call's output gradient maps to each group's ids
+    (:meth:`grad_source`: pooled bags or one row per id).
 
     Args:
         tables: table configs, in the collection's order.
@@ -126,11 +146,16 @@ class TableStorage(nnx.Module):
             {g.name: EmbeddingTable(self._init_group(g, rngs)) for g in self.groups}
         )
 
-    def _config(self, name: str) -> BaseEmbeddingConfig:
+    def config(self, name: str) -> BaseEmbeddingConfig:
+        """The config of table ``name``."""
         return next(t for t in self.table_configs if t.name == name)
 
+    def group(self, name: str) -> TableGroup:
+        """The table group (stacked buffer) called ``name``."""
+        return next(g for g in self.groups if g.name == name)
+
     def _init_group(self, group: TableGroup, rngs: nnx.Rngs) -> jax.Array:
-        configs = [self._config(n) for n in group.tables]
+        configs = [self.config(n) for n in group.tables]
         keys = [rngs.params() for _ in configs]
         if all(c.init_fn is None for c in configs):
             return _uniform_group(configs, keys)
@@ -145,18 +170,19 @@ class TableStorage(nnx.Module):
         for g in self.groups:
             self.weights[g.name].set_value(self._init_group(g, rngs))
 
-    def _locate(self, table: str) -> tuple[TableGroup, int, int]:
+    def locate(self, table: str) -> tuple[TableGroup, int, int]:
+        """``(group, first row in the group's buffer, rows)`` of ``table``."""
         for g in self.groups:
             if table in g.tables:
                 i = g.tables.index(table)
-                return g, g.row_offsets[i], self._config(table).num_embeddings
+                return g, g.row_offsets[i], self.config(table).num_embeddings
         raise KeyError(table)
 
     def state_dict(self) -> dict[str, jax.Array]:
         """``{"<prefix>.<table>.weight": [num_embeddings, embedding_dim]}`` in table order."""
         out = {}
         for t in self.table_configs:
-            g, lo, n = self._locate(t.name)
+            g, lo, n = self.locate(t.name)
             out[f"{self.prefix}.{t.name}.weight"] = self.weights[g.name].get_value()[lo : lo + n]
         return out
 
@@ -179,7 +205,7 @@ class TableStorage(nnx.Module):
             pieces, changed = [], False
             current = self.weights[g.name].get_value()
             for name, lo in zip(g.tables, g.row_offsets, strict=True):
-                t = self._config(name)
+                t = self.config(name)
                 key = f"{self.prefix}.{name}.weight"
                 if key not in state_dict:
                     pieces.append(current[lo : lo + t.num_embeddings])
@@ -193,6 +219,76 @@ class TableStorage(nnx.Module):
                 changed = True
             if changed:  # one concatenation per group, not one copy per table
                 self.weights[g.name].set_value(jnp.concatenate(pieces))
+
+    # ----- training (the EmbeddingCollectionInterface) -----
+    def grad_source(self, group: TableGroup, call: LookupGrad) -> GradSource:
+        """How ``call``'s output gradient reaches the ids of ``group`` (per subclass)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement grad_source")
+
+    def fused_backward_update(
+        self,
+        optimizer,
+        group: TableGroup,
+        table: jax.Array,
+        state,
+        calls: Sequence[LookupGrad],
+        source: GradSource,
+        *,
+        dep: jax.Array,
+        implementation: str | None = None,
+    ):
+        """The backward of every call fused with ``optimizer``'s step over ``group``'s
+        buffer (the one-optimizer case); ``source`` describes all ``calls``' ids."""
+        del calls  # a subclass may read them directly (see EmbeddingBagCollection)
+        return backward_update(
+            optimizer, table, state, source.out_grad + 0.0 * dep, source.seg, source.scale,
+            source.rows, source.valid, implementation=implementation,
+        )  # fmt: skip
+
+    def init_optimizer_state(self, optimizer, path: tuple) -> dict:
+        out = {}
+        for g in self.groups:
+            for k, sub in enumerate(optimizer.subgroups(g)):
+                out[state_key(path, g.name, k)] = sub.optimizer.init(sub.num_rows, g.embedding_dim)
+        return out
+
+    def apply_sparse_gradients(
+        self, optimizer, path, weights, sparse_state, calls, *, dep, implementation=None
+    ):
+        weights, sparse_state = dict(weights), dict(sparse_state)
+        sources = [[self.grad_source(g, call) for g in self.groups] for call in calls]
+        for i, g in enumerate(self.groups):
+            source = _concat_sources([per_call[i] for per_call in sources])
+            subs = optimizer.subgroups(g)
+            if len(subs) == 1 and subs[0].covers_group:  # one optimizer: the fused path
+                key = state_key(path, g.name, 0)
+                weights[g.name], sparse_state[key] = self.fused_backward_update(
+                    subs[0].optimizer, g, weights[g.name], sparse_state[key], calls, source,
+                    dep=dep, implementation=implementation,
+                )  # fmt: skip
+                continue
+            grads = source_grads(
+                source.out_grad + 0.0 * dep, source.seg, source.scale, source.valid
+            )
+            unique, summed = dedup_rows(source.rows, grads, source.valid, g.num_rows)
+            for k, sub in enumerate(subs):
+                key = state_key(path, g.name, k)
+                weights[g.name], sparse_state[key] = update_subgroup(
+                    sub, g.row_offsets, weights[g.name], sparse_state[key], unique, summed,
+                    implementation=implementation,
+                )  # fmt: skip
+        return weights, sparse_state
+
+    def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows) -> dict:
+        """As the interface says; ``count`` (one counter per group) is left alone, as
+        FBGEMM's ``reset_embedding_weight_momentum`` leaves its step counter."""
+        g = self.group(group)
+        out = dict(sparse_state)
+        for k, sub in enumerate(optimizer.subgroups(g)):
+            key = state_key(path, g.name, k)
+            _, state_rows = subgroup_rows(sub, g.row_offsets, rows, g.num_rows)
+            out[key] = reset_state_rows(sub, out[key], state_rows, g.embedding_dim)
+        return out
 
     # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
     def logical_tables(self, optimizer, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
@@ -209,11 +305,11 @@ class TableStorage(nnx.Module):
         out = {}
         for g in self.groups:
             w = np.array(self.weights[g.name].get_value())  # a copy: the state may be donated
-            subs = optimizer.subgroups(self, g)
+            subs = optimizer.subgroups(g)
             states = [sparse_state[state_key(path, g.name, k)] for k in range(len(subs))]
             fields = [{f: np.array(getattr(st, f)) for f in row_fields(st)} for st in states]
             for i, (name, lo) in enumerate(zip(g.tables, g.row_offsets, strict=True)):
-                n = self._config(name).num_embeddings
+                n = self.config(name).num_embeddings
                 k = next(k for k, sub in enumerate(subs) if sub.member[i])
                 off = subs[k].state_offsets[i]
                 entry = {"weight": w[lo : lo + n], "count": np.array(states[k].count)}
@@ -233,11 +329,11 @@ class TableStorage(nnx.Module):
         """
         weights, sparse = {}, {}
         for g in self.groups:
-            dtype = self._config(g.tables[0]).dtype
+            dtype = self.config(g.tables[0]).dtype
             weights[g.name] = np.concatenate(
                 [np.asarray(logical[t]["weight"]).astype(dtype) for t in g.tables]
             )
-            for k, sub in enumerate(optimizer.subgroups(self, g)):
+            for k, sub in enumerate(optimizer.subgroups(g)):
                 members = [t for t, m in zip(g.tables, sub.member, strict=True) if m]
                 init = functools.partial(sub.optimizer.init, sub.num_rows, g.embedding_dim)
                 shape = jax.eval_shape(init)
@@ -250,6 +346,20 @@ class TableStorage(nnx.Module):
                 count = common_count(members, logical, shape.count.dtype)
                 sparse[state_key(path, g.name, k)] = type(shape)(count=count, **fields)
         return weights, sparse
+
+
+def _concat_sources(sources: Sequence[GradSource]) -> GradSource:
+    """One gradient description from several calls' (output rows offset per call)."""
+    if len(sources) == 1:
+        return sources[0]
+    offsets = np.cumsum([0] + [s.out_grad.shape[0] for s in sources[:-1]])
+    return GradSource(
+        out_grad=jnp.concatenate([s.out_grad for s in sources]),
+        seg=jnp.concatenate([s.seg + int(o) for s, o in zip(sources, offsets, strict=True)]),
+        scale=jnp.concatenate([s.scale for s in sources]),
+        rows=jnp.concatenate([s.rows for s in sources]),
+        valid=jnp.concatenate([s.valid for s in sources]),
+    )
 
 
 def _uniform_group(configs: Sequence[BaseEmbeddingConfig], keys: Sequence[jax.Array]) -> jax.Array:

@@ -14,14 +14,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
-from ..embedding.tables import TableGroup
+from ..configs import BaseEmbeddingConfig, get_embedding_names_by_table
+from ..embedding.collection import replace_collection
+from ..embedding.tables import group_tables
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
-from ..ops import BoundsCheckMode, FeatureSlot
+from ..ops import BoundsCheckMode
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
@@ -31,47 +31,6 @@ quantize_jit = quantize_rows  # already jitted (dtype, row_alignment static); sh
 
 class QuantTable(nnx.Variable):
     """Quantized ``[rows, row_bytes]`` uint8 table rows (not trainable, not an ``nnx.Param``)."""
-
-
-def group_quant_tables(
-    tables: Sequence[BaseEmbeddingConfig], dtypes: Mapping[str, str]
-) -> tuple[TableGroup, ...]:
-    """Groups tables by ``(embedding_dim, quantized dtype)`` in first-seen order."""
-    members: dict[tuple[int, str], list[int]] = {}
-    for i, t in enumerate(tables):
-        members.setdefault((t.embedding_dim, dtypes[t.name]), []).append(i)
-    first_output = np.cumsum([0] + [t.num_features() for t in tables]).tolist()
-    groups = []
-    for (dim, dtype), idx in members.items():
-        offsets, slots, outputs, row = [], [], [], 0
-        for i in idx:
-            t = tables[i]
-            offsets.append(row)
-            pooling = getattr(t, "pooling", PoolingType.SUM)
-            for j, feature in enumerate(t.feature_names):
-                slots.append(
-                    FeatureSlot(
-                        key=feature,
-                        row_offset=row,
-                        num_embeddings=t.num_embeddings,
-                        pooling=pooling,
-                    )
-                )
-                outputs.append(first_output[i] + j)  # fmt: skip
-            row += t.num_embeddings
-        groups.append(
-            TableGroup(
-                name=f"{dtype}_d{dim}",
-                embedding_dim=dim,
-                dtype=dtype,
-                tables=tuple(tables[i].name for i in idx),
-                row_offsets=tuple(offsets),
-                num_rows=row,
-                slots=tuple(slots),
-                outputs=tuple(outputs),
-            )  # fmt: skip
-        )
-    return tuple(groups)
 
 
 def table_dtypes(
@@ -114,7 +73,7 @@ class QuantStorage(nnx.Module):
         self.table_configs = tuple(tables)
         self.data_types = {t.name: canonical_dtype(dtypes[t.name]) for t in tables}
         self.row_alignment = row_alignment
-        self.groups = group_quant_tables(self.table_configs, self.data_types)
+        self.groups = group_tables(self.table_configs, self.data_types)
         self.prefix = prefix
         self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
         self.implementation = implementation
@@ -125,7 +84,7 @@ class QuantStorage(nnx.Module):
             pieces = []
             for name in g.tables:
                 q = jnp.asarray(quantized[name])
-                t = self._config(name)
+                t = self.config(name)
                 if q.dtype != jnp.uint8 or q.shape != (t.num_embeddings, width):
                     raise ValueError(
                         f"table {name!r}: expected [{t.num_embeddings}, {width}] uint8 "
@@ -135,7 +94,8 @@ class QuantStorage(nnx.Module):
             buffers[g.name] = QuantTable(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         self.qweights = nnx.Dict(buffers)
 
-    def _config(self, name: str) -> BaseEmbeddingConfig:
+    def config(self, name: str) -> BaseEmbeddingConfig:
+        """The config of table ``name``."""
         return next(t for t in self.table_configs if t.name == name)
 
     def state_dict(self) -> dict[str, jax.Array]:
@@ -144,7 +104,7 @@ class QuantStorage(nnx.Module):
         for g in self.groups:
             buf = self.qweights[g.name].get_value()
             for name, lo in zip(g.tables, g.row_offsets, strict=True):
-                n = self._config(name).num_embeddings
+                n = self.config(name).num_embeddings
                 out[f"{self.prefix}.{name}.weight"] = buf[lo : lo + n]
         return out
 
@@ -368,17 +328,7 @@ def quantize_inference_model(
         )  # fmt: skip
         if not path:
             return quant
-        parent = model
-        for key in path[:-1]:
-            parent = (
-                parent[key]
-                if isinstance(key, int) or not hasattr(parent, key)
-                else getattr(parent, key)
-            )
-        if isinstance(parent, nnx.Dict | nnx.List) or isinstance(path[-1], int):
-            parent[path[-1]] = quant
-        else:
-            setattr(parent, path[-1], quant)
+        replace_collection(model, path, quant)
     unknown = sorted(set(per_table_dtype) - seen)
     if unknown:
         raise ValueError(f"per_table_dtype names tables {unknown} found in no embedding collection")

@@ -38,6 +38,7 @@ from ..distributed.model_parallel import SHARDERS
 from ..distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from ..distributed.sharded_ec import ShardedEmbeddingCollection
 from ..distributed.types import ParameterSharding, ShardingPlan
+from ..embedding.collection import replace_collection
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, dequantize_table, row_bytes
@@ -83,7 +84,7 @@ class _QuantShards:
         return dts.pop()
 
     def _block(self, src, table, r0, nr, c0, nc, dt) -> np.ndarray:
-        dim = self._config(table).embedding_dim
+        dim = self.config(table).embedding_dim
         if self._source_quantized:
             rows = np.asarray(src[r0 : r0 + nr])
             if c0 == 0 and nc == dim:
@@ -113,7 +114,7 @@ class _QuantShards:
             self.group_dtypes["dp_" + rg.name] = dt
             pieces = []
             for t in rg.tables:
-                cfg = self._config(t)
+                cfg = self.config(t)
                 src = state_dict[f"{self.prefix}.{t}.weight"]
                 pieces.append(self._block(src, t, 0, cfg.num_embeddings, 0, cfg.embedding_dim, dt))
             out["dp_" + rg.name] = QuantTable(
@@ -164,7 +165,7 @@ class _QuantShards:
     def init_optimizer_state(self, optimizer, path):
         raise TypeError("quantized collections are inference-only: they have no optimizer")
 
-    def sparse_update(self, *args, **kwargs):
+    def apply_sparse_gradients(self, *args, **kwargs):
         raise TypeError("quantized collections are inference-only: they cannot be trained")
 
     def table_bytes(self) -> int:
@@ -288,7 +289,7 @@ def shard_quant_model(
         sharded = sharder(
             module, plan.plan[name], mesh, capacity=capacity, overflow=overflow, **kwargs
         )
-        _replace(model, path, sharded)
+        replace_collection(model, path, sharded)
         found.add(name)
     unknown = sorted(set(plan.plan) - found)
     if unknown:
@@ -301,17 +302,3 @@ def shard_quant_model(
         if not any(str(p) in ("weights", "overflow_count") for p in path):
             var.set_value(jax.device_put(var.get_value(), replicated))
     return model
-
-
-def _replace(model, path, new) -> None:
-    parent = model
-    for key in path[:-1]:
-        parent = (
-            parent[key]
-            if isinstance(key, int) or not hasattr(parent, key)
-            else getattr(parent, key)
-        )
-    if isinstance(parent, nnx.Dict | nnx.List) or isinstance(path[-1], int):
-        parent[path[-1]] = new
-    else:
-        setattr(parent, path[-1], new)

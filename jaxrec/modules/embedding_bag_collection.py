@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,10 +11,13 @@ import numpy as np
 from flax import nnx
 
 from ..configs import EmbeddingBagConfig, check_tables
-from ..embedding.tables import TableStorage
+from ..embedding.collection import GradSource, LookupGrad
+from ..embedding.tables import TableGroup, TableStorage
 from ..embedding.tape import tap
 from ..ops import BoundsCheckMode, grouped_pooled_lookup
+from ..ops.dispatch import try_cpu
 from ..sparse import KeyedJaggedTensor, KeyedTensor
+from ..xla.backward import pooled_grad_sources
 
 
 class EmbeddingBagCollection(TableStorage):
@@ -101,6 +105,37 @@ class EmbeddingBagCollection(TableStorage):
     def output_columns(self) -> tuple[int, ...]:
         """Static start column of each embedding in the output values, plus the end."""
         return tuple(np.cumsum([0, *self.length_per_embedding]).tolist())
+
+    # ----- the train step's sparse update (see TableStorage) -----
+    def grad_source(self, group: TableGroup, call: LookupGrad) -> GradSource:
+        """Bag ``b``'s output columns of slot ``j`` are row ``b * S + j`` of the
+        source; every id of the bag adds that row (times its scale)."""
+        cols = self.output_columns()
+        g = jnp.stack([call.grad[:, cols[o] : cols[o + 1]] for o in group.outputs], axis=1)
+        flat = g.reshape(g.shape[0] * g.shape[1], -1)  # [B * S, D]
+        rows, seg, scale, valid = pooled_grad_sources(
+            call.features, group.slots, is_weighted=self._is_weighted
+        )
+        return GradSource(out_grad=flat, seg=seg, scale=scale, rows=rows, valid=valid)
+
+    def fused_backward_update(
+        self, optimizer, group, table, state, calls, source, *, dep, implementation=None
+    ):
+        """One call: where the program runs on CPU, the C++ kernel reads the KJT and the
+        output gradient directly (``source``, traced for the other platforms, is then
+        dead code, which XLA drops)."""
+        generic = functools.partial(
+            super().fused_backward_update, optimizer, group, table, state, calls, source,
+            dep=dep, implementation=implementation,
+        )  # fmt: skip
+        if len(calls) != 1:
+            return generic()
+        cols = self.output_columns()
+        return try_cpu(
+            "kjt_backward_update", implementation, generic, optimizer, table, state,
+            calls[0].grad, calls[0].features, group.slots, tuple(cols[o] for o in group.outputs),
+            is_weighted=self._is_weighted, dep=dep,
+        )  # fmt: skip
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self.table_configs)

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_table
-from ..embedding.tables import TableStorage
+from ..embedding.collection import GradSource, LookupGrad
+from ..embedding.tables import TableGroup, TableStorage
 from ..embedding.tape import tap
 from ..ops import BoundsCheckMode, grouped_sequence_lookup
 from ..sparse import JaggedTensor, KeyedJaggedTensor
+from ..xla.backward import sequence_grad_sources
 
 
 class EmbeddingCollection(TableStorage):
@@ -77,6 +79,12 @@ class EmbeddingCollection(TableStorage):
             ids = jt.values() if self._need_indices else None
             result[name] = JaggedTensor.from_parts(emb.astype(self.dtype), jt.lengths(), ids)
         return result
+
+    def grad_source(self, group: TableGroup, call: LookupGrad) -> GradSource:
+        """One output row per id: the group's slots' output rows, concatenated."""
+        flat = jnp.concatenate([call.grad[o] for o in group.outputs])
+        rows, seg, scale, valid = sequence_grad_sources(call.features, group.slots)
+        return GradSource(out_grad=flat, seg=seg, scale=scale, rows=rows, valid=valid)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self.table_configs)

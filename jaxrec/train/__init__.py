@@ -1,10 +1,11 @@
 """Sparse training: the train step that never builds a dense table gradient."""
 
 from .guard import BoundsCheckError as BoundsCheckError
+from .guard import CapacityOverflowError as CapacityOverflowError
 from .in_flight import InFlight as InFlight
 from .pipeline import TrainPipeline as TrainPipeline
-from .step import CapacityOverflowError as CapacityOverflowError
 from .step import TrainState as TrainState
+from .step import TrainStep as TrainStep
 from .step import init_train_state as init_train_state
 from .step import make_eval_step as make_eval_step
 from .step import make_train_step as make_train_step

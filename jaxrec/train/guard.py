@@ -20,13 +20,19 @@ buffer) is out. Instead:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from ..embedding.tables import TableStorage
+from ..embedding.tape import Reset
+from ..sparse import KeyedJaggedTensor
 from ..xla.bounds import FatalReport, out_of_range_message
+from .table_update import CollectionCall, TableBuffers
 
 
 class StepReport(NamedTuple):
@@ -104,7 +110,7 @@ def apply_mask(loss, g_params, g_probes, fatal, skip_nonfinite: bool) -> jax.Arr
 def without_ids(features: Any, ok: jax.Array) -> Any:
     """``features`` (a KeyedJaggedTensor, leaves of any leading shape) with every length
     zeroed unless ``ok``: a sparse update from it touches no row."""
-    if not hasattr(features, "tree_flatten") or not hasattr(features, "lengths"):
+    if not isinstance(features, KeyedJaggedTensor):
         raise NotImplementedError(
             f"cannot skip the sparse update of a lookup on {type(features).__name__}; "
             "collections are called with a KeyedJaggedTensor"
@@ -116,29 +122,38 @@ def without_ids(features: Any, ok: jax.Array) -> Any:
     )
 
 
-def undo_resets(leaves, index, resets, reset_rows, ok) -> None:
-    """Writes reset rows' previous values back into ``leaves`` (in place) unless ``ok``.
+def mask_sparse_inputs(
+    ok: jax.Array, tables: nnx.State, resets: Sequence[Reset], calls: Sequence[CollectionCall]
+) -> tuple[nnx.State, list[Reset], list[CollectionCall]]:
+    """Unless ``ok``: rows reset in the forward get their previous values back (undone
+    last first, so a row reset twice in one forward gets its pre-step value), no
+    optimizer row is reset (all rows fill) and no call has a valid id."""
+    buffers = TableBuffers(tables)
+    for r in reversed(resets):
+        w = buffers[r.path, r.group]
+        buffers[r.path, r.group] = w.at[jnp.where(ok, w.shape[0], r.rows)].set(r.old, mode="drop")
+    resets = [dataclasses.replace(r, rows=_no_reset_rows(r, ok)) for r in resets]
+    calls = [
+        c._replace(lookup=c.lookup._replace(features=without_ids(c.lookup.features, ok)))
+        for c in calls
+    ]
+    return buffers.state(), resets, calls
 
-    ``reset_rows``: ``(rows [K], old [K, D])`` per reset, in forward order; undone
-    last first, so a row reset twice in one forward gets its pre-step value.
-    """
-    for (path, _, group), (rows, old) in reversed(list(zip(resets, reset_rows, strict=True))):
-        i = index[(*path, "weights", group)]
-        num_rows = leaves[i].shape[0]
-        leaves[i] = leaves[i].at[jnp.where(ok, num_rows, rows)].set(old, mode="drop")
 
-
-def no_reset_rows(module, group: str, rows: jax.Array, ok: jax.Array) -> jax.Array:
-    """``rows`` unless ``ok`` is False: then all fill (no optimizer row is reset)."""
-    num_rows = next(g for g in module.groups if g.name == group).num_rows
-    return jnp.where(ok, rows, num_rows)
+def _no_reset_rows(reset: Reset, ok: jax.Array) -> jax.Array:
+    """The reset's rows unless ``ok`` is False: then all fill (no optimizer row is reset)."""
+    if not isinstance(reset.module, TableStorage):
+        raise NotImplementedError(
+            f"row resets of {type(reset.module).__name__} at {reset.path} are not supported"
+        )
+    return jnp.where(ok, reset.rows, reset.module.group(reset.group).num_rows)
 
 
 def keep_counts(new: dict, old: Mapping, ok: jax.Array) -> dict:
     """``new`` sparse states with the step counters of ``old`` unless ``ok``."""
     out = dict(new)
     for k, st in new.items():
-        if k in old and hasattr(st, "count"):
+        if k in old:  # every sparse optimizer state has a count (jaxrec.optim.base)
             out[k] = st._replace(count=jnp.where(ok, st.count, old[k].count))
     return out
 
@@ -166,3 +181,31 @@ class SkipCounter:
         self._total += sum(int(x) for x in self._pending)
         self._pending = []
         return self._total
+
+
+class CapacityOverflowError(RuntimeError):
+    """A sharded collection dropped ids that did not fit its per-destination capacity.
+
+    The step was applied without them; ``state`` is the state after it (the
+    input state was donated).
+    """
+
+    def __init__(self, dropped: int, state: Any):
+        super().__init__(
+            f"row-wise input_dist dropped {dropped} ids that did not fit the per-destination "
+            "capacity in this step; pass a larger capacity= to DistributedModelParallel "
+            "(or overflow='warn' / 'count' to train on and count them in overflow_count)"
+        )
+        self.dropped = dropped
+        self.state = state
+
+
+def raise_for_report(report: StepReport, state: Any) -> None:
+    """Raises the error a step's report calls for, with ``state`` (a host sync only when
+    the step has FATAL checks or can drop ids)."""
+    if report.fatal:
+        failures = fatal_failures(report.fatal)
+        if failures:
+            raise BoundsCheckError(failures, state)
+    if report.dropped is not None and int(report.dropped) > 0:
+        raise CapacityOverflowError(int(report.dropped), state)

@@ -25,8 +25,9 @@ from typing import Any
 
 import jax
 
+from .guard import raise_for_report
 from .in_flight import InFlight
-from .step import TrainState, raise_for_report
+from .step import TrainState, TrainStep
 
 _DONE = object()
 
@@ -39,7 +40,10 @@ class TrainPipeline:
     each step.
 
     Args:
-        train_step: from :func:`jaxrec.train.make_train_step`.
+        train_step: a :class:`~jaxrec.train.TrainStep` from
+            :func:`jaxrec.train.make_train_step` (its reports are read one step
+            late), or any ``step(state, batch) -> (state, loss, aux)`` callable
+            (run as it is: no report, no skipped-step count).
         state: the initial :class:`TrainState`.
         to_device: host batch -> device batch (default ``jax.device_put``; with
             ``mesh``, :func:`jaxrec.distributed.shard_batch` of a list of
@@ -61,7 +65,7 @@ class TrainPipeline:
 
     def __init__(
         self,
-        train_step: Callable,
+        train_step: TrainStep | Callable[[Any, Any], tuple[Any, jax.Array, Any]],
         state: TrainState,
         *,
         to_device: Callable[[Any], Any] | None = None,
@@ -78,16 +82,13 @@ class TrainPipeline:
 
                 to_device = lambda local_batches: shard_batch(local_batches, mesh)
         self.state = state
-        self._step = getattr(train_step, "jitted", None)
-        self._plain_step = train_step
+        self._step = train_step
         self._to_device = to_device
         self._depth = depth
         self._source: Iterator | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._report = None  # the previous step's StepReport (read one step late)
-        self._skipped = getattr(train_step, "skipped_steps", None)
-        self._warnings = getattr(train_step, "step_warnings", None)
         self._window = InFlight(depth)  # never further ahead: see in_flight.py
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
@@ -111,15 +112,12 @@ class TrainPipeline:
         if isinstance(item, BaseException):
             self._source = None
             raise item
-        if self._step is None:  # a plain step function
-            self.state, loss, aux = self._plain_step(self.state, item)
+        if not isinstance(self._step, TrainStep):  # a plain step function
+            self.state, loss, aux = self._step(self.state, item)
             self._window.push(loss)
             return loss, aux
-        self.state, loss, aux, report = self._step(self.state, item)
-        if self._skipped is not None:
-            self._skipped.add(report.skipped)
-        if self._warnings is not None:
-            self._warnings.add(report)
+        self.state, loss, aux, report = self._step.jitted(self.state, item)
+        self._step.record(report)
         self._check_report()  # the previous step's: long finished, no stall
         self._report = report
         self._window.push(loss)
@@ -127,7 +125,7 @@ class TrainPipeline:
 
     def skipped_steps(self) -> int:
         """Steps that applied nothing (``make_train_step(skip_nonfinite=True)``) so far."""
-        return 0 if self._skipped is None else self._skipped()
+        return self._step.skipped_steps() if isinstance(self._step, TrainStep) else 0
 
     def close(self) -> None:
         """Stops the background thread (it also stops at the loader's end) and logs
@@ -155,8 +153,8 @@ class TrainPipeline:
         ).start()
 
     def _flush_warnings(self) -> None:
-        if self._warnings is not None:
-            self._warnings.flush()
+        if isinstance(self._step, TrainStep):
+            self._step.flush_warnings()
 
     def _check_report(self) -> None:
         report, self._report = self._report, None

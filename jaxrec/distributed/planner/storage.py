@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...configs import DataType
+from ...embedding.optimizer import CombinedOptimizer
 from ...optim import SparseOptimizer
 from .topology import Topology
 
@@ -66,7 +67,7 @@ def resolve_optimizer(optimizer: Any) -> Any:
 
 def table_optimizer(optimizer: Any, table: str) -> SparseOptimizer:
     """The sparse optimizer that updates ``table``."""
-    if hasattr(optimizer, "for_table"):  # CombinedOptimizer
+    if isinstance(optimizer, CombinedOptimizer):
         return optimizer.for_table(table)
     if not isinstance(optimizer, SparseOptimizer):
         raise TypeError(
