@@ -4,10 +4,16 @@ Everything a collection (unsharded, sharded, managed-collision) shares lives
 here, below the modules that build collections and the train step that uses
 them: the stacked table layout (``tables``), the gradient tape that sees every
 lookup (``tape``), row resets during a forward (``reset``), fused sparse row
-updates (``sparse_update``), and ``CombinedOptimizer``, which binds the fused
-optimizers of ``jaxrec.optim`` to tables.
+updates (``sparse_update``), ``CombinedOptimizer``, which binds the fused
+optimizers of ``jaxrec.optim`` to tables, and the contract every collection
+with tables implements for the optimizer, the train step and checkpoints
+(``collection``: :class:`EmbeddingCollectionInterface`).
 """
 
+from .collection import EmbeddingCollectionInterface as EmbeddingCollectionInterface
+from .collection import GradSource as GradSource
+from .collection import LookupGrad as LookupGrad
+from .collection import embedding_collections as embedding_collections
 from .optimizer import CombinedOptimizer as CombinedOptimizer
 from .optimizer import CombinedOptState as CombinedOptState
 from .tables import EmbeddingTable as EmbeddingTable
