@@ -146,7 +146,7 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
     Per width group: the input_dist all_to_all of 3 arrays (rows, segments,
     scales) of ``[world, capacity]``, the output_dist all_to_all of the
     partial blocks ``[world, slots, B, ncols]`` and, backward, the all_to_all
-    of gradient blocks of the same shape. ``sparse_update`` runs input_dist
+    of gradient blocks of the same shape. ``apply_sparse_gradients`` runs input_dist
     again, but with the same inputs: XLA's CSE merges its all_to_all with the
     forward's, so ids move once. Data-parallel groups all_gather their row
     gradients (int32 rows, float32 grads, bool mask per local id). The loss
