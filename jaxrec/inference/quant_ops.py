@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..configs import PoolingType
 from ..ops import BoundsCheckMode, FeatureSlot
 from ..ops.dispatch import Implementation, dispatch
 from ..sparse import KeyedJaggedTensor
 from ..xla.quantize import canonical_dtype, dequantize_rows
-from ..xla.slots import rows_and_mask, slot_positions
+from ..xla.slots import mean_scale, rows_and_mask, slot_positions
 
 
 def quant_embedding_bag(
@@ -110,16 +109,8 @@ def quant_grouped_pooled_lookup(
         qweights, rows, seg, b * s, w if is_weighted else None,
         dim=dim, dtype=dtype, implementation=implementation,
     ).reshape(b, s, dim)  # fmt: skip
-    means = [i for i, sl in enumerate(slots) if PoolingType(sl.pooling) is PoolingType.MEAN]
-    if means:
-        keys = features.keys()
-        lengths = features.lengths().reshape(len(keys), b)
-        per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])].T  # [B, S]
-        is_mean = np.zeros(s, bool)
-        is_mean[means] = True
-        scale = jnp.where(is_mean, 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32), 1.0)
-        pooled = pooled * scale[:, :, None]
-    return pooled
+    scale = mean_scale(features, slots)
+    return pooled if scale is None else pooled * scale[:, :, None]
 
 
 def quant_grouped_sequence_lookup(

@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..configs import PoolingType
 from ..sparse import KeyedJaggedTensor
 from ..xla.bounds import BoundsCheckMode
-from ..xla.slots import FeatureSlot, check_keys, rows_and_mask, slot_positions
+from ..xla.slots import FeatureSlot, check_keys, mean_scale, rows_and_mask, slot_positions
 from .dispatch import Implementation, try_cpu
 from .layout import report_layout
 from .pooled import embedding_bag, embedding_gather
@@ -94,16 +93,8 @@ def _grouped_pooled_xla(
     pooled = embedding_bag(
         weights, rows, seg, b * s, w if is_weighted else None, implementation=implementation
     ).reshape(b, s, weights.shape[1])  # not -1: B may be 0
-    means = [i for i, sl in enumerate(slots) if PoolingType(sl.pooling) is PoolingType.MEAN]
-    if means:
-        keys = features.keys()
-        lengths = features.lengths().reshape(len(keys), b)
-        per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])].T  # [B, S]
-        is_mean = np.zeros(s, bool)
-        is_mean[means] = True
-        scale = jnp.where(is_mean, 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32), 1.0)
-        pooled = pooled * scale[:, :, None]
-    return pooled
+    scale = mean_scale(features, slots)
+    return pooled if scale is None else pooled * scale[:, :, None]
 
 
 def grouped_sequence_lookup(

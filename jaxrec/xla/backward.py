@@ -13,13 +13,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ..configs import PoolingType
 from ..optim.base import apply_rows
 from ..sparse import KeyedJaggedTensor
 from .bounds import BoundsCheckMode
-from .slots import FeatureSlot, rows_and_mask, slot_positions
+from .slots import FeatureSlot, mean_scale, rows_and_mask, slot_positions
 
 
 def pooled_row_grads(
@@ -64,14 +62,9 @@ def pooled_grad_sources(
     scale = jnp.where(valid, 1.0, 0.0)
     if is_weighted:
         scale = scale * w.astype(jnp.float32)
-    means = np.asarray([PoolingType(sl.pooling) is PoolingType.MEAN for sl in slots])
-    if means.any():
-        keys = features.keys()
-        lengths = features.lengths().reshape(len(keys), b)
-        per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])]  # [S, B]
-        inv = 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32)
-        bag_c = jnp.clip(bag, 0, b - 1)
-        scale = scale * jnp.where(means[slot_of], inv[slot_of, bag_c], 1.0)
+    per_bag = mean_scale(features, slots)  # [B, S]
+    if per_bag is not None:
+        scale = scale * per_bag[jnp.clip(bag, 0, b - 1), slot_of]
     seg = jnp.where(valid, bag * s + slot_of, 0)
     return rows, seg, scale, valid
 

@@ -91,3 +91,20 @@ def rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where):
     valid = check_ids(ids, valid, nums, bounds_check_mode, where)
     rows = jnp.where(valid, ids.astype(jnp.int32) + offsets, 0)
     return rows, valid
+
+
+def mean_scale(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> jax.Array | None:
+    """``[B, S]`` float32 factors of MEAN pooling, None when no slot is MEAN.
+
+    Bag ``b`` of a MEAN slot gets ``1 / max(length, 1)`` (its key's length for
+    that bag: an empty or invalid bag divides by 1), a SUM slot 1. The pooled
+    lookups multiply their sums by it and the sparse backward each id's
+    gradient, so every path averages alike.
+    """
+    is_mean = np.asarray([PoolingType(sl.pooling) is PoolingType.MEAN for sl in slots])
+    if not is_mean.any():
+        return None
+    keys = features.keys()
+    lengths = features.lengths().reshape(len(keys), features.stride())
+    per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])].T  # [B, S]
+    return jnp.where(is_mean, 1.0 / jnp.maximum(per_slot, 1).astype(jnp.float32), 1.0)
