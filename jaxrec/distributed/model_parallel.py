@@ -15,6 +15,7 @@ from ..embedding.collection import replace_collection
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..sparse import KeyedJaggedTensor
+from .planner import plan_for_model
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .types import ShardingPlan
@@ -60,8 +61,6 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
             "axis_types=(jax.sharding.AxisType.Auto,) * ndim"
         )
     if plan is None:
-        from .planner import plan_for_model
-
         plan = plan_for_model(model, mesh, optimizer=optimizer, capacity=capacity)
     found = set()
     for path, module in list(nnx.iter_modules(model)):

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from ..distributed import shard_batch
 from .guard import raise_for_report
 from .in_flight import InFlight
 from .step import TrainState, TrainStep
@@ -78,8 +79,6 @@ class TrainPipeline:
             if mesh is None:
                 to_device = jax.device_put
             else:
-                from ..distributed import shard_batch
-
                 to_device = lambda local_batches: shard_batch(local_batches, mesh)
         self.state = state
         self._step = train_step

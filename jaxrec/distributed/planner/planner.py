@@ -7,7 +7,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flax import nnx
+
 from ...configs import BaseEmbeddingConfig
+from ...modules.embedding_bag_collection import EmbeddingBagCollection
 from ..types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -44,10 +47,6 @@ def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]
         if bad:
             raise TypeError(f"plan() takes a model or a list of table configs, got items {bad}")
         return {"": tables}
-    from flax import nnx
-
-    from ...modules.embedding_bag_collection import EmbeddingBagCollection
-
     if not isinstance(model_or_tables, nnx.Module):
         raise TypeError(
             "plan() takes an nnx.Module, a list of EmbeddingBagConfig or {module path: tables}, "

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from ... import optim
 from ..types import ShardingType
 from .cost_model import CostModel
 from .options import ShardingOption, TableInfo
@@ -183,8 +184,6 @@ def infeasible_message(
             f"  - allow row_wise (or table_row_wise) sharding for {no_rw}: their constraints "
             "exclude every row split"
         )
-    from ... import optim
-
     lean = optim.rowwise_adagrad(0.01)
     state_now = sum(t.rows * cost.state_per_row(t, t.dim) for t in bad)
     state_lean = sum(

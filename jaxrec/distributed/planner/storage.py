@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import optim
 from ...configs import DataType
 from ...embedding.optimizer import CombinedOptimizer
 from ...optim import SparseOptimizer
@@ -37,8 +38,6 @@ CUB_SCRATCH_BYTES = 8
 
 
 def _resolve_factory(name: str):
-    from ... import optim
-
     factories = {
         "sgd": optim.sgd,
         "exact_sgd": optim.sgd,
