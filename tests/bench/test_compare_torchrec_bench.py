@@ -1,13 +1,9 @@
 """``bench/compare_torchrec.py --preset tiny`` as a smoke test: both frameworks agree."""
 
 import json
-import os
-import sys
 
+import compare_torchrec
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import compare_torchrec  # noqa: E402
 
 
 # fbgemm_gpu's deprecated-module warnings, raised while DMP builds its fused kernel.

@@ -1,14 +1,10 @@
 """bench/gpu_lookup.py on its tiny presets: Pallas (interpreted off GPU) agrees with XLA."""
 
 import json
-import os
-import sys
 
+import gpu_lookup
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import gpu_lookup  # noqa: E402
-from specs import LookupSpec  # noqa: E402
+from specs import LookupSpec
 
 REQUIRED = {"bench", "impl", "pass", "T", "E", "D", "B", "L", "alpha", "weighted", "dtype"}
 REQUIRED |= {"device_kind", "jax_version", "median_ms", "gbps", "bytes", "copy_gbps_ceiling"}

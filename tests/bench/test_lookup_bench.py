@@ -2,15 +2,11 @@
 
 import dataclasses
 import json
-import os
-import sys
 
+import lookup
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import lookup  # noqa: E402
-from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
+from specs import PRESETS, LookupSpec, make_inputs
 
 TINY = [name for name in PRESETS if name.startswith("tiny")]
 REQUIRED = {

@@ -1,16 +1,12 @@
 """bench/mc.py (managed-collision remap + lookup vs modulo hashing): tiny preset as a test."""
 
 import json
-import os
-import sys
 
+import mc
 import numpy as np
+from specs import LookupSpec
 
 import jaxrec as jr
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import mc  # noqa: E402
-from specs import LookupSpec  # noqa: E402
 
 REQUIRED = {"bench", "impl", "T", "E", "D", "B", "L", "alpha", "device_kind", "platform",
             "jax_version", "median_ms", "min_ms", "max_ms", "mean_ms", "ids_per_s",

@@ -1,11 +1,8 @@
 """bench/pipeline.py at its tiny preset: every mode runs and reports, the ratios are consistent."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import pipeline  # noqa: E402
+import pipeline
 
 
 def test_pipeline_bench_tiny(capsys):

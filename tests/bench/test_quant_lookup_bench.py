@@ -2,14 +2,10 @@
 
 import dataclasses
 import json
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import quant_lookup  # noqa: E402
-from specs import PRESETS  # noqa: E402
+import quant_lookup
+from specs import PRESETS
 
 
 def test_one_line_per_dtype_within_bound(capsys):

@@ -1,15 +1,12 @@
 """bench/serve.py, tiny: every client setting reports, no request fails."""
 
 import json
-import os
-import sys
 
 import pytest
 
 pytest.importorskip("flatbuffers")  # jax.export serialization needs it
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import serve  # noqa: E402
+import serve
 
 
 def test_serve_bench_tiny(capsys):

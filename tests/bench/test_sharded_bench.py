@@ -1,11 +1,8 @@
 """bench/sharded.py at a tiny size: runs, and its layout-predicted bytes equal the HLO's."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import sharded  # noqa: E402
+import sharded
 
 
 def test_tiny_run_predicts_the_compiled_collectives(capsys):

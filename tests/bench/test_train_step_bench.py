@@ -3,15 +3,11 @@ jaxrec's table equals dense autodiff's and (where importable) TorchRec's."""
 
 import dataclasses
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import train_step  # noqa: E402
-from specs import PRESETS  # noqa: E402
+import train_step
+from specs import PRESETS
 
 FAST = train_step.Config(reps=2, warmup=0)
 REQUIRED = {

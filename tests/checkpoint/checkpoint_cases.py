@@ -6,24 +6,19 @@ One global batch of ``N`` samples is split over 8 devices (row-wise), 4 devices
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, mesh_2d
+from sharding_cases import loss_fn as loss_fn
+from sharding_cases import mesh_1d as mesh_1d
+from sharding_cases import tables as tables
 
 import jaxrec as jr
 from jaxrec import checkpoint as ckpt
 from jaxrec import distributed as d
 from jaxrec import train
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
-from sharding_cases import KEYS, PLANS, ROWS, Model, _kjt, mesh_2d  # noqa: E402
-from sharding_cases import loss_fn as loss_fn  # noqa: E402
-from sharding_cases import mesh_1d as mesh_1d  # noqa: E402
-from sharding_cases import tables as tables  # noqa: E402
 
 N = 32  # samples per global batch
 MAX_LEN = 3  # ids per bag

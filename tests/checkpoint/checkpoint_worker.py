@@ -19,7 +19,6 @@ Exit code 77 means gloo CPU collectives are unavailable in this jaxlib.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import jax
@@ -29,11 +28,9 @@ jax.config.update("jax_num_cpu_devices", 2)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from checkpoint_cases import Model, host  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint_cases import Model, host  # noqa: E402
 
 from jaxrec import checkpoint as ckpt  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402

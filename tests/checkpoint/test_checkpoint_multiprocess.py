@@ -15,6 +15,8 @@ import time
 import pytest
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_worker.py")
+# the worker's checkpoint_cases imports the sharding cases of tests/distributed
+SHARDING_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed")
 TIMEOUT_S = 240
 GLOO_UNAVAILABLE = 77
 
@@ -36,6 +38,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_processes_save_and_restore(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SHARDING_CASES, env.get("PYTHONPATH")]))
     port = _free_port()
     cmd = lambda i: [sys.executable, WORKER, str(i), str(port), str(tmp_path / "ckpt")]
     procs = [

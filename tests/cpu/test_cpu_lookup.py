@@ -5,8 +5,6 @@ id order), so they are expected to agree to float32 rounding or better.
 """
 
 import logging
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +189,6 @@ def test_unavailable_falls_back_to_xla_and_warns_once(monkeypatch, caplog):
 
 
 # ----- per shard, inside shard_map -----
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
 
 @pytest.mark.parametrize("plan_name", ["table_wise", "row_wise"])

@@ -23,7 +23,6 @@ Exit code 77 means gloo CPU collectives are unavailable in this jaxlib.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import jax
@@ -35,8 +34,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharding_cases import CAP, Model, batches, loss_fn  # noqa: E402
 
 from jaxrec import distributed as d  # noqa: E402

@@ -34,7 +34,9 @@ Adding cases (e.g. ``train_cases.py`` beside this file):
 
 Cases run on ``workers`` subprocesses in parallel (default
 ``GPU_COMPILE_WORKERS`` or 2); ``python compile_runner.py kernel_cases``
-runs a case module from the command line and prints one JSON line per case.
+runs a case module from the command line and prints one JSON line per case
+(``step_cases`` imports ``bench/``: ``PYTHONPATH=../../bench`` there, as
+pytest's ``pythonpath`` and ``worker_env`` give it).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "..", "bench")  # step_cases builds on bench/deviceless_step.py
 START, END, READY = "@@gpu_compile start ", "@@gpu_compile end ", "@@gpu_compile ready"
 # A kernel compiles in ~0.3-3 s on 2 busy cores; the deadline only stops a hung ptxas.
 CASE_TIMEOUT_S = 120.0
@@ -203,6 +206,7 @@ def worker_env() -> dict[str, str]:
         TF_CPP_MIN_LOG_LEVEL="0",  # ptxas spill warnings are INFO log lines
         JAX_ENABLE_COMPILATION_CACHE="false",  # a cache hit would skip ptxas and its log
         PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [BENCH, env.get("PYTHONPATH")])),
     )
     return env
 

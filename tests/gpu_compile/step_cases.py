@@ -13,10 +13,9 @@ collectives of the compiled program (``facts["collectives"]``).
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
+import deviceless_step as ds
 import jax
 import jax.numpy as jnp
 import optax
@@ -29,9 +28,6 @@ from jaxrec import optim
 from jaxrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-import deviceless_step as ds  # noqa: E402
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 DENSE = 13  # Criteo's dense features

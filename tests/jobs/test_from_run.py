@@ -1,6 +1,7 @@
 """End to end: train a tiny DLRM with the job, rebuild it from the run directory,
 export it (examples/export_dlrm.py) and predict in a fresh process."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,11 +28,11 @@ def test_train_export_serve(tmp_path):
     assert info["args"]["max_steps"] == 4 and len(info["data"]["keys"]) == 26
 
     model, (dense, sparse) = model_from_run(run)
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import export_dlrm
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location(
+        "export_dlrm", os.path.join(REPO, "examples", "export_dlrm.py")
+    )
+    export_dlrm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export_dlrm)
     art = tmp_path / "art"
     assert export_dlrm.main([str(run), str(art)]) == 0
     predict = load(art)

@@ -15,22 +15,17 @@ CPU kernels (SGD, Adagrad, row-wise Adagrad) all run; FBGEMM's CPU TBE itself
 is checked against the same model where torch and fbgemm_gpu import.
 """
 
-import pathlib
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from fbgemm_float32 import apply_rows as fbgemm_apply_rows
+from numpy_optimizers import STATE_LAYOUT
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from fbgemm_float32 import apply_rows as fbgemm_apply_rows  # noqa: E402
-from numpy_optimizers import STATE_LAYOUT  # noqa: E402
-
-from jaxrec import cpu, optim  # noqa: E402
-from jaxrec.cpu.kernels import backward_update_cpu  # noqa: E402
-from jaxrec.pallas.update import sparse_update  # noqa: E402
+from jaxrec import cpu, optim
+from jaxrec.cpu.kernels import backward_update_cpu
+from jaxrec.pallas.update import sparse_update
 
 ULPS = 8
 NUM_ROWS, DIM = 12, 12  # Pallas pads rows to 16 columns

@@ -2,20 +2,16 @@
 contract suite over every optimizer and table dtype."""
 
 import inspect
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from numpy_optimizers import STATE_LAYOUT, init_state
+from numpy_optimizers import apply_rows as np_apply_rows
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from numpy_optimizers import STATE_LAYOUT, init_state  # noqa: E402
-from numpy_optimizers import apply_rows as np_apply_rows  # noqa: E402
-
-from jaxrec import optim  # noqa: E402
+from jaxrec import optim
 
 WDM = optim.WeightDecayMode
 NUM_ROWS, DIM = 12, 5

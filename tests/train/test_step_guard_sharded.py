@@ -1,22 +1,17 @@
 """The non-finite guard and FATAL bounds checks in a sharded (row-wise, 8 CPU devices) step."""
 
-import pathlib
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d
 from test_step_guard import assert_bitwise_equal, host
 
 import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.embedding import CombinedOptimizer
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
-from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d  # noqa: E402
 
 SPARSE = {"adam": lambda: optim.adam(0.05), "rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1)}
 CASES = [("row_wise", "adam"), ("row_wise", "rowwise_adagrad"), ("mixed", "rowwise_adagrad")]

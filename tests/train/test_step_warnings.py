@@ -6,14 +6,13 @@ counts and the host logs them, a step or two late, with the same text.
 """
 
 import logging
-import pathlib
 import re
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import sharding_cases as sc
 from flax import nnx
 from train_models import BagModel, mse, random_batch
 
@@ -21,9 +20,6 @@ import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.embedding import CombinedOptimizer
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
-import sharding_cases as sc  # noqa: E402
 
 IDS = re.compile(r"(\d+) ids out of range in (.+?) \(e\.g\. id (-?\d+)\);.*contribute zero\)$")
 WEIGHTS = re.compile(r"(\d+) per-sample weights of (.+?) are NaN or infinite")

@@ -5,12 +5,10 @@ The reference takes exact row gradients from dense autodiff of the same loss
 rows the batch touched.
 """
 
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_optimizers as ref
 import optax
 import pytest
 from flax import nnx
@@ -19,9 +17,6 @@ from train_models import BagModel, mse, random_batch
 import jaxrec as jr
 from jaxrec import optim, train
 from jaxrec.embedding import CombinedOptimizer
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "optim"))
-import numpy_optimizers as ref  # noqa: E402
 
 CASES = {
     "sgd": ({"learning_rate": 0.1}, {}),
