@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -149,7 +150,7 @@ class ExportedModel:
         """Validated per-sample arrays ``(dense, values, lengths[, weights])``."""
         d = self._dense(dense)
         b = d.shape[0]
-        if hasattr(sparse, "keys") and hasattr(sparse, "capacity_per_key"):
+        if _is_kjt(sparse):
             if weights is not None:
                 raise InputError("a KeyedJaggedTensor carries its own weights; pass weights=None")
             arrays = self._from_kjt(sparse, b)
@@ -542,3 +543,11 @@ def _load_leaf(path: Path, npz: Any, w: Mapping) -> np.ndarray:
             f"{MANIFEST} says {w['shape']} {w['dtype']}",
         )
     return arr
+
+
+def _is_kjt(x: Any) -> bool:
+    """``isinstance(x, jaxrec.sparse.KeyedJaggedTensor)`` without importing jaxrec (this
+    module also loads on its own): a KeyedJaggedTensor exists only once its module has
+    been imported."""
+    module = sys.modules.get("jaxrec.sparse.keyed_jagged_tensor")
+    return module is not None and isinstance(x, module.KeyedJaggedTensor)

@@ -64,9 +64,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..datasets import Batch
+from ..embedding import EmbeddingCollectionInterface
+from ..sparse import KeyedJaggedTensor
+from ..xla.bounds import BoundsCheckMode
 from .artifact import FORMAT, MANIFEST, MODULE, WEIGHTS, integrity_section
+from .quant_modules import QuantStorage
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
+# The modules whose lookups export sets (implementation, bounds checks) and whose
+# tables bound the ids: every collection with trainable tables (the contract) and
+# the unsharded quantized ones (inference-only, outside the contract).
+COLLECTIONS = (EmbeddingCollectionInterface, QuantStorage)
 
 
 def export(
@@ -217,15 +226,22 @@ def _verify(exported, leaves, args) -> None:
         ) from e
 
 
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if hasattr(batch, "dense_features") and hasattr(batch, "sparse_features"):
-        return batch.dense_features, batch.sparse_features
-    if isinstance(batch, tuple | list) and len(batch) in (2, 3):
-        return batch[0], batch[1]
-    raise TypeError(
-        "example_batch must be a Batch or (dense_features, sparse_features[, labels]), "
-        f"got {type(batch).__name__}"
-    )
+def _split_batch(batch: Any) -> tuple[Any, KeyedJaggedTensor]:
+    if isinstance(batch, Batch):
+        dense, sparse = batch.dense_features, batch.sparse_features
+    elif isinstance(batch, tuple | list) and len(batch) in (2, 3):
+        dense, sparse = batch[0], batch[1]
+    else:
+        raise TypeError(
+            "example_batch must be a jaxrec.datasets.Batch or (dense_features, "
+            f"sparse_features[, labels]), got {type(batch).__name__}"
+        )
+    if not isinstance(sparse, KeyedJaggedTensor):
+        raise TypeError(
+            "example_batch's sparse features must be a KeyedJaggedTensor, got "
+            f"{type(sparse).__name__}"
+        )
+    return dense, sparse
 
 
 def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
@@ -254,15 +270,11 @@ def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
 
 def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
     """A copy whose embedding collections use ``implementation`` and IGNORE bounds checks."""
-    from ..xla.bounds import BoundsCheckMode
-
     model = nnx.clone(model)
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module) and hasattr(node, "table_configs"):
-            if hasattr(node, "implementation"):
-                node.implementation = implementation
-            if hasattr(node, "bounds_check_mode"):
-                node.bounds_check_mode = BoundsCheckMode.IGNORE
+        if isinstance(node, COLLECTIONS):
+            node.implementation = implementation
+            node.bounds_check_mode = BoundsCheckMode.IGNORE
     return model
 
 
@@ -270,7 +282,7 @@ def _feature_tables(model: nnx.Module) -> dict[str, int]:
     """Feature name -> num_embeddings of the table reading it (smallest if several)."""
     out: dict[str, int] = {}
     for _, node in nnx.iter_graph(model):
-        for t in getattr(node, "table_configs", ()) if isinstance(node, nnx.Module) else ():
+        for t in node.table_configs if isinstance(node, COLLECTIONS) else ():
             for f in t.feature_names:
                 out[f] = min(out.get(f, t.num_embeddings), int(t.num_embeddings))
     return out
@@ -278,8 +290,6 @@ def _feature_tables(model: nnx.Module) -> dict[str, int]:
 
 def _sample_kjt(keys, caps, values, lengths, weights):
     """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``."""
-    from ..sparse import KeyedJaggedTensor
-
     return KeyedJaggedTensor(
         keys, values, weights, lengths=lengths, stride=1, capacities=caps, validate=False
     )

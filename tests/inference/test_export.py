@@ -127,6 +127,49 @@ def test_bad_kjt(loaded):
         loaded(dense, kjt.permute([0, 1]))
 
 
+
+def test_kjt_look_alike_is_refused(loaded):
+    # the loader reads a KeyedJaggedTensor by type, not by its method names
+    class LooksLikeAKjt:
+        def keys(self):
+            return list(KEYS)
+
+        def capacity_per_key(self):
+            return (MAX_IDS,) * len(KEYS)
+
+    dense = np.zeros((1, NUM_DENSE), np.float32)
+    with pytest.raises(InputError, match="a dict .* or a KeyedJaggedTensor, got LooksLikeAKjt"):
+        loaded(dense, LooksLikeAKjt())
+
+
+def test_export_sets_lookups_of_collections_only(model, tmp_path):
+    """export's copy runs the collections with XLA and IGNORE bounds checks; a module
+    that is no collection keeps its own attributes, whatever their names."""
+    from flax import nnx
+
+    from jaxrec import BoundsCheckMode
+
+    class Wrapper(nnx.Module):
+        def __init__(self, inner):
+            self.inner = inner
+            self.table_configs = ()  # a user's own attributes, not a collection's
+            self.implementation = "the wrapper's own"
+
+        def __call__(self, dense, sparse):
+            return self.inner(dense, sparse)
+
+    seen = {}
+
+    def apply_fn(m, dense, sparse):
+        ebc = m.inner.sparse_arch.embedding_bag_collection
+        seen.update(wrapper=m.implementation, ebc=(ebc.implementation, ebc.bounds_check_mode))
+        return m(dense, sparse)
+
+    dense, kjt, _ = make_batch(2)
+    export(Wrapper(model), (dense, kjt), tmp_path / "w", apply_fn=apply_fn)
+    assert seen == {"wrapper": "the wrapper's own", "ebc": ("xla", BoundsCheckMode.IGNORE)}
+
+
 FRESH = """
 import json, sys
 import numpy as np
