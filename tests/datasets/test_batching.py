@@ -1,5 +1,6 @@
 """TableDataset batching (shuffle, process sharding, capacities, overflow)."""
 
+import chex
 import numpy as np
 import pytest
 
@@ -49,7 +50,7 @@ def test_batch_contents_and_static_capacities():
     caps = set()
     for b in data.batches(16, shuffle=True, seed=1):
         assert isinstance(b, Batch)
-        assert b.dense_features.dtype == np.float32 and b.labels.dtype == np.float32
+        chex.assert_type([b.dense_features, b.labels], np.float32)
         kjt = b.sparse_features
         caps.add(kjt.capacity_per_key())
         rows = row_ids(b)

@@ -3,6 +3,7 @@
 import io
 import warnings
 
+import chex
 import numpy as np
 import pytest
 
@@ -112,9 +113,7 @@ def test_npy_files_equal_torchrec(tmp_path, monkeypatch, name, label):
     tsv_to_npys(path, *ours, dataset)
     _torchrec_tsv_to_npys(monkeypatch, str(path), *map(str, theirs), dataset)
     for a, b in zip(ours, theirs, strict=True):
-        x, y = np.load(a), np.load(b)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x, y)
+        chex.assert_trees_all_equal(np.load(a), np.load(b), strict=True)  # dtype, shape, values
     assert np.load(ours[0]).dtype == np.float32 and np.load(ours[1]).dtype == np.int64
     assert np.load(ours[2]).shape == (40, 1)
     if not label:

@@ -127,7 +127,6 @@ def test_bad_kjt(loaded):
         loaded(dense, kjt.permute([0, 1]))
 
 
-
 def test_kjt_look_alike_is_refused(loaded):
     # the loader reads a KeyedJaggedTensor by type, not by its method names
     class LooksLikeAKjt:

@@ -10,6 +10,7 @@ import math
 import struct
 import types
 
+import chex
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -245,10 +246,7 @@ def check_arrays(model, got, sparse, weights):
             if weights is not None:
                 wts[i, k * MAX_IDS : k * MAX_IDS + len(ids)] = weights[key][i]
     want = (got.dense, values, lengths) + ((wts,) if weights is not None else ())
-    assert len(arrays) == len(want)
-    for a, w in zip(arrays, want, strict=True):
-        assert a.dtype == w.dtype
-        np.testing.assert_array_equal(a, w)
+    chex.assert_trees_all_equal(tuple(arrays), want, strict=True)  # count, dtypes, values
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])

@@ -1,5 +1,6 @@
 """Reduction across devices / shards / processes, collections, and TorchRec's module keys."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,9 +100,7 @@ def test_reduce_across_processes_single_process_is_identity(data):
     metrics = _collection()
     state = jax.jit(metrics.update)(metrics.init(), *data)
     out = reduce_across_processes(metrics, state)
-    assert jax.tree.structure(out) == jax.tree.structure(state)
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(out, state, strict=True)  # structure, dtypes, values
 
 
 def test_collection_keys_and_errors():

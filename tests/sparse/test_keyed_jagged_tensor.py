@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,8 +188,7 @@ def test_from_lengths_sync_on_host_keeps_numpy_leaves_equal_to_device_build():
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
     assert host.values().dtype == np.int32 and host.lengths().dtype == np.int32
     assert host.capacity_per_key() == dev.capacity_per_key()
-    for h, d in zip(jax.tree.leaves(host), jax.tree.leaves(dev), strict=True):
-        np.testing.assert_array_equal(h, np.asarray(d))
+    chex.assert_trees_all_equal(host, dev, strict=True)  # structure, dtypes, values
     with pytest.raises(ValueError, match="non-negative"):
         KeyedJaggedTensor.from_lengths_sync(keys, vals, [2, -1, 1, 3], on_host=True)
 
