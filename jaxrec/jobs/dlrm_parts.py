@@ -11,12 +11,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from .. import datasets, metrics
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
 from ..modules import EmbeddingBagCollection
 from ..optim import rowwise_adagrad
+from ..sparse import KeyedJaggedTensor
 from ..train import InFlight, init_train_state, make_eval_step, make_train_step
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
@@ -25,8 +27,6 @@ EBC_PATH = "sparse_arch.embedding_bag_collection"
 # ----- data -----
 def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``."""
-    from .. import datasets
-
     sizes = _multi_hot_sizes(args.multi_hot)
     if args.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
@@ -186,8 +186,6 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
     The last, partial global batch is padded with empty samples of weight 0, so
     no sample is dropped and every step has the training shapes (no recompile).
     """
-    from .. import metrics
-
     world, size = args.devices, args.batch_size
     global_size = size * world
     capacity = -(-len(data) // global_size) * global_size
@@ -227,8 +225,6 @@ def _padded_batches(batches, size: int, caps):
 def _pad(batch, size: int, caps, keep: int | None = None):
     """The first ``keep`` (default: all) rows of ``batch``, grown to ``size`` rows
     by empty samples (no ids, zero dense features, label 0)."""
-    from ..sparse import KeyedJaggedTensor
-
     n = int(batch.labels.shape[0])
     keep = n if keep is None else keep
     kjt = batch.sparse_features

@@ -20,12 +20,20 @@ TensorBoard scalars (``--tensorboard``) and ``curves.svg`` (``--plot``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import jax
+
+from ..checkpoint import CheckpointManager
+from ..train import TrainPipeline
+from .dlrm_parts import build_model, build_optimizer, evaluate, load_data, make_steps, shard
+from .run_log import Progress, ScalarWriter, svg_plot
 
 SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
 
@@ -81,19 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    _configure_devices(args.devices)
-    import jax  # after the device count is set
-
-    from .dlrm_parts import (
-        build_model,
-        build_optimizer,
-        evaluate,
-        load_data,
-        make_steps,
-        shard,
-    )
-    from .run_log import Progress, ScalarWriter, svg_plot
-
+    _configure_devices(args.devices)  # before the first array starts JAX's backend
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = load_data(args)
@@ -133,8 +129,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     curves: dict[str, list] = {"train_loss": [], "eval_auc": [], "eval_ne": []}
     history = []
     eval_every = args.eval_every or per_epoch
-
-    from ..train import TrainPipeline
 
     pipeline = TrainPipeline(step, state, mesh=mesh)
     step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
@@ -216,10 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _configure_devices(n: int) -> None:
     """On a CPU host, ``n`` fake devices (must run before JAX's backend starts)."""
     if n > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        import contextlib
-
-        import jax
-
         # RuntimeError: the backend already started (e.g. inside tests).
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", n)
@@ -257,8 +247,6 @@ def _save_args(run_dir: Path, args: argparse.Namespace, data) -> None:
 
 
 def _checkpoints(run_dir: Path, args):
-    from ..checkpoint import CheckpointManager
-
     return CheckpointManager(run_dir / "checkpoints", max_to_keep=args.keep_checkpoints)
 
 
