@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from ..configs import BaseEmbeddingConfig
+from ..ops import Implementation
 
 
 class LookupGrad(NamedTuple):
@@ -76,7 +77,7 @@ class EmbeddingCollectionInterface(nnx.Module):
         calls: Sequence[LookupGrad],
         *,
         dep: jax.Array,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
         """One fused optimizer step on the rows this step's ``calls`` looked up.
 
@@ -87,9 +88,9 @@ class EmbeddingCollectionInterface(nnx.Module):
             calls: this collection's calls in the step, in call order.
             dep: a scalar every row update must depend on (0 times it is
                 added): it orders the forward's table reads before the in-place
-                writes (see ``jaxrec.train.sparse``).
+                writes (see ``jaxrec.train.table_update``).
             implementation: the row update's implementation (``None``, ``"xla"``,
-                ``"pallas"``).
+                ``"pallas"`` or ``"cpu"``).
 
         Returns:
             ``(weights, sparse_state)``: the new buffers (same names) and the

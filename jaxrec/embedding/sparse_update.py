@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..ops import Implementation
 from ..ops.dispatch import dispatch
 from ..optim.base import apply_rows, row_fields
 from ..xla.backward import backward_update_xla
@@ -22,7 +23,7 @@ def update_subgroup(
     rows: jax.Array,
     grads: jax.Array,
     *,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> tuple[jax.Array, Any]:
     """One optimizer step on the subgroup's touched rows of a stacked buffer.
 
@@ -33,7 +34,7 @@ def update_subgroup(
         state: the subgroup's optimizer state.
         rows: ``[U]`` unique rows (fill ``R``), ``grads``: ``[U, D]`` summed.
         implementation: ``None`` (the fused Pallas kernel on GPU, XLA elsewhere),
-            ``"xla"`` or ``"pallas"``.
+            ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++ kernel for this update: XLA).
     """
     table_rows, state_rows = subgroup_rows(sub, row_offsets, rows, table.shape[0])
     return dispatch(
@@ -76,7 +77,7 @@ def backward_update(
     rows: jax.Array,
     valid: jax.Array,
     *,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> tuple[jax.Array, Any]:
     """A lookup's backward fused with one optimizer step over a whole stacked buffer.
 

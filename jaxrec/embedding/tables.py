@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
-from ..ops import BoundsCheckMode, FeatureSlot
+from ..ops import BoundsCheckMode, FeatureSlot, Implementation
 from ..optim.base import row_fields
 from ..xla.backward import dedup_rows, source_grads
 from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
@@ -124,7 +124,8 @@ class TableStorage(EmbeddingCollectionInterface):
         prefix: ``state_dict`` key prefix (``"embedding_bags"`` or ``"embeddings"``).
         rngs: ``nnx.Rngs``; each table draws its own key from ``rngs.params``.
         bounds_check_mode: out-of-range id handling for lookups.
-        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``
+            (``jaxrec.ops.Implementation``).
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class TableStorage(EmbeddingCollectionInterface):
         prefix: str,
         rngs: nnx.Rngs,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         self.table_configs = tuple(tables)
         self.groups = group_tables(self.table_configs)
@@ -235,7 +236,7 @@ class TableStorage(EmbeddingCollectionInterface):
         source: GradSource,
         *,
         dep: jax.Array,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         """The backward of every call fused with ``optimizer``'s step over ``group``'s
         buffer (the one-optimizer case); ``source`` describes all ``calls``' ids."""

@@ -21,7 +21,7 @@ from ..embedding.collection import replace_collection
 from ..embedding.tables import group_tables
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
-from ..ops import BoundsCheckMode
+from ..ops import BoundsCheckMode, Implementation
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
@@ -68,7 +68,7 @@ class QuantStorage(nnx.Module):
         prefix: str,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         self.table_configs = tuple(tables)
         self.data_types = {t.name: canonical_dtype(dtypes[t.name]) for t in tables}
@@ -149,7 +149,7 @@ class QuantEmbeddingBagCollection(QuantStorage):
         output_dtype: Any = jnp.float32,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         super().__init__(
             tables, quantized, dtypes, prefix="embedding_bags", row_alignment=row_alignment,
@@ -168,7 +168,7 @@ class QuantEmbeddingBagCollection(QuantStorage):
         per_table_dtype: Mapping[str, Any] | None = None,
         output_dtype: Any = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ) -> QuantEmbeddingBagCollection:
         """Quantizes every table of ``ebc`` (``per_table_dtype`` overrides ``dtype`` per table)."""
         quantized, dtypes = _quantize_module(ebc, dtype, per_table_dtype, row_alignment)
@@ -222,7 +222,7 @@ class QuantEmbeddingCollection(QuantStorage):
         output_dtype: Any = jnp.float32,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         super().__init__(
             tables, quantized, dtypes, prefix="embeddings", row_alignment=row_alignment,
@@ -240,7 +240,7 @@ class QuantEmbeddingCollection(QuantStorage):
         per_table_dtype: Mapping[str, Any] | None = None,
         output_dtype: Any = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ) -> QuantEmbeddingCollection:
         """Quantizes every table of ``ec`` (``per_table_dtype`` overrides ``dtype`` per table)."""
         quantized, dtypes = _quantize_module(ec, dtype, per_table_dtype, row_alignment)
@@ -289,7 +289,7 @@ def quantize_inference_model(
     per_table_dtype: Mapping[str, Any] | None = None,
     output_dtype: Any = None,
     row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-    implementation: str | None = None,
+    implementation: Implementation = None,
 ) -> nnx.Module:
     """A copy of ``model`` whose embedding collections are quantized (TorchRec's name).
 

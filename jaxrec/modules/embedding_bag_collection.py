@@ -14,7 +14,7 @@ from ..configs import EmbeddingBagConfig, check_tables
 from ..embedding.collection import GradSource, LookupGrad
 from ..embedding.tables import TableGroup, TableStorage
 from ..embedding.tape import tap
-from ..ops import BoundsCheckMode, grouped_pooled_lookup
+from ..ops import BoundsCheckMode, Implementation, grouped_pooled_lookup
 from ..ops.dispatch import try_cpu
 from ..sparse import KeyedJaggedTensor, KeyedTensor
 from ..xla.backward import pooled_grad_sources
@@ -41,7 +41,8 @@ class EmbeddingBagCollection(TableStorage):
         rngs: ``nnx.Rngs`` for initialisation (``rngs.params``).
         dtype: output dtype (accumulation is always float32).
         bounds_check_mode: out-of-range id handling (default WARNING: dropped and logged).
-        implementation: ``None`` (Pallas on GPU when available), ``"xla"`` or ``"pallas"``.
+        implementation: ``None`` (C++ kernels on CPU, Pallas on GPU, XLA elsewhere), ``"xla"``,
+            ``"pallas"`` or ``"cpu"`` (see ``jaxrec.ops.Implementation``).
 
     Example:
         >>> ebc = EmbeddingBagCollection(
@@ -60,7 +61,7 @@ class EmbeddingBagCollection(TableStorage):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         tables = check_tables(tables, EmbeddingBagConfig)
         super().__init__(

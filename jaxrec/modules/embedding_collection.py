@@ -12,7 +12,7 @@ from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_tabl
 from ..embedding.collection import GradSource, LookupGrad
 from ..embedding.tables import TableGroup, TableStorage
 from ..embedding.tape import tap
-from ..ops import BoundsCheckMode, grouped_sequence_lookup
+from ..ops import BoundsCheckMode, Implementation, grouped_sequence_lookup
 from ..sparse import JaggedTensor, KeyedJaggedTensor
 from ..xla.backward import sequence_grad_sources
 
@@ -33,7 +33,8 @@ class EmbeddingCollection(TableStorage):
         rngs: ``nnx.Rngs`` for initialisation.
         dtype: output dtype (rows are gathered in the table dtype, then cast).
         bounds_check_mode: out-of-range id handling (default WARNING: zero rows, logged).
-        implementation: ``None``, ``"xla"`` or ``"pallas"``.
+        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``
+            (``jaxrec.ops.Implementation``).
     """
 
     def __init__(
@@ -44,7 +45,7 @@ class EmbeddingCollection(TableStorage):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
-        implementation: str | None = None,
+        implementation: Implementation = None,
     ):
         tables = check_tables(tables, EmbeddingConfig)
         super().__init__(

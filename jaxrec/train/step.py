@@ -26,6 +26,7 @@ from flax import nnx
 
 from ..embedding.optimizer import CombinedOptimizer, CombinedOptState
 from ..embedding.tables import EmbeddingTable
+from ..ops import Implementation
 from . import guard
 from .forward import differentiate
 from .guard import BoundsCheckError, CapacityOverflowError, StepReport
@@ -62,7 +63,7 @@ def make_train_step(
     *,
     has_aux: bool = False,
     donate: bool = True,
-    implementation: str | None = None,
+    implementation: Implementation = None,
     skip_nonfinite: bool = False,
 ) -> TrainStep:
     """Builds a jitted train step ``step(state, batch) -> (state, loss, aux)``.
@@ -86,8 +87,9 @@ def make_train_step(
             any number of times (gradients of every call are summed).
         donate: donate the state (tables and optimizer state update in place).
         implementation: the fused backward + update of unsharded tables: ``None``
-            (the Pallas kernel on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``
-            (on CPU: the Pallas interpreter, slow, for tests). Arguments the
+            (the C++ kernel on CPU, the Pallas kernel on GPU, XLA elsewhere),
+            ``"xla"``, ``"cpu"`` or ``"pallas"`` (on CPU: the Pallas interpreter,
+            slow, for tests). Arguments the
             kernel does not support fall back to XLA.
         skip_nonfinite: when the loss, a dense gradient or an embedding output
             gradient is NaN or inf, apply nothing: params, tables, optimizer

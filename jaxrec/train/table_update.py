@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..embedding.collection import EmbeddingCollectionInterface, LookupGrad
+from ..ops import Implementation
 
 
 class CollectionCall(NamedTuple):
@@ -57,7 +58,7 @@ def apply_sparse_gradients(
     sparse_state: Mapping[str, Any],
     calls: Sequence[CollectionCall],
     loss: jax.Array,
-    implementation: str | None,
+    implementation: Implementation,
 ) -> tuple[nnx.State, dict[str, Any]]:
     """``(tables, sparse_state)`` after every collection's fused update from ``calls``."""
     # A data dependency of every row update on the loss orders the forward's
