@@ -18,19 +18,16 @@ CUDA stream instead (``TrainPipelineSparseDist``).
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
+from ..datasets import Prefetcher, prefetch
 from ..distributed import shard_batch
 from .guard import raise_for_report
 from .in_flight import InFlight
 from .step import TrainState, TrainStep
-
-_DONE = object()
 
 
 class TrainPipeline:
@@ -85,8 +82,7 @@ class TrainPipeline:
         self._to_device = to_device
         self._depth = depth
         self._source: Iterator | None = None
-        self._queue: queue.Queue | None = None
-        self._stop = threading.Event()
+        self._batches: Prefetcher | None = None  # device batches, prepared ahead
         self._report = None  # the previous step's StepReport (read one step late)
         self._window = InFlight(depth)  # never further ahead: see in_flight.py
 
@@ -102,15 +98,16 @@ class TrainPipeline:
                 ``pipeline.state``) includes the step after it.
         """
         self._attach(dataloader_iter)
-        item = self._queue.get()
-        if item is _DONE:
+        try:
+            item = next(self._batches)
+        except StopIteration:
             self._source = None
             self._flush_warnings()
             self._check_report()
-            raise StopIteration
-        if isinstance(item, BaseException):
+            raise
+        except BaseException:  # the loader's or to_device's error, raised here
             self._source = None
-            raise item
+            raise
         if not isinstance(self._step, TrainStep):  # a plain step function
             self.state, loss, aux = self._step(self.state, item)
             self._window.push(loss)
@@ -130,10 +127,8 @@ class TrainPipeline:
         """Stops the background thread (it also stops at the loader's end) and logs
         every pending warning."""
         self._flush_warnings()
-        self._stop.set()
-        if self._queue is not None:
-            while not self._queue.empty():  # unblock a producer waiting on a full queue
-                self._queue.get_nowait()
+        if self._batches is not None:
+            self._batches.close()
 
     def _attach(self, it: Iterator) -> None:
         if it is self._source:
@@ -144,12 +139,8 @@ class TrainPipeline:
                 "exhausted; pass the same iterator until StopIteration"
             )
         self.close()
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self._depth)
         self._source = it
-        threading.Thread(
-            target=_produce, args=(it, self._to_device, self._queue, self._stop), daemon=True
-        ).start()
+        self._batches = prefetch(map(self._to_device, it), size=self._depth)
 
     def _flush_warnings(self) -> None:
         if isinstance(self._step, TrainStep):
@@ -163,25 +154,3 @@ class TrainPipeline:
             except Exception:
                 self._flush_warnings()  # the failed step has finished: log what it found
                 raise
-
-
-def _produce(it: Iterator, to_device: Callable, out: queue.Queue, stop: threading.Event) -> None:
-    """Background thread: prepare and transfer batches ahead of the steps."""
-
-    def put(x) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for batch in it:
-            if not put(to_device(batch)):
-                return
-    except BaseException as e:  # re-raised by progress() in the main thread
-        put(e)
-        return
-    put(_DONE)
