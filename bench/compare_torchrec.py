@@ -40,13 +40,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxrec import EmbeddingTable, optim  # noqa: E402
-from jaxrec.embedding import CombinedOptimizer
-from jaxrec.train import init_train_state, make_train_step  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     EPS,
     build_jaxrec,
@@ -56,7 +49,12 @@ from common import (  # noqa: E402
     torchrec_available,
     torchrec_kjt,
 )
+from flax import nnx  # noqa: E402
 from specs import LookupSpec, make_inputs  # noqa: E402
+
+from jaxrec import EmbeddingTable, optim  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.train import init_train_state, make_train_step  # noqa: E402
 
 BENCH = "compare_torchrec"
 CONFIGS: dict[str, LookupSpec] = {

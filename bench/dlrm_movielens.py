@@ -61,12 +61,10 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import cpu_model, torchrec_available  # noqa: E402
 
 import jaxrec
 from jaxrec.metrics import roc_auc
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cpu_model, torchrec_available  # noqa: E402
 
 BENCH = "dlrm_movielens"
 EPS = 1e-8  # row-wise Adagrad's eps: jaxrec's rowwise_adagrad default, as FBGEMM's

@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -51,15 +50,13 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import EPS, add_spec_args, add_timing_args, record, time_ms  # noqa: E402
+from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
 
 from jaxrec import optim
 from jaxrec.ops import embedding_bag, embedding_gather
 from jaxrec.pallas import fused_backward_update, pooled_lookup, sequence_lookup
 from jaxrec.xla.backward import dedup_rows
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import EPS, add_spec_args, add_timing_args, record, time_ms  # noqa: E402
-from specs import PRESETS, LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "gpu_lookup"
 IMPLS = ("pallas", "xla", "torch")

@@ -25,11 +25,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-from jaxrec import BoundsCheckMode, EmbeddingBagCollection
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     EPS,
     add_spec_args,
@@ -43,7 +38,10 @@ from common import (  # noqa: E402
     torchrec_available,
     torchrec_kjt,
 )
+from flax import nnx
 from specs import LookupSpec, make_inputs  # noqa: E402
+
+from jaxrec import BoundsCheckMode, EmbeddingBagCollection
 
 BENCH = "lookup"
 JAXREC_IMPLS = {"xla": "xla", "pallas": "pallas", "auto": None}

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -45,7 +44,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import add_spec_args, add_timing_args, build_jaxrec, record, specs_from_args, time_ms  # noqa: E402
 from flax import nnx
+from specs import LookupSpec, zipf_ids  # noqa: E402
 
 from jaxrec import KeyedJaggedTensor
 from jaxrec.modules import (
@@ -56,10 +57,6 @@ from jaxrec.modules import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_spec_args, add_timing_args, build_jaxrec, record, specs_from_args, time_ms  # noqa: E402
-from specs import LookupSpec, zipf_ids  # noqa: E402
 
 BENCH = "mc"
 IMPLS = ("modulo", "mc_remap", "mc_train", "remap_only")

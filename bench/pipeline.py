@@ -23,25 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 import optax
+from common import add_spec_args, build_jaxrec, record, specs_from_args  # noqa: E402
 from flax import nnx
+from specs import LookupSpec, zipf_ids  # noqa: E402
 
 from jaxrec import KeyedJaggedTensor
 from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
 from jaxrec.optim import rowwise_adagrad
 from jaxrec.train import TrainPipeline, init_train_state, make_train_step
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_spec_args, build_jaxrec, record, specs_from_args  # noqa: E402
-from specs import LookupSpec, zipf_ids  # noqa: E402
 
 NUM_DENSE = 13
 

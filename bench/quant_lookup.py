@@ -20,19 +20,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
-
-from jaxrec.inference import QuantEmbeddingBagCollection, quantize_rows, row_bytes
-from jaxrec.xla.quantize import row_error_bound
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     add_spec_args,
     add_timing_args,
@@ -42,7 +35,11 @@ from common import (  # noqa: E402
     specs_from_args,
     time_ms,
 )
+from flax import nnx
 from specs import LookupSpec, make_inputs  # noqa: E402
+
+from jaxrec.inference import QuantEmbeddingBagCollection, quantize_rows, row_bytes
+from jaxrec.xla.quantize import row_error_bound
 
 BENCH = "quant_lookup"
 QDTYPES = ("int8", "int4", "fp16", "bf16")

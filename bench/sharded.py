@@ -65,16 +65,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from common import build_jaxrec, cpu_model, jaxrec_kjt, record, time_ms  # noqa: E402
 from flax import nnx  # noqa: E402
+from specs import LookupSpec, make_inputs  # noqa: E402
 
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
 from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 from jaxrec.xla.bounds import BoundsCheckMode  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_jaxrec, cpu_model, jaxrec_kjt, record, time_ms  # noqa: E402
-from specs import LookupSpec, make_inputs  # noqa: E402
 
 BENCH = "sharded_train_step"
 WORLD, HOSTS = 8, 2

@@ -42,13 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-
-from jaxrec import EmbeddingTable, optim
-from jaxrec.embedding import CombinedOptimizer
-from jaxrec.train import init_train_state, make_train_step
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     EPS,
     add_spec_args,
@@ -61,7 +54,12 @@ from common import (  # noqa: E402
     torchrec_kjt,
     torchrec_tables,
 )
+from flax import nnx
 from specs import LookupSpec, make_inputs  # noqa: E402
+
+from jaxrec import EmbeddingTable, optim
+from jaxrec.embedding import CombinedOptimizer
+from jaxrec.train import init_train_state, make_train_step
 
 BENCH = "train_step"
 IMPLS = ("jaxrec", "dense", "torchrec")

@@ -31,3 +31,15 @@ def packed(bags_by_key):
     lengths = [len(b) for bags in bags_by_key for b in bags]
     values = [i for bags in bags_by_key for b in bags for i in b]
     return np.asarray(values, np.int64), np.asarray(lengths, np.int64)
+
+
+def rank_auc(labels, scores):
+    """Rank-based (Mann-Whitney) AUC in float64, tied scores sharing their average rank:
+    a formula independent of pairwise counting and of jaxrec.metrics' grouped maths."""
+    order = np.argsort(scores, kind="stable")
+    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(scores))
+    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
+    pos = labels > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return (ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from jaxrec.jobs import dlrm_parts
+from jaxrec.jobs import dlrm_parts, train_dlrm
 from jaxrec.jobs.train_dlrm import main
 
 ARGS = ["--num-train", "1536", "--num-eval", "500", "--batch-size", "128", "--no-checkpoint"]
@@ -35,7 +35,8 @@ def test_nan_batch_is_skipped_and_reported(tmp_path, monkeypatch, capsys):
         train, evals = load(args)
         return Poisoned(train, bad=4), evals
 
-    monkeypatch.setattr(dlrm_parts, "load_data", poisoned_load)
+    # main looks load_data up in its own module (imported from dlrm_parts at import time)
+    monkeypatch.setattr(train_dlrm, "load_data", poisoned_load)
     run_dir = tmp_path / "run"
     assert main([*ARGS, "--run-dir", str(run_dir)]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())

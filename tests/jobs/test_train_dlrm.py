@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from numpy_reference import rank_auc
 
 from jaxrec.jobs import dlrm_parts
 from jaxrec.jobs.train_dlrm import main, parse_args
@@ -18,17 +19,6 @@ def _run(tmp_path, name, *extra):
     return run_dir, json.loads((run_dir / "summary.json").read_text())
 
 
-def _rank_auc(labels, scores):
-    """Rank-based (Mann-Whitney) AUC in float64; tied scores share their average rank."""
-    order = np.argsort(scores, kind="stable")
-    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
-    ranks = np.empty(len(scores))
-    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
-    pos = labels > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    return (ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
 def _reference_metrics(eval_step, state, data):
     """AUC and NE of the whole eval set as one batch, with numpy."""
     (batch,) = data.batches(len(data), shuffle=False, drop_last=False)
@@ -37,7 +27,7 @@ def _reference_metrics(eval_step, state, data):
     ce = -np.mean(y * np.log2(p) + (1 - y) * np.log2(1 - p))
     ctr = y.mean()
     base = -(ctr * np.log2(ctr) + (1 - ctr) * np.log2(1 - ctr))
-    return {"auc": _rank_auc(y, p), "ne": ce / base, "ctr": ctr}
+    return {"auc": rank_auc(y, p), "ne": ce / base, "ctr": ctr}
 
 
 @pytest.mark.parametrize("devices", [1, 8])

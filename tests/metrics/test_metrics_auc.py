@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from metrics_refs import auc_ref, auprc_ref, binary_data, torchrec_metrics
+from numpy_reference import rank_auc
 
 from jaxrec.metrics import (
     AUCMetric,
@@ -184,18 +185,6 @@ def test_streaming_auc_error_is_within_its_bound_and_small():
     np.testing.assert_allclose(m.compute(_run(m, g, y, w))["auc"], auc_ref(g, y, w), rtol=1e-5)
 
 
-def _rank_auc(labels, scores):
-    """Rank-based (Mann-Whitney) AUC in float64, tied scores sharing their average
-    rank: a formula independent of the pairwise `auc_ref` and of the library's groups."""
-    order = np.argsort(scores, kind="stable")
-    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
-    ranks = np.empty(len(scores))
-    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
-    pos = labels > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    return (ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_roc_auc_matches_numpy(ties, weighted):
@@ -213,7 +202,7 @@ def test_roc_auc_is_float64_exact_on_many_samples():
     n = 200_000
     scores = np.round(rng.standard_normal(n), 3)
     labels = (rng.random(n) < 1 / (1 + np.exp(-scores))).astype(np.float32)
-    np.testing.assert_allclose(roc_auc(labels, scores), _rank_auc(labels, scores), rtol=1e-12)
+    np.testing.assert_allclose(roc_auc(labels, scores), rank_auc(labels, scores), rtol=1e-12)
 
 
 def test_roc_auc_no_signal_and_bad_input():
