@@ -40,6 +40,8 @@ from flax import nnx  # noqa: E402
 
 import jaxrec  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402
+from jaxrec import optim, train  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 
 WORLD = 8
 ROWS, DIM = 4096, 64
@@ -159,14 +161,14 @@ def main() -> None:
             print(f"  {s.device}: rows {rows.start}:{rows.stop} of the buffer, {s.data.shape}")
 
     section("5. Training")
-    opt = jaxrec.embedding.CombinedOptimizer(optax.adam(1e-2), jaxrec.optim.rowwise_adagrad(0.1))
-    graphdef, state = jaxrec.train.init_train_state(model, opt)
-    step = jaxrec.train.make_train_step(graphdef, opt, loss_fn)
+    opt = CombinedOptimizer(optax.adam(1e-2), optim.rowwise_adagrad(0.1))
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, loss_fn)
     for i in range(STEPS):
         batch = d.shard_batch([local_batch(rng, truth) for _ in range(WORLD)], mesh)
         state, loss, _ = step(state, batch)
         print(f"step {i}: loss {float(loss):.4f}")
-    trained = jaxrec.train.merge_model(graphdef, state)
+    trained = train.merge_model(graphdef, state)
     tables = trained.ebc.state_dict()  # logical tables, gathered from the shards
     for key, w in tables.items():
         print(f"{key}: {w.shape}")

@@ -1,5 +1,10 @@
 """jaxrec: TorchRec rebuilt natively for JAX."""
 
+# Subpackages an ``import jaxrec`` has always made reachable as attributes
+# (``jaxrec.train.make_train_step``); the package face may import any layer.
+from . import embedding as embedding
+from . import optim as optim
+from . import train as train
 from .configs import DataType as DataType
 from .configs import EmbeddingBagConfig as EmbeddingBagConfig
 from .configs import EmbeddingConfig as EmbeddingConfig
