@@ -17,6 +17,10 @@ one formula, so the planner prices exactly the buffers the collection builds.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
+
+from .layout import WidthGroup
 
 CAPACITY_FACTOR = 1.1  # headroom over the mean load
 SIGMAS = 3.0  # plus this many standard deviations of a Poisson load
@@ -47,3 +51,67 @@ def fast_path_capacity(expected: float, natural: int, factor: float = CAPACITY_F
     if not expected > 0:
         return 1
     return int(min(natural, max(1, math.ceil(factor * expected + SIGMAS * math.sqrt(expected)))))
+
+
+def natural_load(caps: Mapping[str, int], slots_per_rank) -> int:
+    """The most ids one source can send one destination: its slots' whole capacities."""
+    return max(1, max(sum(caps[s.key] for s in slots) for slots in slots_per_rank))
+
+
+def expected_load(
+    caps: Mapping[str, int],
+    stride: int,
+    slots_per_rank,
+    pooling_factors: Mapping[str, float] | None = None,
+) -> float:
+    """Mean ids one source sends its busiest destination.
+
+    A feature's mean ids per device is ``stride * pooling_factors[key]``
+    (capped at its capacity), or its whole capacity when no pooling factor is
+    given; a slot receives the share of them its shard's rows hold.
+    """
+    pf = pooling_factors or {}
+
+    def mean_ids(key: str) -> float:
+        return min(float(caps[key]), stride * float(pf[key])) if key in pf else float(caps[key])
+
+    return max(
+        sum(mean_ids(s.key) * s.nrows / max(s.table_rows, 1) for s in slots)
+        for slots in slots_per_rank
+    )
+
+
+def group_capacity(
+    caps: Mapping[str, int],
+    stride: int,
+    group: WidthGroup,
+    *,
+    capacity: int | Mapping[str, int] | None = None,
+    pooling_factors: Mapping[str, float] | None = None,
+    factor: float = CAPACITY_FACTOR,
+) -> int:
+    """The fast-path capacity of ``group`` for a batch with key capacities ``caps``.
+
+    ``capacity``: an int for every group, ``{group name: int}`` for some, or
+    ``None``: sized from :func:`expected_load` by :func:`fast_path_capacity`.
+    A given capacity above the natural payload is lowered to it.
+    """
+    natural = natural_load(caps, group.slots)
+    given = capacity.get(group.name) if isinstance(capacity, Mapping) else capacity
+    if given is not None:
+        return max(1, min(int(given), natural))
+    expected = expected_load(caps, stride, group.slots, pooling_factors)
+    return fast_path_capacity(expected, natural, factor)
+
+
+def check_capacity(capacity: Any) -> None:
+    """``capacity=`` must be ``None``, a positive int or ``{group name: positive int}``."""
+    values = capacity.values() if isinstance(capacity, Mapping) else [capacity]
+    for v in values:
+        if v is None and not isinstance(capacity, Mapping):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(
+                "capacity must be None (sized from input statistics), a positive int (ids per "
+                f"destination per width group) or {{group name: positive int}}, got {capacity!r}"
+            )

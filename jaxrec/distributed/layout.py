@@ -32,6 +32,7 @@ class Slot:
     nrows: int
     col0: int  # first column of the shard in the output embedding
     mean: bool
+    table_rows: int  # logical rows of the table (its ids spread over them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,9 @@ def build_layout(
             for t, i, r0, nr, c0, mean in entries:
                 rank_shards.append((t.name, r0, nr, c0, off))
                 for j, f in enumerate(t.feature_names):
-                    rank_slots.append(Slot(f, first_output[i] + j, off, r0, nr, c0, mean))
+                    rank_slots.append(
+                        Slot(f, first_output[i] + j, off, r0, nr, c0, mean, t.num_embeddings)
+                    )
                 off += nr
             slots.append(tuple(rank_slots))
             shards.append(tuple(rank_shards))

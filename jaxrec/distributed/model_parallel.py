@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -15,7 +15,9 @@ from ..embedding.collection import replace_collection
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..sparse import KeyedJaggedTensor
-from .planner import plan_for_model
+from .capacity import CAPACITY_FACTOR
+from .planner import ParameterConstraints, plan_for_model
+from .qcomms import QCommsConfig
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .types import ShardingPlan
@@ -31,9 +33,12 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     plan: ShardingPlan | None,
     mesh: jax.sharding.Mesh,
     *,
-    capacity: int | None = None,
-    overflow: str = "raise",
+    capacity: int | Mapping[str, int] | None = None,
+    overflow: str = "exact",
     optimizer: Any = None,
+    pooling_factors: Mapping[str, float] | None = None,
+    capacity_factor: float = CAPACITY_FACTOR,
+    qcomms: QCommsConfig | None = None,
 ) -> nnx.Module:
     """Shards every embedding collection of ``model`` that ``plan`` names.
 
@@ -47,8 +52,11 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     Train with :func:`jaxrec.train.make_train_step` on batches from
     :func:`shard_batch`: dense gradients come out of XLA's SPMD partitioning
     already averaged over the global batch (the loss is a mean over it), fused
-    updates run on the local shards. ``capacity`` and ``overflow``: see
-    :class:`ShardedEmbeddingBagCollection`.
+    updates run on the local shards. ``capacity``, ``overflow``,
+    ``pooling_factors`` (``{feature: mean ids per bag}``, which size the id
+    exchange), ``capacity_factor`` and ``qcomms``: see
+    :class:`ShardedEmbeddingBagCollection`; the same ``pooling_factors`` and
+    ``capacity`` reach the planner when ``plan=None``.
     """
     explicit = [
         n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
@@ -61,13 +69,21 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
             "axis_types=(jax.sharding.AxisType.Auto,) * ndim"
         )
     if plan is None:
-        plan = plan_for_model(model, mesh, optimizer=optimizer, capacity=capacity)
+        plan = plan_for_model(
+            model, mesh, optimizer=optimizer, capacity=capacity,
+            constraints=_pooling_constraints(model, pooling_factors),
+        )  # fmt: skip
+    options = dict(
+        capacity=capacity, overflow=overflow, pooling_factors=pooling_factors,
+        capacity_factor=capacity_factor, qcomms=qcomms,
+    )  # fmt: skip
     found = set()
     for path, module in list(nnx.iter_modules(model)):
         name = ".".join(map(str, path))
         sharder = SHARDERS.get(type(module))
         if sharder is not None and name in plan.plan:
-            sharded = sharder(module, plan.plan[name], mesh, capacity=capacity, overflow=overflow)
+            mine = _own(module, options)
+            sharded = sharder(module, plan.plan[name], mesh, **mine)
             replace_collection(model, path, sharded)
             found.add(name)
     unknown = sorted(set(plan.plan) - found)
@@ -79,6 +95,33 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Not(_is_sharded_table))):
         var.set_value(jax.device_put(var.get_value(), replicated))
     return model
+
+
+def _own(module, options: dict) -> dict:
+    """``options`` with the pooling factors of ``module``'s features only."""
+    pf = options["pooling_factors"]
+    if pf:
+        feats = {f for t in module.table_configs for f in t.feature_names}
+        options = {**options, "pooling_factors": {k: v for k, v in pf.items() if k in feats}}
+    return options
+
+
+def _pooling_constraints(model, pooling_factors) -> dict | None:
+    """Planner constraints carrying ``pooling_factors`` (per table, in feature order)."""
+    if not pooling_factors:
+        return None
+    out = {}
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, EmbeddingBagCollection):  # what the planner plans
+            continue
+        prefix = ".".join(map(str, path))
+        for t in module.table_configs:
+            if any(f in pooling_factors for f in t.feature_names):
+                pf = [float(pooling_factors.get(f, 1.0)) for f in t.feature_names]
+                out[f"{prefix}.{t.name}" if prefix else t.name] = ParameterConstraints(
+                    pooling_factors=pf
+                )
+    return out
 
 
 def _is_sharded_table(path, var) -> bool:

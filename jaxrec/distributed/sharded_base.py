@@ -26,21 +26,29 @@ from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
 from ..embedding.tables import EmbeddingTable, common_count, group_tables
 from ..embedding.tape import log_overflow, report_overflow, tap
-from ..ops import check_ids
+from ..ops import check_ids, embedding_bag, embedding_gather
 from ..optim.base import apply_rows, row_fields
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
-from .layout import build_layout
-from .row_sums import column_split_row_sum
+from . import exchange
+from .capacity import CAPACITY_FACTOR, check_capacity, group_capacity, natural_load
+from .exact_update import exact_update, logical_rows
+from .layout import WidthGroup, build_layout
+from .qcomms import FP32_COMMS, QCommsConfig
+from .row_sums import column_split_row_sum, peer_schedule
 from .types import ParameterSharding
 
-OVERFLOW_MODES = ("raise", "warn", "count")
+# "exact": ids beyond the fast path take extra exchange rounds (counted in
+# overflow_count). The others drop them (counted) and raise after the step,
+# warn, or only count: an explicit opt-in.
+OVERFLOW_MODES = ("exact", "raise", "warn", "count")
 _EAGER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class OverflowCount(nnx.Variable):
-    """Row-wise ids dropped for lack of capacity, per device, since construction."""
+    """Ids beyond the fast-path capacity, per device, since construction: sent in extra
+    rounds (``overflow="exact"``) or dropped (the drop modes)."""
 
 
 class ShardedCollection(EmbeddingCollectionInterface):
@@ -54,11 +62,19 @@ class ShardedCollection(EmbeddingCollectionInterface):
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
         *,
-        capacity: int | None = None,
-        overflow: str = "raise",
+        capacity: int | Mapping[str, int] | None = None,
+        overflow: str = "exact",
+        pooling_factors: Mapping[str, float] | None = None,
+        capacity_factor: float = CAPACITY_FACTOR,
+        qcomms: QCommsConfig | None = None,
     ):
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+        check_capacity(capacity)
+        if not capacity_factor >= 1:
+            raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor!r}")
+        if qcomms is not None and not isinstance(qcomms, QCommsConfig):
+            raise TypeError(f"qcomms must be a QCommsConfig or None, got {type(qcomms).__name__}")
         self.table_configs = module.table_configs
         self.prefix = module.prefix
         self.layout = build_layout(self.table_configs, plan, mesh.size)
@@ -71,6 +87,22 @@ class ShardedCollection(EmbeddingCollectionInterface):
         self.embedding_names = module.embedding_names
         self.capacity = capacity
         self.overflow_mode = overflow
+        self.pooling_factors = dict(pooling_factors or {})
+        self.capacity_factor = capacity_factor
+        self.qcomms = qcomms or FP32_COMMS
+        features = {f for t in self.table_configs for f in t.feature_names}
+        unknown = sorted(set(self.pooling_factors) - features)
+        if unknown:
+            raise ValueError(f"pooling_factors name unknown features {unknown}")
+        bad = {k: v for k, v in self.pooling_factors.items() if not v > 0}
+        if bad:
+            raise ValueError(f"pooling_factors must be positive (mean ids per bag), got {bad}")
+        groups = {g.name for g in self.layout.groups}
+        if isinstance(capacity, Mapping) and set(capacity) - groups:
+            raise ValueError(
+                f"capacity names unknown width groups {sorted(set(capacity) - groups)}; "
+                f"this collection's are {sorted(groups)}"
+            )
         dp = [t for t in self.table_configs if t.name in self.layout.replicated]
         self.replicated_groups = group_tables(dp) if dp else ()
         self.weights = nnx.Dict(self._place(module.state_dict()))
@@ -173,9 +205,54 @@ class ShardedCollection(EmbeddingCollectionInterface):
     def _specs(self):
         return {name: P() if name.startswith("dp_") else P(self.axis) for name in self.weights}
 
-    def _capacity(self, kjt, group) -> int:
-        natural = dist.natural_capacity(kjt, group)
-        return natural if self.capacity is None else min(self.capacity, natural)
+    @property
+    def exact(self) -> bool:
+        return self.overflow_mode == "exact"
+
+    def _capacity(self, kjt, group: WidthGroup) -> int:
+        """The group's fast-path ids per destination for this batch's key capacities."""
+        caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
+        return group_capacity(
+            caps, kjt.stride(), group, capacity=self.capacity,
+            pooling_factors=self.pooling_factors, factor=self.capacity_factor,
+        )  # fmt: skip
+
+    def capacities(self, features) -> dict[str, int]:
+        """``{width group: fast-path ids per destination}`` for a batch like ``features``
+        (a local or a stacked KJT: only its keys, capacities and stride are read)."""
+        return {g.name: self._capacity(features, g) for g in self.layout.groups}
+
+    def _exchanges(self, kjt) -> list[tuple[WidthGroup, exchange.Spec, exchange.Outbox]]:
+        out = []
+        for g in self.layout.groups:
+            spec = exchange.Spec(
+                n=self.layout.world_size,
+                capacity=self._capacity(kjt, g),
+                slots=g.max_slots,
+                bags=0 if self.sequence else kjt.stride(),
+                fill=g.rows_per_rank,
+                weighted=self._weighted(),
+                sequence=self.sequence,
+            )
+            out.append((g, spec, exchange.outbox(kjt, g, spec)))
+        return out
+
+    def _rounds(self, plans) -> tuple[list, jax.Array]:
+        """Rounds per group (the same on every device) and this device's ids beyond round 0."""
+        beyond = sum(exchange.beyond(box.counts, spec.capacity) for _, spec, box in plans)
+        if not self.exact or not plans:
+            return [None] * len(plans), jnp.asarray(beyond, jnp.int32)
+        mine = jnp.stack([exchange.rounds_needed(box.counts, s.capacity) for _, s, box in plans])
+        rounds = jax.lax.pmax(mine, self.axis)
+        return [rounds[i] for i in range(len(plans))], jnp.asarray(beyond, jnp.int32)
+
+    def _first_round(self, spec, box):
+        got = exchange.send(box, spec, 0, self.axis, first=True)
+        return exchange.receive(got, spec, 0, None, first=True)
+
+    def _round(self, spec, box, bag_counts, r):
+        got = exchange.send(box, spec, r, self.axis, first=False)
+        return exchange.receive(got, spec, r, bag_counts, first=False)[0]
 
     def _forward(self, tables, features):
         wheres: list[tuple[BoundsCheckMode, str]] = []
@@ -222,9 +299,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 fn = _EAGER_FORWARD.setdefault(self, jax.jit(lambda t, f: ref()._forward(t, f)))
             values, overflow = fn(tables, features)
         total = jnp.sum(overflow)
-        # A train step takes the count (it raises, or logs it on the host for "warn");
-        # elsewhere "raise" and "warn" log from one host callback, only on drops.
-        if self.overflow_mode != "count" and not report_overflow(total, self.overflow_mode):
+        # Drop modes: a train step takes the count (it raises, or logs it on the host
+        # for "warn"); elsewhere "raise" and "warn" log from one host callback, only on
+        # drops. "exact" and "count" only count.
+        if self.overflow_mode in ("raise", "warn") and not report_overflow(
+            total, self.overflow_mode
+        ):
             jax.lax.cond(total > 0, lambda: jax.debug.callback(log_overflow, total), lambda: None)
         self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
         values = tap(self, values, features)  # a train step's gradient probe
@@ -234,20 +314,58 @@ class ShardedCollection(EmbeddingCollectionInterface):
         kjt = dist.local_kjt(kjt_stacked)
         self._check_ids(kjt)
         out = self._new_output(kjt)
-        overflow = jnp.zeros((), jnp.int32)
-        b = dist.num_bags(kjt, self.sequence)
-        for g in self.layout.groups:
-            rows, seg, scale, ov = dist.input_dist(
-                kjt, g, self.axis, self._capacity(kjt, g), self._weighted(), self.sequence
-            )
-            partials = dist.local_lookup(tables[g.name], rows, seg, scale, g.max_slots, b)
-            received = dist.output_dist(partials, self.axis)
-            add = lambda sl, blk, g=g: self._add_block(out, kjt, sl, g.ncols, blk)
-            dist.assemble(received, g, add)
-            overflow += ov
+        plans = self._exchanges(kjt)
+        rounds, beyond = self._rounds(plans)
+        for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
+            out = self._forward_group(tables[g.name], kjt, g, spec, box, n_rounds, out)
         for rg in self.replicated_groups:
             self._dp_lookup(tables["dp_" + rg.name], kjt, rg, out)
-        return self._output_value(out), overflow[None]
+        return self._output_value(out), beyond[None]
+
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out):
+        """Adds one width group's lookups (every round) to the output list ``out``."""
+        rec0, bag_counts = self._first_round(spec, box)
+        dtype = self.qcomms.forward_dtype
+        if not self.sequence:
+            lookup = lambda rec: dist.pooled_partials(
+                lambda *a: self._pooled_lookup(g, *a), table, rec, spec
+            )
+            partials = lookup(rec0)
+            if n_rounds is not None:
+                partials = jax.lax.fori_loop(
+                    1, n_rounds,
+                    lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
+                    partials,
+                )  # fmt: skip
+            received = dist.send_back(partials, self.axis, dtype)
+            out = list(out)
+            dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
+            return out
+
+        def place(r, rec, acc):
+            rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
+            back = dist.send_back(rows, self.axis, dtype)
+            acc = list(acc)
+            add = lambda sl, blk: self._add_block(acc, kjt, sl, g.ncols, blk)
+            dist.place_rows(back, box, g, r, spec.capacity, add)
+            return tuple(acc)
+
+        res = place(0, rec0, tuple(out))
+        if n_rounds is not None:
+            res = jax.lax.fori_loop(
+                1, n_rounds, lambda r, acc: place(r, self._round(spec, box, None, r), acc), res
+            )
+        return list(res)
+
+    def _pooled_lookup(self, group, table, rows, seg, num_segments, scale):
+        """The shard's table-batched pooled lookup (quantized collections override it)."""
+        del group
+        return embedding_bag(table, rows, seg, num_segments, scale)
+
+    def _gather_rows(self, group, table, rows, valid):
+        """The shard's row gather for sequence lookups (quantized collections override it)."""
+        del group
+        return embedding_gather(table, rows, valid)
 
     def _output_value(self, out):
         return out
@@ -329,19 +447,23 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         def local(tables, states, kjt_stacked, g_local):
             kjt = dist.local_kjt(kjt_stacked)
-            b = dist.num_bags(kjt, self.sequence)
             tables, states = dict(tables), dict(states)
-            for g in self.layout.groups:
-                rows, seg, scale, _ = dist.input_dist(
-                    kjt, g, self.axis, self._capacity(kjt, g), self._weighted(), self.sequence
-                )
-                read = lambda sl, g=g: self._read_block(g_local, kjt, sl, g.ncols, b)
-                recv = dist.grads_to_ranks(read, g, b, self.axis)
-                r, gr, valid = dist.row_grads(recv, rows, seg, scale, g.max_slots, b)
-                uniq, summed = dedup_rows(r, gr, valid, g.rows_per_rank)
+            plans = self._exchanges(kjt)
+            rounds, _ = self._rounds(plans)  # the forward's, merged with it by XLA's CSE
+            for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
                 k = state_key(path, g.name, 0)
-                tables[g.name], states[k] = self._update(
-                    opts[g.name], g, tables[g.name], states[k], uniq, summed
+                round0, more = self._row_grads(kjt, g, spec, box, g_local)
+                tables[g.name], states[k] = exact_update(
+                    self._group_update(opts[g.name], g, spec, kjt),
+                    tables[g.name],
+                    states[k],
+                    round0,
+                    more if n_rounds is not None else None,
+                    n_rounds,
+                    fill=g.rows_per_rank,
+                    size=_pass_size(g, spec),
+                    logical=logical_rows(g, self.axis),
+                    axis=self.axis,
                 )
             for rg in self.replicated_groups:
                 parts = self._dp_row_grads(g_local, kjt, rg)
@@ -371,21 +493,70 @@ class ShardedCollection(EmbeddingCollectionInterface):
         new_tables, new_states = run(tables, sub_states, features, out_grad)
         return new_tables, {**states, **new_states}
 
+    def _row_grads(self, kjt, g, spec, box, g_local):
+        """Round 0's ``(rows, grads, valid)`` of group ``g`` and ``r -> `` round ``r``'s."""
+        rec0, bag_counts = self._first_round(spec, box)
+        dtype = self.qcomms.backward_dtype
+        if not self.sequence:
+            b = kjt.stride()
+            read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, b)
+            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype)
+            grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
+            return grads(rec0), lambda r: grads(self._round(spec, box, bag_counts, r))
+
+        read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, None)
+
+        def grads(r, rec):
+            got = dist.sequence_grads(read, box, g, r, spec.capacity, self.axis, dtype)
+            return rec.rows.reshape(-1), got.reshape(-1, g.ncols), rec.valid.reshape(-1)
+
+        return grads(0, rec0), lambda r: grads(r, self._round(spec, box, None, r))
+
     def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows):
         raise NotImplementedError(
             f"row resets (managed-collision evictions) of the sharded collection at {path} "
             "are not supported; reset only unsharded collections"
         )
 
-    def _update(self, opt, group, table, state, rows, grads):
-        """The row update of one width group; column-split rows reduce across their shards."""
-        reduce = column_split_row_sum(group, self.layout, self.table_configs, self.axis)
-        if reduce is None:
-            return update_subgroup(
-                SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,), table, state, rows, grads
-            )
-        row_sum, width = reduce(rows)
-        return apply_rows(opt, table, state, rows, grads, dim=width, row_sum=row_sum)
+    def _group_update(self, opt, group, spec, kjt):
+        """``(table, state, rows, grads) -> (table, state)``: one width group's row update;
+        rows of column-split tables complete their row-wise sums with their peers."""
+        caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
+        k = _pass_size(group, spec)
+        n = self.layout.world_size
+        sizes = {
+            t.name: min(k, n * sum(caps[f] for f in t.feature_names)) for t in self.table_configs
+        }
+        try:
+            schedule = peer_schedule(group, self.layout, self.table_configs, sizes)
+            problem = None
+        except NotImplementedError as err:  # only row-wise optimizers need the peers
+            schedule, problem = None, err
+        reduce = column_split_row_sum(schedule, group.rows_per_rank, self.axis)
+        lossy = not self.exact and spec.capacity < natural_load(caps, group.slots)
+
+        def update(table, state, rows, grads):
+            if reduce is None and problem is None:
+                return update_subgroup(
+                    SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,),
+                    table, state, rows, grads,
+                )  # fmt: skip
+            if problem is not None:
+                row_sum, width = _refuse(problem), None
+            else:
+                row_sum, width = reduce(rows)
+            if lossy:
+                row_sum = _refuse(
+                    NotImplementedError(
+                        f"overflow={self.overflow_mode!r} drops ids beyond capacity, which "
+                        f"would desynchronise the row-wise state of group {group.name!r}'s "
+                        "column shards; use overflow='exact' (the default) or a capacity of "
+                        "at least the natural payload"
+                    )
+                )
+            return apply_rows(opt, table, state, rows, grads, dim=width, row_sum=row_sum)
+
+        return update
 
     # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
     def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:
@@ -494,6 +665,21 @@ def _gathered(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.array(x)
+
+
+def _pass_size(group: WidthGroup, spec: exchange.Spec) -> int:
+    """Distinct rows one overflow pass holds: a round's ids, and more than a rank's shards
+    (so every pass makes progress; see ``exact_update``)."""
+    return max(spec.n * spec.capacity, max(len(r) for r in group.shards) + 1)
+
+
+def _refuse(error: Exception):
+    """A ``row_sum`` that raises ``error`` if an optimizer asks for a row-wise sum."""
+
+    def row_sum(partial):
+        raise error
+
+    return row_sum
 
 
 def _stack_checks(reports) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +33,27 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         ebc: the unsharded module (its weights are copied).
         plan: ``{table: ParameterSharding}`` (an ``EmbeddingModuleShardingPlan``).
         mesh: a ``jax.sharding.Mesh`` (Auto axis types); ranks are its flat device order.
-        capacity: ids per destination rank per width group for row-sliced shards;
-            ``None`` means the features' whole capacity (never overflows).
-        overflow: ids that do not fit the capacity are dropped and added to
-            ``overflow_count`` (per device). ``"raise"`` (default): the train step
-            raises :class:`jaxrec.train.CapacityOverflowError` after the step that
+        capacity: the exchange's fast path: ids per (source, destination) pair per
+            width group and round. ``None`` (default): sized from the expected
+            load (``pooling_factors``; see :mod:`jaxrec.distributed.capacity`);
+            an int for every group, or ``{group name: int}`` (names as in
+            :meth:`capacities`, e.g. ``"fp32_c64"``).
+        overflow: what happens to ids beyond the fast path. ``"exact"`` (default):
+            they take extra exchange rounds, so results are exact and only that
+            step is slower; they are counted in ``overflow_count`` (per device).
+            The drop modes (explicit opt-in) drop them and count them:
+            ``"raise"``: the train step raises
+            :class:`jaxrec.train.CapacityOverflowError` after the step that
             dropped them (outside a train step it logs, as ``"warn"``); ``"warn"``
-            logs a warning on the ``jaxrec`` logger; ``"count"`` only counts. (A
-            host callback cannot raise inside a multi-device XLA:CPU program: it
-            aborts the process; hence the check after the step.)
+            logs a warning on the ``jaxrec`` logger; ``"count"`` only counts.
+        pooling_factors: ``{feature: mean ids per bag}`` (TorchRec's planner
+            statistic): the expected load is ``B * pooling factor`` per
+            feature and device, spread over a table's rows; a feature without
+            one counts its whole capacity.
+        capacity_factor: headroom of the statistics-sized capacity (default 1.1,
+            plus three standard deviations of a Poisson load).
+        qcomms: :class:`QCommsConfig` precisions of the pooled blocks forward
+            and their gradients backward (TorchRec's QComms); default float32.
     """
 
     def __init__(
@@ -48,13 +61,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         ebc: EmbeddingBagCollection,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        *,
-        capacity: int | None = None,
-        overflow: str = "raise",
+        **options: Any,
     ):
         self._is_weighted = ebc.is_weighted()
         self.length_per_embedding = ebc.length_per_embedding
-        super().__init__(ebc, plan, mesh, capacity=capacity, overflow=overflow)
+        super().__init__(ebc, plan, mesh, **options)
 
     def embedding_bag_configs(self):
         return list(self.table_configs)
@@ -74,11 +85,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _add_block(self, out, kjt, slot, ncols, block):
         c = column_offsets(self.layout)[slot.output] + slot.col0
-        out[0] = out[0].at[:, c : c + ncols].add(block)
+        out[0] = out[0].at[:, c : c + ncols].add(block * _mean(kjt, slot))
 
     def _read_block(self, g, kjt, slot, ncols, b):
         c = column_offsets(self.layout)[slot.output] + slot.col0
-        return g[:, c : c + ncols].astype(jnp.float32)
+        return g[:, c : c + ncols].astype(jnp.float32) * _mean(kjt, slot)
 
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = grouped_pooled_lookup(
@@ -98,3 +109,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )
+
+
+def _mean(kjt, slot):
+    """``[B, 1]`` factors of a MEAN slot (``1 / max(length, 1)``), 1.0 for SUM: applied
+    where the samples live, so a row shard never needs a bag's whole length."""
+    if not slot.mean:
+        return 1.0
+    k, b = kjt.keys().index(slot.key), kjt.stride()
+    lengths = kjt.lengths()[k * b : (k + 1) * b]
+    return (1.0 / jnp.maximum(lengths, 1).astype(jnp.float32))[:, None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,9 @@ from .types import ParameterSharding
 class ShardedEmbeddingCollection(ShardedCollection):
     """An ``EmbeddingCollection`` sharded per a plan over ``mesh`` (all its axes).
 
-    The same three stages as :class:`ShardedEmbeddingBagCollection` with one
-    bag per id: every id's row (or row slice, for column shards) comes back to
-    the device that owns the id. Input: a batch-sharded KJT from
+    The same exchange as :class:`ShardedEmbeddingBagCollection`; the shard
+    returns one row (or row slice, for column shards) per id, in the order the
+    ids arrived, and the device that owns the id puts it in place. Input: a batch-sharded KJT from
     :func:`jaxrec.distributed.shard_batch`. Output: ``{embedding_name:
     JaggedTensor}`` stacked like the input, one local JaggedTensor per device:
     values ``[world, C_k, D]``, lengths ``[world, B]`` (and the ids as weights
@@ -28,7 +29,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
     JaggedTensor equals the unsharded module's output on device ``d``'s batch;
     use ``jax.vmap`` (e.g. over ``to_padded_dense``) for per-device views.
 
-    Args: as :class:`ShardedEmbeddingBagCollection` (``ec`` is the unsharded module).
+    Args: as :class:`ShardedEmbeddingBagCollection` (``ec`` is the unsharded module;
+    ``qcomms`` sets the precision of the returned rows and their gradients).
     """
 
     sequence = True
@@ -38,13 +40,11 @@ class ShardedEmbeddingCollection(ShardedCollection):
         ec: EmbeddingCollection,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        *,
-        capacity: int | None = None,
-        overflow: str = "raise",
+        **options: Any,
     ):
         self._need_indices = ec.need_indices()
         self.output_keys = tuple(f for t in ec.table_configs for f in t.feature_names)
-        super().__init__(ec, plan, mesh, capacity=capacity, overflow=overflow)
+        super().__init__(ec, plan, mesh, **options)
 
     def embedding_configs(self):
         return list(self.table_configs)
@@ -67,13 +67,11 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return tuple(out)
 
     def _add_block(self, out, kjt, slot, ncols, block):
-        cap = self._caps(kjt)[slot.key]
         o, c = slot.output, slot.col0
-        out[o] = out[o].at[:, c : c + ncols].add(block[:cap])
+        out[o] = out[o].at[:, c : c + ncols].add(block)
 
     def _read_block(self, g, kjt, slot, ncols, b):
-        blk = g[slot.output][:, slot.col0 : slot.col0 + ncols].astype(jnp.float32)
-        return jnp.pad(blk, ((0, b - blk.shape[0]), (0, 0)))
+        return g[slot.output][:, slot.col0 : slot.col0 + ncols].astype(jnp.float32)
 
     def _dp_lookup(self, table, kjt, rg, out):
         rows = grouped_sequence_lookup(

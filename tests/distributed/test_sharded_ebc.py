@@ -50,25 +50,29 @@ def reference(weighted: bool, opt_name: str):
     return first, losses, {k: np.asarray(v) for k, v in model.ebc.state_dict().items()}, params
 
 
-# Every type with Adam; row-wise reductions (Adagrad's accumulator, LAMB's norms)
-# wherever rows or columns are split, column splits included.
-CASES = [(name, "adam") for name in PLANS] + [
-    (name, "rowwise_adagrad")
-    for name in ("row_wise", "column_wise", "table_column_wise", "grid_shard", "mixed")
-] + [("grid_shard", "partial_rowwise_lamb")]  # fmt: skip
+# Every type with Adam and the statistics-sized exchange; every type again with
+# row-wise Adagrad and capacity=1, which forces the overflow path everywhere (many
+# exchange rounds, several update passes, row sums across column shards within
+# each pass); row-wise reductions on the fast path for column and grid splits.
+CASES = (
+    [(name, "adam", None) for name in PLANS]
+    + [(name, "rowwise_adagrad", 1) for name in PLANS]
+    + [("column_wise", "rowwise_adagrad", None), ("grid_shard", "partial_rowwise_lamb", None)]
+)
 
 
-@pytest.mark.parametrize(("name", "opt_name"), CASES)
-def test_training_equals_unsharded(name, opt_name):
+@pytest.mark.parametrize(("name", "opt_name", "capacity"), CASES)
+def test_training_equals_unsharded(name, opt_name, capacity):
     """Forward output, losses, tables and dense params equal unsharded training.
 
     Row-wise optimizer state and row norms are reduced across column shards,
     so they equal unsharded training (TorchRec keeps one state per shard).
+    With ``capacity=1`` most ids travel beyond the fast path: none is lost.
     """
     weighted = name in ("row_wise", "grid_shard")
     first, losses, tables_ref, params_ref = reference(weighted, opt_name)
     rng = np.random.default_rng(0)
-    model, mesh = sharded_model(name, weighted)
+    model, mesh = sharded_model(name, weighted, capacity=capacity)
     opt = CombinedOptimizer(optax.adam(0.01), SPARSE[opt_name])
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
@@ -81,6 +85,9 @@ def test_training_equals_unsharded(name, opt_name):
         state, loss, _ = step(state, batch)
         np.testing.assert_allclose(float(loss), losses[i], rtol=1e-5)
     model = train.merge_model(graphdef, state)
+    beyond = int(model.ebc.overflow_count.get_value().sum())
+    if capacity == 1 and name != "data_parallel":
+        assert beyond > 0  # the overflow path ran
     for k, v in model.ebc.state_dict().items():
         np.testing.assert_allclose(v, tables_ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
     for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), params_ref, strict=True):
@@ -97,27 +104,34 @@ def test_plan_json_roundtrip_and_print():
     assert "t4               | data_parallel      | dense" in text
 
 
-def test_row_wise_overflow_is_counted_and_logged(caplog):
+def test_drop_mode_overflow_is_counted_and_logged(caplog):
+    """The opt-in drop mode ``overflow="warn"`` loses ids beyond capacity, loudly."""
     rng = np.random.default_rng(3)
     local, _ = batches(rng)
     kjts = [kjt for kjt, _ in local]
     forward = nnx.jit(lambda m, b: m.ebc(b).values())  # as in a train step
-    model, mesh = sharded_model("row_wise", capacity=2)
+    model, mesh = sharded_model("row_wise", capacity=2, overflow="warn")
     with caplog.at_level(logging.WARNING, logger="jaxrec"):
-        jax.block_until_ready(forward(model, d.shard_batch(kjts, mesh)))
+        dropped = jax.block_until_ready(forward(model, d.shard_batch(kjts, mesh)))
     assert "input_dist dropped" in caplog.text
     assert int(model.ebc.overflow_count.get_value().sum()) > 0
-    model, mesh = sharded_model("row_wise")  # default capacity: nothing can overflow
-    jax.block_until_ready(forward(model, d.shard_batch(kjts, mesh)))
-    assert int(model.ebc.overflow_count.get_value().sum()) == 0
+    exact, mesh = sharded_model("row_wise", capacity=2)  # the default: extra rounds
+    with caplog.at_level(logging.WARNING, logger="jaxrec"):
+        caplog.clear()
+        got = jax.block_until_ready(forward(exact, d.shard_batch(kjts, mesh)))
+    assert caplog.text == ""
+    assert int(exact.ebc.overflow_count.get_value().sum()) > 0
+    want = forward(sharded_model("row_wise", capacity=10**6)[0], d.shard_batch(kjts, mesh))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(dropped, want)
 
 
-def test_row_wise_overflow_raises_in_the_train_step():
-    """The default ``overflow="raise"``: the step that dropped ids raises, with its state."""
+def test_drop_mode_overflow_raises_in_the_train_step():
+    """``overflow="raise"``: the step that dropped ids raises, with its state."""
     rng = np.random.default_rng(3)
     local, _ = batches(rng)
     opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
-    model, mesh = sharded_model("row_wise", capacity=2)
+    model, mesh = sharded_model("row_wise", capacity=2, overflow="raise")
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
     with pytest.raises(train.CapacityOverflowError, match="dropped \\d+ ids") as err:

@@ -79,9 +79,13 @@ def _rows(out, world):
     return res
 
 
+@pytest.mark.parametrize("capacity", [None, 1], ids=["statistics", "overflow"])
 @pytest.mark.parametrize("case", list(PLANS))
-def test_sequence_training_equals_unsharded(case):
-    """Forward rows (and ids) per device, losses, tables and dense params after training."""
+def test_sequence_training_equals_unsharded(case, capacity):
+    """Forward rows (and ids) per device, losses, tables and dense params after training.
+
+    ``capacity=1`` sends most ids beyond the fast path (extra rounds, several update
+    passes): nothing may be lost."""
     gens, make_mesh, hosts = PLANS[case]
     mesh = make_mesh()
     opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
@@ -102,7 +106,9 @@ def test_sequence_training_equals_unsharded(case):
 
     model = SeqModel(rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ec, gens, world_size=8, local_size=8 // hosts)
-    model = d.DistributedModelParallel(model, d.ShardingPlan({"ec": plan}), mesh)
+    model = d.DistributedModelParallel(
+        model, d.ShardingPlan({"ec": plan}), mesh, capacity=capacity
+    )
     assert isinstance(model.ec, d.ShardedEmbeddingCollection)
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
@@ -120,6 +126,8 @@ def test_sequence_training_equals_unsharded(case):
         np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
     assert step.jitted._cache_size() == 1  # placements stable across steps: one compile
     model, ref_model = train.merge_model(graphdef, state), train.merge_model(ref_def, ref)
+    if capacity == 1:
+        assert int(model.ec.overflow_count.get_value().sum()) > 0  # the overflow path ran
     ref_tables = ref_model.ec.state_dict()
     for k, v in model.ec.state_dict().items():
         np.testing.assert_allclose(v, ref_tables[k], rtol=1e-4, atol=1e-6, err_msg=k)
