@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import jaxrec as jr
@@ -48,3 +50,56 @@ def padded_table_bytes(plan: ShardingPlan, tables, world: int, state_per_row) ->
     for (nc, item), r in rows.items():
         total += r.max() * (nc * item + state_per_row(nc))
     return total
+
+
+def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
+            weighted: bool = False) -> dict:  # fmt: skip
+    """The sharded exchange's buffers and collective bytes per device, recounted from
+    ``build_layout`` (numpy and math, independent of the planner's bookkeeping).
+
+    ``means`` / ``caps``: ``{feature: mean ids per device}`` / ``{feature: capacity}``;
+    ``calls``: row sums per step of the optimizer (1 for row-wise Adagrad).
+    Per width group, with ``N`` devices and ``B`` samples per device:
+
+    - fast-path capacity ``C = fast_path_capacity(X, natural)``, ``X`` the largest
+      over ranks of the sum over its slots of ``mean * shard rows / table rows``,
+      ``natural`` the largest sum of the capacities its slots read; ``K = N * C``;
+    - ids ``all_to_all``: ``[N, P]`` int32 sent and received, ``P = C + min(S * B, C)``
+      (``+ C`` weighted);
+    - per received id: float32 row gradients, sort pair, CUB scratch: ``4 * w + 16``;
+    - blocks: ``2 * N * S * B * w * 4``;
+    - column-split tables: ``max(K * w * 4, 2 * 4 * V)``, ``V`` the largest over ranks
+      of ``calls * N * min(C, ids of t)`` summed over the split tables ``t`` on it.
+
+    Data-parallel tables: three gathered ``[N * ids, dim]`` float32 copies and their
+    ids, masks, sort pairs and scratch.
+    """
+    from jaxrec.distributed.capacity import fast_path_capacity
+
+    conf = {t.name: t for t in tables}
+    owner = {f: t for t in tables for f in t.feature_names}
+    ids_of = {t.name: sum(caps[f] for f in t.feature_names) for t in tables}
+    out = {"buffers": 0.0, "ids_all_to_all": 0, "blocks": 0, "row_sum_values": 0,
+           "capacities": {}}  # fmt: skip
+    for g in layout.groups:
+        exp = [math.fsum(means[s.key] * s.nrows / owner[s.key].num_embeddings for s in slots)
+               for slots in g.slots]  # fmt: skip
+        natural = max(sum(caps[s.key] for s in slots) for slots in g.slots)
+        c = fast_path_capacity(max(exp), natural)
+        s = max(1, max(len(x) for x in g.slots))
+        p = c + min(s * batch, c) + (c if weighted else 0)
+        k, w = world * c, g.ncols
+        out["capacities"][g.name] = c
+        out["ids_all_to_all"] += world * p * 4
+        out["blocks"] += world * s * batch * w * 4
+        out["buffers"] += 2 * world * p * 4 + k * (4 * w + 16) + 2 * world * s * batch * w * 4
+        split = [{n for n, *_ in shards if w < conf[n].embedding_dim} for shards in g.shards]
+        if any(split):
+            v = max(sum(calls * world * min(c, ids_of[n]) for n in names) for names in split)
+            out["buffers"] += max(k * w * 4, 2 * 4 * v)
+            out["row_sum_values"] += v
+    for name in layout.replicated:
+        t = conf[name]
+        n = world * ids_of[name]
+        out["buffers"] += n * (3 * t.embedding_dim * 4 + 4 + 1 + 8 + 8)
+    return out

@@ -5,12 +5,13 @@ import time
 
 import numpy as np
 import pytest
-from planner_cases import GiB, MiB, padded_table_bytes, random_tables
+from planner_cases import GiB, MiB, padded_table_bytes, random_tables, recount
 
 import jaxrec as jr
 from jaxrec import optim
 from jaxrec.distributed import ShardingPlan, ShardingType, table_wise
 from jaxrec.distributed import construct_module_sharding_plan as construct
+from jaxrec.distributed.capacity import fast_path_capacity
 from jaxrec.distributed.layout import build_layout
 from jaxrec.distributed.planner import (
     EmbeddingShardingPlanner,
@@ -191,15 +192,44 @@ def test_skewed_workload_beats_table_wise_round_robin():
     assert "the given plan" in str(rr_stats)
 
 
-def test_capacity_shrinks_buffers():
+def test_statistics_sized_buffers_beat_the_worst_case():
+    """Default id buffers are sized from the expected load (pooling factors), a little
+    above it; capacity= at least the natural payload gives the worst-case buffers."""
     tables = [_cfg("a", 1_000_000, 64), _cfg("b", 1_000_000, 64)]
-    cons = {t: ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[50.0])
+    cons = {t: ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[50.0],
+                                    feature_capacities=[1024 * 80])
             for t in ("a", "b")}  # fmt: skip
     topo = Topology(world_size=8, batch_size=1024)
-    natural, _ = _plan(tables, topo, constraints=cons)
-    capped, _ = _plan(tables, topo, constraints=cons, capacity=4096)
-    assert capped.last_placement.memory[2] < natural.last_placement.memory[2]
-    assert capped.last_placement.perf.total < natural.last_placement.perf.total
+    sized, _ = _plan(tables, topo, constraints=cons)
+    worst, _ = _plan(tables, topo, constraints=cons, capacity=10**9)
+    (g,) = sized.last_placement.groups
+    assert g.expected_ids == pytest.approx(2 * 1024 * 50 / 8)  # two slots per rank
+    assert g.natural_ids == 2 * 1024 * 80
+    assert g.capacity == fast_path_capacity(g.expected_ids, g.natural_ids) < g.natural_ids
+    assert worst.last_placement.groups[0].capacity == g.natural_ids
+    assert sized.last_placement.memory[2] < worst.last_placement.memory[2] / 5
+    assert sized.last_placement.perf.total < worst.last_placement.perf.total
+    assert sized.last_stats.capacities == {"": {"fp32_c64": g.capacity}}
+    assert f"| {g.capacity} |" in str(sized.last_stats)  # printed next to the expected load
+
+
+def test_capacity_below_the_expected_load_is_refused_and_below_the_sized_one_warned():
+    tables = [_cfg("a", 1_000_000, 64)]
+    cons = {"a": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[50.0])}
+    topo = Topology(world_size=8, batch_size=1024)
+    expected = 1024 * 50 / 8
+    sized = fast_path_capacity(expected, 1024 * 50)
+    with pytest.raises(PlannerError) as e:
+        _plan(tables, topo, constraints=cons, capacity=int(expected) - 1)
+    msg = str(e.value)
+    assert f"capacity={int(expected) - 1}" in msg and "fp32_c64" in msg
+    assert f"expects {expected:.0f}" in msg and f"statistics: {sized}" in msg
+    planner, _ = _plan(tables, topo, constraints=cons, capacity=int(expected) + 10)
+    (w,) = planner.last_stats.warnings()
+    assert "extra exchange rounds" in w and f"statistics: {sized}" in w
+    assert "WARNING" in str(planner.last_stats)
+    planner, _ = _plan(tables, topo, constraints=cons, capacity=sized)
+    assert planner.last_stats.warnings() == []
 
 
 def test_planning_is_fast():
@@ -224,20 +254,24 @@ def test_topology():
 
 # Per-device collective operand bytes of bench/sharded.py's train step (T=8 tables of
 # 100000 x 64, B=512, L=10, 8 devices; "2x4" = 2 hosts), from
-# bench/results/sharded_cpu8_2026-11-22.jsonl, where they equal the compiled HLO's.
+# bench/results/sharded_cpu8_2026-11-22.jsonl, where they equal the compiled HLO's:
+# partial blocks (forward, and their gradients backward) and data-parallel row gradients.
 BENCH_BYTES = {
-    "table_wise": (491520, 1048576, 0),
-    "row_wise": (3932160, 8388608, 0),
-    "column_wise": (983040, 1048576, 0),
-    "data_parallel": (0, 0, 10690560),
-    "table_row_wise": (1966080, 4194304, 0),
-    "table_column_wise": (1966080, 1048576, 0),
-    "grid_shard": (3932160, 4194304, 0),
+    "table_wise": (1048576, 0),
+    "row_wise": (8388608, 0),
+    "column_wise": (1048576, 0),
+    "data_parallel": (0, 10690560),
+    "table_row_wise": (4194304, 0),
+    "table_column_wise": (1048576, 0),
+    "grid_shard": (4194304, 0),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(BENCH_BYTES))
-def test_comm_estimate_matches_the_compiled_collectives(kind):
+def test_comm_estimate_matches_the_exchange(kind):
+    """Blocks and gathered gradients as in the compiled HLO; ids and row sums as the
+    statistics-sized exchange sends them (``planner_cases.recount``, from the layout:
+    the HLO of that exchange is bench/sharded.py's to re-verify)."""
     from jaxrec import distributed as d
     from jaxrec.distributed.planner.perf import comm_bytes
 
@@ -256,16 +290,24 @@ def test_comm_estimate_matches_the_compiled_collectives(kind):
     ebc_like = type("M", (), {"table_configs": tables})
     plan = construct(ebc_like, {f"t{t}": gen(t) for t in range(8)}, world_size=8,
                      local_size=8 // hosts)  # fmt: skip
-    cons = {t.name: ParameterConstraints(feature_capacities=[512 * 10]) for t in tables}
+    cons = {t.name: ParameterConstraints(feature_capacities=[512 * 10], pooling_factors=[10.0])
+            for t in tables}  # fmt: skip
     stats = EmbeddingShardingPlanner(topo, cons).estimate(ShardingPlan({"": plan}), tables)
     got = comm_bytes(stats.placement, topo)
-    ids, blocks, gather = BENCH_BYTES[kind]
+    feats = [f"f{t}" for t in range(8)]
+    want = recount(tables, build_layout(tables, plan, 8), 8, 512,
+                   dict.fromkeys(feats, 5120.0), dict.fromkeys(feats, 5120), calls=1)  # fmt: skip
+    blocks, gather = BENCH_BYTES[kind]
     assert got == {
-        "ids_all_to_all": ids,
+        "ids_all_to_all": want["ids_all_to_all"],
         "fwd_output_all_to_all": blocks,
         "bwd_grad_all_to_all": blocks,
         "dp_row_grad_all_gather": gather,
+        "row_sum_exchange": 4 * want["row_sum_values"],
     }
+    if kind == "row_wise":  # 8 slots per rank, 5120 / 8 ids each: fast_path_capacity's example
+        assert stats.capacities == {"": {"fp32_c64": 5847}}
+        assert got["ids_all_to_all"] == 8 * (5847 + 8 * 512) * 4  # rows + per-bag counts
 
 
 def test_width_groups_pad_per_collection():

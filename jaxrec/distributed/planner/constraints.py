@@ -47,6 +47,9 @@ class ParameterConstraints:
             (UVM/caching) kernel, so every table is HBM-only; ``False`` is rejected.
         ranks: if given, the only ranks the table's shards may use (table-wise
             and column-wise shards).
+        is_weighted: the table's features carry per-id weights (TorchRec's
+            name); a collection with any weighted table sends weights with its
+            ids, so its id buffers grow by a third.
 
     Example:
         >>> ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[20.0])
@@ -61,6 +64,7 @@ class ParameterConstraints:
     min_partition: int | None = None
     hbm_only: bool = True
     ranks: Sequence[int] | None = None
+    is_weighted: bool = False
 
     def __post_init__(self):
         st = _types(self.sharding_types, ShardingType, "sharding_types")

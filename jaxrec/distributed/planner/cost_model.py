@@ -1,108 +1,164 @@
-"""The storage and perf estimators bound to one topology: per-group linear costs.
+"""The storage and perf estimators bound to one topology: per-group costs.
 
-Both estimators are linear in a width group's padded maxima (rows ``R``,
-per-destination ids ``C``, slots ``S``), which keeps the partitioner's
-what-if questions O(1).
+A width group's memory and time depend only on its padded maxima over ranks:
+rows ``R``, expected ids per destination ``X`` and natural payload (the sum
+of the capacities of the features a rank's slots read), which give the
+fast-path capacity ``C`` (``jaxrec.distributed.capacity``), and slots ``S``.
+Memory is linear in ``R``; buffers and time are piecewise linear in ``C`` and
+``S`` (``storage.sharded_buffer_bytes``, ``perf.sharded_perf``). Everything
+here takes numpy arrays, so the partitioner prices every candidate rank at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
+from ..capacity import CAPACITY_FACTOR, SIGMAS, fast_path_capacity
 from .options import ShardSpec, TableInfo
-from .perf import Perf, replicated_perf, sharded_perf_coeffs
+from .perf import Perf, replicated_perf, sharded_perf
 from .storage import (
     replicated_memory,
-    row_sum_bytes,
     row_sum_calls,
-    sharded_memory_coeffs,
+    sharded_buffer_bytes,
     state_bytes_per_row,
 )
 from .topology import Topology
 
 
+def fast_path_capacities(expected, natural, capacity: int | None = None) -> np.ndarray:
+    """:func:`jaxrec.distributed.capacity.fast_path_capacity` over arrays (same floats).
+
+    ``capacity``: a user's ``capacity=``, which replaces the statistics-sized
+    value (``min(capacity, natural)``).
+    """
+    e = np.asarray(expected, np.float64)
+    nat = np.asarray(natural, np.float64)
+    if capacity is not None:
+        c = np.minimum(float(capacity), nat)
+    else:
+        sized = np.ceil(CAPACITY_FACTOR * e + SIGMAS * np.sqrt(np.maximum(e, 0.0)))
+        c = np.where(e > 0, np.minimum(nat, np.maximum(1.0, sized)), 1.0)
+    return np.where(nat < 1, 1.0, c)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-    """Costs of one ``(columns, dtype, state bytes)`` group: ``mem = a*R + b*C + c*S``,
-    plus, once it holds a column shard, ``max(mem_id_split * C, row sums)`` (see
-    :meth:`buffers`)."""
+    """Costs of one ``(columns, dtype, state bytes per row, weighted)`` width group."""
 
-    weight_row: float
-    state_row: float
-    mem_row: float
-    mem_id: float
-    mem_id_split: float
-    mem_slot: float
-    perf_id: Perf
-    perf_slot: Perf
-    time_id: float  # perf_id.total
-    time_slot: float
+    topology: Topology
+    ncols: int
+    itemsize: int
+    state_row: int
+    weighted: bool
 
-    def buffers(self, ids, slots, split: bool = False, row_sum: float = 0.0):
-        """Lookup buffer bytes (``ids`` may be an array). A group with column shards
-        holds, after its row gradients, either its row-sum vectors or its updated
-        rows: the update computes the rows from the completed sums, so the
-        vectors are dead by then (``storage.row_sum_bytes``)."""
-        extra = np.maximum(ids * self.mem_id_split, row_sum) if split else 0.0
-        return ids * self.mem_id + slots * self.mem_slot + extra
+    @property
+    def weight_row(self) -> int:
+        return self.ncols * self.itemsize
 
-    def memory(
-        self, rows: float, ids: float, slots: float, split: bool = False, row_sum: float = 0.0
-    ) -> tuple[float, float, float]:
-        """``(weights, optimizer state, buffers)`` bytes."""
-        buffers = float(self.buffers(ids, slots, split, row_sum))
+    @property
+    def mem_row(self) -> int:
+        return self.ncols * self.itemsize + self.state_row
+
+    def buffers(self, capacity, slots, split: bool = False, row_sum_values=0.0):
+        """Lookup buffer bytes for fast-path capacity ``C`` and ``S`` slots (arrays ok)."""
+        return sharded_buffer_bytes(
+            self.topology, self.ncols, capacity, slots, weighted=self.weighted, split=split,
+            row_sum_values=row_sum_values,
+        )  # fmt: skip
+
+    def perf(self, capacity, slots, row_sum_values=0.0) -> Perf:
+        return sharded_perf(
+            self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
+            weighted=self.weighted, row_sum_values=row_sum_values,
+        )  # fmt: skip
+
+    def time(self, capacity, slots, row_sum_values=0.0):
+        return self.perf(capacity, slots, row_sum_values).total
+
+    @functools.cached_property
+    def linear(self) -> tuple[float, float, float, float]:
+        """``(bytes per id, bytes per slot, seconds per id, seconds per slot)``: the
+        costs' slopes, for cheap per-rank load estimates."""
+        return (float(self.buffers(1, 0)), float(self.buffers(0, 1)),
+                float(self.time(1, 0)), float(self.time(0, 1)))  # fmt: skip
+
+    def memory(self, rows, capacity, slots, split=False, row_sum_values=0.0):
+        """``(weights, optimizer state, buffers)`` bytes on every device."""
+        buffers = float(self.buffers(capacity, slots, split, row_sum_values))
         return rows * self.weight_row, rows * self.state_row, buffers
-
-    def perf(self, ids: float, slots: float) -> Perf:
-        return self.perf_id.scale(ids) + self.perf_slot.scale(slots)
 
 
 class CostModel:
-    """Storage and perf estimates for one topology and id capacity."""
+    """Storage and perf estimates for one topology and ``capacity=`` setting.
 
-    def __init__(self, topology: Topology, capacity: int | None = None):
+    Args:
+        topology: the devices.
+        capacity: a user's ``capacity=`` (ids per destination for every width
+            group, at most the natural payload); ``None`` sizes each group's
+            fast path from its expected load.
+        weighted_modules: module paths whose collections carry per-id weights.
+    """
+
+    def __init__(
+        self, topology: Topology, capacity: int | None = None, weighted_modules=frozenset()
+    ):
         self.topology = topology
         self.capacity = capacity
+        self.weighted_modules = frozenset(weighted_modules)
         self._groups: dict = {}
         self._state: dict = {}
 
     def state_per_row(self, table: TableInfo, ncols: int) -> int:
         return state_bytes_per_row(table.optimizer, ncols, self._state)
 
+    def row_sum_calls(self, table: TableInfo) -> int:
+        return row_sum_calls(table.optimizer, self._state)
+
     def group_key(self, table: TableInfo, ncols: int) -> tuple:
         """Shards stack by ``(columns, dtype)`` within one collection (``layout.py``)."""
         return (table.module, ncols, table.config.data_type.value)
 
     def group_cost(self, table: TableInfo, ncols: int) -> GroupCost:
-        key = (ncols, table.itemsize, self.state_per_row(table, ncols))
+        weighted = table.module in self.weighted_modules
+        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted)
         cost = self._groups.get(key)
         if cost is None:
-            m = sharded_memory_coeffs(self.topology, *key)
-            pi, ps = sharded_perf_coeffs(self.topology, *key)
-            cost = GroupCost(ncols * key[1], key[2], *m, pi, ps, pi.total, ps.total)
-            self._groups[key] = cost
+            cost = self._groups[key] = GroupCost(self.topology, *key)
         return cost
 
-    def capped(self, ids: float) -> float:
-        return ids if self.capacity is None else min(ids, self.capacity)
+    def capacities(self, expected, natural) -> np.ndarray:
+        """Fast-path capacities for arrays of (expected, natural) loads."""
+        return fast_path_capacities(expected, natural, self.capacity)
 
-    def row_sums(self, table: TableInfo) -> float:
-        """Bytes on every device of a column-split table's per-row sums (see storage)."""
-        return row_sum_bytes(table.rows, row_sum_calls(table.optimizer, self._state))
+    def capacity_of(self, expected: float, natural: int) -> int:
+        """The capacity the sharded collection builds for a group (the shared formula)."""
+        if natural < 1:
+            return 1
+        if self.capacity is not None:
+            return max(1, min(self.capacity, natural))
+        return fast_path_capacity(expected, natural)
+
+    def standalone(self, table: TableInfo, nrows, ncols: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(bytes, seconds)`` of shards of ``nrows`` rows (an array) and ``ncols``
+        columns, each as if alone in its width group."""
+        g = self.group_cost(table, ncols)
+        nrows = np.asarray(nrows, np.float64)
+        c = self.capacities(table.expected_ids * nrows / table.rows, table.ids)
+        split = ncols < table.dim
+        v = self.topology.world_size * np.minimum(c, table.ids) * self.row_sum_calls(table)
+        v = v if split else 0.0
+        mem = nrows * g.mem_row + g.buffers(c, table.num_features, split, v)
+        return mem, g.time(c, table.num_features, v)
 
     def shard_memory(self, table: TableInfo, shard: ShardSpec) -> float:
         """Bytes of one shard as if alone in its width group."""
-        g = self.group_cost(table, shard.ncols)
-        split = shard.ncols < table.dim
-        row_sum = self.row_sums(table) if split else 0.0
-        buffers = g.buffers(self.capped(table.ids), table.num_features, split, row_sum)
-        return shard.nrows * g.mem_row + float(buffers)
+        return float(self.standalone(table, [shard.nrows], shard.ncols)[0][0])
 
     def shard_perf(self, table: TableInfo, shard: ShardSpec) -> float:
-        g = self.group_cost(table, shard.ncols)
-        return self.capped(table.ids) * g.time_id + table.num_features * g.time_slot
+        return float(self.standalone(table, [shard.nrows], shard.ncols)[1][0])
 
     def replicated(self, table: TableInfo) -> tuple[tuple[float, float, float], Perf]:
         """``((weights, state, buffers), perf)`` of a data-parallel table, per device."""

@@ -104,9 +104,13 @@ def estimate_option(
         per_device, total, seconds = w + s + io, (w + s + io) * cost.topology.world_size, perf.total
         seconds *= cost.topology.world_size  # every device does it
     else:
-        mems = [cost.shard_memory(table, sh) for sh in shards if sh.nrows and sh.ncols]
-        per_device, total = max(mems), sum(mems)
-        seconds = sum(cost.shard_perf(table, sh) for sh in shards if sh.nrows and sh.ncols)
+        per_device = total = seconds = 0.0
+        for ncols in sorted({sh.ncols for sh in shards if sh.nrows and sh.ncols}):
+            nrows = [sh.nrows for sh in shards if sh.nrows and sh.ncols == ncols]
+            mem, sec = cost.standalone(table, nrows, ncols)
+            per_device = max(per_device, float(mem.max()))
+            total += float(mem.sum())
+            seconds += float(sec.sum())
     return ShardingOption(
         table=table,
         sharding_type=st,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ...configs import BaseEmbeddingConfig
 from ...optim import SparseOptimizer
@@ -13,13 +14,19 @@ from .storage import DTYPE_BYTES
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TableInfo:
-    """One table of one module, with its constraints, optimizer and id capacities."""
+    """One table of one module, with its constraints, optimizer and id statistics."""
 
     module: str  # module path ("" for a bare collection)
     config: BaseEmbeddingConfig
     constraints: ParameterConstraints
     optimizer: SparseOptimizer
     feature_caps: tuple[int, ...]  # ids per device per feature (static KJT capacities)
+    # mean ids per device per feature: batch * pooling factor * num_poolings, at most the cap
+    feature_means: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if not self.feature_means:
+            object.__setattr__(self, "feature_means", tuple(float(c) for c in self.feature_caps))
 
     @property
     def name(self) -> str:
@@ -41,13 +48,24 @@ class TableInfo:
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.config.data_type]
 
-    @property
+    @functools.cached_property
     def ids(self) -> int:
         return sum(self.feature_caps)
 
     @property
     def num_features(self) -> int:
         return len(self.feature_caps)
+
+    @functools.cached_property
+    def expected_ids(self) -> float:
+        """Mean ids per device per step over the table's features."""
+        return float(sum(self.feature_means))
+
+    def slot_loads(self, nrows: int) -> tuple[float, ...]:
+        """Expected ids per source of each feature reading a shard of ``nrows`` rows
+        (ids spread over rows uniformly): ``mean * nrows / rows``, the formula of
+        ``jaxrec.distributed.capacity``."""
+        return tuple(m * nrows / self.rows for m in self.feature_means)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,47 +1,102 @@
 """Partitioner: ranks for every shard of a proposal (TorchRec's ``GreedyPerfPartitioner``).
 
-jaxrec pads each ``(columns, dtype)`` width group to its fullest rank (rows,
-ids per destination, slots), so what a step costs on every device is set by
-the per-group maxima over ranks. The partitioner places options in order
-(row-wise first, then host blocks and free shards, largest first) and puts
-each shard where it raises the padded step time and padded memory least,
-each measured as a fraction of a perfectly balanced device; ties go to the
-rank with the least load of its own, then the lowest rank. A shard that no
-rank can hold within the usable memory is set aside and its table reported as
-not fitting; once everything else is placed, the set-aside shards are placed
-anyway (where they hurt least) so that the memory the proposal needs is known.
+jaxrec pads each ``(columns, dtype)`` width group to its fullest rank: rows,
+expected ids per destination (which size the fast-path id capacity, see
+``jaxrec.distributed.capacity``), natural id payload and slots. What a step
+costs on every device is therefore set by per-group maxima over ranks, and
+the groups are independent: a group's padded cost depends only on how its own
+shards spread. The partitioner balances each group: it knows every group's
+total rows and expected ids from the proposal, so their balanced per-rank
+means are its targets. It places options in order (row-wise first, then host
+blocks, then free shards, each group's largest first, measured against its
+targets) and puts each shard where it raises the padded step time and padded
+memory least (each as a fraction of a perfectly balanced device); ties go to
+the rank with the least load of its own, then the lowest rank.
+
+A table-wise table that would push its rank past the group's targets (rows,
+or expected ids: a small table read often sets the id capacity of the whole
+group) and whose constraints allow row-wise sharding is split instead: its
+rows are cut into pieces that fill the ranks with the most room under the
+targets, preferring ranks that do not raise the group's slot count, when that
+costs less than placing it whole. The pieces become a ``ROW_WISE`` sharding
+over those ranks with uneven shard sizes (``build_layout`` accepts any exact
+tiling).
+
+A shard that no rank can hold within the usable memory is set aside and its
+table reported as not fitting; once everything else is placed, the set-aside
+shards are placed anyway (where they hurt least) so that the memory the
+proposal needs is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from ..types import ShardingType
 from .cost_model import CostModel, GroupCost
-from .options import ShardingOption
+from .enumerator import estimate_option
+from .options import ShardingOption, ShardSpec
 from .perf import Perf
+from .storage import row_sum_values
+
+SLACK_ROWS = 0.02  # a rank's rows may exceed the group's balanced mean by this share
+SLACK_IDS = 0.10  # and its expected ids per destination by this one before a table splits
+SMALL = 0.5  # tables below this share of a balanced rank (rows and ids) are never cut
 
 
 class _Group:
-    __slots__ = ("key", "cost", "rows", "ids", "slots", "max_rows", "max_ids", "max_slots", "opts",
-                 "tables", "split", "row_sum")  # fmt: skip
+    __slots__ = ("key", "cost", "model", "rows", "exp", "nat", "slots", "vub", "max_rows",
+                 "max_exp", "max_nat", "max_slots", "max_vub", "split", "loads", "split_ids",
+                 "total_rows", "total_exp", "cap_rows", "cap_exp", "opts", "tables", "mem_now",
+                 "time_now")  # fmt: skip
 
-    def __init__(self, key, cost: GroupCost, n: int):
-        self.key, self.cost = key, cost
+    def __init__(self, key, cost: GroupCost, model: CostModel, n: int):
+        self.key, self.cost, self.model = key, cost, model
         self.rows = np.zeros(n, np.int64)
-        self.ids = np.zeros(n, np.int64)
+        self.exp = np.zeros(n)  # expected ids per source, summed over the rank's slots
+        self.nat = np.zeros(n, np.int64)  # capacities of the features its slots read
         self.slots = np.zeros(n, np.int64)
-        self.max_rows = self.max_ids = self.max_slots = 0
+        self.vub = np.zeros(n)  # row-sum values, bounded with each table's whole payload
+        self.max_rows = self.max_nat = self.max_slots = 0
+        self.max_exp = self.max_vub = 0.0
+        self.split = False  # holds a column shard: updated by the XLA path (storage.py)
+        self.loads: list[list[float]] = [[] for _ in range(n)]  # per rank, per slot
+        self.split_ids: list[dict[str, tuple[int, int]]] = [{} for _ in range(n)]  # (ids, calls)
+        self.total_rows = self.total_exp = 0.0
+        self.cap_rows = self.cap_exp = math.inf  # balanced targets with slack
         self.opts: dict[int, str] = {}
         self.tables: list[str] = []
-        self.split = False  # holds a column shard: updated by the XLA path (storage.py)
-        self.row_sum = 0.0  # bytes of its column-split tables' row-sum vectors
+        self.mem_now = self.time_now = 0.0  # padded cost of the current maxima
 
-    def buffers(self, ids, slots, split=None, row_sum=None):
-        split = self.split if split is None else split
-        return self.cost.buffers(ids, slots, split, self.row_sum if row_sum is None else row_sum)
+    def price(self, rows, exp, nat, slots, split, vub):
+        """Padded (memory, time) of the group for given maxima (arrays ok)."""
+        c = self.model.capacities(exp, nat)
+        v = vub if split else 0.0
+        mem = rows * self.cost.mem_row + self.cost.buffers(c, slots, split, v)
+        return mem, self.cost.time(c, slots, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One shard on one rank, as the group bookkeeping sees it."""
+
+    group: _Group
+    rank: int
+    nrows: int
+    loads: tuple[float, ...]  # expected ids per source of each feature reading it
+    natural: int  # the capacities of those features
+    split: bool  # a column shard
+    split_ids: int  # the table's whole payload (row-sum values are bounded by it)
+    calls: int  # row sums per step of its optimizer
+    table: str  # its key: row sums are exchanged once per table on a rank
+
+    @property
+    def vub(self) -> float:
+        return self.calls * len(self.group.rows) * self.split_ids if self.split else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +106,30 @@ class GroupStats:
     key: tuple  # (module path, columns, dtype)
     tables: tuple[str, ...]
     rows_per_rank: int
-    ids_per_destination: float
+    capacity: int  # fast-path ids per (source, destination): the buffers' size
+    expected_ids: float  # the largest mean ids a destination receives from one source
+    natural_ids: int  # the largest possible payload (a capacity that never overflows)
     slots: int
+    weighted: bool
+    column_split: bool  # holds a column shard: updated by the XLA path
+    row_sum_values: int  # float32 values exchanged per step between column shards' peers
     memory: tuple[float, float, float]  # weights, state, buffers (per device)
     perf: Perf
     optimizers: tuple[str, ...]
 
+    @property
+    def name(self) -> str:
+        """The group's name in the sharded collection (``layout.py``): ``fp32_c64``."""
+        return f"{self.key[2].lower()}_c{self.key[1]}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """A partitioned proposal and its estimates (per device, padded as jaxrec allocates)."""
+    """A partitioned proposal and its estimates (per device, padded as jaxrec allocates).
+
+    ``options`` are the proposal's, except table-wise tables the partitioner
+    split by rows, which appear as their ``ROW_WISE`` pieces.
+    """
 
     options: tuple[ShardingOption, ...]
     shard_ranks: tuple[tuple[int, ...], ...]  # per option, per shard
@@ -71,6 +140,7 @@ class Placement:
     own_perf: tuple[float, ...]  # per rank: seconds for its own shards, unpadded
     groups: tuple[GroupStats, ...]
     overflow: tuple[str, ...]  # tables placed beyond the usable memory
+    split: tuple[str, ...] = ()  # table-wise tables cut by rows to balance their groups
 
     @property
     def hbm(self) -> float:
@@ -86,27 +156,44 @@ class Placement:
         mean = sum(self.own_perf) / len(self.own_perf)
         return max(self.own_perf) / mean if mean > 0 else 1.0
 
+    @property
+    def capacities(self) -> dict[str, dict[str, int]]:
+        """``{module path: {group name: fast-path capacity}}`` the collections build."""
+        out: dict[str, dict[str, int]] = {}
+        for g in self.groups:
+            out.setdefault(g.key[0], {})[g.name] = g.capacity
+        return out
+
 
 class GreedyPerfPartitioner:
-    """Places the shards of a proposal greedily (see the module docstring)."""
+    """Places the shards of a proposal greedily (see the module docstring).
+
+    Args:
+        split: split table-wise tables by rows where they would set a width
+            group's padding (``False``: place every table whole, as TorchRec).
+    """
+
+    def __init__(self, split: bool = True):
+        self.split = split
 
     def partition(
         self, proposal: Sequence[ShardingOption], cost: CostModel, usable_bytes: float
     ) -> Placement:
-        return _Run(proposal, cost, usable_bytes).run()
+        return _Run(proposal, cost, usable_bytes, self.split).run()
 
 
 _ORDER = {"fixed": 0, "host": 1, "free": 2}
 
 
 class _Run:
-    def __init__(self, proposal, cost: CostModel, usable: float):
+    def __init__(self, proposal, cost: CostModel, usable: float, split: bool):
         self.proposal = tuple(proposal)
         self.cost = cost
         self.usable = usable
+        self.allow_split = split
         self.n = n = cost.topology.world_size
         self.groups: dict[tuple, _Group] = {}
-        self.own_mem = np.zeros(n)
+        self.own_mem = np.zeros(n)  # tie-breaks while placing; exact ones in _result
         self.own_time = np.zeros(n)
         self.base_mem = [0.0, 0.0, 0.0]
         self.base_perf = Perf()
@@ -114,74 +201,61 @@ class _Run:
         self.overflow: list[str] = []
         self.deferred: list[tuple] = []
         self.forced = False  # placing what did not fit, to learn the memory it needs
+        self.replaced: dict[int, ShardingOption] = {}  # split tables: their pieces
         self.m_ref = max(sum(o.total_bytes for o in proposal) / n, 1.0)
         self.t_ref = max(sum(o.perf for o in proposal) / n, 1e-12)
-        self.cap = cost.capacity
-
-    def _capped(self, ids):
-        return ids if self.cap is None else min(ids, self.cap)
 
     def _group(self, o: ShardingOption, ncols: int) -> _Group:
         key = self.cost.group_key(o.table, ncols)
         g = self.groups.get(key)
         if g is None:
-            g = self.groups[key] = _Group(key, self.cost.group_cost(o.table, ncols), self.n)
+            cost = self.cost.group_cost(o.table, ncols)
+            g = self.groups[key] = _Group(key, cost, self.cost, self.n)
         return g
 
     def _own(self, r: int) -> float:
         return float(self.own_mem[r] / self.m_ref + self.own_time[r] / self.t_ref)
 
+    def _item(self, o: ShardingOption, sh: ShardSpec, rank: int) -> _Item:
+        t = o.table
+        split = sh.ncols < t.dim
+        calls = self.cost.row_sum_calls(t) if split else 0
+        return _Item(self._group(o, sh.ncols), rank, sh.nrows, t.slot_loads(sh.nrows), t.ids,
+                     split, t.ids, calls, t.key)  # fmt: skip
+
+    def _items(self, o: ShardingOption, shards_ranks) -> list[_Item]:
+        return [self._item(o, sh, r) for sh, r in shards_ranks if sh.nrows and sh.ncols]
+
     # ----- what-if and apply -----
-    def _delta(self, items) -> tuple[float, float]:
-        """Padded (memory, time) increase of placing ``items``
-        [(group, rank, rows, ids, slots, column split, table key, row-sum bytes)]."""
-        new: dict[int, list] = {}
-        for g, r, nr, ids, ns, split, key, rs in items:
-            m = new.get(id(g))
+    def _delta(self, items: Sequence[_Item]) -> tuple[float, float]:
+        """Padded (memory, time) increase of placing ``items``."""
+        per: dict[int, list] = {}
+        for it in items:
+            g = it.group
+            m = per.get(id(g))
             if m is None:
-                m = new[id(g)] = [g, g.max_rows, g.max_ids, g.max_slots, g.split, g.row_sum, set()]
-            m[1] = max(m[1], int(g.rows[r]) + nr)
-            m[2] = max(m[2], int(g.ids[r]) + ids)
-            m[3] = max(m[3], int(g.slots[r]) + ns)
-            m[4] = m[4] or split
-            if split and key not in g.tables and key not in m[6]:
-                m[5] += rs
-                m[6].add(key)
+                m = per[id(g)] = [g, {}, False]
+            d = m[1].setdefault(it.rank, [0, 0.0, 0, 0, 0.0])
+            d[0] += it.nrows
+            d[1] += sum(it.loads)
+            d[2] += it.natural
+            d[3] += len(it.loads)
+            d[4] += it.vub
+            m[2] = m[2] or it.split
         dm = dt = 0.0
-        for g, rows, ids, slots, split, row_sum, _ in new.values():
-            c = g.cost
-            new_ids, old_ids = self._capped(ids), self._capped(g.max_ids)
-            d_slots = slots - g.max_slots
-            dm += (rows - g.max_rows) * c.mem_row
-            dm += float(g.buffers(new_ids, slots, split, row_sum) - g.buffers(old_ids, g.max_slots))
-            dt += (new_ids - old_ids) * c.time_id + d_slots * c.time_slot
+        for g, ranks, split in per.values():
+            rows, exp, nat = g.max_rows, g.max_exp, g.max_nat
+            slots, vub = g.max_slots, g.max_vub
+            for r, (a, b, c, d, e) in ranks.items():
+                rows = max(rows, int(g.rows[r]) + a)
+                exp = max(exp, float(g.exp[r]) + b)
+                nat = max(nat, int(g.nat[r]) + c)
+                slots = max(slots, int(g.slots[r]) + d)
+                vub = max(vub, float(g.vub[r]) + e)
+            mem, t = g.price(rows, exp, nat, slots, g.split or split, vub)
+            dm += float(mem) - g.mem_now
+            dt += float(t) - g.time_now
         return dm, dt
-
-    def _fits(self, items) -> bool:
-        return self.padded_mem + self._delta(items)[0] <= self.usable
-
-    def _apply(self, o: ShardingOption, items) -> None:
-        dm, _ = self._delta(items)
-        if self.padded_mem + dm > self.usable and o.table.key not in self.overflow:
-            self.overflow.append(o.table.key)
-        self.padded_mem += dm
-        for g, r, nr, ids, ns, split, key, rs in items:
-            if split and key not in g.tables:
-                g.row_sum += rs
-            g.split = g.split or split
-            g.rows[r] += nr
-            g.ids[r] += ids
-            g.slots[r] += ns
-            g.max_rows = max(g.max_rows, int(g.rows[r]))
-            g.max_ids = max(g.max_ids, int(g.ids[r]))
-            g.max_slots = max(g.max_slots, int(g.slots[r]))
-            c, cids = g.cost, self._capped(ids)
-            own = c.buffers(cids, ns, split, rs if split else 0.0)
-            self.own_mem[r] += nr * c.mem_row + float(own)
-            self.own_time[r] += cids * c.time_id + ns * c.time_slot
-            g.opts.setdefault(id(o.table.optimizer), o.table.optimizer.name)
-            if o.table.key not in g.tables:
-                g.tables.append(o.table.key)
 
     def _score(self, items, tie: float, index: int) -> tuple:
         dm, dt = self._delta(items)
@@ -189,23 +263,46 @@ class _Run:
         primary = dm / self.m_ref + dt / self.t_ref
         return (not fits, primary if fits else dm, tie, index)
 
-    def _items(self, o: ShardingOption, shards_ranks) -> list:
-        t = o.table
-        rs = self.cost.row_sums(t)
-        return [
-            (
-                self._group(o, sh.ncols),
-                r,
-                sh.nrows,
-                t.ids,
-                t.num_features,
-                sh.ncols < t.dim,
-                t.key,
-                rs,
-            )
-            for sh, r in shards_ranks
-            if sh.nrows and sh.ncols
-        ]
+    def _fits(self, items) -> bool:
+        return self.padded_mem + self._delta(items)[0] <= self.usable
+
+    def _apply(self, o: ShardingOption, items: Sequence[_Item]) -> None:
+        touched: dict[int, tuple[_Group, list[_Item]]] = {}
+        for it in items:
+            touched.setdefault(id(it.group), (it.group, []))[1].append(it)
+        before = sum(g.mem_now for g, _ in touched.values())
+        for g, its in touched.values():
+            r = np.array([it.rank for it in its])
+            exp = np.array([sum(it.loads) for it in its])
+            slots = np.array([len(it.loads) for it in its])
+            nrows = np.array([it.nrows for it in its])
+            np.add.at(g.rows, r, nrows)
+            np.add.at(g.exp, r, exp)
+            np.add.at(g.nat, r, [it.natural for it in its])
+            np.add.at(g.slots, r, slots)
+            np.add.at(g.vub, r, [it.vub for it in its])
+            for it in its:
+                g.loads[it.rank].extend(it.loads)
+                if it.split:
+                    g.split = True
+                    g.split_ids[it.rank][it.table] = (it.split_ids, it.calls)
+            g.max_rows = max(g.max_rows, int(g.rows[r].max()))
+            g.max_exp = max(g.max_exp, float(g.exp[r].max()))
+            g.max_nat = max(g.max_nat, int(g.nat[r].max()))
+            g.max_slots = max(g.max_slots, int(g.slots[r].max()))
+            g.max_vub = max(g.max_vub, float(g.vub[r].max()))
+            m_id, m_slot, t_id, t_slot = g.cost.linear  # own load, for tie-breaks
+            np.add.at(self.own_mem, r, nrows * g.cost.mem_row + exp * m_id + slots * m_slot)
+            np.add.at(self.own_time, r, exp * t_id + slots * t_slot)
+            g.opts.setdefault(id(o.table.optimizer), o.table.optimizer.name)
+            if o.table.key not in g.tables:
+                g.tables.append(o.table.key)
+            mem, t = g.price(g.max_rows, g.max_exp, g.max_nat, g.max_slots, g.split, g.max_vub)
+            g.mem_now, g.time_now = float(mem), float(t)
+        touched = {k: g for k, (g, _) in touched.items()}
+        self.padded_mem += sum(g.mem_now for g in touched.values()) - before
+        if self.padded_mem > self.usable and o.table.key not in self.overflow:
+            self.overflow.append(o.table.key)
 
     # ----- placement per kind -----
     def _place_fixed(self, o: ShardingOption, ranks: list) -> None:
@@ -216,28 +313,187 @@ class _Run:
         self._apply(o, items)
         ranks[:] = o.ranks
 
-    def _best_rank(self, o: ShardingOption, sh, cands: np.ndarray) -> tuple[int, bool]:
-        """The best rank for one shard among ``cands`` (vectorised ``_score``)."""
-        g, t = self._group(o, sh.ncols), o.table
-        c = g.cost
-        d_rows = np.maximum(g.rows[cands] + sh.nrows - g.max_rows, 0)
-        new_ids = np.maximum(g.ids[cands] + t.ids, g.max_ids)
-        if self.cap is not None:
-            new_ids = np.minimum(new_ids, self.cap)
-        old_ids = self._capped(g.max_ids)
-        d_ids = new_ids - old_ids
-        d_slots = np.maximum(g.slots[cands] + t.num_features - g.max_slots, 0)
-        split = sh.ncols < t.dim
-        row_sum = g.row_sum + (self.cost.row_sums(t) if split and t.key not in g.tables else 0.0)
-        new_slots = np.maximum(g.slots[cands] + t.num_features, g.max_slots)
-        new_buf = g.buffers(new_ids, new_slots, g.split or split, row_sum)
-        dm = d_rows * c.mem_row + new_buf - g.buffers(old_ids, g.max_slots)
-        dt = d_ids * c.time_id + d_slots * c.time_slot
+    def _load(self, g: _Group, cands, nrows: int, exp: float) -> np.ndarray:
+        """Each candidate's load in the group after adding a shard, as a share of the
+        group's balanced targets (the larger of rows and expected ids)."""
+        load = (g.rows[cands] + nrows) / g.cap_rows
+        return np.maximum(load, (g.exp[cands] + exp) / g.cap_exp) if g.cap_exp > 0 else load
+
+    def _best_rank(self, o: ShardingOption, sh: ShardSpec, cands: np.ndarray) -> tuple:
+        """``(rank, fits, score)`` of the best rank for one shard among ``cands``
+        (vectorised ``_score``; among equal scores the least loaded rank of the group)."""
+        it = self._item(o, sh, -1)
+        g = it.group
+        e = sum(it.loads)
+        split = g.split or it.split
+        mem, tm = g.price(
+            np.maximum(g.max_rows, g.rows[cands] + sh.nrows),
+            np.maximum(g.max_exp, g.exp[cands] + e),
+            np.maximum(g.max_nat, g.nat[cands] + it.natural),
+            np.maximum(g.max_slots, g.slots[cands] + len(it.loads)),
+            split,
+            np.maximum(g.max_vub, g.vub[cands] + it.vub),
+        )
+        dm, dt = mem - g.mem_now, tm - g.time_now
         fits = self.padded_mem + dm <= self.usable
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
+        load = self._load(g, cands, sh.nrows, e)
         own = self.own_mem[cands] / self.m_ref + self.own_time[cands] / self.t_ref
-        i = np.lexsort((cands, own, primary, ~fits))[0]
-        return int(cands[i]), bool(fits[i])
+        i = np.lexsort((cands, own, load, primary, ~fits))[0]
+        return int(cands[i]), bool(fits[i]), float(primary[i])
+
+    def _fillable(self, o: ShardingOption) -> bool:
+        """A table-wise table the fill may cut by rows (over any ranks)."""
+        return (
+            self.allow_split
+            and o.sharding_type is ShardingType.TABLE_WISE
+            and len(o.shards) == 1
+            and len(o.ranks) == self.n > 1
+            and o.table.rows > 1
+            and o.table.constraints.allows(ShardingType.ROW_WISE)
+        )
+
+    def _place_small(self, g: _Group, o: ShardingOption, ranks: list) -> None:
+        """A table at most ``SMALL`` of a balanced rank, whole: on the rank with the
+        fewest slots of the group that stays within its share, then the least loaded."""
+        cands = np.arange(self.n)
+        t = o.table
+        load = (g.rows + t.rows) / (g.total_rows / self.n)
+        if g.total_exp > 0:
+            load = np.maximum(load, (g.exp + t.expected_ids) / (g.total_exp / self.n))
+        r = int(cands[np.lexsort((cands, load, g.slots, load > 1))[0]])
+        self._apply(o, self._items(o, [(o.shards[0], r)]))
+        ranks[:] = [r]
+
+    def _fill(self, group: _Group, opts: list[tuple[ShardingOption, list]]) -> None:
+        """Lays a group's fillable tables over the ranks, filling each rank's rows up to
+        the group's balanced share exactly. Tables are sorted by expected ids per row;
+        each rank takes rows from the sparsest and the densest tables left in the
+        proportion that also fills its share of expected ids (a two-pointer walk), so
+        rows balance exactly and expected ids closely, with at most two tables cut at
+        each rank boundary."""
+        n = self.n
+        total = int(group.total_rows)
+        share = [total // n + (1 if r < total % n else 0) for r in range(n)]
+        items = sorted(opts, key=lambda x: (x[0].table.expected_ids / x[0].table.rows,
+                                            x[0].table.key))  # fmt: skip
+        dens = [o.table.expected_ids / o.table.rows for o, _ in items]
+        left_rows = [o.table.rows for o, _ in items]
+        sizes: list[dict[int, int]] = [{} for _ in items]
+        lo, hi = 0, len(items) - 1
+
+        def take(i: int, r: int, amount: int) -> tuple[int, float]:
+            amount = min(amount, left_rows[i])
+            sizes[i][r] = sizes[i].get(r, 0) + amount
+            left_rows[i] -= amount
+            return amount, amount * dens[i]
+
+        for r in range(n):
+            a = share[r] - int(group.rows[r])  # rows this rank still takes
+            b = group.total_exp / n - float(group.exp[r])  # and expected ids
+            while a > 0 and lo <= hi:
+                if not left_rows[lo]:
+                    lo += 1
+                    continue
+                if not left_rows[hi]:
+                    hi -= 1
+                    continue
+                want = max(b, 0.0) / a  # the density that fills both at once
+                if lo == hi or want <= dens[lo]:
+                    x, e = take(lo, r, a)
+                elif want >= dens[hi]:
+                    x, e = take(hi, r, a)
+                else:  # y rows of the densest and a - y of the sparsest
+                    y = round((b - dens[lo] * a) / (dens[hi] - dens[lo]))
+                    if y > left_rows[hi]:
+                        x, e = take(hi, r, y)
+                    elif a - y > left_rows[lo]:
+                        x, e = take(lo, r, a - y)
+                    else:
+                        x1, e1 = take(hi, r, y) if y > 0 else (0, 0.0)
+                        x2, e2 = take(lo, r, a - y)
+                        x, e = x1 + x2, e1 + e2
+                a -= x
+                b -= e
+        for i in range(len(items)):
+            if left_rows[i]:  # rows beyond every share (ranks over it from other shards)
+                g_rows = group.rows + np.array([sum(s.get(r, 0) for s in sizes)
+                                                for r in range(n)])  # fmt: skip
+                take(i, int(np.argmin(g_rows)), left_rows[i])
+        sizes = [{r: v for r, v in s.items() if v} for s in sizes]
+        self._level(group, [o.table for o, _ in items], dens, sizes)
+        for (o, ranks), size in zip(items, sizes, strict=True):
+            self._apply_fill(o, ranks, size)
+
+    def _level(self, group: _Group, tables, dens, sizes: list[dict[int, int]]) -> None:
+        """Lowers the group's slot count: moves pieces off the ranks with the most slots
+        (smallest first) to ranks that stay within the targets' slack, preferring a
+        rank that already holds a piece of the same table (the pieces merge)."""
+        rows = group.rows.astype(np.float64)
+        exp = group.exp.copy()
+        slots = group.slots.copy()
+        for t, size in zip(tables, sizes, strict=True):
+            for r, v in size.items():
+                rows[r] += v
+                exp[r] += v * t.expected_ids / t.rows
+                slots[r] += t.num_features
+        floor = math.ceil(slots.sum() / self.n)
+        stuck: set[int] = set()
+        for _ in range(8 * self.n):
+            free = [r for r in range(self.n) if r not in stuck]
+            if not free:
+                return
+            r = max(free, key=lambda q: (slots[q], -q))
+            if slots[r] <= floor:
+                return
+            moves = []
+            for i, size in enumerate(sizes):
+                v = size.get(r)
+                if not v:
+                    continue
+                nf = tables[i].num_features
+                room = (rows + v <= group.cap_rows) & (exp + v * dens[i] <= group.cap_exp)
+                gain = np.array([0 if q in size else nf for q in range(self.n)])
+                ok = room & (slots + gain < slots[r])
+                ok[r] = False
+                for q in np.flatnonzero(ok):
+                    moves.append((gain[q] > 0, v, slots[q] + gain[q], rows[q], int(q), i))
+            if not moves:
+                stuck.add(r)
+                continue
+            _, v, _, _, q, i = min(moves)
+            size = sizes[i]
+            per = v * dens[i]
+            rows[r] -= v
+            exp[r] -= per
+            slots[r] -= tables[i].num_features
+            if q not in size:
+                slots[q] += tables[i].num_features
+            rows[q] += v
+            exp[q] += per
+            size[q] = size.get(q, 0) + v
+            del size[r]
+
+    def _apply_fill(self, o: ShardingOption, ranks: list, sizes: dict[int, int]) -> None:
+        if len(sizes) == 1:
+            (r,) = sizes
+            self._apply(o, self._items(o, [(o.shards[0], r)]))
+            ranks[:] = [r]
+            return
+        pieces = self._split_option(o, sizes)
+        self._apply(pieces, self._items(o, zip(pieces.shards, pieces.ranks, strict=True)))
+        self.replaced[id(o)] = pieces
+        ranks[:] = pieces.ranks
+
+    def _split_option(self, o: ShardingOption, sizes: dict[int, int]) -> ShardingOption:
+        t, row0, shards, ranks = o.table, 0, [], []
+        for r in sorted(sizes):
+            shards.append(ShardSpec(row0, sizes[r], 0, t.dim))
+            ranks.append(r)
+            row0 += sizes[r]
+        return estimate_option(
+            t, self.cost, ShardingType.ROW_WISE, tuple(shards), "fixed", tuple(ranks)
+        )
 
     def _place_free(self, o: ShardingOption, ranks: list) -> None:
         allowed = np.asarray(o.ranks)
@@ -249,7 +505,7 @@ class _Run:
             if not (sh.nrows and sh.ncols):
                 ranks[j] = int(cands[0])
                 continue
-            best, fits = self._best_rank(o, sh, cands)
+            best, fits, _ = self._best_rank(o, sh, cands)
             if not (fits or self.forced):
                 self.deferred.append((self._place_free, o, ranks))
                 return
@@ -286,6 +542,34 @@ class _Run:
             self._apply(o, items)
             ranks[b * size : (b + 1) * size] = [r for _, r in pairs]
 
+    # ----- the run -----
+    def _targets(self) -> dict[int, float]:
+        """Sets each group's balanced per-rank targets; returns each option's size
+        against them (its largest shard's share of a balanced rank)."""
+        sized = []
+        for o in self.proposal:
+            if o.placement == "replicated":
+                continue
+            for sh in o.shards:
+                if sh.nrows and sh.ncols:
+                    g = self._group(o, sh.ncols)
+                    g.total_rows += sh.nrows
+                    g.total_exp += sum(o.table.slot_loads(sh.nrows))
+                    sized.append((o, sh, g))
+        for g in self.groups.values():
+            g.cap_rows = max(1.0, math.ceil(g.total_rows / self.n * (1 + SLACK_ROWS)))
+            g.cap_exp = g.total_exp / self.n * (1 + SLACK_IDS)
+        weight: dict[int, float] = {}
+        for o, sh, g in sized:
+            share = self._share(g, sh.nrows, sum(o.table.slot_loads(sh.nrows)))
+            weight[id(o)] = max(weight.get(id(o), 0.0), share)
+        return weight
+
+    def _share(self, g: _Group, rows: int, exp: float) -> float:
+        """A shard's size as a share of a balanced rank of its group (rows or ids)."""
+        share = rows / max(g.total_rows / self.n, 1.0)
+        return max(share, exp / (g.total_exp / self.n)) if g.total_exp > 0 else share
+
     def run(self) -> Placement:
         n = self.n
         ranks: list[list] = [[None] * len(o.shards) for o in self.proposal]
@@ -300,45 +584,89 @@ class _Run:
                 self.own_mem += w + s + io
                 self.own_time += perf.total
                 ranks[i] = list(range(n))
+        weight = self._targets()
         order = sorted(
             (i for i, o in enumerate(self.proposal) if o.placement != "replicated"),
             key=lambda i: (
                 _ORDER[self.proposal[i].placement],
-                -(self.proposal[i].per_device_bytes / self.m_ref
-                  + self.proposal[i].perf / len(self.proposal[i].shards) / self.t_ref),
+                -weight.get(id(self.proposal[i]), 0.0),
                 self.proposal[i].table.key,
             ),
-        )  # fmt: skip
+        )
         place = {"fixed": self._place_fixed, "free": self._place_free, "host": self._place_host}
+        fill: dict[int, tuple[_Group, list]] = {}
         for i in order:
-            place[self.proposal[i].placement](self.proposal[i], ranks[i])
+            o = self.proposal[i]
+            if self._fillable(o):
+                g = self._group(o, o.table.dim)
+                fill.setdefault(id(g), (g, []))[1].append((o, ranks[i]))
+            else:
+                place[o.placement](o, ranks[i])
+        for g, opts in fill.values():  # around what is placed: fixed, host, column shards
+            big = []
+            for o, rs in opts:  # largest first: small tables whole, spread by slot count
+                if self._share(g, o.table.rows, o.table.expected_ids) <= SMALL:
+                    self._place_small(g, o, rs)
+                else:
+                    big.append((o, rs))
+            self._fill(g, big)
         self.forced = True  # what did not fit goes where it hurts least, to size the need
         for fn, o, rs in self.deferred:
             fn(o, rs)
-        return self._result(tuple(tuple(r) for r in ranks))
+        options = tuple(self.replaced.get(id(o), o) for o in self.proposal)
+        return self._result(options, tuple(tuple(r) for r in ranks))
 
-    def _result(self, ranks) -> Placement:
+    def _result(self, options, ranks) -> Placement:
         mem = list(self.base_mem)
         perf = self.base_perf
+        own_mem = np.zeros(self.n)
+        own_time = np.zeros(self.n)
+        for o in options:
+            if o.placement == "replicated":
+                (w, s, io), p = self.cost.replicated(o.table)
+                own_mem += w + s + io
+                own_time += p.total
         groups = []
         for g in self.groups.values():
-            ids = self._capped(g.max_ids)
-            gm = g.cost.memory(g.max_rows, ids, g.max_slots, g.split, g.row_sum)
-            gp = g.cost.perf(ids, g.max_slots)
+            if not g.tables:
+                continue
+            c, exp, v = self._exact(g)
+            gm = g.cost.memory(g.max_rows, c, g.max_slots, g.split, v)
+            gp = g.cost.perf(c, g.max_slots, v)
             mem = [a + b for a, b in zip(mem, gm, strict=True)]
             perf = perf + gp
             groups.append(
-                GroupStats(g.key, tuple(g.tables), g.max_rows, ids, g.max_slots, gm, gp,
-                           tuple(g.opts.values()))
+                GroupStats(g.key, tuple(g.tables), g.max_rows, c, exp, g.max_nat, g.max_slots,
+                           g.cost.weighted, g.split, v, gm, gp, tuple(g.opts.values()))
             )  # fmt: skip
+            for r in range(self.n):  # unpadded: buffers sized for the rank's own load
+                if g.nat[r]:
+                    cr, _, vr = self._exact(g, r)
+                    own_mem[r] += sum(g.cost.memory(int(g.rows[r]), cr, int(g.slots[r]),
+                                                    g.split, vr))  # fmt: skip
+                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), vr))
         return Placement(
-            options=self.proposal,
+            options=options,
             shard_ranks=ranks,
             usable_bytes=self.usable,
             memory=tuple(mem),
             perf=perf,
-            own_memory=tuple(float(x) for x in self.own_mem),
-            own_perf=tuple(float(x) for x in self.own_time),
+            own_memory=tuple(float(x) for x in own_mem),
+            own_perf=tuple(float(x) for x in own_time),
             groups=tuple(groups),
             overflow=tuple(self.overflow),
+            split=tuple(o.table.key for o in self.proposal if id(o) in self.replaced),
         )
+
+    def _exact(self, g: _Group, rank: int | None = None) -> tuple[int, float, int]:
+        """``(capacity, expected, row-sum values)`` of a group (or of one rank's own
+        load), summed exactly (``math.fsum``: independent of the order of slots)."""
+        ranks = range(self.n) if rank is None else (rank,)
+        exp = max(math.fsum(g.loads[r]) for r in ranks)
+        nat = max(int(g.nat[r]) for r in ranks)
+        c = self.cost.capacity_of(exp, nat)
+        v = 0
+        if g.split:
+            v = max(sum(row_sum_values(self.n, c, ids, calls)
+                        for ids, calls in g.split_ids[r].values()) for r in ranks)  # fmt: skip
+        return c, exp, v

@@ -5,28 +5,33 @@ communication is bytes a device sends through ``all_to_all`` (or receives
 through ``all_gather``) over the intra- and cross-host bandwidths. Counts
 follow jaxrec's collectives (``embedding_dist.py``):
 
-- sharded width group, per id of per-destination capacity ``C`` (``N * C``
-  entries on every device, padding included: shapes are static):
-  forward ``all_to_all`` of ids, the lookup reading one row per id; backward
-  row gradients, sort-based de-duplication and the fused update reading and
-  writing rows and optimizer state (the update's input_dist repeats the
-  forward's with the same inputs, and XLA's CSE merges the two, so ids move
-  once per step: ``bench/sharded.py`` checks this against the HLO);
-- per slot (a feature reading a shard) on the busiest rank: the partial
-  ``[N, B, columns]`` float32 blocks ``all_to_all``-ed back in the forward and
-  their gradients in the backward;
+- sharded width group with fast-path capacity ``C`` per (source,
+  destination) and ``S`` slots on its fullest rank (padding included: shapes
+  are static): forward the ids ``all_to_all`` (an int32 ``[N, P]`` array,
+  ``P = C + min(S * B, C)``, plus ``C`` weights when weighted) and the lookup
+  reading one row per received id (``K = N * C``); backward row gradients,
+  sort-based de-duplication and the fused update reading and writing rows
+  and optimizer state (the update's input_dist repeats the forward's with
+  the same inputs, and XLA's CSE merges the two, so ids move once per step);
+- per slot: the partial ``[N, B, columns]`` float32 blocks ``all_to_all``-ed
+  back in the forward and their gradients in the backward;
+- a group holding column shards with a row-wise optimizer: each shard
+  exchanges its per-row partial sums with the peers holding the same rows
+  (a ``ppermute`` of 4 bytes per value, ``storage.row_sum_values``);
 - data parallel: a local lookup forward; backward an ``all_gather`` of every
   device's row gradients and a replicated update.
 
-Latency per collective, kernel launch overhead and overlap between
-communication and compute are not modelled.
+Ids beyond ``C`` take extra exchange rounds; the estimate assumes the fast
+path holds them (the planner sizes ``C`` so that it does, see
+``jaxrec.distributed.capacity``). Latency per collective, kernel launch
+overhead and overlap between communication and compute are not modelled.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .storage import F32, ID_BYTES
+from .storage import F32, I32, id_payload
 from .topology import Topology
 
 SORT_BYTES = 32  # de-duplication: a key/value sort, about four 8-byte passes per id
@@ -51,25 +56,24 @@ class Perf(NamedTuple):
         return Perf(*(a * k for a in self))
 
 
-def sharded_perf_coeffs(
-    topo: Topology, ncols: int, itemsize: int, state_per_row: int
-) -> tuple[Perf, Perf]:
-    """``(per id of capacity C, per slot S)`` seconds of one width group."""
+def sharded_perf(
+    topo: Topology, ncols: int, itemsize: int, state_per_row: int, capacity, slots,
+    *, weighted: bool = False, row_sum_values=0.0,
+) -> Perf:  # fmt: skip
+    """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays)."""
     n, b, hbm = topo.world_size, topo.batch_size, topo.hbm_mem_bw
     a2a = topo.all_to_all_seconds_per_byte()
     row = ncols * itemsize
-    per_id = Perf(
-        fwd_compute=n * (row + ID_BYTES) / hbm,
-        fwd_comms=n * ID_BYTES * a2a,
-        bwd_compute=n * (4 * ncols * F32 + SORT_BYTES + 2 * row + 2 * state_per_row) / hbm,
-        bwd_comms=0.0,
+    k = n * capacity
+    ids = n * id_payload(capacity, slots, b, weighted) * I32  # one [N, P] int32 array
+    block = n * b * ncols * F32 * slots
+    return Perf(
+        fwd_compute=(k * row + 2 * ids + 2 * block) / hbm,
+        fwd_comms=ids * a2a + block * a2a,
+        bwd_compute=(k * (4 * ncols * F32 + SORT_BYTES + 2 * row + 2 * state_per_row) + 2 * block)
+        / hbm,
+        bwd_comms=block * a2a + row_sum_values * F32 * topo.ppermute_seconds_per_byte(),
     )
-    block = n * b * ncols * F32
-    per_slot = Perf(
-        fwd_compute=2 * block / hbm, fwd_comms=block * a2a,
-        bwd_compute=2 * block / hbm, bwd_comms=block * a2a,
-    )  # fmt: skip
-    return per_id, per_slot
 
 
 def replicated_perf(
@@ -93,20 +97,23 @@ def replicated_perf(
 def comm_bytes(placement, topo: Topology) -> dict[str, int]:
     """Operand bytes each device hands to collectives per step, by stage.
 
-    The same accounting as ``bench/sharded.py``'s ``plan_bytes`` (checked
-    there against the compiled HLO): per width group ``3 * N * C * 4`` bytes
-    of ids, ``N * S * B * columns * 4`` of partial blocks forward and of their
-    gradients backward; per data-parallel table ``ids * (4 + dim * 4 + 1)``
-    of gathered row gradients (sent to each of the ``N - 1`` peers).
+    The accounting of ``bench/sharded.py``'s ``plan_bytes`` for the exchange
+    jaxrec runs: per width group ``N * P * 4`` bytes of ids (``P`` from
+    ``storage.id_payload``), ``N * S * B * columns * 4`` of partial blocks
+    forward and of their gradients backward, and for column-split tables with
+    a row-wise optimizer ``4`` bytes per row-sum value exchanged with peers;
+    per data-parallel table ``ids * (4 + dim * 4 + 1)`` of gathered row
+    gradients (sent to each of the ``N - 1`` peers).
     """
     n, b = topo.world_size, topo.batch_size
     out = {"ids_all_to_all": 0, "fwd_output_all_to_all": 0, "bwd_grad_all_to_all": 0,
-           "dp_row_grad_all_gather": 0}  # fmt: skip
+           "dp_row_grad_all_gather": 0, "row_sum_exchange": 0}  # fmt: skip
     for g in placement.groups:
         blocks = n * g.slots * b * g.key[1] * F32
-        out["ids_all_to_all"] += int(n * g.ids_per_destination * ID_BYTES)
+        out["ids_all_to_all"] += int(n * id_payload(g.capacity, g.slots, b, g.weighted) * I32)
         out["fwd_output_all_to_all"] += blocks
         out["bwd_grad_all_to_all"] += blocks
+        out["row_sum_exchange"] += int(g.row_sum_values * F32)
     for o in placement.options:
         if o.placement == "replicated":
             out["dp_row_grad_all_gather"] += o.table.ids * (4 + o.table.dim * F32 + 1)

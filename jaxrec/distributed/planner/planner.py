@@ -24,13 +24,20 @@ from .enumerator import enumerate_options, estimate_option
 from .options import ShardingOption, ShardSpec, TableInfo
 from .partitioner import GreedyPerfPartitioner, Placement
 from .proposers import GreedyProposer, GridSearchProposer, Proposer, UniformProposer
-from .stats import PlanStats, infeasible_message
+from .stats import PlanStats, capacity_errors, infeasible_message
 from .storage import resolve_optimizer, table_optimizer
 from .topology import Topology
 
 
 class PlannerError(ValueError):
-    """No plan fits; the message says which tables, how big, and what would fit."""
+    """No plan fits; the message says which tables, how big, and what would fit.
+
+    ``stats``: the report on the closest plan found (``None`` if none was placed).
+    """
+
+    def __init__(self, message: str, stats: PlanStats | None = None):
+        super().__init__(message)
+        self.stats = stats
 
 
 def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]:
@@ -78,7 +85,12 @@ class EmbeddingShardingPlanner:
             ``SparseOptimizer``, a ``CombinedOptimizer`` (per-table overrides)
             or a name (``"adam"``); default row-wise Adagrad (4 bytes per row).
         capacity: the ``capacity=`` given to ``DistributedModelParallel`` (ids
-            per destination rank per width group), ``None`` for the natural one.
+            per (source, destination) per width group, at most the natural
+            payload), ``None`` to size each group's fast path from the input
+            statistics (``jaxrec.distributed.capacity``). A capacity below a
+            group's expected ids per destination is refused (every step would
+            take extra exchange rounds); one below the statistics-sized value
+            gets a warning in the stats.
         reserved_hbm_fraction: share of each device's memory kept for dense
             parameters and activations (TorchRec's storage reservation, 15%).
         proposers: default greedy, uniform and a bounded grid search.
@@ -122,12 +134,13 @@ class EmbeddingShardingPlanner:
         cons = self.constraints if constraints is None else dict(constraints)
         modules = collect_tables(model_or_tables)
         tables = self._table_infos(modules, topo, cons)
+        weighted = {t.module for t in tables if t.constraints.is_weighted}
         return (
             topo,
             cons,
             modules,
             tables,
-            CostModel(topo, self.capacity),
+            CostModel(topo, self.capacity, weighted),
             (topo.hbm_cap * (1 - self.reserved_hbm_fraction)),
         )
 
@@ -148,8 +161,12 @@ class EmbeddingShardingPlanner:
                     int(cap) if cap is not None else max(1, math.ceil(b * p * q))
                     for cap, b, p, q in zip(caps, bs, pf, npool, strict=True)
                 )
+                means = tuple(
+                    min(float(b * p * q), float(cap))
+                    for cap, b, p, q in zip(caps, bs, pf, npool, strict=True)
+                )
                 opt = table_optimizer(self.optimizer, t.name)
-                infos.append(TableInfo(path, t, c, opt, caps))
+                infos.append(TableInfo(path, t, c, opt, caps, means))
         unknown = sorted(set(constraints) - known)
         if unknown:
             raise ValueError(f"constraints name unknown tables {unknown}")
@@ -187,6 +204,7 @@ class EmbeddingShardingPlanner:
             GreedyProposer(), UniformProposer(), GridSearchProposer()
         )  # fmt: skip
         best: tuple | None = None
+        refused: tuple | None = None  # the best plan whose groups expect more than capacity=
         closest: Placement | None = None
         seen: dict[tuple, Placement] = {}
         counts: dict[str, int] = {}
@@ -201,13 +219,31 @@ class EmbeddingShardingPlanner:
                 p.feedback(placed.feasible, placed.perf.total, placed.overflow)
                 if placed.feasible:
                     rank = (placed.perf.total, placed.hbm)
-                    if best is None or rank < best[0]:
+                    errors = capacity_errors(placed, cost)
+                    if errors and (refused is None or rank < refused[0]):
+                        refused = (rank, errors, placed)
+                    if not errors and (best is None or rank < best[0]):
                         best = (rank, placed, p.name)
                 elif closest is None or placed.hbm < closest.hbm:
                     closest = placed
         elapsed = time.perf_counter() - start
+        if best is None and refused is not None:
+            stats = PlanStats(refused[2], cost, self.reserved_hbm_fraction, counts, "", elapsed)
+            raise PlannerError(
+                f"capacity={self.capacity} is below the expected ids per destination, so every "
+                "step would take extra exchange rounds: "
+                + "; ".join(refused[1])
+                + ". Pass capacity=None (sized from the statistics) or at least the "
+                "statistics-sized value",
+                stats,
+            )
         if best is None:
-            raise PlannerError(infeasible_message(tables, options, closest, cost, usable, cons))
+            stats = closest and PlanStats(
+                closest, cost, self.reserved_hbm_fraction, counts, "", elapsed
+            )
+            raise PlannerError(
+                infeasible_message(tables, options, closest, cost, usable, cons), stats
+            )
         placed = best[1]
         self.last_placement = placed
         self.last_stats = PlanStats(

@@ -8,12 +8,14 @@ import math
 from collections.abc import Mapping, Sequence
 
 from ... import optim
+from ..capacity import fast_path_capacity
 from ..types import ShardingType
 from .cost_model import CostModel
 from .options import ShardingOption, TableInfo
 from .partitioner import Placement
 from .perf import comm_bytes
 from .storage import format_bytes as fb
+from .storage import sharded_buffer_parts
 
 
 def _ms(seconds: float) -> str:
@@ -42,8 +44,37 @@ class PlanStats:
         self.winner = winner
         self.seconds = seconds
 
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Operand bytes each device hands to collectives per step, by stage."""
+        return comm_bytes(self.placement, self.cost.topology)
+
+    @property
+    def buffer_bytes(self) -> dict[str, float]:
+        """Per-device lookup buffers by part: ``ids`` (the id ``all_to_all`` arrays),
+        ``received`` (per received id: row gradients, sort, scratch), ``blocks``
+        (partial pooled blocks), ``column_split`` (updated rows or row sums) and
+        ``data_parallel`` (gathered row gradients); they sum to ``memory[2]``."""
+        topo = self.cost.topology
+        out = {"ids": 0.0, "received": 0.0, "blocks": 0.0, "column_split": 0.0}
+        for g in self.placement.groups:
+            parts = sharded_buffer_parts(topo, g.key[1], g.capacity, g.slots,
+                                         weighted=g.weighted, split=g.column_split,
+                                         row_sum_values=g.row_sum_values)  # fmt: skip
+            for k, v in parts.items():
+                out[k] += float(v)
+        out["data_parallel"] = self.placement.memory[2] - sum(out.values())
+        return out
+
+    @property
+    def capacities(self) -> dict[str, dict[str, int]]:
+        """``{module path: {group name: C}}``: the fast-path id capacity per (source,
+        destination) each width group's buffers are sized for (group names as
+        ``layout.py`` builds them, e.g. ``"fp32_c64"``)."""
+        return self.placement.capacities
+
     def warnings(self) -> list[str]:
-        out = []
+        out = capacity_errors(self.placement, self.cost, warn=True)
         for g in self.placement.groups:
             if len(g.optimizers) > 1:
                 out.append(
@@ -92,6 +123,11 @@ class PlanStats:
                 f" {r:>4} | {fb(p.own_memory[r]):>18} | {_ms(p.own_perf[r]):>13} | {shards[r]}"
             )
         lines.append(f" balance (max / mean own time): {p.balance:.3f}")
+        own = sum(p.own_memory) / len(p.own_memory)
+        lines.append(
+            f" padding (padded HBM / mean own HBM): {p.hbm / own if own else 1.0:.3f}; "
+            f"{len(p.split)} table-wise table(s) cut by rows to balance their width groups"
+        )
         lines += [
             "",
             " table | rows x dim | sharding | ranks | largest shard | standalone ms",
@@ -103,18 +139,39 @@ class PlanStats:
                 f"{_ranks(rs)} | {fb(o.per_device_bytes)} | {_ms(o.perf)}"
             )
         if p.groups:
-            lines += ["", " width group |  rows/rank | ids/destination | slots | "
-                          "HBM | ms"]  # fmt: skip
+            lines += ["", " width group | rows/rank | expected ids/destination | capacity | "
+                          "natural | slots | HBM | ms"]  # fmt: skip
             for g in p.groups:
                 where = f"{g.key[0]}: " if g.key[0] else ""
                 lines.append(
-                    f" {where}{g.key[1]} x {g.key[2]} | {g.rows_per_rank} | "
-                    f"{g.ids_per_destination:.0f} | {g.slots} | {fb(sum(g.memory))} | "
+                    f" {where}{g.name} | {g.rows_per_rank} | {g.expected_ids:.0f} | "
+                    f"{g.capacity} | {g.natural_ids} | {g.slots} | {fb(sum(g.memory))} | "
                     f"{_ms(g.perf.total)}"
                 )
         for w in self.warnings():
             lines.append(f"WARNING: {w}")
         return "\n".join(lines)
+
+
+def capacity_errors(placed: Placement, cost: CostModel, warn: bool = False) -> list[str]:
+    """Groups whose ``capacity=`` is below their expected ids per destination (every
+    step would take extra exchange rounds); with ``warn``, also those below the
+    statistics-sized capacity (some steps would)."""
+    if cost.capacity is None:
+        return []
+    out = []
+    for g in placed.groups:
+        sized = fast_path_capacity(g.expected_ids, g.natural_ids)
+        where = f"{g.key[0]}: {g.name}" if g.key[0] else g.name
+        numbers = (
+            f"width group {where} expects {g.expected_ids:.0f} ids per destination, "
+            f"capacity={cost.capacity} gives {g.capacity}, sized from the statistics: {sized}"
+        )
+        if g.capacity < g.expected_ids:
+            out.append(numbers if not warn else f"{numbers} (below the mean: plan() refuses it)")
+        elif warn and g.capacity < sized:
+            out.append(f"{numbers} (steps with more ids take extra exchange rounds)")
+    return out
 
 
 def _full_size(t: TableInfo, cost: CostModel) -> float:
@@ -196,8 +253,8 @@ def infeasible_message(
         )
     if closest is not None and closest.memory[2] > 0.25 * closest.hbm:
         lines.append(
-            "  - smaller id buffers: lower batch_size or feature_capacities, or pass capacity= "
-            f"(buffers are {fb(closest.memory[2])} per device)"
+            "  - smaller id buffers: lower batch_size or pooling_factors (buffers are "
+            f"{fb(closest.memory[2])} per device)"
         )
     lines.append("  - more HBM per device or a smaller reserved_hbm_fraction")
     return "\n".join(lines)

@@ -7,8 +7,11 @@ H100s, ``tests/gpu_compile/test_gpu_compile_train_step.py``). Shards of one
 ``(columns, dtype)`` width group are stacked per rank and padded to the
 fullest rank, so a group costs, on every device, ``R * (columns * itemsize +
 state bytes per row)`` for its largest per-rank row count ``R``; its lookup
-buffers scale with the largest per-destination id payload ``C`` and the most
-slots ``S`` a rank hosts (see :func:`sharded_memory_coeffs`). Buffers are
+buffers scale with the group's fast-path id capacity ``C`` per (source,
+destination) and the most slots ``S`` a rank hosts (see
+:func:`sharded_buffer_bytes`). ``C`` is sized from input statistics
+(``jaxrec.distributed.capacity``), not the worst case: ids beyond it take
+extra exchange rounds, which cost time, not memory. Buffers are
 summed over groups: XLA schedules every group's backward before the updates
 that free them, so their row gradients are live together. Data-parallel
 tables are full replicas plus an ``all_gather`` of every device's row
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ... import optim
 from ...configs import DataType
 from ...embedding.optimizer import CombinedOptimizer
@@ -26,7 +31,7 @@ from ...optim import SparseOptimizer
 from .topology import Topology
 
 DTYPE_BYTES = {DataType.FP32: 4, DataType.FP16: 2, DataType.BF16: 2}
-ID_BYTES = 12  # input_dist sends rows (int32), segments (int32) and scales (float32)
+I32 = 4
 F32 = 4
 # De-duplication sorts (row, position) int32 pairs. XLA hands sorts of more than
 # 16,384 keys to CUB's radix sort (DeviceRadixSort::SortPairs with separate input
@@ -100,39 +105,76 @@ def state_bytes_per_row(optimizer: SparseOptimizer, ncols: int, cache: dict | No
     return two - one
 
 
-def sharded_memory_coeffs(
-    topo: Topology, ncols: int, itemsize: int, state_per_row: int
-) -> tuple[float, float, float, float]:
-    """Bytes per padded row, per id of per-destination capacity (plus the extra per
-    id of a group holding column shards), per slot, of a width group.
+def id_payload(capacity, slots, batch: int, weighted: bool):
+    """Int32 entries per (source, destination) of a width group's ids ``all_to_all``.
 
-    Per id: the send and receive ``[N, C]`` id buffers, one ``[N*C, columns]``
-    float32 array of row gradients (XLA fuses the per-id gradients' gather and
-    scale into the de-duplicating segment sum, so only the summed copy is
-    materialised), the sort's keys and values and CUB's scratch for them. A
-    group with column shards is updated by the XLA path (its row-wise sums
-    cross shards mid-update), which materialises the updated rows: another
-    ``[N*C, columns]`` float32. Per slot: one ``all_to_all``'s send and receive
-    blocks, ``[N, B, columns]`` float32 each (the forward's partial blocks and
-    the backward's gradient blocks are never live together).
+    ``P = C + M (+ C weighted)``: the fast path's ``C`` local rows, ``M =
+    min(S * B, C)`` segment entries (per-(slot, bag) counts or per-id segments,
+    whichever is smaller) and, for a weighted collection, ``C`` float32
+    weights. ``capacity`` and ``slots`` may be numpy arrays.
     """
+    return capacity + np.minimum(slots * batch, capacity) + (capacity if weighted else 0)
+
+
+def sharded_buffer_bytes(
+    topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
+    split: bool = False, row_sum_values=0.0,
+):  # fmt: skip
+    """Lookup buffer bytes of one width group on every device (numpy-friendly).
+
+    With ``N`` devices, ``B`` samples per device, fast-path capacity ``C`` per
+    (source, destination) and ``S`` slots on the fullest rank:
+
+    - the ids ``all_to_all``: one int32 ``[N, P]`` array sent and one received
+      (``P`` from :func:`id_payload`): ``2 * N * P * 4``;
+    - per received id (``K = N * C``): the de-duplicated float32 row gradients
+      (``4 * columns``; XLA fuses the per-id gradients' gather and scale into
+      the segment sum, so only the summed copy is materialised), the sort's
+      (row, position) pair and CUB's scratch for it: ``K * (4 * columns + 16)``;
+    - the partial pooled blocks, ``[N, S, B, columns]`` float32 sent and
+      received (the backward's gradient blocks are never live together with
+      them): ``2 * N * S * B * columns * 4``;
+    - a group holding column shards is updated by the XLA path, which
+      materialises its updated rows (``K * columns * 4``), or, before them and
+      larger, the row-sum vectors of a row-wise optimizer: ``2 * 4`` bytes
+      (input and output) per value exchanged (``row_sum_values``: the largest
+      over ranks of ``calls * sum over its column-split shards of N *
+      min(C, sum of the table's feature capacities)``).
+    """
+    parts = sharded_buffer_parts(
+        topo, ncols, capacity, slots, weighted=weighted, split=split,
+        row_sum_values=row_sum_values,
+    )  # fmt: skip
+    return parts["ids"] + parts["received"] + parts["blocks"] + parts["column_split"]
+
+
+def sharded_buffer_parts(
+    topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
+    split: bool = False, row_sum_values=0.0,
+) -> dict:  # fmt: skip
+    """:func:`sharded_buffer_bytes` by part: ``ids`` (the ids ``all_to_all``),
+    ``received`` (per received id), ``blocks`` and ``column_split``."""
     n, b = topo.world_size, topo.batch_size
-    per_row = ncols * itemsize + state_per_row
-    per_id = n * (2 * ID_BYTES + ncols * F32 + SORT_BYTES + CUB_SCRATCH_BYTES)
-    per_id_split = n * ncols * F32
-    per_slot = 2 * n * b * ncols * F32
-    return per_row, per_id, per_id_split, per_slot
+    k = n * capacity
+    extra = np.maximum(k * ncols * F32, 2 * F32 * row_sum_values) if split else 0 * k
+    return {
+        "ids": 2 * n * id_payload(capacity, slots, b, weighted) * I32,
+        "received": k * (ncols * F32 + SORT_BYTES + CUB_SCRATCH_BYTES),
+        "blocks": 2 * n * slots * b * ncols * F32,
+        "column_split": extra,
+    }
 
 
-def row_sum_bytes(table_rows: int, reductions: int) -> int:
-    """Bytes on every device of the per-row sums of one column-split table.
+def row_sum_values(world_size: int, capacity: int, table_ids: int, calls: int) -> int:
+    """Float32 values one column shard of a table exchanges with its peers per step.
 
     A row-wise optimizer (row-wise Adagrad, LAMB, ...) completes each per-row
-    sum across column shards with a ``psum`` of a float32 vector over the
-    table's logical rows (``jaxrec/distributed/row_sums.py``): the scattered
-    input and the all-reduced output, per reduction the optimizer makes.
+    sum across the column shards holding the same rows: every shard sends
+    them one value per unique row it received, at most ``N * min(C, ids)``
+    (``ids``: the sum of the table's feature capacities), per reduction the
+    optimizer makes (``calls``).
     """
-    return reductions * 2 * F32 * table_rows
+    return calls * world_size * min(capacity, table_ids)
 
 
 def row_sum_calls(optimizer: SparseOptimizer, cache: dict | None = None) -> int:

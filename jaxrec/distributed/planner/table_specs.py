@@ -7,7 +7,7 @@ has ``EmbeddingBagConfig`` fields (``name``, ``num_embeddings``,
 and optional ``ParameterConstraints`` fields (``sharding_types``,
 ``compute_kernels``, ``pooling_factors`` or ``pooling_factor``,
 ``num_poolings``, ``batch_sizes``, ``feature_capacities``, ``min_partition``,
-``ranks``). In CSV, list values are separated by ``;``.
+``ranks``, ``is_weighted``). In CSV, list values are separated by ``;``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _table(raw: Mapping[str, Any], where: str) -> tuple[EmbeddingBagConfig, Para
     d = {k: v for k, v in raw.items() if v not in (None, "")}
     if "pooling_factor" in d:
         d["pooling_factors"] = d.pop("pooling_factor")
-    unknown = sorted(set(d) - _CONFIG - _LISTS - {"min_partition"})
+    unknown = sorted(set(d) - _CONFIG - _LISTS - {"min_partition", "is_weighted"})
     if unknown:
         raise ValueError(f"{where}: unknown table fields {unknown}")
     for k in _LISTS & set(d):
@@ -56,6 +56,11 @@ def _table(raw: Mapping[str, Any], where: str) -> tuple[EmbeddingBagConfig, Para
     cons = {k: v for k, v in d.items() if k not in _CONFIG}
     if "min_partition" in cons:
         cons["min_partition"] = int(cons["min_partition"])
+    if "is_weighted" in cons:
+        w = cons["is_weighted"]
+        cons["is_weighted"] = (
+            str(w).strip().lower() in ("1", "true", "yes") if isinstance(w, str) else bool(w)
+        )
     return cfg, ParameterConstraints(**cons)
 
 

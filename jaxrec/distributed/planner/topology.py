@@ -101,6 +101,11 @@ class Topology:
         n, lo = self.world_size, self.local_world_size
         return (lo - 1) / self.intra_host_bw + (n - lo) / self.cross_host_bw
 
+    def ppermute_seconds_per_byte(self) -> float:
+        """Seconds per byte sent to one peer (across hosts when there are several: the
+        peers a planner pairs are not known to share a host)."""
+        return 1 / (self.cross_host_bw if self.num_hosts > 1 else self.intra_host_bw)
+
     @staticmethod
     def from_devices(
         devices: Sequence[Any] | None = None,
