@@ -1,7 +1,10 @@
 """Sharded embedding collections on a device mesh (TorchRec's ``torchrec.distributed``)."""
 
+from .capacity import fast_path_capacity as fast_path_capacity
 from .model_parallel import DistributedModelParallel as DistributedModelParallel
 from .model_parallel import shard_batch as shard_batch
+from .qcomms import CommType as CommType
+from .qcomms import QCommsConfig as QCommsConfig
 from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection as ShardedEmbeddingCollection
 from .sharded_mc import ShardedManagedCollisionCollection as ShardedManagedCollisionCollection

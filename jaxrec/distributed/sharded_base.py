@@ -97,6 +97,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         bad = {k: v for k, v in self.pooling_factors.items() if not v > 0}
         if bad:
             raise ValueError(f"pooling_factors must be positive (mean ids per bag), got {bad}")
+        dims = {t.name: t.embedding_dim for t in self.table_configs}
+        self._column_split = {
+            g.name for g in self.layout.groups
+            if any(g.ncols < dims[s[0]] for r in g.shards for s in r)
+        }  # fmt: skip
         groups = {g.name for g in self.layout.groups}
         if isinstance(capacity, Mapping) and set(capacity) - groups:
             raise ValueError(
@@ -210,8 +215,14 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return self.overflow_mode == "exact"
 
     def _capacity(self, kjt, group: WidthGroup) -> int:
-        """The group's fast-path ids per destination for this batch's key capacities."""
+        """The group's fast-path ids per destination for this batch's key capacities.
+
+        In the drop modes a group holding column shards never drops (its natural
+        payload): its shards' row-wise state must see the same ids on every peer.
+        """
         caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
+        if not self.exact and group.name in self._column_split:
+            return natural_load(caps, group.slots)
         return group_capacity(
             caps, kjt.stride(), group, capacity=self.capacity,
             pooling_factors=self.pooling_factors, factor=self.capacity_factor,

@@ -46,6 +46,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             :class:`jaxrec.train.CapacityOverflowError` after the step that
             dropped them (outside a train step it logs, as ``"warn"``); ``"warn"``
             logs a warning on the ``jaxrec`` logger; ``"count"`` only counts.
+            (In the drop modes, groups holding column shards use their natural
+            payload: their row-wise state needs every id on every shard.)
         pooling_factors: ``{feature: mean ids per bag}`` (TorchRec's planner
             statistic): the expected load is ``B * pooling factor`` per
             feature and device, spread over a table's rows; a feature without

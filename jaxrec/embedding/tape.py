@@ -103,8 +103,8 @@ def log_overflow(dropped: Any) -> None:
     """The warning of a sharded call that dropped ``dropped > 0`` ids (overflow="warn")."""
     if int(dropped):
         logger.warning(
-            "row-wise input_dist dropped %d ids that did not fit the per-destination "
-            "capacity (counted in overflow_count); raise capacity=",
+            "input_dist dropped %d ids that did not fit the per-destination "
+            "capacity (counted in overflow_count); raise capacity= or use overflow='exact'",
             int(dropped),
         )
 

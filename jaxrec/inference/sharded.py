@@ -122,35 +122,18 @@ class _QuantShards:
             )
         return out
 
-    def _forward_local(self, tables, kjt_stacked):
-        kjt = dist.local_kjt(kjt_stacked)
-        self._check_ids(kjt)
-        out = self._new_output(kjt)
-        overflow = jnp.zeros((), jnp.int32)
-        b = dist.num_bags(kjt, self.sequence)
-        for g in self.layout.groups:
-            rows, seg, scale, ov = dist.input_dist(
-                kjt, g, self.axis, self._capacity(kjt, g), self._weighted(), self.sequence
-            )
-            partials = self._local_lookup(tables[g.name], g, rows, seg, scale, b)
-            received = dist.output_dist(partials, self.axis)
-            add = lambda sl, blk, g=g: self._add_block(out, kjt, sl, g.ncols, blk)
-            dist.assemble(received, g, add)
-            overflow += ov
-        for rg in self.replicated_groups:
-            self._dp_lookup(tables["dp_" + rg.name], kjt, rg, out)
-        return self._output_value(out), overflow[None]
-
-    def _local_lookup(self, table, g, rows, seg, scale, b):
-        """``dist.local_lookup`` on quantized rows: ``[N_src, S, B, ncols]`` partial blocks."""
-        n, s = rows.shape[0], g.max_slots
-        src = jnp.arange(n, dtype=jnp.int32)[:, None]
-        seg_g = jnp.where(seg < s * b, src * (s * b) + seg, n * s * b)
-        out = quant_embedding_bag(
-            table, rows.reshape(-1), seg_g.reshape(-1), n * s * b, scale.reshape(-1),
-            dim=g.ncols, dtype=self.group_dtypes[g.name], implementation=self.implementation,
+    def _pooled_lookup(self, group, table, rows, seg, num_segments, scale):
+        """The dequantizing pooled lookup of a shard's uint8 rows."""
+        return quant_embedding_bag(
+            table, rows, seg, num_segments, scale, dim=group.ncols,
+            dtype=self.group_dtypes[group.name], implementation=self.implementation,
         )  # fmt: skip
-        return out.reshape(n, s, b, -1)
+
+    def _gather_rows(self, group, table, rows, valid):
+        """Dequantized rows of a shard, one per id (a pooled lookup of one-id bags)."""
+        n = rows.shape[0]
+        seg = jnp.where(valid, jnp.arange(n, dtype=jnp.int32), n)
+        return self._pooled_lookup(group, table, rows, seg, n, None)
 
     # ----- what a quantized collection cannot do -----
     def state_dict(self):
@@ -181,7 +164,8 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
         module: a :class:`QuantEmbeddingBagCollection` (its rows are reused;
             column shards requantized), or a float ``EmbeddingBagCollection``
             (every shard quantized from the float rows, to ``dtype``).
-        plan, mesh, capacity, overflow: as ``ShardedEmbeddingBagCollection``
+        plan, mesh, options (capacity, overflow, pooling_factors, qcomms ...): as
+            ``ShardedEmbeddingBagCollection``
             (inputs from ``jaxrec.distributed.shard_batch``; output
             ``[world * B, sum(D)]`` sharded over the batch).
         dtype, per_table_dtype, row_alignment: quantization of a float ``module``.
@@ -196,11 +180,10 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
         dtype: Any = None,
         per_table_dtype: Mapping[str, Any] | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        capacity: int | None = None,
-        overflow: str = "warn",
+        **options: Any,
     ):
         self._setup_quant(module, dtype, per_table_dtype, row_alignment)
-        super().__init__(module, plan, mesh, capacity=capacity, overflow=overflow)
+        super().__init__(module, plan, mesh, **options)
 
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = quant_grouped_pooled_lookup(
@@ -227,11 +210,10 @@ class ShardedQuantEmbeddingCollection(_QuantShards, ShardedEmbeddingCollection):
         dtype: Any = None,
         per_table_dtype: Mapping[str, Any] | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        capacity: int | None = None,
-        overflow: str = "warn",
+        **options: Any,
     ):
         self._setup_quant(module, dtype, per_table_dtype, row_alignment)
-        super().__init__(module, plan, mesh, capacity=capacity, overflow=overflow)
+        super().__init__(module, plan, mesh, **options)
 
     def _dp_lookup(self, table, kjt, rg, out):
         rows = quant_grouped_sequence_lookup(
@@ -259,7 +241,7 @@ def shard_quant_model(
     per_table_dtype: Mapping[str, Any] | None = None,
     row_alignment: int = DEFAULT_ROW_ALIGNMENT,
     capacity: int | None = None,
-    overflow: str = "warn",
+    overflow: str = "exact",
 ) -> nnx.Module:
     """Shards a model for quantized inference, in place (as ``DistributedModelParallel``).
 

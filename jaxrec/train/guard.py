@@ -192,9 +192,10 @@ class CapacityOverflowError(RuntimeError):
 
     def __init__(self, dropped: int, state: Any):
         super().__init__(
-            f"row-wise input_dist dropped {dropped} ids that did not fit the per-destination "
-            "capacity in this step; pass a larger capacity= to DistributedModelParallel "
-            "(or overflow='warn' / 'count' to train on and count them in overflow_count)"
+            f"input_dist dropped {dropped} ids that did not fit the per-destination "
+            "capacity in this step (overflow='raise' drops them); use overflow='exact' (the "
+            "default: extra exchange rounds, nothing dropped) or pass a larger capacity= to "
+            "DistributedModelParallel"
         )
         self.dropped = dropped
         self.state = state

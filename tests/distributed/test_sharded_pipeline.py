@@ -41,8 +41,9 @@ def test_sharded_pipeline_equals_plain_loop():
 
 
 def test_sharded_pipeline_raises_capacity_overflow():
+    """The opt-in drop mode ``overflow="raise"`` surfaces through the pipeline."""
     rng = np.random.default_rng(3)
-    step, state, mesh = _setup(capacity=2)
+    step, state, mesh = _setup(capacity=2, overflow="raise")
     pipeline = train.TrainPipeline(step, state, mesh=mesh)
     it = iter([_host(batches(rng)[0]) for _ in range(2)])
     with pytest.raises(train.CapacityOverflowError, match="dropped \\d+ ids") as err:

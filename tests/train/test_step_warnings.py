@@ -23,7 +23,7 @@ from jaxrec.embedding import CombinedOptimizer
 
 IDS = re.compile(r"(\d+) ids out of range in (.+?) \(e\.g\. id (-?\d+)\);.*contribute zero\)$")
 WEIGHTS = re.compile(r"(\d+) per-sample weights of (.+?) are NaN or infinite")
-DROPPED = re.compile(r"row-wise input_dist dropped (\d+) ids that did not fit")
+DROPPED = re.compile(r"input_dist dropped (\d+) ids that did not fit")
 
 
 def callbacks(program_text: str) -> set[str]:
@@ -81,7 +81,7 @@ def sharded_setup(plan_name, *, weighted=False, **kwargs):
     return mesh, graphdef, state, train.make_train_step(graphdef, opt, sc.loss_fn)
 
 
-SHARDED_CASES = [(name, "warn") for name in sc.PLANS] + [("row_wise", "raise")]
+SHARDED_CASES = [(name, "warn") for name in sc.PLANS] + [("row_wise", "raise"), ("mixed", "exact")]
 
 
 @pytest.mark.parametrize(("plan_name", "overflow"), SHARDED_CASES)
