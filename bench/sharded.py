@@ -118,6 +118,19 @@ def optimizer():
     return CombinedOptimizer(optax.sgd(0.0), optim.rowwise_adagrad(0.1))
 
 
+QCOMMS: dict = {"precision": "fp32"}  # set by --qcomms
+
+
+def shard(model, plan, mesh, spec: LookupSpec):
+    """``DistributedModelParallel`` with the benchmark's input statistics and QComms."""
+    p = QCOMMS["precision"]
+    return d.DistributedModelParallel(
+        model, plan, mesh,
+        pooling_factors={f"f{t}": float(spec.L) for t in range(spec.T)},
+        qcomms=d.QCommsConfig(forward_precision=p, backward_precision=p),
+    )  # fmt: skip
+
+
 def local_batches(spec: LookupSpec, seed: int) -> list:
     """One ``(kjt, R)`` per device: ``B`` samples, every key's capacity ``B * L``."""
     out = []
@@ -135,35 +148,43 @@ def wire_factor(kind: str, n: int) -> float:
         "reduce-scatter": (n - 1) / n,
         "all-gather": n - 1,
         "all-reduce": 2 * (n - 1) / n,
+        "collective-permute": 1.0,  # each device sends its operand to one peer
     }[kind]
 
 
 def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
-    """Per-device operand bytes of each collective of one train step, from the layout.
+    """Per-device operand bytes of each collective of one train step's fast path, from the
+    layout (ids beyond the fast path take extra rounds inside loops, counted apart).
 
-    Per width group: the input_dist all_to_all of 3 arrays (rows, segments,
-    scales) of ``[world, capacity]``, the output_dist all_to_all of the
-    partial blocks ``[world, slots, B, ncols]`` and, backward, the all_to_all
-    of gradient blocks of the same shape. ``apply_sparse_gradients`` runs input_dist
-    again, but with the same inputs: XLA's CSE merges its all_to_all with the
-    forward's, so ids move once. Data-parallel groups all_gather their row
-    gradients (int32 rows, float32 grads, bool mask per local id). The loss
-    (a sum over the sharded batch) adds one float32 all-reduce, the dropped-id
-    count one int32 all-reduce, each bounds check (WARNING or FATAL: ids per
-    feature of a sharded table, ids and layouts per replicated group) one int32
-    count and one example each, reduced together. Row-wise Adagrad
-    reduces each row once: groups holding column-split tables all-reduce one
-    float32 per row of those tables.
+    Per width group: the input_dist all_to_all of one int32 ``[world, P]`` payload (``C``
+    rows, then the bags: ``S * B`` counts or ``C`` segments, whichever is smaller, then
+    ``C`` weights if weighted; ``exchange.Spec.width``), the output_dist all_to_all of the
+    partial blocks ``[world, slots, B, ncols]`` and, backward, the all_to_all of gradient
+    blocks of the same shape (in the qcomms precisions). ``apply_sparse_gradients`` runs
+    input_dist again, with the same inputs: XLA's CSE merges it with the forward's, so
+    ids move once. Data-parallel groups all_gather their row gradients (int32 rows,
+    float32 grads, bool mask per local id). The loss (a sum over the sharded batch) adds
+    one float32 all-reduce; ``overflow="exact"`` one int32 max per group (the rounds every
+    device runs); each bounds check (WARNING or FATAL: ids per feature of a sharded table,
+    ids and layouts per replicated group) one int32 count and one example each, reduced
+    together. Row-wise Adagrad completes each row's sum across column shards: groups
+    holding column-split tables send their peers one float32 per unique row received
+    (``collective-permute`` rounds of ``row_sums.peer_schedule``).
     """
+    from jaxrec.distributed.row_sums import peer_schedule
+
     n, b = WORLD, spec.B
+    fwd_bytes = jnp.dtype(ebc.qcomms.forward_dtype).itemsize
+    bwd_bytes = jnp.dtype(ebc.qcomms.backward_dtype).itemsize
     out = {
         "ids_all_to_all": 0,
         "fwd_output_all_to_all": 0,
         "bwd_grad_all_to_all": 0,
         "dp_row_grad_all_gather": 0,
         "loss_all_reduce": F32,
-        "overflow_all_reduce": I32,
-        "row_sum_all_reduce": 0,
+        "rounds_all_reduce": I32 * len(ebc.layout.groups) if ebc.exact else 0,
+        "overflow_all_reduce": I32 if ebc.overflow_mode == "raise" else 0,
+        "row_sum_permute": 0,
         "bounds_report_all_reduce": 0,
     }
     if BoundsCheckMode(ebc.bounds_check_mode) in (BoundsCheckMode.WARNING, BoundsCheckMode.FATAL):
@@ -175,17 +196,19 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
         )
         checked += len(ebc.replicated_groups) * (3 if ebc._weighted() else 2)
         out["bounds_report_all_reduce"] = checked * (I32 + kjt.values().dtype.itemsize)
-    dims = {t.name: t.embedding_dim for t in ebc.table_configs}
-    rows = {t.name: t.num_embeddings for t in ebc.table_configs}
-    for g in ebc.layout.groups:
-        cap = ebc._capacity(kjt, g)
-        blocks = n * g.max_slots * b * g.ncols * F32
-        out["ids_all_to_all"] += 3 * n * cap * I32
-        out["fwd_output_all_to_all"] += blocks
-        out["bwd_grad_all_to_all"] += blocks
-        split = {sh[0] for r in g.shards for sh in r if g.ncols < dims[sh[0]]}
-        out["row_sum_all_reduce"] += F32 * sum(rows[t] for t in split)
     caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
+    for g, xspec, _ in ebc._exchanges(kjt):
+        blocks = n * g.max_slots * b * g.ncols
+        out["ids_all_to_all"] += n * xspec.width(first=True) * I32
+        out["fwd_output_all_to_all"] += blocks * fwd_bytes
+        out["bwd_grad_all_to_all"] += blocks * bwd_bytes
+        k = max(n * xspec.capacity, max(len(r) for r in g.shards) + 1)
+        sizes = {
+            t.name: min(k, n * sum(caps[f] for f in t.feature_names)) for t in ebc.table_configs
+        }
+        sched = peer_schedule(g, ebc.layout, ebc.table_configs, sizes)
+        if sched is not None:
+            out["row_sum_permute"] += sum(F32 * send.shape[1] for _, send, _ in sched.rounds)
     for rg in ebc.replicated_groups:
         ids = sum(caps[s.key] for s in rg.slots)
         out["dp_row_grad_all_gather"] += ids * (I32 + rg.embedding_dim * F32 + 1)
@@ -193,6 +216,7 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
         "all-to-all": sum(v for k, v in out.items() if k.endswith("all_to_all")),
         "all-gather": out["dp_row_grad_all_gather"],
         "all-reduce": sum(v for k, v in out.items() if k.endswith("all_reduce")),
+        "collective-permute": out["row_sum_permute"],
     }
     return {"stages": out, "kinds": {k: v for k, v in kinds.items() if v}}
 
@@ -249,37 +273,87 @@ def _start_operands(op: str, result: str) -> str | None:
     return None
 
 
-def hlo_collectives(hlo_text: str) -> list[dict]:
-    """Every collective op of an HLO module: kind, operand bytes, group size."""
-    ops = []
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """``{computation name: its lines}`` of an HLO module's text."""
+    comps: dict[str, list[str]] = {}
+    name = None
     for line in hlo_text.splitlines():
-        m = COLLECTIVE.search(line)
-        if not m:
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            head = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            name = head.lstrip("%")
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def _in_loops(comps: dict[str, list[str]]) -> set[str]:
+    """Computations that run inside a ``while`` (bodies, conditions and what they call):
+    the sharded step's overflow path, which runs only when ids exceed the fast path."""
+    ref = re.compile(r"%([\w.\-]+)")
+    todo = [
+        m
+        for lines in comps.values()
+        for line in lines
+        if " while(" in line
+        for m in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+    ]
+    seen: set[str] = set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
             continue
-        operand = _nbytes(m.group("args"))
-        operands = _start_operands(m.group("op"), m.group("result")) if m.group("start") else None
-        if operand == 0 and operands is not None:  # XLA:GPU's async ops: ((operands), results)
-            operand = _nbytes(operands)
-        elif operand == 0:  # operands printed without shapes: derive from the result
-            result = _nbytes(m.group("result"))
-            n = _group_size(m.group("attrs"), WORLD)
-            operand = result // n if m.group("op") == "all-gather" else result
-        ops.append(
-            {
+        seen.add(c)
+        todo += [m for line in comps[c] for m in ref.findall(line) if m in comps]
+    return seen
+
+
+def hlo_collectives(hlo_text: str) -> list[dict]:
+    """Every collective op of an HLO module: kind, operand bytes, group size, and whether
+    it runs inside a loop (``in_loop``: the overflow path)."""
+    comps = _computations(hlo_text) or {"": hlo_text.splitlines()}
+    loops = _in_loops(comps)
+    ops = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = COLLECTIVE.search(line)
+            if not m:
+                continue
+            operand = _nbytes(m.group("args"))
+            start = m.group("start")
+            operands = _start_operands(m.group("op"), m.group("result")) if start else None
+            if operand == 0 and operands is not None:  # XLA:GPU's async ops: ((ops), results)
+                operand = _nbytes(operands)
+            elif operand == 0:  # operands printed without shapes: derive from the result
+                result = _nbytes(m.group("result"))
+                n = _group_size(m.group("attrs"), WORLD)
+                operand = result // n if m.group("op") == "all-gather" else result
+            op = {
                 "op": m.group("op"),
                 "bytes": operand,
                 "group": _group_size(m.group("attrs"), WORLD),
             }
-        )
+            if comp in loops:
+                op["in_loop"] = True
+            ops.append(op)
     return ops
 
 
 def summarize(ops: list[dict]) -> dict:
+    """Bytes per kind and wire bytes of the fast path (ops outside loops); the overflow
+    path's collectives (one extra round or update pass each) are summed apart."""
     kinds: dict[str, int] = {}
+    loop: dict[str, int] = {}
     for o in ops:
-        kinds[o["op"]] = kinds.get(o["op"], 0) + o["bytes"]
-    wire = sum(o["bytes"] * wire_factor(o["op"], o["group"]) for o in ops if o["group"] > 1)
-    return {"kinds": kinds, "count": len(ops), "wire": int(wire)}
+        into = loop if o.get("in_loop") else kinds
+        into[o["op"]] = into.get(o["op"], 0) + o["bytes"]
+    fast = [o for o in ops if not o.get("in_loop") and o["group"] > 1]
+    wire = sum(o["bytes"] * wire_factor(o["op"], o["group"]) for o in fast)
+    out = {"kinds": kinds, "count": len(ops) - sum(1 for o in ops if o.get("in_loop"))}
+    out["wire"] = int(wire)
+    if loop:
+        out["overflow_path_kinds"] = loop
+    return out
 
 
 # ----- bytes: TorchRec's schemes -----
@@ -295,7 +369,7 @@ def torchrec_bytes(kind: str, spec: LookupSpec) -> dict | None:
     """
     T, E, D, B, L, n = spec.T, spec.E, spec.D, spec.B, spec.L, WORLD
     ids = T * B * (L + 1) * I32  # values + one length per bag, this device's batch
-    pooled = T * B * D * F32  # this device's share of the pooled outputs
+    pooled = T * B * D * {"fp32": 4, "fp16": 2, "bf16": 2}[QCOMMS["precision"]]  # QComms
     parts: list[tuple[str, str, float, int]] = []  # (stage, kind, bytes, group)
     if kind in ("table_wise", "column_wise", "table_column_wise"):
         copies = {"table_wise": 1, "column_wise": 2, "table_column_wise": LOCAL}[kind]
@@ -360,7 +434,7 @@ def run_type(kind: str, spec: LookupSpec, reps: int, warmup: int, seed: int) -> 
     plan = d.construct_module_sharding_plan(
         model.ebc, gens, world_size=WORLD, local_size=WORLD // hosts
     )
-    model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
+    model = shard(model, d.ShardingPlan({"ebc": plan}), mesh, spec)
     locals_ = local_batches(spec, seed)
     batch = d.shard_batch(locals_, mesh)
     predicted = plan_bytes(model.ebc, locals_[0][0], spec)
@@ -381,6 +455,7 @@ def run_type(kind: str, spec: LookupSpec, reps: int, warmup: int, seed: int) -> 
         "mesh": "x".join(map(str, mesh.devices.shape)),
         "B_global": WORLD * spec.B,
         "optimizer": "EXACT_ROWWISE_ADAGRAD",
+        "qcomms": QCOMMS["precision"],
         "first_loss": first_loss,
         "comm_plan": predicted,
         "comm_hlo": hlo,
@@ -457,6 +532,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--implementation", default=None, help="--gpu: xla, pallas (default: None)")
     p.add_argument("--bounds-check", default=None, help="--gpu: a BoundsCheckMode name")
+    p.add_argument(
+        "--qcomms",
+        default="fp32",
+        choices=("fp32", "fp16", "bf16"),
+        help="precision of pooled blocks and their gradients (TorchRec's QComms)",
+    )
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     return p.parse_args(argv)
 
@@ -488,7 +569,7 @@ def gpu_compile_type(
 
     def build():
         ebc = jr_ebc(tables, rngs=nnx.Rngs(seed), implementation=implementation, **kw)
-        return d.DistributedModelParallel(Model(ebc), plan, mesh)
+        return shard(Model(ebc), plan, mesh, spec)
 
     kjt, r = local_batches(spec, seed)[0]
     opt = optimizer()
@@ -519,7 +600,7 @@ def cpu_collectives(kind: str, spec: LookupSpec, seed: int) -> tuple[dict, dict]
     plan = d.construct_module_sharding_plan(
         model.ebc, gens, world_size=WORLD, local_size=WORLD // hosts
     )
-    model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh_for(hosts))
+    model = shard(model, d.ShardingPlan({"ebc": plan}), mesh_for(hosts), spec)
     locals_ = local_batches(spec, seed)
     batch = d.shard_batch(locals_, model.ebc.mesh)
     opt = optimizer()
@@ -547,6 +628,7 @@ def run_gpu(kind, spec, seed, implementation, bounds_check) -> dict:
         "mesh": gpu["mesh"],
         "B_global": WORLD * spec.B,
         "optimizer": "EXACT_ROWWISE_ADAGRAD",
+        "qcomms": QCOMMS["precision"],
         "implementation": implementation,
         "bounds_check": bounds_check or "default",
         "comm_plan": predicted,
@@ -562,6 +644,7 @@ def run_gpu(kind, spec, seed, implementation, bounds_check) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    QCOMMS["precision"] = args.qcomms
     spec = LookupSpec(T=args.T, E=args.E, D=args.D, B=args.B, L=args.L)
     kinds = args.types.split(",")
     bad = sorted(set(kinds) - set(TYPES))

@@ -14,7 +14,9 @@ def test_tiny_run_predicts_the_compiled_collectives(capsys):
     for x in lines:
         assert x["comm_plan"]["kinds"] == x["comm_hlo"]["kinds"], x["impl"]
         assert x["median_ms"] > 0 and x["world"] == 8
-    assert lines[1]["comm_plan"]["stages"]["row_sum_all_reduce"] == 4 * 3 * 200  # T x E x f32
+    # column shards of a table send their peer one float32 per id it may receive (the
+    # world's N x B x L ids of its feature), never one per table row
+    assert lines[1]["comm_plan"]["stages"]["row_sum_permute"] == 4 * 8 * 8 * 10
 
 
 # Lines of the step compiled deviceless for 8 H100s (trimmed after the attributes that
