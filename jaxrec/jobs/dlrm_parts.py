@@ -145,7 +145,9 @@ def shard(args: argparse.Namespace, model: nnx.Module):
             ebc, {t: gens(i) for i, t in enumerate(names)}, world_size=n
         )
         plan = dist.ShardingPlan({EBC_PATH: module_plan})
-    model = dist.DistributedModelParallel(model, plan, mesh)
+    q = getattr(args, "qcomms", "fp32")
+    qcomms = dist.QCommsConfig(forward_precision=q, backward_precision=q)
+    model = dist.DistributedModelParallel(model, plan, mesh, qcomms=qcomms)
     sharded = model.sparse_arch.embedding_bag_collection
     kinds = sorted(
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}

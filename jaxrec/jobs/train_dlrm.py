@@ -75,6 +75,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     dist = p.add_argument_group("devices")
     dist.add_argument("--devices", type=int, default=1, help="shard tables over N devices")
     dist.add_argument("--sharding", default="planner", choices=SHARDINGS)
+    dist.add_argument(
+        "--qcomms",
+        default="fp32",
+        choices=("fp32", "fp16", "bf16"),
+        help="precision of the embedding payloads between devices (TorchRec's QComms)",
+    )
     out = p.add_argument_group("outputs")
     out.add_argument("--run-dir", default="runs/dlrm")
     out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
