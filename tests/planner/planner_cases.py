@@ -69,18 +69,20 @@ def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
     - per received id: float32 row gradients, sort pair, CUB scratch: ``4 * w + 16``;
     - blocks: ``2 * N * S * B * w * 4``;
     - column-split tables: ``max(K * w * 4, 2 * 4 * V)``, ``V`` the largest over ranks
-      of ``calls * N * min(C, ids of t)`` summed over the split tables ``t`` on it.
+      of ``calls * N * min(C, ids of t)`` summed over the split tables ``t`` on it;
+      the row sums sent are the collection's own ``PeerSchedule.bytes_sent()``.
 
     Data-parallel tables: three gathered ``[N * ids, dim]`` float32 copies and their
     ids, masks, sort pairs and scratch.
     """
     from jaxrec.distributed.capacity import fast_path_capacity
+    from jaxrec.distributed.row_sums import peer_schedule
 
     conf = {t.name: t for t in tables}
     owner = {f: t for t in tables for f in t.feature_names}
     ids_of = {t.name: sum(caps[f] for f in t.feature_names) for t in tables}
     out = {"buffers": 0.0, "ids_all_to_all": 0, "blocks": 0, "row_sum_values": 0,
-           "capacities": {}}  # fmt: skip
+           "row_sum_bytes": 0, "capacities": {}}  # fmt: skip
     for g in layout.groups:
         exp = [math.fsum(means[s.key] * s.nrows / owner[s.key].num_embeddings for s in slots)
                for slots in g.slots]  # fmt: skip
@@ -98,6 +100,10 @@ def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
             v = max(sum(calls * world * min(c, ids_of[n]) for n in names) for names in split)
             out["buffers"] += max(k * w * 4, 2 * 4 * v)
             out["row_sum_values"] += v
+            if calls:  # what the collection's ppermute rounds send, per row sum
+                sizes = {t.name: min(k, world * ids_of[t.name]) for t in tables}
+                sched = peer_schedule(g, layout, tables, sizes)
+                out["row_sum_bytes"] += calls * sched.bytes_sent()
     for name in layout.replicated:
         t = conf[name]
         n = world * ids_of[name]

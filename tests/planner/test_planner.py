@@ -303,7 +303,7 @@ def test_comm_estimate_matches_the_exchange(kind):
         "fwd_output_all_to_all": blocks,
         "bwd_grad_all_to_all": blocks,
         "dp_row_grad_all_gather": gather,
-        "row_sum_exchange": 4 * want["row_sum_values"],
+        "row_sum_exchange": want["row_sum_bytes"],
     }
     if kind == "row_wise":  # 8 slots per rank, 5120 / 8 ids each: fast_path_capacity's example
         assert stats.capacities == {"": {"fp32_c64": 5847}}
@@ -321,3 +321,19 @@ def test_width_groups_pad_per_collection():
     keys = {g.key[0] for g in planner.last_placement.groups}
     assert keys <= {"tower_a.ebc", "tower_b.ebc"}
     assert "tower_b.ebc.x" in str(planner.last_stats)
+
+
+def test_vectorised_capacities_equal_the_collections_formula():
+    """The partitioner prices candidates with an array copy of fast_path_capacity."""
+    from jaxrec.distributed.planner.cost_model import fast_path_capacities
+
+    rng = np.random.default_rng(0)
+    expected = np.concatenate([[0.0, 0.5, 1.0, 5120.0], rng.uniform(0, 1e6, 500)])
+    natural = np.concatenate([[0, 1, 7, 40960], rng.integers(0, 2_000_000, 500)])
+    for factor in (1.0, 1.1, 1.7):
+        got = fast_path_capacities(expected, natural, factor=factor)
+        want = [fast_path_capacity(float(e), int(n), factor) for e, n in zip(expected, natural)]
+        assert got.tolist() == want
+    assert fast_path_capacities(expected, natural, capacity=64).tolist() == [
+        max(1, min(64, int(n))) for n in natural
+    ]

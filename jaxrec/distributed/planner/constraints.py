@@ -36,11 +36,15 @@ class ParameterConstraints:
             tables, fused optimizer) and ``"dense"`` (data parallel), so
             excluding one excludes the sharding types that use it.
         pooling_factors: mean ids per bag, one per feature of the table (or
-            one for all); default 1.0 as in TorchRec.
+            one for all). They size the id exchange's fast path (pass the same
+            ``pooling_factors`` to ``DistributedModelParallel``). Default:
+            unknown, so, as the sharded collection does without them, every
+            feature is expected to fill its capacity (which defaults to one id
+            per bag, TorchRec's default pooling factor).
         num_poolings: bags per sample per feature (default 1.0).
         batch_sizes: samples per device per feature (default: the topology's).
         feature_capacities: the static KJT capacity per device of each feature
-            (what jaxrec's fixed shapes actually move); default
+            (the most ids it can hold); default
             ``ceil(batch_size * pooling_factor * num_poolings)``.
         min_partition: smallest column block when splitting columns (default 32).
         hbm_only: tables live in device memory. jaxrec has no host-memory
@@ -57,7 +61,7 @@ class ParameterConstraints:
 
     sharding_types: Sequence[ShardingType | str] | None = None
     compute_kernels: Sequence[EmbeddingComputeKernel | str] | None = None
-    pooling_factors: Sequence[float] = (1.0,)
+    pooling_factors: Sequence[float] | None = None
     num_poolings: Sequence[float] | None = None
     batch_sizes: Sequence[int] | None = None
     feature_capacities: Sequence[int] | None = None

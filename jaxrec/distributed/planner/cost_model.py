@@ -28,7 +28,9 @@ from .storage import (
 from .topology import Topology
 
 
-def fast_path_capacities(expected, natural, capacity: int | None = None) -> np.ndarray:
+def fast_path_capacities(
+    expected, natural, capacity: int | None = None, factor: float = CAPACITY_FACTOR
+) -> np.ndarray:
     """:func:`jaxrec.distributed.capacity.fast_path_capacity` over arrays (same floats).
 
     ``capacity``: a user's ``capacity=``, which replaces the statistics-sized
@@ -39,7 +41,7 @@ def fast_path_capacities(expected, natural, capacity: int | None = None) -> np.n
     if capacity is not None:
         c = np.minimum(float(capacity), nat)
     else:
-        sized = np.ceil(CAPACITY_FACTOR * e + SIGMAS * np.sqrt(np.maximum(e, 0.0)))
+        sized = np.ceil(factor * e + SIGMAS * np.sqrt(np.maximum(e, 0.0)))
         c = np.where(e > 0, np.minimum(nat, np.maximum(1.0, sized)), 1.0)
     return np.where(nat < 1, 1.0, c)
 
@@ -69,14 +71,14 @@ class GroupCost:
             row_sum_values=row_sum_values,
         )  # fmt: skip
 
-    def perf(self, capacity, slots, row_sum_values=0.0) -> Perf:
+    def perf(self, capacity, slots, row_sum_sent=0.0) -> Perf:
         return sharded_perf(
             self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
-            weighted=self.weighted, row_sum_values=row_sum_values,
+            weighted=self.weighted, row_sum_sent=row_sum_sent,
         )  # fmt: skip
 
-    def time(self, capacity, slots, row_sum_values=0.0):
-        return self.perf(capacity, slots, row_sum_values).total
+    def time(self, capacity, slots, row_sum_sent=0.0):
+        return self.perf(capacity, slots, row_sum_sent).total
 
     @functools.cached_property
     def linear(self) -> tuple[float, float, float, float]:
@@ -100,13 +102,17 @@ class CostModel:
             group, at most the natural payload); ``None`` sizes each group's
             fast path from its expected load.
         weighted_modules: module paths whose collections carry per-id weights.
+        capacity_factor: the fast path's headroom over the expected load.
     """
 
     def __init__(
-        self, topology: Topology, capacity: int | None = None, weighted_modules=frozenset()
-    ):
+        self, topology: Topology, capacity: int | None = None, weighted_modules=frozenset(),
+        capacity_factor: float = CAPACITY_FACTOR,
+    ):  # fmt: skip
+        fast_path_capacity(1.0, 1, capacity_factor)  # validates it
         self.topology = topology
         self.capacity = capacity
+        self.capacity_factor = capacity_factor
         self.weighted_modules = frozenset(weighted_modules)
         self._groups: dict = {}
         self._state: dict = {}
@@ -131,7 +137,7 @@ class CostModel:
 
     def capacities(self, expected, natural) -> np.ndarray:
         """Fast-path capacities for arrays of (expected, natural) loads."""
-        return fast_path_capacities(expected, natural, self.capacity)
+        return fast_path_capacities(expected, natural, self.capacity, self.capacity_factor)
 
     def capacity_of(self, expected: float, natural: int) -> int:
         """The capacity the sharded collection builds for a group (the shared formula)."""
@@ -139,7 +145,7 @@ class CostModel:
             return 1
         if self.capacity is not None:
             return max(1, min(self.capacity, natural))
-        return fast_path_capacity(expected, natural)
+        return fast_path_capacity(expected, natural, self.capacity_factor)
 
     def standalone(self, table: TableInfo, nrows, ncols: int) -> tuple[np.ndarray, np.ndarray]:
         """``(bytes, seconds)`` of shards of ``nrows`` rows (an array) and ``ncols``

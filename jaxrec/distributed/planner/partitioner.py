@@ -65,7 +65,8 @@ class _Group:
         self.max_exp = self.max_vub = 0.0
         self.split = False  # holds a column shard: updated by the XLA path (storage.py)
         self.loads: list[list[float]] = [[] for _ in range(n)]  # per rank, per slot
-        self.split_ids: list[dict[str, tuple[int, int]]] = [{} for _ in range(n)]  # (ids, calls)
+        # per rank, per column-split table: (its payload, row sums per step, peers)
+        self.split_ids: list[dict[str, tuple[int, int, int]]] = [{} for _ in range(n)]
         self.total_rows = self.total_exp = 0.0
         self.cap_rows = self.cap_exp = math.inf  # balanced targets with slack
         self.opts: dict[int, str] = {}
@@ -93,6 +94,7 @@ class _Item:
     split_ids: int  # the table's whole payload (row-sum values are bounded by it)
     calls: int  # row sums per step of its optimizer
     table: str  # its key: row sums are exchanged once per table on a rank
+    peers: int  # the table's other column blocks (each gets the row sums)
 
     @property
     def vub(self) -> float:
@@ -112,7 +114,8 @@ class GroupStats:
     slots: int
     weighted: bool
     column_split: bool  # holds a column shard: updated by the XLA path
-    row_sum_values: int  # float32 values exchanged per step between column shards' peers
+    row_sum_values: int  # float32 row sums held per step (the fullest rank's, all calls)
+    row_sum_sent: int  # float32 row sums the busiest rank sends its peers per step
     memory: tuple[float, float, float]  # weights, state, buffers (per device)
     perf: Perf
     optimizers: tuple[str, ...]
@@ -220,8 +223,9 @@ class _Run:
         t = o.table
         split = sh.ncols < t.dim
         calls = self.cost.row_sum_calls(t) if split else 0
+        peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
         return _Item(self._group(o, sh.ncols), rank, sh.nrows, t.slot_loads(sh.nrows), t.ids,
-                     split, t.ids, calls, t.key)  # fmt: skip
+                     split, t.ids, calls, t.key, peers)  # fmt: skip
 
     def _items(self, o: ShardingOption, shards_ranks) -> list[_Item]:
         return [self._item(o, sh, r) for sh, r in shards_ranks if sh.nrows and sh.ncols]
@@ -285,7 +289,7 @@ class _Run:
                 g.loads[it.rank].extend(it.loads)
                 if it.split:
                     g.split = True
-                    g.split_ids[it.rank][it.table] = (it.split_ids, it.calls)
+                    g.split_ids[it.rank][it.table] = (it.split_ids, it.calls, it.peers)
             g.max_rows = max(g.max_rows, int(g.rows[r].max()))
             g.max_exp = max(g.max_exp, float(g.exp[r].max()))
             g.max_nat = max(g.max_nat, int(g.nat[r].max()))
@@ -630,21 +634,21 @@ class _Run:
         for g in self.groups.values():
             if not g.tables:
                 continue
-            c, exp, v = self._exact(g)
+            c, exp, v, sent = self._exact(g)
             gm = g.cost.memory(g.max_rows, c, g.max_slots, g.split, v)
-            gp = g.cost.perf(c, g.max_slots, v)
+            gp = g.cost.perf(c, g.max_slots, sent)
             mem = [a + b for a, b in zip(mem, gm, strict=True)]
             perf = perf + gp
             groups.append(
                 GroupStats(g.key, tuple(g.tables), g.max_rows, c, exp, g.max_nat, g.max_slots,
-                           g.cost.weighted, g.split, v, gm, gp, tuple(g.opts.values()))
+                           g.cost.weighted, g.split, v, sent, gm, gp, tuple(g.opts.values()))
             )  # fmt: skip
             for r in range(self.n):  # unpadded: buffers sized for the rank's own load
                 if g.nat[r]:
-                    cr, _, vr = self._exact(g, r)
+                    cr, _, vr, sr = self._exact(g, r)
                     own_mem[r] += sum(g.cost.memory(int(g.rows[r]), cr, int(g.slots[r]),
                                                     g.split, vr))  # fmt: skip
-                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), vr))
+                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), sr))
         return Placement(
             options=options,
             shard_ranks=ranks,
@@ -658,15 +662,18 @@ class _Run:
             split=tuple(o.table.key for o in self.proposal if id(o) in self.replaced),
         )
 
-    def _exact(self, g: _Group, rank: int | None = None) -> tuple[int, float, int]:
-        """``(capacity, expected, row-sum values)`` of a group (or of one rank's own
-        load), summed exactly (``math.fsum``: independent of the order of slots)."""
+    def _exact(self, g: _Group, rank: int | None = None) -> tuple[int, float, int, int]:
+        """``(capacity, expected, row-sum values held, row-sum values sent)`` of a group
+        (or of one rank's own load), summed exactly (``math.fsum``: independent of the
+        order of slots)."""
         ranks = range(self.n) if rank is None else (rank,)
         exp = max(math.fsum(g.loads[r]) for r in ranks)
         nat = max(int(g.nat[r]) for r in ranks)
         c = self.cost.capacity_of(exp, nat)
-        v = 0
+        v = sent = 0
         if g.split:
-            v = max(sum(row_sum_values(self.n, c, ids, calls)
-                        for ids, calls in g.split_ids[r].values()) for r in ranks)  # fmt: skip
-        return c, exp, v
+            per = [[(row_sum_values(self.n, c, ids, calls), peers)
+                    for ids, calls, peers in g.split_ids[r].values()] for r in ranks]  # fmt: skip
+            v = max(sum(x for x, _ in p) for p in per)
+            sent = max(sum(x * k for x, k in p) for p in per)
+        return c, exp, v, sent

@@ -15,9 +15,9 @@ follow jaxrec's collectives (``embedding_dist.py``):
   the same inputs, and XLA's CSE merges the two, so ids move once per step);
 - per slot: the partial ``[N, B, columns]`` float32 blocks ``all_to_all``-ed
   back in the forward and their gradients in the backward;
-- a group holding column shards with a row-wise optimizer: each shard
-  exchanges its per-row partial sums with the peers holding the same rows
-  (a ``ppermute`` of 4 bytes per value, ``storage.row_sum_values``);
+- a group holding column shards with a row-wise optimizer: each shard sends
+  its per-row partial sums to the ``k - 1`` peers holding the same rows
+  (``ppermute`` rounds of 4 bytes per value, ``storage.row_sum_values``);
 - data parallel: a local lookup forward; backward an ``all_gather`` of every
   device's row gradients and a replicated update.
 
@@ -58,9 +58,12 @@ class Perf(NamedTuple):
 
 def sharded_perf(
     topo: Topology, ncols: int, itemsize: int, state_per_row: int, capacity, slots,
-    *, weighted: bool = False, row_sum_values=0.0,
+    *, weighted: bool = False, row_sum_sent=0.0,
 ) -> Perf:  # fmt: skip
-    """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays)."""
+    """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays).
+
+    ``row_sum_sent``: float32 row sums the busiest rank sends its column peers.
+    """
     n, b, hbm = topo.world_size, topo.batch_size, topo.hbm_mem_bw
     a2a = topo.all_to_all_seconds_per_byte()
     row = ncols * itemsize
@@ -72,7 +75,7 @@ def sharded_perf(
         fwd_comms=ids * a2a + block * a2a,
         bwd_compute=(k * (4 * ncols * F32 + SORT_BYTES + 2 * row + 2 * state_per_row) + 2 * block)
         / hbm,
-        bwd_comms=block * a2a + row_sum_values * F32 * topo.ppermute_seconds_per_byte(),
+        bwd_comms=block * a2a + row_sum_sent * F32 * topo.ppermute_seconds_per_byte(),
     )
 
 
@@ -101,7 +104,8 @@ def comm_bytes(placement, topo: Topology) -> dict[str, int]:
     jaxrec runs: per width group ``N * P * 4`` bytes of ids (``P`` from
     ``storage.id_payload``), ``N * S * B * columns * 4`` of partial blocks
     forward and of their gradients backward, and for column-split tables with
-    a row-wise optimizer ``4`` bytes per row-sum value exchanged with peers;
+    a row-wise optimizer ``4`` bytes per row sum the busiest rank sends its
+    peers (``calls * (k - 1) * V_t`` per table of ``k`` column blocks);
     per data-parallel table ``ids * (4 + dim * 4 + 1)`` of gathered row
     gradients (sent to each of the ``N - 1`` peers).
     """
@@ -113,7 +117,7 @@ def comm_bytes(placement, topo: Topology) -> dict[str, int]:
         out["ids_all_to_all"] += int(n * id_payload(g.capacity, g.slots, b, g.weighted) * I32)
         out["fwd_output_all_to_all"] += blocks
         out["bwd_grad_all_to_all"] += blocks
-        out["row_sum_exchange"] += int(g.row_sum_values * F32)
+        out["row_sum_exchange"] += int(g.row_sum_sent * F32)
     for o in placement.options:
         if o.placement == "replicated":
             out["dp_row_grad_all_gather"] += o.table.ids * (4 + o.table.dim * F32 + 1)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from ...configs import BaseEmbeddingConfig
 from ...modules.embedding_bag_collection import EmbeddingBagCollection
+from ..capacity import CAPACITY_FACTOR
 from ..types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -91,6 +92,8 @@ class EmbeddingShardingPlanner:
             group's expected ids per destination is refused (every step would
             take extra exchange rounds); one below the statistics-sized value
             gets a warning in the stats.
+        capacity_factor: the fast path's headroom over the expected load (the
+            same ``capacity_factor=`` as ``DistributedModelParallel``'s).
         reserved_hbm_fraction: share of each device's memory kept for dense
             parameters and activations (TorchRec's storage reservation, 15%).
         proposers: default greedy, uniform and a bounded grid search.
@@ -108,6 +111,7 @@ class EmbeddingShardingPlanner:
         *,
         optimizer: Any = None,
         capacity: int | None = None,
+        capacity_factor: float = CAPACITY_FACTOR,
         reserved_hbm_fraction: float = 0.15,
         proposers: Sequence[Proposer] | None = None,
         partitioner: GreedyPerfPartitioner | None = None,
@@ -122,6 +126,7 @@ class EmbeddingShardingPlanner:
         self.constraints = dict(constraints or {})
         self.optimizer = resolve_optimizer(optimizer)
         self.capacity = capacity
+        self.capacity_factor = capacity_factor
         self.reserved_hbm_fraction = reserved_hbm_fraction
         self.proposers = proposers
         self.partitioner = partitioner or GreedyPerfPartitioner()
@@ -140,7 +145,7 @@ class EmbeddingShardingPlanner:
             cons,
             modules,
             tables,
-            CostModel(topo, self.capacity, weighted),
+            CostModel(topo, self.capacity, weighted, self.capacity_factor),
             (topo.hbm_cap * (1 - self.reserved_hbm_fraction)),
         )
 
@@ -161,8 +166,8 @@ class EmbeddingShardingPlanner:
                     int(cap) if cap is not None else max(1, math.ceil(b * p * q))
                     for cap, b, p, q in zip(caps, bs, pf, npool, strict=True)
                 )
-                means = tuple(
-                    min(float(b * p * q), float(cap))
+                means = tuple(  # what the sharded collection assumes: capacities if unknown
+                    float(cap) if c.pooling_factors is None else min(float(b * p * q), float(cap))
                     for cap, b, p, q in zip(caps, bs, pf, npool, strict=True)
                 )
                 opt = table_optimizer(self.optimizer, t.name)

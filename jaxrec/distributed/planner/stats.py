@@ -161,7 +161,7 @@ def capacity_errors(placed: Placement, cost: CostModel, warn: bool = False) -> l
         return []
     out = []
     for g in placed.groups:
-        sized = fast_path_capacity(g.expected_ids, g.natural_ids)
+        sized = fast_path_capacity(g.expected_ids, g.natural_ids, cost.capacity_factor)
         where = f"{g.key[0]}: {g.name}" if g.key[0] else g.name
         numbers = (
             f"width group {where} expects {g.expected_ids:.0f} ids per destination, "
