@@ -49,9 +49,15 @@ def column_offsets(layout: ShardedLayout) -> np.ndarray:
     return np.cumsum([0, *layout.dims])
 
 
-def send_back(x: jax.Array, axis, dtype) -> jax.Array:
-    """``all_to_all`` over the leading (device) axis in ``dtype``; float32 on arrival."""
-    return jax.lax.all_to_all(x.astype(dtype), axis, 0, 0, tiled=True).astype(jnp.float32)
+def send_back(x: jax.Array, axis, dtype, scale: float | None = None) -> jax.Array:
+    """``all_to_all`` over the leading (device) axis in ``dtype``; float32 on arrival.
+
+    ``scale`` multiplies the payload before the cast and divides it after (a loss
+    scale, so that small fp16 gradients do not underflow)."""
+    if scale is not None:
+        x = x * scale
+    got = jax.lax.all_to_all(x.astype(dtype), axis, 0, 0, tiled=True).astype(jnp.float32)
+    return got if scale is None else got / scale
 
 
 # ----- pooled -----
@@ -78,7 +84,7 @@ def assemble(received: jax.Array, group: WidthGroup, add: Callable[[Slot, jax.Ar
             add(sl, received[p, j])
 
 
-def grads_to_ranks(read, group: WidthGroup, b: int, axis, dtype) -> jax.Array:
+def grads_to_ranks(read, group: WidthGroup, b: int, axis, dtype, scale=None) -> jax.Array:
     """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
     slots, where ``read(slot)`` is this device's ``[B, ncols]`` output gradient block."""
     blocks = []
@@ -86,7 +92,7 @@ def grads_to_ranks(read, group: WidthGroup, b: int, axis, dtype) -> jax.Array:
         per = [read(sl) for sl in slots]
         per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
         blocks.append(jnp.stack(per))
-    return send_back(jnp.stack(blocks), axis, dtype)
+    return send_back(jnp.stack(blocks), axis, dtype, scale)
 
 
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):
@@ -122,7 +128,7 @@ def place_rows(received: jax.Array, box: Outbox, group: WidthGroup, r, capacity:
             add(sl, jnp.where((t < capacity)[:, None], rows, 0.0))
 
 
-def sequence_grads(read, box: Outbox, group: WidthGroup, r, capacity: int, axis, dtype):
+def sequence_grads(read, box: Outbox, group: WidthGroup, r, capacity: int, axis, dtype, scale):
     """Round ``r``'s per-id output gradients, sent to the shards: ``[N_src, C, ncols]``
     aligned with the ids the shard received; ``read(slot)`` is ``[cap_k, ncols]``."""
     out = []
@@ -132,4 +138,4 @@ def sequence_grads(read, box: Outbox, group: WidthGroup, r, capacity: int, axis,
             t = round_targets(box.slot_index[p][j], r, capacity)
             buf = buf.at[t].set(read(sl), mode="drop")
         out.append(buf)
-    return send_back(jnp.stack(out), axis, dtype)
+    return send_back(jnp.stack(out), axis, dtype, scale)

@@ -18,6 +18,7 @@ from ..sparse import KeyedJaggedTensor
 from .capacity import CAPACITY_FACTOR
 from .planner import ParameterConstraints, plan_for_model
 from .qcomms import QCommsConfig
+from .sharded_base import ShardedCollection
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .types import ShardingPlan
@@ -86,6 +87,16 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
             sharded = sharder(module, plan.plan[name], mesh, **mine)
             replace_collection(model, path, sharded)
             found.add(name)
+    features = {
+        f for _, m in nnx.iter_modules(model) if isinstance(m, ShardedCollection)
+        for t in m.table_configs for f in t.feature_names
+    }  # fmt: skip
+    stray = sorted(set(pooling_factors or {}) - features)
+    if stray:
+        raise ValueError(
+            f"pooling_factors name unknown features {stray}; the sharded collections read "
+            f"{sorted(features)}"
+        )
     unknown = sorted(set(plan.plan) - found)
     if unknown:
         raise ValueError(

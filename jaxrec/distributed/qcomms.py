@@ -6,6 +6,10 @@ before its ``all_to_all`` and back to float32 on arrival, where row shards are
 summed and the fused update runs (fp32 accumulation). Ids always travel as
 int32. Halving the embedding payloads halves most of a step's communication;
 the cost is one rounding of each partial sum and of each output gradient.
+fp16 has little range: gradients below about 6e-5 lose precision, and below
+6e-8 vanish; bf16 keeps float32's range with fewer bits, or give fp16 a
+``backward_loss_scale`` (TorchRec's name: gradients are multiplied by it
+before the cast and divided after).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def _comm_type(value, field: str) -> CommType:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QCommsConfig:
-    """Precisions of the forward (pooled blocks / rows) and backward (gradients) payloads.
+    """Precisions of the forward (pooled blocks / rows) and backward (gradients) payloads,
+    and an optional loss scale for the backward payloads.
 
     Example:
         >>> q = QCommsConfig(forward_precision="fp16", backward_precision="bf16")
@@ -49,10 +54,14 @@ class QCommsConfig:
 
     forward_precision: CommType | str = CommType.FP32
     backward_precision: CommType | str = CommType.FP32
+    backward_loss_scale: float | None = None
 
     def __post_init__(self):
         for f in ("forward_precision", "backward_precision"):
             object.__setattr__(self, f, _comm_type(getattr(self, f), f))
+        s = self.backward_loss_scale
+        if s is not None and not (isinstance(s, int | float) and s > 0 and s < float("inf")):
+            raise ValueError(f"QCommsConfig.backward_loss_scale must be positive, got {s!r}")
 
     @property
     def forward_dtype(self):

@@ -511,14 +511,17 @@ class ShardedCollection(EmbeddingCollectionInterface):
         if not self.sequence:
             b = kjt.stride()
             read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, b)
-            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype)
+            scale = self.qcomms.backward_loss_scale
+            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale)
             grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
             return grads(rec0), lambda r: grads(self._round(spec, box, bag_counts, r))
 
         read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, None)
 
         def grads(r, rec):
-            got = dist.sequence_grads(read, box, g, r, spec.capacity, self.axis, dtype)
+            got = dist.sequence_grads(
+                read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
+            )
             return rec.rows.reshape(-1), got.reshape(-1, g.ncols), rec.valid.reshape(-1)
 
         return grads(0, rec0), lambda r: grads(r, self._round(spec, box, None, r))
