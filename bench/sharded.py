@@ -183,7 +183,7 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
         "dp_row_grad_all_gather": 0,
         "loss_all_reduce": F32,
         "rounds_all_reduce": I32 * len(ebc.layout.groups) if ebc.exact else 0,
-        "overflow_all_reduce": I32 if ebc.overflow_mode == "raise" else 0,
+        "overflow_all_reduce": I32 if ebc.overflow_mode != "count" else 0,
         "row_sum_permute": 0,
         "bounds_report_all_reduce": 0,
     }

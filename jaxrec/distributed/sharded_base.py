@@ -310,13 +310,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 fn = _EAGER_FORWARD.setdefault(self, jax.jit(lambda t, f: ref()._forward(t, f)))
             values, overflow = fn(tables, features)
         total = jnp.sum(overflow)
-        # Drop modes: a train step takes the count (it raises, or logs it on the host
-        # for "warn"); elsewhere "raise" and "warn" log from one host callback, only on
-        # drops. "exact" and "count" only count.
-        if self.overflow_mode in ("raise", "warn") and not report_overflow(
-            total, self.overflow_mode
-        ):
-            jax.lax.cond(total > 0, lambda: jax.debug.callback(log_overflow, total), lambda: None)
+        # A train step takes the count: it raises on drops ("raise") or returns it for
+        # the host to log ("warn": dropped, "exact": extra rounds). Elsewhere they log
+        # from one host callback, only when ids overflowed. "count" only counts.
+        mode = self.overflow_mode
+        if mode != "count" and not report_overflow(total, mode):
+            log = lambda t: log_overflow(t, "exact" if mode == "exact" else "warn")
+            jax.lax.cond(total > 0, lambda: jax.debug.callback(log, total), lambda: None)
         self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
         values = tap(self, values, features)  # a train step's gradient probe
         return self._finish(values, features)

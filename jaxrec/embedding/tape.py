@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -52,7 +53,9 @@ class Tape:
         self.probes = probes
         self.calls: list[Call] = []
         self.overflow: list = []  # dropped-id counts of sharded calls that raise
-        self.overflow_warned: list = []  # ... and of those that warn (logged by the host)
+        # (mode, count) of calls whose counts the host logs: dropped ids ("warn") and
+        # ids sent in extra exchange rounds ("exact")
+        self.overflow_warned: list = []
         self.resets: list[Reset] = []  # rows re-initialised during the forward (see reset.py)
         # Bounds checks: FATAL ones are not raised from a callback inside the donated
         # step; WARNING ones are step outputs too, so the program holds no callback.
@@ -83,30 +86,53 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
     return jax.tree.map(jnp.add, output, tape.probes[i])
 
 
-def report_overflow(dropped: Any, mode: str = "raise") -> bool:
-    """Hands a sharded call's dropped-id count to the train step, which raises on it
-    (``mode="raise"``) or returns it for the host to log (``"warn"``).
+def report_overflow(count: Any, mode: str = "raise") -> bool:
+    """Hands a sharded call's count of ids beyond its fast path to the train step, which
+    raises on dropped ones (``mode="raise"``) or returns the count for the host to log
+    (``"warn"``: dropped; ``"exact"``: sent in extra exchange rounds).
 
     Returns False outside a train step (the caller then logs instead).
     """
-    if mode not in ("raise", "warn"):
-        raise ValueError(f"report_overflow: mode must be 'raise' or 'warn', got {mode!r}")
+    if mode not in ("raise", "warn", "exact"):
+        raise ValueError(f"report_overflow: mode must be 'raise', 'warn' or 'exact', got {mode!r}")
     tape = _TAPE.get()
     if tape is None:
         return False
     if tape.probes is not None:  # the differentiated pass, not the shape-only one
-        (tape.overflow if mode == "raise" else tape.overflow_warned).append(dropped)
+        if mode == "raise":
+            tape.overflow.append(count)
+        else:
+            tape.overflow_warned.append((mode, count))
     return True
 
 
-def log_overflow(dropped: Any) -> None:
-    """The warning of a sharded call that dropped ``dropped > 0`` ids (overflow="warn")."""
-    if int(dropped):
+_LAST_REROUTE_LOG = [-float("inf")]
+REROUTE_LOG_SECONDS = 60.0  # extra rounds are logged at most this often
+
+
+def log_overflow(count: Any, mode: str = "warn") -> None:
+    """The warning of a sharded call whose ``count > 0`` ids did not fit the fast path:
+    dropped (``mode="warn"``) or sent in extra rounds (``"exact"``, logged at most once a
+    minute: a fast path sized too small costs time on every step)."""
+    if not int(count):
+        return
+    if mode == "exact":
+        now = time.monotonic()
+        if now - _LAST_REROUTE_LOG[0] < REROUTE_LOG_SECONDS:
+            return
+        _LAST_REROUTE_LOG[0] = now
         logger.warning(
-            "input_dist dropped %d ids that did not fit the per-destination "
-            "capacity (counted in overflow_count); raise capacity= or use overflow='exact'",
-            int(dropped),
+            "input_dist sent %d ids beyond the per-destination capacity in extra exchange "
+            "rounds (exact, but slower; counted in overflow_count); raise capacity= or give "
+            "pooling_factors to size it",
+            int(count),
         )
+        return
+    logger.warning(
+        "input_dist dropped %d ids that did not fit the per-destination "
+        "capacity (counted in overflow_count); raise capacity= or use overflow='exact'",
+        int(count),
+    )
 
 
 def record_reset(module: nnx.Module, group: str, rows: Any, old: Any) -> bool:

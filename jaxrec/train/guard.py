@@ -41,10 +41,11 @@ class StepReport(NamedTuple):
     dropped: jax.Array | None  # row-wise ids dropped for capacity (sharded, overflow="raise")
     skipped: jax.Array | None  # bool scalar: nothing was applied (None: the step never skips)
     fatal: dict[str, tuple[jax.Array, jax.Array]]  # where -> (count, example) of FATAL checks
-    # ... of WARNING checks, and the dropped ids of each sharded call with overflow="warn":
-    # logged by the host (see step_warnings.py), not by callbacks inside the step.
+    # ... of WARNING checks, and per sharded call with overflow="warn" or "exact" its ids
+    # beyond the fast path ("<index>:<mode>" -> count): logged by the host (see
+    # step_warnings.py), not by callbacks inside the step.
     warnings: dict[str, tuple[jax.Array, jax.Array]]
-    overflow_warned: tuple[jax.Array, ...]
+    overflow_warned: dict[str, jax.Array]
     # int32 [n]: those counts stacked (checks, then overflows), the one array the host
     # reads per step (None: nothing can warn)
     counts: jax.Array | None
@@ -82,12 +83,14 @@ def merge_reports(reports: Sequence[FatalReport]) -> dict[str, tuple[jax.Array, 
     return out
 
 
-def warned(warnings: dict, overflow: Sequence[jax.Array]) -> tuple:
-    """``(warnings, overflow, counts)`` of a :class:`StepReport`."""
+def warned(warnings: dict, overflow: Sequence[tuple[str, jax.Array]]) -> tuple:
+    """``(warnings, overflow, counts)`` of a :class:`StepReport`; ``overflow`` holds
+    ``(mode, count)`` per sharded call."""
     warnings = dict(sorted(warnings.items()))  # the order a jitted function returns a dict in
-    counts = [c for c, _ in warnings.values()] + list(overflow)
+    overflow = {f"{i:05d}:{mode}": c for i, (mode, c) in enumerate(overflow)}
+    counts = [c for c, _ in warnings.values()] + list(overflow.values())
     stacked = jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]) if counts else None
-    return warnings, tuple(overflow), stacked
+    return warnings, overflow, stacked
 
 
 def fatal_failures(fatal: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple[int, int]]:

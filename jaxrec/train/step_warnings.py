@@ -1,7 +1,8 @@
 """Logging a train step's warnings on the host without waiting for the step.
 
-Inside a train step, ``BoundsCheckMode.WARNING`` checks and the dropped-id
-counts of sharded collections built with ``overflow="warn"`` are outputs of
+Inside a train step, ``BoundsCheckMode.WARNING`` checks and the counts of ids
+beyond the fast path of sharded collections (dropped with ``overflow="warn"``,
+sent in extra rounds with ``"exact"``) are outputs of
 the step's program (``StepReport.warnings`` / ``overflow_warned``, their
 counts stacked in ``StepReport.counts``), not host callbacks: a program
 holding a callback cannot be compiled without a live backend (deviceless for
@@ -61,5 +62,5 @@ def _log(report: Any) -> None:
     for count, (where, (_, example)) in zip(counts[: len(checks)], checks, strict=True):
         if count > 0:
             log_out_of_range(int(count), int(example), where)
-    for dropped in counts[len(checks) :]:
-        log_overflow(dropped)
+    for count, key in zip(counts[len(checks) :], report.overflow_warned, strict=True):
+        log_overflow(count, key.split(":", 1)[1])

@@ -255,3 +255,30 @@ def test_sharded_row_wise_step_logs_ids_and_overflow(caplog):
     assert [int(DROPPED.match(m).group(1)) for m in messages if DROPPED.match(m)] == want_dropped
     counted = train.merge_model(graphdef, state).ebc.overflow_count.get_value()
     assert int(np.asarray(counted).sum()) == sum(want_dropped)
+
+
+REROUTED = re.compile(r"input_dist sent (\d+) ids beyond the per-destination capacity")
+
+
+def test_exact_overflow_is_counted_and_logged_once_a_minute(caplog, monkeypatch):
+    """``overflow="exact"`` (the default) loses nothing; ids beyond the fast path are
+    counted, and logged by the host at most once a minute (they cost time every step)."""
+    from jaxrec.embedding import tape
+
+    monkeypatch.setattr(tape, "_LAST_REROUTE_LOG", [-float("inf")])
+    capacity = 3
+    mesh, graphdef, state, step = sharded_setup("row_wise", capacity=capacity)
+    rng = np.random.default_rng(5)
+    steps = [sc.batches(rng)[0] for _ in range(3)]
+    model = train.merge_model(graphdef, state)
+    beyond = [expected_dropped(model, [k for k, _ in s], capacity) for s in steps]
+    assert all(beyond), beyond
+    with caplog.at_level(logging.WARNING, logger="jaxrec"):
+        for local in steps:
+            state, _, _ = step(state, d.shard_batch(local, mesh))
+        step.flush_warnings()
+        messages = jaxrec_warnings(caplog)
+    assert [int(REROUTED.match(m).group(1)) for m in messages if REROUTED.match(m)] == beyond[:1]
+    assert not any(DROPPED.match(m) for m in messages)
+    counted = train.merge_model(graphdef, state).ebc.overflow_count.get_value()
+    assert int(np.asarray(counted).sum()) == sum(beyond)
