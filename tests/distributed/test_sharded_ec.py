@@ -106,9 +106,7 @@ def test_sequence_training_equals_unsharded(case, capacity):
 
     model = SeqModel(rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ec, gens, world_size=8, local_size=8 // hosts)
-    model = d.DistributedModelParallel(
-        model, d.ShardingPlan({"ec": plan}), mesh, capacity=capacity
-    )
+    model = d.DistributedModelParallel(model, d.ShardingPlan({"ec": plan}), mesh, capacity=capacity)
     assert isinstance(model.ec, d.ShardedEmbeddingCollection)
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
