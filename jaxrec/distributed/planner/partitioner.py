@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,8 +82,7 @@ class _Group:
         return mem, self.cost.time(c, slots, v)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Item:
+class _Item(NamedTuple):
     """One shard on one rank, as the group bookkeeping sees it."""
 
     group: _Group
@@ -205,6 +205,7 @@ class _Run:
         self.deferred: list[tuple] = []
         self.forced = False  # placing what did not fit, to learn the memory it needs
         self.replaced: dict[int, ShardingOption] = {}  # split tables: their pieces
+        self._bases: dict[tuple, tuple] = {}  # an item's fields but its group and rank
         self.m_ref = max(sum(o.total_bytes for o in proposal) / n, 1.0)
         self.t_ref = max(sum(o.perf for o in proposal) / n, 1e-12)
 
@@ -220,12 +221,16 @@ class _Run:
         return float(self.own_mem[r] / self.m_ref + self.own_time[r] / self.t_ref)
 
     def _item(self, o: ShardingOption, sh: ShardSpec, rank: int) -> _Item:
-        t = o.table
-        split = sh.ncols < t.dim
-        calls = self.cost.row_sum_calls(t) if split else 0
-        peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
-        return _Item(self._group(o, sh.ncols), rank, sh.nrows, t.slot_loads(sh.nrows), t.ids,
-                     split, t.ids, calls, t.key, peers)  # fmt: skip
+        base = self._bases.get((id(o), sh))
+        if base is None:
+            t = o.table
+            split = sh.ncols < t.dim
+            calls = self.cost.row_sum_calls(t) if split else 0
+            peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
+            base = self._bases[(id(o), sh)] = (
+                sh.nrows, t.slot_loads(sh.nrows), t.ids, split, t.ids, calls, t.key, peers
+            )  # fmt: skip
+        return _Item(self._group(o, sh.ncols), rank, *base)
 
     def _items(self, o: ShardingOption, shards_ranks) -> list[_Item]:
         return [self._item(o, sh, r) for sh, r in shards_ranks if sh.nrows and sh.ncols]
