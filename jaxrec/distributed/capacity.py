@@ -20,6 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .layout import WidthGroup
 
 CAPACITY_FACTOR = 1.1  # headroom over the mean load
@@ -115,3 +117,21 @@ def check_capacity(capacity: Any) -> None:
                 "capacity must be None (sized from input statistics), a positive int (ids per "
                 f"destination per width group) or {{group name: positive int}}, got {capacity!r}"
             )
+
+
+def measured_loads(group: WidthGroup, kjt) -> list[int]:
+    """Ids one device's batch ``kjt`` (a host KJT) sends each destination of ``group``."""
+    keys = list(kjt.keys())
+    offsets = kjt.capacity_offsets()
+    values = np.asarray(kjt.values())
+    valid = np.asarray(kjt.segment_ids()) < len(keys) * kjt.stride()
+    out = []
+    for slots in group.slots:
+        n = 0
+        for s in slots:
+            k = keys.index(s.key)
+            ids = values[offsets[k] : offsets[k + 1]]
+            ok = valid[offsets[k] : offsets[k + 1]]
+            n += int(np.sum(ok & (ids >= s.row0) & (ids < s.row0 + s.nrows)))
+        out.append(n)
+    return out

@@ -10,6 +10,7 @@ the local shards.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +33,13 @@ from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
 from . import exchange
-from .capacity import CAPACITY_FACTOR, check_capacity, group_capacity, natural_load
+from .capacity import (
+    CAPACITY_FACTOR,
+    check_capacity,
+    group_capacity,
+    measured_loads,
+    natural_load,
+)
 from .exact_update import exact_update, logical_rows
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
@@ -232,6 +239,25 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """``{width group: fast-path ids per destination}`` for a batch like ``features``
         (a local or a stacked KJT: only its keys, capacities and stride are read)."""
         return {g.name: self._capacity(features, g) for g in self.layout.groups}
+
+    def measure_capacities(self, batches, factor: float = CAPACITY_FACTOR) -> dict[str, int]:
+        """``{width group: capacity}`` from measured loads: ``factor`` times the most ids
+        any local batch of ``batches`` sends one destination (at most the natural payload).
+
+        The measured id statistics for skewed ids (hot rows on one row-wise shard),
+        which pooling factors cannot see. ``batches``: host KJTs, one device's batch
+        each (such as ``shard_batch``'s inputs). Pass the result as ``capacity=``.
+        """
+        kjts = list(batches)
+        if not kjts:
+            raise ValueError("measure_capacities needs at least one local batch")
+        out = {}
+        for g in self.layout.groups:
+            peak = max(max(measured_loads(g, k)) for k in kjts)
+            caps = dict(zip(kjts[0].keys(), kjts[0].capacity_per_key(), strict=True))
+            natural = natural_load(caps, g.slots)
+            out[g.name] = max(1, min(natural, math.ceil(factor * peak)))
+        return out
 
     def _exchanges(self, kjt) -> list[tuple[WidthGroup, exchange.Spec, exchange.Outbox]]:
         out = []

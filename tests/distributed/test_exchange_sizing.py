@@ -2,6 +2,7 @@
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -9,6 +10,7 @@ from flax import nnx
 from sharding_cases import KEYS, PLANS, Model, batches, loss_fn, mesh_1d
 from test_sharded_ebc import sharded_model
 
+import jaxrec as jr
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.distributed.capacity import expected_load, fast_path_capacity, group_capacity
@@ -129,3 +131,36 @@ def test_qcomms_payloads_travel_in_half_precision_and_train_close(precision):
         np.testing.assert_allclose(
             out[precision][2][k], want, rtol=0, atol=8 * eps * np.abs(want).max(), err_msg=k
         )
+
+
+def _skewed(kjt, rng):
+    """The batch with every id in its table's first rows: row-wise rank 0 gets them all."""
+    values = np.asarray(kjt.values()).copy()
+    values[:] = rng.integers(0, 6, values.shape[0])
+    return jr.KeyedJaggedTensor.from_parts(
+        kjt.keys(), jnp.asarray(values), kjt.lengths(), kjt.weights_or_none(),
+        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
+    )  # fmt: skip
+
+
+def test_measured_capacities_absorb_skew():
+    """Hot rows on one row-wise shard: the uniform estimate overflows (exactly), the
+    measured capacity holds every batch on the fast path."""
+    rng = np.random.default_rng(4)
+    data = [[_skewed(k, rng) for k, _ in batches(rng)[0]] for _ in range(2)]
+    kjts = [k for local in data for k in local]
+    lengths = np.stack([np.asarray(k.lengths()).reshape(len(KEYS), -1) for k in kjts])
+    pf = {key: float(lengths[:, i].mean()) for i, key in enumerate(KEYS)}  # measured too
+    model, mesh = sharded_model("row_wise", pooling_factors=pf)
+    measured = model.ebc.measure_capacities(kjts)
+    uniform = model.ebc.capacities(data[0][0])
+    assert measured["fp32_c8"] > uniform["fp32_c8"]  # t1's 50 rows: ids in its first 6
+    forward = nnx.jit(lambda m, b: m.ebc(b).values())
+    outs = []
+    for capacity in (None, measured):
+        m, mesh = sharded_model("row_wise", capacity=capacity, pooling_factors=pf)
+        outs.append([np.asarray(forward(m, d.shard_batch(local, mesh))) for local in data])
+        beyond = int(m.ebc.overflow_count.get_value().sum())
+        assert (beyond > 0) == (capacity is None), beyond
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
