@@ -60,19 +60,29 @@ class Spec:
     fill: int  # the group's rows per rank: out-of-range local row
     weighted: bool
     sequence: bool
+    ragged: bool = False  # ragged_all_to_all: send only the ids there are (GPU)
 
     @property
     def by_counts(self) -> bool:
         """Pooled payloads locate bags by counts when ``S * B <= C``, else by segments."""
         return not self.sequence and self.slots * self.bags <= self.capacity
 
+    @property
+    def segments(self) -> bool:
+        """Pooled payloads without counts carry one segment per id."""
+        return not self.sequence and not self.by_counts
+
+    def per_id(self) -> int:
+        """int32 words per id: its row, its segment (unless by counts), its weight."""
+        return 1 + int(self.segments) + int(self.weighted)
+
+    def meta(self, first: bool) -> int:
+        """int32 words before the ids: the per-(slot, bag) counts, in round 0."""
+        return self.slots * self.bags if self.by_counts and first else 0
+
     def width(self, first: bool) -> int:
         """int32 words per destination of round 0 (``first``) or a later round."""
-        c = self.capacity
-        meta = 0 if self.sequence else (self.slots * self.bags if self.by_counts else c)
-        if self.by_counts and not first:
-            meta = 0
-        return c + meta + (c if self.weighted else 0)
+        return self.meta(first) + self.capacity * self.per_id()
 
 
 def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, spec: Spec):
@@ -147,24 +157,60 @@ def round_targets(index: jax.Array, r, capacity: int) -> jax.Array:
 
 
 def send(box: Outbox, spec: Spec, r, axis, *, first: bool) -> jax.Array:
-    """Round ``r``'s payloads ``[N, width]`` int32, exchanged: ``[N_src, width]`` received."""
-    c = spec.capacity
+    """Round ``r``'s payloads, exchanged: ``[N_src, width]`` int32 received.
+
+    A destination's payload is the counts (round 0, counts mode), then ``C``
+    ids of ``per_id`` words each (row, segment, weight bits), so the ids there
+    are form a prefix: a ragged exchange sends just that prefix.
+    """
+    c, m = spec.capacity, spec.meta(first)
     out = []
     for p in range(spec.n):
         t = round_targets(box.index[p], r, c)
-        parts = [jnp.full((c,), spec.fill, jnp.int32).at[t].set(box.rows[p], mode="drop")]
-        if not spec.sequence:
-            if spec.by_counts:
-                if first:
-                    parts.append(box.bag_counts[p])
-            else:
-                seg = jnp.full((c,), spec.slots * spec.bags, jnp.int32)
-                parts.append(seg.at[t].set(box.bags[p], mode="drop"))
+        cols = [jnp.full((c,), spec.fill, jnp.int32).at[t].set(box.rows[p], mode="drop")]
+        if spec.segments:
+            seg = jnp.full((c,), spec.slots * spec.bags, jnp.int32)
+            cols.append(seg.at[t].set(box.bags[p], mode="drop"))
         if spec.weighted:
             w = jnp.zeros((c,), jnp.float32).at[t].set(box.weights[p], mode="drop")
-            parts.append(jax.lax.bitcast_convert_type(w, jnp.int32))
-        out.append(jnp.concatenate(parts))
-    return jax.lax.all_to_all(jnp.stack(out), axis, 0, 0, tiled=True)
+            cols.append(jax.lax.bitcast_convert_type(w, jnp.int32))
+        ids = jnp.stack(cols, axis=1).reshape(-1)
+        out.append(jnp.concatenate([box.bag_counts[p], ids]) if m else ids)
+    payload = jnp.stack(out)
+    if not spec.ragged:
+        return jax.lax.all_to_all(payload, axis, 0, 0, tiled=True)
+    return _ragged(payload, _empty(spec, first), box.counts, spec, r, axis, m)
+
+
+def _empty(spec: Spec, first: bool) -> jax.Array:
+    """``[width]``: what a destination's payload holds where no id is."""
+    one = [spec.fill]
+    if spec.segments:
+        one.append(spec.slots * spec.bags)
+    if spec.weighted:
+        one.append(0)  # the bits of 0.0
+    ids = jnp.tile(jnp.asarray(one, jnp.int32), spec.capacity)
+    return jnp.concatenate([jnp.zeros((spec.meta(first),), jnp.int32), ids])
+
+
+def _ragged(payload, empty, counts, spec: Spec, r, axis, meta: int) -> jax.Array:
+    """The exchange of :func:`send` moving only each payload's prefix of real ids."""
+    n, width = payload.shape
+    sent = jnp.clip(counts - r * spec.capacity, 0, spec.capacity).astype(jnp.int32)
+    sizes = meta + spec.per_id() * sent
+    recv_sizes = jax.lax.all_to_all(sizes, axis, 0, 0, tiled=True)
+    me = jax.lax.axis_index(axis).astype(jnp.int32)
+    starts = jnp.arange(n, dtype=jnp.int32) * width
+    got = jax.lax.ragged_all_to_all(
+        payload.reshape(-1),
+        jnp.tile(empty, n),
+        starts,
+        sizes,
+        jnp.full((n,), me * width, jnp.int32),
+        recv_sizes,
+        axis_name=axis,
+    )
+    return got.reshape(n, width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,25 +229,23 @@ def receive(recv: jax.Array, spec: Spec, r, bag_counts: jax.Array | None, *, fir
     ``bag_counts`` (``[N_src, S * B]``, counts mode) arrive in round 0 and are
     passed back in for later rounds.
     """
-    c, sb = spec.capacity, spec.slots * spec.bags
-    rows = recv[:, :c]
-    at = c
+    c, m, sb = spec.capacity, spec.meta(first), spec.slots * spec.bags
+    if m:
+        bag_counts = recv[:, :m]
+    ids = recv[:, m:].reshape(recv.shape[0], c, spec.per_id())
+    rows = ids[:, :, 0]
     seg = None
     if not spec.sequence:
-        if spec.by_counts:
-            if first:
-                bag_counts = recv[:, at : at + sb]
-                at += sb
+        if not spec.segments:
             ends = jnp.cumsum(bag_counts, axis=1)  # [N, S * B]: end of each bag's ids
             d = r * c + jnp.arange(c, dtype=jnp.int32)
             seg = jax.vmap(lambda e: jnp.searchsorted(e, d, side="right"))(ends).astype(jnp.int32)
         else:
-            seg = recv[:, at : at + c]
-            at += c
+            seg = ids[:, :, 1]
         seg = jnp.where(rows < spec.fill, seg, sb)
     weights = None
     if spec.weighted:
-        weights = jax.lax.bitcast_convert_type(recv[:, at : at + c], jnp.float32)
+        weights = jax.lax.bitcast_convert_type(ids[:, :, -1], jnp.float32)
     return Received(rows, seg, weights, rows < spec.fill), bag_counts
 
 

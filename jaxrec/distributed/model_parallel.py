@@ -40,6 +40,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     pooling_factors: Mapping[str, float] | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
     qcomms: QCommsConfig | None = None,
+    exchange: str = "padded",
 ) -> nnx.Module:
     """Shards every embedding collection of ``model`` that ``plan`` names.
 
@@ -55,7 +56,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     already averaged over the global batch (the loss is a mean over it), fused
     updates run on the local shards. ``capacity``, ``overflow``,
     ``pooling_factors`` (``{feature: mean ids per bag}``, which size the id
-    exchange), ``capacity_factor`` and ``qcomms``: see
+    exchange), ``capacity_factor``, ``qcomms`` and ``exchange``: see
     :class:`ShardedEmbeddingBagCollection`; the same ``pooling_factors`` and
     ``capacity`` reach the planner when ``plan=None``.
     """
@@ -76,7 +77,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         )  # fmt: skip
     options = dict(
         capacity=capacity, overflow=overflow, pooling_factors=pooling_factors,
-        capacity_factor=capacity_factor, qcomms=qcomms,
+        capacity_factor=capacity_factor, qcomms=qcomms, exchange=exchange,
     )  # fmt: skip
     found = set()
     for path, module in list(nnx.iter_modules(model)):

@@ -74,12 +74,15 @@ class ShardedCollection(EmbeddingCollectionInterface):
         pooling_factors: Mapping[str, float] | None = None,
         capacity_factor: float = CAPACITY_FACTOR,
         qcomms: QCommsConfig | None = None,
+        exchange: str = "padded",
     ):
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         check_capacity(capacity)
         if not capacity_factor >= 1:
             raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor!r}")
+        if exchange not in ("padded", "ragged"):
+            raise ValueError(f"exchange must be 'padded' or 'ragged', got {exchange!r}")
         if qcomms is not None and not isinstance(qcomms, QCommsConfig):
             raise TypeError(f"qcomms must be a QCommsConfig or None, got {type(qcomms).__name__}")
         self.table_configs = module.table_configs
@@ -97,6 +100,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         self.pooling_factors = dict(pooling_factors or {})
         self.capacity_factor = capacity_factor
         self.qcomms = qcomms or FP32_COMMS
+        self.exchange = exchange
         features = {f for t in self.table_configs for f in t.feature_names}
         unknown = sorted(set(self.pooling_factors) - features)
         if unknown:
@@ -270,6 +274,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 fill=g.rows_per_rank,
                 weighted=self._weighted(),
                 sequence=self.sequence,
+                ragged=self.exchange == "ragged",
             )
             out.append((g, spec, exchange.outbox(kjt, g, spec)))
         return out
