@@ -72,7 +72,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         )
     if plan is None:
         plan = plan_for_model(
-            model, mesh, optimizer=optimizer, capacity=capacity,
+            model, mesh, optimizer=optimizer, capacity=capacity, capacity_factor=capacity_factor,
             constraints=_pooling_constraints(model, pooling_factors),
         )  # fmt: skip
     options = dict(
