@@ -72,7 +72,8 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         )
     if plan is None:
         plan = plan_for_model(
-            model, mesh, optimizer=optimizer, capacity=capacity, capacity_factor=capacity_factor,
+            model, mesh, optimizer=optimizer, capacity_factor=capacity_factor,
+            capacity=None if isinstance(capacity, Mapping) else capacity,  # groups unknown yet
             constraints=_pooling_constraints(model, pooling_factors),
         )  # fmt: skip
     options = dict(
