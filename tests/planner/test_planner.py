@@ -230,6 +230,12 @@ def test_capacity_below_the_expected_load_is_refused_and_below_the_sized_one_war
     assert "WARNING" in str(planner.last_stats)
     planner, _ = _plan(tables, topo, constraints=cons, capacity=sized)
     assert planner.last_stats.warnings() == []
+    with pytest.raises(PlannerError, match="fp32_c64 expects"):  # {group name: capacity}
+        _plan(tables, topo, constraints=cons, capacity={"fp32_c64": int(expected) - 1})
+    planner, _ = _plan(tables, topo, constraints=cons, capacity={"fp16_c64": 1})  # not here
+    assert planner.last_stats.capacities == {"": {"fp32_c64": sized}}
+    with pytest.raises(ValueError, match="capacity must be"):
+        EmbeddingShardingPlanner(topo, capacity={"fp32_c64": 0})
 
 
 def test_planning_is_fast():

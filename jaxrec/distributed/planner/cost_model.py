@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -26,6 +27,11 @@ from .storage import (
     state_bytes_per_row,
 )
 from .topology import Topology
+
+
+def group_name(ncols: int, dtype: str) -> str:
+    """A width group's name in the sharded collection (``layout.py``): ``fp32_c64``."""
+    return f"{dtype.lower()}_c{ncols}"
 
 
 def fast_path_capacities(
@@ -99,14 +105,16 @@ class CostModel:
     Args:
         topology: the devices.
         capacity: a user's ``capacity=`` (ids per destination for every width
-            group, at most the natural payload); ``None`` sizes each group's
-            fast path from its expected load.
+            group, or ``{group name: ids}`` for some, at most the natural
+            payload); ``None`` (or a group not named) sizes a group's fast
+            path from its expected load.
         weighted_modules: module paths whose collections carry per-id weights.
         capacity_factor: the fast path's headroom over the expected load.
     """
 
     def __init__(
-        self, topology: Topology, capacity: int | None = None, weighted_modules=frozenset(),
+        self, topology: Topology, capacity: int | Mapping[str, int] | None = None,
+        weighted_modules=frozenset(),
         capacity_factor: float = CAPACITY_FACTOR,
     ):  # fmt: skip
         fast_path_capacity(1.0, 1, capacity_factor)  # validates it
@@ -135,16 +143,23 @@ class CostModel:
             cost = self._groups[key] = GroupCost(self.topology, *key)
         return cost
 
-    def capacities(self, expected, natural) -> np.ndarray:
-        """Fast-path capacities for arrays of (expected, natural) loads."""
-        return fast_path_capacities(expected, natural, self.capacity, self.capacity_factor)
+    def given(self, group: str) -> int | None:
+        """The user's capacity for the width group named ``group`` (``fp32_c64``), if any."""
+        if isinstance(self.capacity, Mapping):
+            return self.capacity.get(group)
+        return self.capacity
 
-    def capacity_of(self, expected: float, natural: int) -> int:
+    def capacities(self, expected, natural, group: str) -> np.ndarray:
+        """Fast-path capacities of a group for arrays of (expected, natural) loads."""
+        return fast_path_capacities(expected, natural, self.given(group), self.capacity_factor)
+
+    def capacity_of(self, expected: float, natural: int, group: str) -> int:
         """The capacity the sharded collection builds for a group (the shared formula)."""
+        given = self.given(group)
         if natural < 1:
             return 1
-        if self.capacity is not None:
-            return max(1, min(self.capacity, natural))
+        if given is not None:
+            return max(1, min(given, natural))
         return fast_path_capacity(expected, natural, self.capacity_factor)
 
     def standalone(self, table: TableInfo, nrows, ncols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +167,8 @@ class CostModel:
         columns, each as if alone in its width group."""
         g = self.group_cost(table, ncols)
         nrows = np.asarray(nrows, np.float64)
-        c = self.capacities(table.expected_ids * nrows / table.rows, table.ids)
+        name = group_name(ncols, table.config.data_type.value)
+        c = self.capacities(table.expected_ids * nrows / table.rows, table.ids, name)
         split = ncols < table.dim
         v = self.topology.world_size * np.minimum(c, table.ids) * self.row_sum_calls(table)
         v = v if split else 0.0

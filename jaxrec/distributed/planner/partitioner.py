@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..types import ShardingType
-from .cost_model import CostModel, GroupCost
+from .cost_model import CostModel, GroupCost, group_name
 from .enumerator import estimate_option
 from .options import ShardingOption, ShardSpec
 from .perf import Perf
@@ -76,7 +76,7 @@ class _Group:
 
     def price(self, rows, exp, nat, slots, split, vub):
         """Padded (memory, time) of the group for given maxima (arrays ok)."""
-        c = self.model.capacities(exp, nat)
+        c = self.model.capacities(exp, nat, group_name(self.key[1], self.key[2]))
         v = vub if split else 0.0
         mem = rows * self.cost.mem_row + self.cost.buffers(c, slots, split, v)
         return mem, self.cost.time(c, slots, v)
@@ -123,7 +123,7 @@ class GroupStats:
     @property
     def name(self) -> str:
         """The group's name in the sharded collection (``layout.py``): ``fp32_c64``."""
-        return f"{self.key[2].lower()}_c{self.key[1]}"
+        return group_name(self.key[1], self.key[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,7 +674,7 @@ class _Run:
         ranks = range(self.n) if rank is None else (rank,)
         exp = max(math.fsum(g.loads[r]) for r in ranks)
         nat = max(int(g.nat[r]) for r in ranks)
-        c = self.cost.capacity_of(exp, nat)
+        c = self.cost.capacity_of(exp, nat, group_name(g.key[1], g.key[2]))
         v = sent = 0
         if g.split:
             per = [[(row_sum_values(self.n, c, ids, calls), peers)

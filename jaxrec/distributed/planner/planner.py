@@ -11,7 +11,7 @@ from flax import nnx
 
 from ...configs import BaseEmbeddingConfig
 from ...modules.embedding_bag_collection import EmbeddingBagCollection
-from ..capacity import CAPACITY_FACTOR
+from ..capacity import CAPACITY_FACTOR, check_capacity
 from ..types import (
     EmbeddingComputeKernel,
     ParameterSharding,
@@ -86,8 +86,9 @@ class EmbeddingShardingPlanner:
             ``SparseOptimizer``, a ``CombinedOptimizer`` (per-table overrides)
             or a name (``"adam"``); default row-wise Adagrad (4 bytes per row).
         capacity: the ``capacity=`` given to ``DistributedModelParallel`` (ids
-            per (source, destination) per width group, at most the natural
-            payload), ``None`` to size each group's fast path from the input
+            per (source, destination) per width group, or ``{group name: ids}``
+            for some groups, at most the natural payload), ``None`` to size
+            each group's fast path from the input
             statistics (``jaxrec.distributed.capacity``). A capacity below a
             group's expected ids per destination is refused (every step would
             take extra exchange rounds); one below the statistics-sized value
@@ -110,7 +111,7 @@ class EmbeddingShardingPlanner:
         constraints: Mapping[str, ParameterConstraints] | None = None,
         *,
         optimizer: Any = None,
-        capacity: int | None = None,
+        capacity: int | Mapping[str, int] | None = None,
         capacity_factor: float = CAPACITY_FACTOR,
         reserved_hbm_fraction: float = 0.15,
         proposers: Sequence[Proposer] | None = None,
@@ -120,8 +121,7 @@ class EmbeddingShardingPlanner:
             raise ValueError(
                 f"reserved_hbm_fraction must be in [0, 1), got {reserved_hbm_fraction}"
             )
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        check_capacity(capacity)
         self.topology = topology
         self.constraints = dict(constraints or {})
         self.optimizer = resolve_optimizer(optimizer)
@@ -329,7 +329,7 @@ def plan_for_model(
     optimizer: Any = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
     batch_size: int | None = None,
-    capacity: int | None = None,
+    capacity: int | Mapping[str, int] | None = None,
     topology: Topology | None = None,
     **planner_kwargs: Any,
 ) -> ShardingPlan:

@@ -157,15 +157,16 @@ def capacity_errors(placed: Placement, cost: CostModel, warn: bool = False) -> l
     """Groups whose ``capacity=`` is below their expected ids per destination (every
     step would take extra exchange rounds); with ``warn``, also those below the
     statistics-sized capacity (some steps would)."""
-    if cost.capacity is None:
-        return []
     out = []
     for g in placed.groups:
+        given = cost.given(g.name)
+        if given is None:
+            continue
         sized = fast_path_capacity(g.expected_ids, g.natural_ids, cost.capacity_factor)
         where = f"{g.key[0]}: {g.name}" if g.key[0] else g.name
         numbers = (
             f"width group {where} expects {g.expected_ids:.0f} ids per destination, "
-            f"capacity={cost.capacity} gives {g.capacity}, sized from the statistics: {sized}"
+            f"capacity={given} gives {g.capacity}, sized from the statistics: {sized}"
         )
         if g.capacity < g.expected_ids:
             out.append(numbers if not warn else f"{numbers} (below the mean: plan() refuses it)")
