@@ -20,7 +20,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -46,7 +48,8 @@ def run(precision: str, args: argparse.Namespace, root: Path) -> dict:
     ]  # fmt: skip
     if args.multi_hot:
         argv += ["--multi-hot", args.multi_hot]
-    train_dlrm.main(argv)
+    with contextlib.redirect_stdout(io.StringIO()):  # the job prints its summary too
+        train_dlrm.main(argv)
     return json.loads((run_dir / "summary.json").read_text())
 
 
