@@ -5,7 +5,8 @@ get rows from {1e3, 1e5, 1e6, 5e6}, dims from {32, 64, 128} and pooling factors
 from {1, 10, 50} (seeded), batch 512 per device, 80 GiB HBM, row-wise Adagrad
 state. Prints one JSON line per configuration: planning time (median/min/max
 over ``--reps``), proposals evaluated, the plan's estimated step time and
-per-device HBM, its balance (max / mean own time per device) and the same
+per-device HBM, its balance (max / mean own time per device), its padding
+(padded over mean unpadded memory per device), the tables it cut by rows and the same
 estimates for table-wise round-robin (table ``t`` on rank ``t % N``) when that
 fits. No arrays are built.
 
@@ -81,6 +82,8 @@ def run(T: int, N: int, H: int, reps: int) -> dict:
         "est_step_ms": round(placed.perf.total * 1e3, 4),
         "est_hbm_gib": round(placed.hbm / GiB, 3),
         "balance": round(placed.balance, 3),
+        "padded_over_mean_unpadded": round(placed.hbm / statistics.mean(placed.own_memory), 3),
+        "tables_cut_by_rows": len(placed.split),
         "round_robin_est_step_ms": round(base.perf.total * 1e3, 4),
         "round_robin_est_hbm_gib": round(base.hbm / GiB, 3),
         "round_robin_fits": base.feasible,

@@ -103,3 +103,27 @@ def test_planned_model_matches_unsharded():
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
     for k, v in train.merge_model(graphdef, state).ebc.state_dict().items():
         np.testing.assert_allclose(v, tables_ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_uneven_row_pieces_train_as_unsharded():
+    """The planner cuts these small tables into uneven row pieces over the 8 ranks (its
+    balancing); one row-wise Adagrad step under that plan equals the unsharded step."""
+    mesh = jax.make_mesh((WORLD,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    cons = {t: ParameterConstraints(feature_capacities=[CAP] * n, pooling_factors=[1.5] * n)
+            for t, n in (("t1", 2), ("t2", 1), ("t3", 1), ("t4", 1))}  # fmt: skip
+    plan = plan_for_model(Model(), mesh, batch_size=B, constraints=cons)
+    sizes = {n: {s.shard_sizes[0] for s in p.sharding_spec} for n, p in plan.plan["ebc"].items()}
+    assert any(len(v) > 1 for v in sizes.values()), sizes  # uneven pieces
+    local, glob = _batches(1)
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.05))
+    graphdef, state = train.init_train_state(Model(), opt)
+    state, loss_ref, _ = train.make_train_step(graphdef, opt, loss_fn)(state, glob)
+    tables_ref = train.merge_model(graphdef, state).ebc.state_dict()
+    model = d.DistributedModelParallel(Model(), plan, mesh)
+    graphdef, state = train.init_train_state(model, opt)
+    state, loss, _ = train.make_train_step(graphdef, opt, loss_fn)(
+        state, d.shard_batch(local, mesh)
+    )
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5)
+    for k, v in train.merge_model(graphdef, state).ebc.state_dict().items():
+        np.testing.assert_allclose(v, tables_ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
