@@ -124,6 +124,9 @@ class CostModel:
         self.weighted_modules = frozenset(weighted_modules)
         self._groups: dict = {}
         self._state: dict = {}
+        # the partitioner's memos, reused across the proposals of one plan() call
+        self.cuts: dict = {}  # row-cut options
+        self.items: dict = {}  # (option, shard) -> its placement fields
 
     def state_per_row(self, table: TableInfo, ncols: int) -> int:
         return state_bytes_per_row(table.optimizer, ncols, self._state)

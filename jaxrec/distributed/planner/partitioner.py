@@ -46,7 +46,8 @@ from .storage import row_sum_values
 
 SLACK_ROWS = 0.02  # a rank's rows may exceed the group's balanced mean by this share
 SLACK_IDS = 0.10  # and its expected ids per destination by this one before a table splits
-SMALL = 0.5  # tables below this share of a balanced rank (rows and ids) are never cut
+SMALL = 0.5  # tables below this share of a balanced rank (rows and ids) stay whole,
+FILL = 0.3  # unless the fill needs them to hold this share of the group (rows and ids)
 
 
 class _Group:
@@ -205,7 +206,7 @@ class _Run:
         self.deferred: list[tuple] = []
         self.forced = False  # placing what did not fit, to learn the memory it needs
         self.replaced: dict[int, ShardingOption] = {}  # split tables: their pieces
-        self._bases: dict[tuple, tuple] = {}  # an item's fields but its group and rank
+        self._bases = cost.items  # an item's fields but its group and rank, per shard
         self.m_ref = max(sum(o.total_bytes for o in proposal) / n, 1.0)
         self.t_ref = max(sum(o.perf for o in proposal) / n, 1e-12)
 
@@ -221,13 +222,13 @@ class _Run:
         return float(self.own_mem[r] / self.m_ref + self.own_time[r] / self.t_ref)
 
     def _item(self, o: ShardingOption, sh: ShardSpec, rank: int) -> _Item:
-        base = self._bases.get((id(o), sh))
+        base = self._bases.get((o, sh))
         if base is None:
             t = o.table
             split = sh.ncols < t.dim
             calls = self.cost.row_sum_calls(t) if split else 0
             peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
-            base = self._bases[(id(o), sh)] = (
+            base = self._bases[(o, sh)] = (
                 sh.nrows, t.slot_loads(sh.nrows), t.ids, split, t.ids, calls, t.key, peers
             )  # fmt: skip
         return _Item(self._group(o, sh.ncols), rank, *base)
@@ -364,13 +365,15 @@ class _Run:
 
     def _place_small(self, g: _Group, o: ShardingOption, ranks: list) -> None:
         """A table at most ``SMALL`` of a balanced rank, whole: on the rank with the
-        fewest slots of the group that stays within its share, then the least loaded."""
+        fewest slots of the group that stays within its share, then the least loaded
+        (the least loaded if none does)."""
         cands = np.arange(self.n)
         t = o.table
         load = (g.rows + t.rows) / (g.total_rows / self.n)
         if g.total_exp > 0:
             load = np.maximum(load, (g.exp + t.expected_ids) / (g.total_exp / self.n))
-        r = int(cands[np.lexsort((cands, load, g.slots, load > 1))[0]])
+        over = load > 1
+        r = int(cands[np.lexsort((cands, load, np.where(over, load, g.slots), over))[0]])
         self._apply(o, self._items(o, [(o.shards[0], r)]))
         ranks[:] = [r]
 
@@ -438,50 +441,55 @@ class _Run:
         """Lowers the group's slot count: moves pieces off the ranks with the most slots
         (smallest first) to ranks that stay within the targets' slack, preferring a
         rank that already holds a piece of the same table (the pieces merge)."""
+        n = self.n
         rows = group.rows.astype(np.float64)
         exp = group.exp.copy()
         slots = group.slots.copy()
-        for t, size in zip(tables, sizes, strict=True):
+        held = np.zeros((len(tables), n), bool)  # table i has a piece on rank q
+        on: list[set[int]] = [set() for _ in range(n)]  # the tables with a piece on a rank
+        for i, (t, size) in enumerate(zip(tables, sizes, strict=True)):
             for r, v in size.items():
                 rows[r] += v
-                exp[r] += v * t.expected_ids / t.rows
+                exp[r] += v * dens[i]
                 slots[r] += t.num_features
-        floor = math.ceil(slots.sum() / self.n)
+                held[i, r] = True
+                on[r].add(i)
+        floor = math.ceil(slots.sum() / n)
         stuck: set[int] = set()
-        for _ in range(8 * self.n):
-            free = [r for r in range(self.n) if r not in stuck]
+        for _ in range(8 * n):
+            free = [r for r in range(n) if r not in stuck]
             if not free:
                 return
             r = max(free, key=lambda q: (slots[q], -q))
             if slots[r] <= floor:
                 return
-            moves = []
-            for i, size in enumerate(sizes):
-                v = size.get(r)
-                if not v:
-                    continue
-                nf = tables[i].num_features
-                room = (rows + v <= group.cap_rows) & (exp + v * dens[i] <= group.cap_exp)
-                gain = np.array([0 if q in size else nf for q in range(self.n)])
-                ok = room & (slots + gain < slots[r])
+            best = None
+            for i in sorted(on[r]):
+                v, nf = sizes[i][r], tables[i].num_features
+                gain = np.where(held[i], 0, nf)
+                ok = (rows + v <= group.cap_rows) & (exp + v * dens[i] <= group.cap_exp)
+                ok &= slots + gain < slots[r]
                 ok[r] = False
                 for q in np.flatnonzero(ok):
-                    moves.append((gain[q] > 0, v, slots[q] + gain[q], rows[q], int(q), i))
-            if not moves:
+                    move = (bool(gain[q] > 0), v, int(slots[q] + gain[q]), rows[q], int(q), i)
+                    best = move if best is None or move < best else best
+            if best is None:
                 stuck.add(r)
                 continue
-            _, v, _, _, q, i = min(moves)
-            size = sizes[i]
-            per = v * dens[i]
+            _, v, _, _, q, i = best
+            nf = tables[i].num_features
             rows[r] -= v
-            exp[r] -= per
-            slots[r] -= tables[i].num_features
-            if q not in size:
-                slots[q] += tables[i].num_features
+            exp[r] -= v * dens[i]
+            slots[r] -= nf
+            if not held[i, q]:
+                slots[q] += nf
             rows[q] += v
-            exp[q] += per
-            size[q] = size.get(q, 0) + v
-            del size[r]
+            exp[q] += v * dens[i]
+            sizes[i][q] = sizes[i].get(q, 0) + v
+            del sizes[i][r]
+            held[i, r], held[i, q] = False, True
+            on[r].discard(i)
+            on[q].add(i)
 
     def _apply_fill(self, o: ShardingOption, ranks: list, sizes: dict[int, int]) -> None:
         if len(sizes) == 1:
@@ -500,9 +508,13 @@ class _Run:
             shards.append(ShardSpec(row0, sizes[r], 0, t.dim))
             ranks.append(r)
             row0 += sizes[r]
-        return estimate_option(
-            t, self.cost, ShardingType.ROW_WISE, tuple(shards), "fixed", tuple(ranks)
-        )
+        key = (id(t), tuple(shards), tuple(ranks))  # proposals often cut a table alike
+        cut = self.cost.cuts.get(key)
+        if cut is None:
+            cut = self.cost.cuts[key] = estimate_option(
+                t, self.cost, ShardingType.ROW_WISE, tuple(shards), "fixed", tuple(ranks)
+            )
+        return cut
 
     def _place_free(self, o: ShardingOption, ranks: list) -> None:
         allowed = np.asarray(o.ranks)
@@ -527,6 +539,36 @@ class _Run:
             ranks = sorted(ranks, key=lambda r: (self._own(r), r))[: len(block)]
         return list(zip(block, ranks, strict=True))
 
+    def _best_host(self, o: ShardingOption, block, hosts: list[int]) -> int | None:
+        """``_place_host``'s choice for a full block in one group, every host at once
+        (``None`` for other blocks)."""
+        lo = self.cost.topology.local_world_size
+        cols = [(j, sh) for j, sh in enumerate(block) if sh.nrows and sh.ncols]
+        if len(block) != lo or not cols or len({sh.ncols for _, sh in cols}) != 1:
+            return None
+        its = [self._item(o, sh, -1) for _, sh in cols]
+        g, split = its[0].group, its[0].split
+        h = np.asarray(hosts)
+        at = h[:, None] * lo + np.asarray([j for j, _ in cols])[None, :]  # [host, shard] ranks
+
+        def peak(arr, values):
+            return (arr[at] + np.asarray(values)[None, :]).max(axis=1)
+
+        mem, tm = g.price(
+            np.maximum(g.max_rows, peak(g.rows, [it.nrows for it in its])),
+            np.maximum(g.max_exp, peak(g.exp, [sum(it.loads) for it in its])),
+            np.maximum(g.max_nat, peak(g.nat, [it.natural for it in its])),
+            np.maximum(g.max_slots, peak(g.slots, [len(it.loads) for it in its])),
+            g.split or split,
+            np.maximum(g.max_vub, peak(g.vub, [it.vub for it in its])),
+        )
+        dm, dt = mem - g.mem_now, tm - g.time_now
+        fits = self.padded_mem + dm <= self.usable
+        primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
+        own = self.own_mem / self.m_ref + self.own_time / self.t_ref
+        tie = own[h[:, None] * lo + np.arange(lo)[None, :]].sum(axis=1)
+        return int(h[np.lexsort((h, tie, primary, ~fits))[0]])
+
     def _place_host(self, o: ShardingOption, ranks: list) -> None:
         size = len(o.shards) // o.blocks
         topo = self.cost.topology
@@ -542,7 +584,9 @@ class _Run:
                 tie = sum(self._own(r) for r in topo.host_ranks(h))
                 return self._score(self._items(o, pairs), tie, h)
 
-            host = min(hosts, key=key)
+            host = self._best_host(o, block, hosts)
+            if host is None:
+                host = min(hosts, key=key)
             pairs = self._host_block(o, block, host)
             items = self._items(o, pairs)
             if not (self.forced or self._fits(items)):
@@ -612,12 +656,20 @@ class _Run:
             else:
                 place[o.placement](o, ranks[i])
         for g, opts in fill.values():  # around what is placed: fixed, host, column shards
-            big = []
-            for o, rs in opts:  # largest first: small tables whole, spread by slot count
-                if self._share(g, o.table.rows, o.table.expected_ids) <= SMALL:
-                    self._place_small(g, o, rs)
-                else:
+            # largest first: small tables whole, spread by slot count, unless the fill
+            # needs them to hold enough of the group to even out every rank
+            rows = exp = 0.0
+            big, small = [], []
+            for o, rs in opts:
+                t = o.table
+                need = rows < FILL * g.total_rows or exp < FILL * g.total_exp
+                if need or self._share(g, t.rows, t.expected_ids) > SMALL:
                     big.append((o, rs))
+                    rows, exp = rows + t.rows, exp + t.expected_ids
+                else:
+                    small.append((o, rs))
+            for o, rs in small:
+                self._place_small(g, o, rs)
             self._fill(g, big)
         self.forced = True  # what did not fit goes where it hurts least, to size the need
         for fn, o, rs in self.deferred:
