@@ -338,7 +338,8 @@ def test_vectorised_capacities_equal_the_collections_formula():
     natural = np.concatenate([[0, 1, 7, 40960], rng.integers(0, 2_000_000, 500)])
     for factor in (1.0, 1.1, 1.7):
         got = fast_path_capacities(expected, natural, factor=factor)
-        want = [fast_path_capacity(float(e), int(n), factor) for e, n in zip(expected, natural)]
+        pairs = zip(expected, natural, strict=True)
+        want = [fast_path_capacity(float(e), int(n), factor) for e, n in pairs]
         assert got.tolist() == want
     assert fast_path_capacities(expected, natural, capacity=64).tolist() == [
         max(1, min(64, int(n))) for n in natural
