@@ -5,15 +5,15 @@ gradients and update once, as an unsharded collection does.
 
 Overflow path (some destination received more than ``C`` ids from some
 source): a row's gradient may come in several rounds, and row-wise and Adam
-state need the whole gradient in one update. Passes over the rounds collect,
-in a buffer of ``K`` distinct rows, the rows of the smallest *logical* row
-numbers: merging a round keeps the ``K`` smallest ``(logical row, local row)``
-keys and remembers the smallest logical row it had to drop (``cut``); every
-row below ``cut`` then has all of its gradient. All devices agree on
-``hi = min(cut)`` (so column shards of one table, which hold the same logical
-rows, update the same rows in the same pass; see ``row_sums``), update the rows
-below ``hi`` and start the next pass there, until nothing was dropped. Memory
-stays ``O(K)``; an overflow costs time (rounds x passes), never correctness.
+state need the whole gradient in one update. Each pass picks, over every
+round's ids, the ``K`` distinct rows of the smallest ``(logical row, local
+row)`` keys, remembering the smallest logical row it had to drop (``cut``):
+every row below ``cut`` was seen whole. All devices agree on ``hi =
+min(cut)`` (so column shards of one table, which hold the same logical rows,
+update the same rows in the same pass; see ``row_sums``), sum the gradients
+of their rows below ``hi`` over the rounds again, update them and start the
+next pass at ``hi``, until nothing was dropped. Memory stays that of the fast
+path; an overflow costs time (rounds x passes), never correctness.
 """
 
 from __future__ import annotations
@@ -49,31 +49,21 @@ def logical_rows(group: WidthGroup, axis) -> Callable[[jax.Array], jax.Array]:
     return logical
 
 
-def _merge(buf, rows, grads, valid, lo, logical, fill: int):
-    """Adds one round's ``(rows, grads)`` with logical row ``>= lo`` to the buffer."""
-    keys1, keys2, summed, cut = buf
+def _smallest(buf, new1, new2, fill: int):
+    """Keeps the ``size`` smallest distinct ``(logical, local)`` keys of the buffer and a
+    round's keys, and lowers ``cut`` to the smallest logical row it had to drop."""
+    keys1, keys2, cut = buf
     size = keys1.shape[0]
-    lg = logical(rows)
-    take = valid & (rows < fill) & (lg >= lo)
-    new1 = jnp.where(take, lg, INF)
-    new2 = jnp.where(take, rows, fill)
-    k1 = jnp.concatenate([keys1, new1])
-    k2 = jnp.concatenate([keys2, new2])
-    s1, s2, perm = jax.lax.sort((k1, k2, jnp.arange(2 * size, dtype=jnp.int32)), num_keys=2)
+    s1, s2 = jax.lax.sort(
+        (jnp.concatenate([keys1, new1]), jnp.concatenate([keys2, new2])), num_keys=2
+    )
     first = jnp.concatenate([jnp.ones((1,), bool), (s1[1:] != s1[:-1]) | (s2[1:] != s2[:-1])])
-    seg = jnp.cumsum(first, dtype=jnp.int32) - 1
-    real = s2 < fill
-    seg = jnp.where(real, seg, 2 * size)
-    dropped = real & (seg >= size)
+    seg = jnp.where(s2 < fill, jnp.cumsum(first, dtype=jnp.int32) - 1, 2 * size)
+    dropped = (s2 < fill) & (seg >= size)
     cut = jnp.minimum(cut, jnp.min(jnp.where(dropped, s1, INF)))
-    inverse = jnp.zeros((2 * size,), jnp.int32).at[perm].set(seg)
     out1 = jnp.full((size,), INF, jnp.int32).at[seg].set(s1, mode="drop")
     out2 = jnp.full((size,), fill, jnp.int32).at[seg].set(s2, mode="drop")
-    add = jax.ops.segment_sum(summed, inverse[:size], num_segments=size)
-    add = add + jax.ops.segment_sum(
-        jnp.where(take[:, None], grads, 0.0), inverse[size:], num_segments=size
-    )
-    return out1, out2, add, cut
+    return out1, out2, cut
 
 
 def exact_update(
@@ -95,14 +85,19 @@ def exact_update(
         update: ``(table, state, rows [U], grads [U, D]) -> (table, state)``,
             one optimizer step (it advances ``state.count``).
         round0: round 0's ``rows [K]``, ``grads [K, D]`` float32, ``valid [K]``.
-        more: ``r -> (rows, grads, valid)`` of round ``r >= 1`` (it exchanges
-            ids, so every device must call it alike), or ``None`` (drop modes:
-            only round 0 exists).
+        more: ``r -> (rows, valid, grads)`` of round ``r`` (round 0 again too,
+            inside the overflow loop), ``grads`` a function (called only when
+            they are needed); it exchanges ids, so every device must call it
+            alike. ``None`` (drop modes): only round 0.
         rounds: rounds any device needed (the same on every device).
         fill: the group's rows per rank (out-of-range row).
-        size: distinct rows an overflow pass holds (``K``; more than the
-            shards a rank holds).
+        size: distinct rows an overflow pass holds (more than the shards a rank
+            holds, so every pass makes progress).
         logical: ``rows -> logical rows`` (:func:`logical_rows`).
+
+    A pass first finds its rows from the ids alone (int32 keys), then sums
+    their gradients into one ``[size, D]`` buffer, so the overflow path holds
+    no more gradient memory than the fast path.
     """
     rows0, grads0, valid0 = round0
     fast = valid0 if more is None else valid0 & (rounds == 1)
@@ -112,21 +107,33 @@ def exact_update(
         return table, state
     width = grads0.shape[1]
 
+    def keys(rows, valid, lo):
+        lg = logical(rows)
+        take = valid & (rows < fill) & (lg >= lo)
+        return jnp.where(take, lg, INF), jnp.where(take, rows, fill)
+
     def one_pass(carry):
         lo, table, state = carry
-        empty = (
-            jnp.full((size,), INF, jnp.int32),
-            jnp.full((size,), fill, jnp.int32),
-            jnp.zeros((size, width), jnp.float32),
-            jnp.asarray(INF, jnp.int32),
+        # the rows of this pass: the `size` smallest keys >= lo over every round
+        buf = (jnp.full((size,), INF, jnp.int32), jnp.full((size,), fill, jnp.int32), INF)
+        buf = jax.lax.fori_loop(
+            0, rounds, lambda r, b: _smallest(b, *keys(*more(r)[:2], lo), fill), buf
         )
-        buf = _merge(empty, rows0, grads0, valid0, lo, logical, fill)
-        buf = jax.lax.fori_loop(1, rounds, lambda r, b: _merge(b, *more(r), lo, logical, fill), buf)
-        keys1, keys2, grads, cut = buf
-        hi = jax.lax.pmin(cut, axis)
-        rows = jnp.where(keys1 < hi, keys2, fill)
+        keys1, keys2, cut = buf
+        hi = jax.lax.pmin(cut, axis)  # every device stops at the same logical row
+        rows = jnp.sort(jnp.where(keys1 < hi, keys2, fill))
+
+        def add_round(r, acc):  # round 0 again too: its gradients are not kept alive
+            r_rows, r_valid, r_grads = more(r)
+            lg = logical(r_rows)
+            mine = r_valid & (r_rows < fill) & (lg >= lo) & (lg < hi)
+            at = jnp.where(mine, jnp.searchsorted(rows, r_rows), size)
+            return acc.at[at].add(r_grads(), mode="drop")
+
+        acc = jnp.zeros((size, width), jnp.float32)
+        acc = jax.lax.fori_loop(0, rounds, add_round, acc)
         # the step was counted by the fast update above: passes reuse its count
-        table, st = update(table, state._replace(count=state.count - 1), rows, grads)
+        table, st = update(table, state._replace(count=state.count - 1), rows, acc)
         return hi, table, st
 
     start = jnp.where(rounds > 1, 0, INF).astype(jnp.int32)

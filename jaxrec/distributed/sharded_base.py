@@ -536,7 +536,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return new_tables, {**states, **new_states}
 
     def _row_grads(self, kjt, g, spec, box, g_local):
-        """Round 0's ``(rows, grads, valid)`` of group ``g`` and ``r -> `` round ``r``'s."""
+        """Round 0's ``(rows, grads, valid)`` of group ``g``, and ``more(r) -> (rows, valid,
+        grads)`` of round ``r`` (``grads`` a function: sequence gradients travel only when
+        called)."""
         rec0, bag_counts = self._first_round(spec, box)
         dtype = self.qcomms.backward_dtype
         if not self.sequence:
@@ -545,17 +547,26 @@ class ShardedCollection(EmbeddingCollectionInterface):
             scale = self.qcomms.backward_loss_scale
             blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale)
             grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
-            return grads(rec0), lambda r: grads(self._round(spec, box, bag_counts, r))
+
+            def more(r):
+                rows, g, valid = grads(self._round(spec, box, bag_counts, r))
+                return rows, valid, lambda: g
+
+            return grads(rec0), more
 
         read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, None)
 
-        def grads(r, rec):
+        def grads(r):
             got = dist.sequence_grads(
                 read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
             )
-            return rec.rows.reshape(-1), got.reshape(-1, g.ncols), rec.valid.reshape(-1)
+            return got.reshape(-1, g.ncols)
 
-        return grads(0, rec0), lambda r: grads(r, self._round(spec, box, None, r))
+        def more(r):
+            rec = self._round(spec, box, None, r)
+            return rec.rows.reshape(-1), rec.valid.reshape(-1), lambda: grads(r)
+
+        return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
     def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows):
         raise NotImplementedError(
