@@ -49,15 +49,52 @@ def column_offsets(layout: ShardedLayout) -> np.ndarray:
     return np.cumsum([0, *layout.dims])
 
 
-def send_back(x: jax.Array, axis, dtype, scale: float | None = None) -> jax.Array:
+def send_back(
+    x: jax.Array, axis, dtype, scale: float | None = None, ragged: tuple | None = None
+) -> jax.Array:
     """``all_to_all`` over the leading (device) axis in ``dtype``; float32 on arrival.
 
     ``scale`` multiplies the payload before the cast and divides it after (a loss
-    scale, so that small fp16 gradients do not underflow)."""
+    scale, so that small fp16 gradients do not underflow). ``ragged``:
+    ``(sent, received)`` ``[N]``: how many leading rows of each block this device
+    sends to, and receives from, each device, moved by ``ragged_all_to_all``
+    (GPUs); the rest of every block stays zero and is not sent.
+    """
     if scale is not None:
         x = x * scale
-    got = jax.lax.all_to_all(x.astype(dtype), axis, 0, 0, tiled=True).astype(jnp.float32)
+    x = x.astype(dtype)
+    if ragged is None:
+        got = jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+    else:
+        got = _ragged_blocks(x, axis, *ragged)
+    got = got.astype(jnp.float32)
     return got if scale is None else got / scale
+
+
+def _ragged_blocks(x: jax.Array, axis, sent: jax.Array, received: jax.Array) -> jax.Array:
+    """``x [N, M, ...]``: block ``p`` goes to device ``p``; only its first ``sent[p]``
+    rows of ``M`` travel (``received[q]`` from device ``q``)."""
+    n, m = x.shape[0], x.shape[1]
+    inner = int(np.prod(x.shape[2:], dtype=np.int64))
+    me = jax.lax.axis_index(axis).astype(jnp.int32)
+    got = jax.lax.ragged_all_to_all(
+        x.reshape(n * m * inner),
+        jnp.zeros((n * m * inner,), x.dtype),
+        jnp.arange(n, dtype=jnp.int32) * (m * inner),
+        jnp.asarray(sent, jnp.int32) * inner,
+        jnp.full((n,), me * (m * inner), jnp.int32),
+        jnp.asarray(received, jnp.int32) * inner,
+        axis_name=axis,
+    )
+    return got.reshape(x.shape)
+
+
+def slot_counts(group: WidthGroup, axis) -> tuple[jax.Array, jax.Array]:
+    """``(blocks each rank sends back, blocks it receives from each rank)`` of a group's
+    output_dist: a shard's own slots to every source, each shard's slots from it."""
+    per = np.asarray([len(s) for s in group.slots], np.int32)
+    me = jax.lax.axis_index(axis)
+    return jnp.broadcast_to(jnp.asarray(per)[me], per.shape), jnp.asarray(per)
 
 
 # ----- pooled -----
@@ -84,7 +121,9 @@ def assemble(received: jax.Array, group: WidthGroup, add: Callable[[Slot, jax.Ar
             add(sl, received[p, j])
 
 
-def grads_to_ranks(read, group: WidthGroup, b: int, axis, dtype, scale=None) -> jax.Array:
+def grads_to_ranks(
+    read, group: WidthGroup, b: int, axis, dtype, scale=None, ragged: bool = False
+) -> jax.Array:
     """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
     slots, where ``read(slot)`` is this device's ``[B, ncols]`` output gradient block."""
     blocks = []
@@ -92,7 +131,8 @@ def grads_to_ranks(read, group: WidthGroup, b: int, axis, dtype, scale=None) -> 
         per = [read(sl) for sl in slots]
         per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
         blocks.append(jnp.stack(per))
-    return send_back(jnp.stack(blocks), axis, dtype, scale)
+    sizes = slot_counts(group, axis)[::-1] if ragged else None  # each shard's own slots
+    return send_back(jnp.stack(blocks), axis, dtype, scale, sizes)
 
 
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):

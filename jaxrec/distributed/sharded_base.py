@@ -379,7 +379,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
                     lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
                     partials,
                 )  # fmt: skip
-            received = dist.send_back(partials, self.axis, dtype)
+            sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
+            received = dist.send_back(partials, self.axis, dtype, ragged=sizes)
             out = list(out)
             dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
             return out
@@ -545,7 +546,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             b = kjt.stride()
             read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, b)
             scale = self.qcomms.backward_loss_scale
-            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale)
+            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale, spec.ragged)
             grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
 
             def more(r):

@@ -56,10 +56,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             plus three standard deviations of a Poisson load).
         qcomms: :class:`QCommsConfig` precisions of the pooled blocks forward
             and their gradients backward (TorchRec's QComms); default float32.
-        exchange: ``"padded"`` (default): the id payloads travel whole in an
-            ``all_to_all``; ``"ragged"``: ``jax.lax.ragged_all_to_all`` moves
-            only the ids there are (GPUs; XLA:CPU lacks the op). Compiled for
-            H100s in CI; its results are not yet checked on a GPU.
+        exchange: ``"padded"`` (default): id payloads and pooled blocks travel
+            whole in ``all_to_all`` s; ``"ragged"``: ``jax.lax.ragged_all_to_all``
+            moves only the ids there are and each rank's own slots' blocks, not
+            the padding up to the fullest rank (GPUs; XLA:CPU lacks the op).
+            Compiled for H100s in CI; its results are not yet checked on a GPU.
     """
 
     def __init__(
