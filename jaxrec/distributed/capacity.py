@@ -77,8 +77,8 @@ def expected_load(
     def mean_ids(key: str) -> float:
         return min(float(caps[key]), stride * float(pf[key])) if key in pf else float(caps[key])
 
-    return max(
-        sum(mean_ids(s.key) * s.nrows / max(s.table_rows, 1) for s in slots)
+    return max(  # fsum: the planner's sum, to the last bit, whatever the order
+        math.fsum(mean_ids(s.key) * s.nrows / max(s.table_rows, 1) for s in slots)
         for slots in slots_per_rank
     )
 
