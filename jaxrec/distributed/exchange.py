@@ -35,13 +35,14 @@ class Outbox:
     """A source's ids for one width group, per destination (lists of length ``N``).
 
     ``rows[p]``, ``bags[p]``, ``weights[p]`` and ``index[p]`` are ``[L_p]``
+    (``bags`` for pooled lookups, ``weights`` for weighted ones)
     (every candidate entry of destination ``p``'s slots, concatenated); an
     entry is sent iff ``index[p] >= 0`` (its payload index). ``slot_index[p][j]``
     is the part of ``index[p]`` that belongs to slot ``j`` (``[cap of its key]``).
     """
 
     rows: tuple[jax.Array, ...]
-    bags: tuple[jax.Array, ...]  # slot * B + bag (pooled) or position in the key (sequence)
+    bags: tuple[jax.Array, ...] | None  # slot * B + bag
     weights: tuple[jax.Array, ...] | None
     index: tuple[jax.Array, ...]
     slot_index: tuple[tuple[jax.Array, ...], ...]
@@ -86,7 +87,8 @@ class Spec:
 
 
 def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, spec: Spec):
-    """Local rows, bag (or position), weights and mask of one slot's ids on this device."""
+    """Local rows, bag, weights and mask of one slot's ids on this device (pooled lookups
+    need the bags, weighted ones the weights)."""
     keys = kjt.keys()
     k = keys.index(slot.key)
     lo, hi = kjt.capacity_offsets()[k], kjt.capacity_offsets()[k + 1]
@@ -95,10 +97,7 @@ def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, spec: Spec):
     seg = seg_all[lo:hi]
     valid = (seg < f * b) & (ids >= slot.row0) & (ids < slot.row0 + slot.nrows)
     rows = jnp.where(valid, ids - slot.row0 + slot.local_offset, spec.fill).astype(jnp.int32)
-    if spec.sequence:
-        bag = jnp.arange(hi - lo, dtype=jnp.int32)
-    else:
-        bag = jnp.clip(seg - k * b, 0, b - 1).astype(jnp.int32)
+    bag = None if spec.sequence else jnp.clip(seg - k * b, 0, b - 1).astype(jnp.int32)
     w = kjt.weights()[lo:hi].astype(jnp.float32) if spec.weighted else None
     return rows, bag, w, valid
 
@@ -122,9 +121,7 @@ def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
         valid = jnp.concatenate([p[3] for p in parts])
         idx = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, -1)
         rows.append(jnp.concatenate([p[0] for p in parts]))
-        if spec.sequence:
-            bags.append(jnp.concatenate([p[1] for p in parts]))
-        else:
+        if not spec.sequence:
             bags.append(jnp.concatenate([j * b + p[1] for j, p in enumerate(parts)]))
         if spec.weighted:
             weights.append(jnp.concatenate([p[2] for p in parts]))
@@ -141,7 +138,7 @@ def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
             )
     return Outbox(
         tuple(rows),
-        tuple(bags),
+        None if spec.sequence else tuple(bags),
         tuple(weights) if spec.weighted else None,
         tuple(index),
         tuple(slot_index),

@@ -1,7 +1,7 @@
 """The ragged id exchange on real GPUs: the same training as the padded one.
 
 XLA:CPU has no ragged-all-to-all, so this runs only on a GPU machine (``bench/gpu_check.sh``
-runs it); ``tests/gpu_compile/test_ragged_exchange.py`` compiles it for H100s everywhere.
+runs it); ``tests/gpu_compile/test_gpu_compile_train_step.py`` compiles it for H100s everywhere.
 """
 
 import jax

@@ -53,10 +53,13 @@ def reference(weighted: bool, opt_name: str):
 # Every type with Adam and the statistics-sized exchange; every type again with
 # row-wise Adagrad and capacity=1, which forces the overflow path everywhere (many
 # exchange rounds, several update passes, row sums across column shards within
-# each pass); row-wise reductions on the fast path for column and grid splits.
+# each pass): "mixed" holds row-wise, table-wise, column-wise and data-parallel
+# tables, the host-based types run alone. Row-wise reductions on the fast path for
+# column and grid splits.
+OVERFLOW_PLANS = ("mixed", "table_row_wise", "table_column_wise", "grid_shard")
 CASES = (
     [(name, "adam", None) for name in PLANS]
-    + [(name, "rowwise_adagrad", 1) for name in PLANS]
+    + [(name, "rowwise_adagrad", 1) for name in OVERFLOW_PLANS]
     + [("column_wise", "rowwise_adagrad", None), ("grid_shard", "partial_rowwise_lamb", None)]
 )
 
@@ -85,9 +88,8 @@ def test_training_equals_unsharded(name, opt_name, capacity):
         state, loss, _ = step(state, batch)
         np.testing.assert_allclose(float(loss), losses[i], rtol=1e-5)
     model = train.merge_model(graphdef, state)
-    beyond = int(model.ebc.overflow_count.get_value().sum())
-    if capacity == 1 and name != "data_parallel":
-        assert beyond > 0  # the overflow path ran
+    if capacity == 1:
+        assert int(model.ebc.overflow_count.get_value().sum()) > 0  # the overflow path ran
     for k, v in model.ebc.state_dict().items():
         np.testing.assert_allclose(v, tables_ref[k], rtol=1e-4, atol=1e-6, err_msg=k)
     for x, y in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), params_ref, strict=True):
@@ -119,7 +121,7 @@ def test_drop_mode_overflow_is_counted_and_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxrec"):
         caplog.clear()
         got = jax.block_until_ready(forward(exact, d.shard_batch(kjts, mesh)))
-    assert caplog.text == ""
+    assert "dropped" not in caplog.text  # at most "sent ... in extra exchange rounds"
     assert int(exact.ebc.overflow_count.get_value().sum()) > 0
     want = forward(sharded_model("row_wise", capacity=10**6)[0], d.shard_batch(kjts, mesh))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -72,3 +72,21 @@ def test_gpu_programs_use_the_pallas_kernels_and_no_cpu_kernel(results, name):
     kernels = result.facts["kernels"]
     assert kernels["cpu_ffi"] == 0, kernels
     assert kernels["triton"] >= 1, kernels
+
+
+def test_ragged_exchange_compiles(results):
+    """The 2 x 4 host-types case runs ``exchange="ragged"`` (XLA:CPU has no
+    ragged-all-to-all): every id payload (round 0, merged by CSE for the forward and the
+    update, and the overflow rounds of both loops) and the pooled blocks and their
+    gradients travel by ``ragged_all_to_all``; its memory is checked above like the
+    others' (the same buffers as the padded exchange). Its results need a GPU:
+    ``tests/distributed/test_ragged_gpu.py``."""
+    result = results["dlrm_sharded_1x2x4_host_types"]
+    if not result.ok:
+        pytest.fail(f"did not compile: {result.error}")
+    got = result.facts["collectives"]
+    assert got.get("ragged-all-to-all-start", 0) >= 5, got
+    assert (
+        "ragged-all-to-all-start"
+        not in results["dlrm_sharded_1x1x8_every_type"].facts["collectives"]
+    )
