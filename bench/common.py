@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import platform
 import statistics
 import time
@@ -184,6 +185,15 @@ def record(bench: str, spec: LookupSpec, impl: str, times: Sequence[float], **ex
 
 
 # ----- arguments -----
+def emit(rec: dict, out: str | None = None) -> None:
+    """Prints one JSON line, and appends it to ``out`` if given (as it is measured)."""
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """``--preset`` and per-field overrides of ``LookupSpec``, in FBGEMM's names."""
     p.add_argument("--preset", default="tiny", help=f"comma-separated, from {sorted(PRESETS)}")

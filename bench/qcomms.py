@@ -30,7 +30,7 @@ from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-from common import cpu_model  # noqa: E402
+from common import cpu_model, emit  # noqa: E402
 
 from jaxrec.jobs import train_dlrm  # noqa: E402
 
@@ -90,11 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for k, v in ev.items()
                 if isinstance(v, int | float) and isinstance(base.get(k), int | float)
             }
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit(rec, args.out)
     return 0
 
 

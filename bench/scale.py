@@ -19,7 +19,10 @@ of jaxrec's exchange (the planner's estimate, per stage) and of TorchRec's
 scheme for the same plan (``torchrec_comm.py``: ids as values + lengths,
 pooled outputs by all_to_all, reduce-scatter or host-local reduce-scatter +
 cross-host all_to_all, DDP all-reduce for data-parallel tables) and their
-ratio; the sharding types chosen; planning time; the CPU and the date.
+ratio; the same for ``exchange="ragged"`` (GPUs: ``ragged_all_to_all`` sends
+each payload's real ids and each shard's own blocks, not the padding up to the
+fullest rank; ``ragged_comm``); the sharding types chosen; planning time; the
+CPU and the date.
 
     python bench/scale.py                                  # 64x8 and 8x8 at 13, 25, 50%
     python bench/scale.py --topologies 64x8 --fractions 0.5 --out results.jsonl
@@ -29,17 +32,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import platform
 import time
 
 import numpy as np
 import torchrec_comm
-from common import cpu_model
+from common import cpu_model, emit
 
 import jaxrec
 from jaxrec import DataType, EmbeddingBagConfig
+from jaxrec.distributed.layout import build_layout
 from jaxrec.distributed.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -113,6 +116,34 @@ def jaxrec_comm(stages: dict[str, int], topology: Topology) -> dict:
     wire = sum(b * torchrec_comm.wire_factor(JAXREC_KINDS[k], topology.world_size)
                for k, b in stages.items())  # fmt: skip
     return {"stages": dict(stages), "operand": int(sum(stages.values())), "wire": int(wire)}
+
+
+def ragged_comm(tables, constraints, module, capacities, topology: Topology, batch: int) -> dict:
+    """Operand and wire bytes per device per step of ``exchange="ragged"`` (GPUs): the
+    same plan's id payloads and pooled blocks without their padding. Each source sends
+    each destination its expected ids (with the per-(slot, bag) counts, whole, or one
+    segment per id, as the collection lays them out) and each shard its own slots'
+    blocks, not the fullest rank's count.
+    """
+    n = topology.world_size
+    layout = build_layout(tables, module, n)
+    mean_ids = {}
+    for t in tables:
+        pf = constraints[t.name].pooling_factors or (1.0,)
+        pf = pf * len(t.feature_names) if len(pf) == 1 else pf
+        mean_ids.update((f, batch * p) for f, p in zip(t.feature_names, pf, strict=True))
+    ids = blocks = 0.0
+    for g in layout.groups:
+        meta = g.max_slots * batch
+        by_counts = meta <= capacities[g.name]
+        for slots in g.slots:  # to each destination
+            load = sum(mean_ids[s.key] * s.nrows / s.table_rows for s in slots)
+            ids += 4 * (meta + load if by_counts else 2 * load)
+        # forward blocks and backward gradients: each shard's own slots, to N sources
+        blocks += 2 * sum(len(s) for s in g.slots) * batch * g.ncols * 4
+    stages = {"ids_all_to_all": int(ids), "blocks_all_to_all": int(blocks)}
+    wire = sum(stages.values()) * torchrec_comm.wire_factor("all-to-all", n)
+    return {"stages": stages, "operand": int(sum(stages.values())), "wire": int(wire)}
 
 
 def run(
@@ -213,12 +244,15 @@ def run(
             batch=batch,
         )  # fmt: skip
     )
+    ragged = ragged_comm(tables, constraints, module, stats.capacities[""], topo, batch)
     rec.update(
         sharding_types=dict(sorted(kinds.items())),
         jaxrec_comm=ours,
         torchrec_comm=theirs,
         jaxrec_over_torchrec_operand=round(ours["operand"] / theirs["operand"], 3),
         jaxrec_over_torchrec_wire=round(ours["wire"] / theirs["wire"], 3),
+        jaxrec_ragged_comm=ragged,
+        ragged_over_torchrec_wire=round(ragged["wire"] / theirs["wire"], 3),
         bytes_meaning="per device per step: summed operand (or wire) bytes of its collectives",
     )
     return rec
@@ -239,11 +273,7 @@ def main(argv=None) -> int:
         for fraction in (float(x) for x in args.fractions.split(",")):
             rec = run(fraction, world, local, hbm_gb=args.hbm_gb, batch=args.batch,
                       num_tables=args.tables, seed=args.seed)  # fmt: skip
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            emit(rec, args.out)
     return 0
 
 
