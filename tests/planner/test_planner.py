@@ -260,24 +260,24 @@ def test_topology():
 
 # Per-device collective operand bytes of bench/sharded.py's train step (T=8 tables of
 # 100000 x 64, B=512, L=10, 8 devices; "2x4" = 2 hosts), from
-# bench/results/sharded_cpu8_2026-11-22.jsonl, where they equal the compiled HLO's:
-# partial blocks (forward, and their gradients backward) and data-parallel row gradients.
+# bench/results/sharded_cpu8_2026-11-25.jsonl, where they equal the compiled HLO's:
+# ids (rows and per-bag counts), partial blocks (forward, and their gradients
+# backward), data-parallel row gradients and the row sums column shards send peers.
 BENCH_BYTES = {
-    "table_wise": (1048576, 0),
-    "row_wise": (8388608, 0),
-    "column_wise": (1048576, 0),
-    "data_parallel": (0, 10690560),
-    "table_row_wise": (4194304, 0),
-    "table_column_wise": (1048576, 0),
-    "grid_shard": (4194304, 0),
+    "table_wise": (180224, 1048576, 0, 0),
+    "row_wise": (318176, 8388608, 0, 0),
+    "column_wise": (360448, 1048576, 0, 327680),
+    "data_parallel": (0, 0, 10690560, 0),
+    "table_row_wise": (252640, 4194304, 0, 0),
+    "table_column_wise": (720896, 1048576, 0, 1966080),
+    "grid_shard": (501248, 4194304, 0, 1310720),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(BENCH_BYTES))
 def test_comm_estimate_matches_the_exchange(kind):
-    """Blocks and gathered gradients as in the compiled HLO; ids and row sums as the
-    statistics-sized exchange sends them (``planner_cases.recount``, from the layout:
-    the HLO of that exchange is bench/sharded.py's to re-verify)."""
+    """Every stage as in the compiled HLO (bench/sharded.py's recorded bytes), and as an
+    independent recount from the layout (``planner_cases.recount``)."""
     from jaxrec import distributed as d
     from jaxrec.distributed.planner.perf import comm_bytes
 
@@ -303,14 +303,15 @@ def test_comm_estimate_matches_the_exchange(kind):
     feats = [f"f{t}" for t in range(8)]
     want = recount(tables, build_layout(tables, plan, 8), 8, 512,
                    dict.fromkeys(feats, 5120.0), dict.fromkeys(feats, 5120), calls=1)  # fmt: skip
-    blocks, gather = BENCH_BYTES[kind]
+    ids, blocks, gather, row_sums = BENCH_BYTES[kind]
     assert got == {
-        "ids_all_to_all": want["ids_all_to_all"],
+        "ids_all_to_all": ids,
         "fwd_output_all_to_all": blocks,
         "bwd_grad_all_to_all": blocks,
         "dp_row_grad_all_gather": gather,
-        "row_sum_exchange": want["row_sum_bytes"],
+        "row_sum_exchange": row_sums,
     }
+    assert (want["ids_all_to_all"], want["row_sum_bytes"]) == (ids, row_sums)
     if kind == "row_wise":  # 8 slots per rank, 5120 / 8 ids each: fast_path_capacity's example
         assert stats.capacities == {"": {"fp32_c64": 5847}}
         assert got["ids_all_to_all"] == 8 * (5847 + 8 * 512) * 4  # rows + per-bag counts
