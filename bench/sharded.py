@@ -386,7 +386,7 @@ def torchrec_bytes(kind: str, spec: LookupSpec) -> dict | None:
         ]
     elif kind in ("table_row_wise", "grid_shard"):
         copies = HOSTS if kind == "grid_shard" else 1  # one column block per host
-        per_host = n * B * T * D * F32 // HOSTS  # a host's columns, for the global batch
+        per_host = n * pooled // HOSTS  # a host's columns, for the global batch
         parts += [
             ("ids", "all-to-all", copies * T * B * (L + LOCAL) * I32, n),
             ("fwd_intra_host", "reduce-scatter", per_host, LOCAL),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Any
 
 import jax
@@ -153,6 +154,18 @@ def shard(args: argparse.Namespace, model: nnx.Module):
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
     )
     return mesh, model, ",".join(kinds)
+
+
+def fit_capacities(model: nnx.Module, data: Any, args: argparse.Namespace, batches: int = 8):
+    """Sizes the sharded collection's id exchange from the loads of the first training
+    batches (measured statistics: these ids are skewed, so a row-wise shard holding hot
+    rows gets more than its share, which would cost extra exchange rounds every step).
+    Returns ``{width group: capacity}``."""
+    sharded = model.sparse_arch.embedding_bag_collection
+    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0)
+    kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
+    sharded.capacity = sharded.measure_capacities(kjts)
+    return sharded.capacity
 
 
 # ----- steps -----

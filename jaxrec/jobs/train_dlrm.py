@@ -32,7 +32,15 @@ import jax
 
 from ..checkpoint import CheckpointManager
 from ..train import TrainPipeline
-from .dlrm_parts import build_model, build_optimizer, evaluate, load_data, make_steps, shard
+from .dlrm_parts import (
+    build_model,
+    build_optimizer,
+    evaluate,
+    fit_capacities,
+    load_data,
+    make_steps,
+    shard,
+)
 from .run_log import Progress, ScalarWriter, svg_plot
 
 SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
@@ -102,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _save_args(run_dir, args, train_data)
     model = build_model(args, train_data)
     mesh, model, plan_text = shard(args, model)
+    if mesh is not None:
+        fit_capacities(model, train_data, args)
     optimizer = build_optimizer(args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
     ckpt = None if args.no_checkpoint else _checkpoints(run_dir, args)
