@@ -44,9 +44,9 @@ def test_planner_estimate_matches_the_gpu_compiler(results, name):
     estimate is within 10% above the compiler's, never below it.
 
     Lookup buffers alone bound XLA's temporaries from above, by at most 1.6x
-    (measured with the statistics-sized exchange: 1.04 for the planned Criteo
-    tables, 1.13 for the host types on 2 x 4, 1.38 for the model holding every
-    type; totals 1.004-1.035): the estimate sums every group's own peak, while
+    (measured with the statistics-sized exchange: 1.06 for the planned Criteo
+    tables, 1.07 for the host types on 2 x 4, 1.43 for the model holding every
+    type; totals 1.006-1.040): the estimate sums every group's own peak, while
     XLA overlaps them in part (the data-parallel group's gathered copies and the
     column-split groups' updated rows or row-sum vectors come at other times),
     and the overflow path (extra rounds, update passes) reuses the fast path's

@@ -67,7 +67,8 @@ def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
     - ids ``all_to_all``: ``[N, P]`` int32 sent and received, ``P = C + min(S * B, C)``
       (``+ C`` weighted);
     - per received id: float32 row gradients, sort pair, CUB scratch: ``4 * w + 16``;
-    - blocks: ``2 * N * S * B * w * 4``;
+    - blocks: ``3 * N * S * B * w * 4`` (send, receive, the backward's received
+      gradient blocks);
     - column-split tables: ``max(K * w * 4, 2 * 4 * V)``, ``V`` the largest over ranks
       of ``calls * N * min(C, ids of t)`` summed over the split tables ``t`` on it;
       the row sums sent are the collection's own ``PeerSchedule.bytes_sent()``.
@@ -94,7 +95,7 @@ def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
         out["capacities"][g.name] = c
         out["ids_all_to_all"] += world * p * 4
         out["blocks"] += world * s * batch * w * 4
-        out["buffers"] += 2 * world * p * 4 + k * (4 * w + 16) + 2 * world * s * batch * w * 4
+        out["buffers"] += 2 * world * p * 4 + k * (4 * w + 16) + 3 * world * s * batch * w * 4
         split = [{n for n, *_ in shards if w < conf[n].embedding_dim} for shards in g.shards]
         if any(split):
             v = max(sum(calls * world * min(c, ids_of[n]) for n in names) for names in split)

@@ -131,9 +131,12 @@ def sharded_buffer_bytes(
       (``4 * columns``; XLA fuses the per-id gradients' gather and scale into
       the segment sum, so only the summed copy is materialised), the sort's
       (row, position) pair and CUB's scratch for it: ``K * (4 * columns + 16)``;
-    - the partial pooled blocks, ``[N, S, B, columns]`` float32 sent and
-      received (the backward's gradient blocks are never live together with
-      them): ``2 * N * S * B * columns * 4``;
+    - the partial pooled blocks, ``[N, S, B, columns]`` float32: three copies,
+      ``3 * N * S * B * columns * 4`` (a send and a receive buffer, and the
+      backward's received gradient blocks, which the update reads until its
+      overflow loop ends; XLA:GPU held three to four of them in
+      ``bench/sharded.py``'s row-wise step, whose other buffers the rest of this
+      estimate over-counts);
     - a group holding column shards is updated by the XLA path, which
       materialises its updated rows (``K * columns * 4``), or, before them and
       larger, the row-sum vectors of a row-wise optimizer: ``2 * 4`` bytes
@@ -160,7 +163,7 @@ def sharded_buffer_parts(
     return {
         "ids": 2 * n * id_payload(capacity, slots, b, weighted) * I32,
         "received": k * (ncols * F32 + SORT_BYTES + CUB_SCRATCH_BYTES),
-        "blocks": 2 * n * slots * b * ncols * F32,
+        "blocks": 3 * n * slots * b * ncols * F32,
         "column_split": extra,
     }
 
