@@ -50,11 +50,11 @@ step() {
         "$DEVICE" "$DATE" "$*" >> "$SUMMARY"
 }
 
-step tests 180 python -m pytest -q -p no:cacheprovider \
+step tests 150 python -m pytest -q -p no:cacheprovider \
     tests/pallas/test_pallas_gpu.py tests/inference/test_quant_kernel.py tests/pallas/test_pallas_dispatch.py \
     tests/distributed/test_ragged_gpu.py
-step lookup_target 120 python bench/gpu_lookup.py --preset target --reps 20
-step lookup_sweep 180 python bench/gpu_lookup.py --preset gpu_sweep --reps 5 --pass fwd,bwd_update
-step train_step 110 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
+step lookup_target 100 python bench/gpu_lookup.py --preset target --reps 20
+step lookup_sweep 200 python bench/gpu_lookup.py --preset gpu_sweep --reps 5 --pass fwd,bwd_update
+step train_step 90 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
 cat "$SUMMARY"
 exit $FAILED

@@ -169,7 +169,14 @@ def pooled_lookup_reference(
         inside = inside & (segment_ids[None, :] == jnp.arange(s)[:, None])
     scale = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     emb = jnp.take(weights, rows, axis=0, mode="clip").astype(jnp.float32) * scale[:, None]
-    out = jnp.where(inside, 1.0, 0.0) @ emb if c else jnp.zeros((s, weights.shape[1]))
+    # HIGHEST: a default-precision matmul is TF32 on Hopper (10-bit mantissa), too coarse
+    # for an oracle (found on an H200).
+    hi = jax.lax.Precision.HIGHEST
+    out = (
+        jnp.matmul(jnp.where(inside, 1.0, 0.0), emb, precision=hi)
+        if c
+        else jnp.zeros((s, weights.shape[1]))
+    )
     if mean:
         out = out / jnp.maximum(ends - starts, 1).astype(jnp.float32)[:, None]
     return out.astype(jnp.float32)

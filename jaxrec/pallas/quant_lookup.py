@@ -194,7 +194,9 @@ def quant_pooled_lookup_reference(
     scale = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     packed = jnp.take(qweights, rows, axis=0, mode="clip")
     emb = dequantize_rows(packed, dim, dtype) * scale[:, None]
-    out = jnp.where(inside, 1.0, 0.0) @ emb if c else jnp.zeros((s, dim))
+    # HIGHEST: a default-precision matmul is TF32 on Hopper, too coarse for an oracle.
+    hi = jax.lax.Precision.HIGHEST
+    out = jnp.matmul(jnp.where(inside, 1.0, 0.0), emb, precision=hi) if c else jnp.zeros((s, dim))
     if mean:
         out = out / jnp.maximum(ends - starts, 1).astype(jnp.float32)[:, None]
     return out.astype(jnp.float32)
