@@ -17,6 +17,7 @@ from flax import nnx
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot, Implementation
+from ..ops.init import Draw, stacked
 from ..optim.base import row_fields
 from ..xla.backward import dedup_rows, source_grads
 from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
@@ -143,8 +144,9 @@ class TableStorage(EmbeddingCollectionInterface):
         self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
         self.implementation = implementation
         self.embedding_names = tuple(n for ns in get_embedding_names_by_table(tables) for n in ns)
+        key = rngs.params()  # one draw per collection; table i uses fold_in(key, i)
         self.weights = nnx.Dict(
-            {g.name: EmbeddingTable(self._init_group(g, rngs)) for g in self.groups}
+            {g.name: EmbeddingTable(self._init_group(g, key)) for g in self.groups}
         )
 
     def config(self, name: str) -> BaseEmbeddingConfig:
@@ -155,11 +157,25 @@ class TableStorage(EmbeddingCollectionInterface):
         """The table group (stacked buffer) called ``name``."""
         return next(g for g in self.groups if g.name == name)
 
-    def _init_group(self, group: TableGroup, rngs: nnx.Rngs) -> jax.Array:
+    def _init_group(self, group: TableGroup, key: jax.Array) -> jax.Array:
+        """The group's stacked initial weights. TorchRec's uniform init draws every
+        table of the group at once (``jaxrec.ops.init``: no compile per table size);
+        a table's values depend only on ``key`` and its index in the collection."""
+        index = {t.name: i for i, t in enumerate(self.table_configs)}
         configs = [self.config(n) for n in group.tables]
-        keys = [rngs.params() for _ in configs]
         if all(c.init_fn is None for c in configs):
-            return _uniform_group(configs, keys)
+            draws = [
+                Draw(
+                    key,
+                    index[c.name],
+                    (c.num_embeddings, c.embedding_dim),
+                    c.get_weight_init_min(),
+                    c.get_weight_init_max(),
+                )  # fmt: skip
+                for c in configs
+            ]
+            return stacked(draws, configs[0].dtype)
+        keys = [jax.random.fold_in(key, index[c.name]) for c in configs]
 
         @jax.jit
         def build(keys):
@@ -168,8 +184,9 @@ class TableStorage(EmbeddingCollectionInterface):
         return build(keys)
 
     def reset_parameters(self, rngs: nnx.Rngs) -> None:
+        key = rngs.params()
         for g in self.groups:
-            self.weights[g.name].set_value(self._init_group(g, rngs))
+            self.weights[g.name].set_value(self._init_group(g, key))
 
     def locate(self, table: str) -> tuple[TableGroup, int, int]:
         """``(group, first row in the group's buffer, rows)`` of ``table``."""
@@ -361,29 +378,6 @@ def _concat_sources(sources: Sequence[GradSource]) -> GradSource:
         rows=jnp.concatenate([s.rows for s in sources]),
         valid=jnp.concatenate([s.valid for s in sources]),
     )
-
-
-def _uniform_group(configs: Sequence[BaseEmbeddingConfig], keys: Sequence[jax.Array]) -> jax.Array:
-    """TorchRec's uniform init for a whole stacked group, in one buffer.
-
-    Each table draws from its own key straight into the donated stacked buffer,
-    one table per call, so peak memory is the group plus one table's draw
-    (one jitted program for all tables triples peak memory on XLA:CPU).
-    """
-    dtype, dim = configs[0].dtype, configs[0].embedding_dim
-    out = jnp.zeros((sum(c.num_embeddings for c in configs), dim), dtype)
-    row = 0
-    for c, key in zip(configs, keys, strict=True):
-        lo, hi = c.get_weight_init_min(), c.get_weight_init_max()
-        out = _fill_uniform(out, key, row, c.num_embeddings, lo, hi)
-        row += c.num_embeddings
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def _fill_uniform(out, key, row, n, lo, hi):
-    u = jax.random.uniform(key, (n, out.shape[1]), jnp.float32, lo, hi).astype(out.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(out, u, row, axis=0)
 
 
 def common_count(tables: Sequence[str], logical: Mapping[str, Mapping], dtype) -> np.ndarray:

@@ -5,7 +5,9 @@ TorchRec's dense modules use ``torch.nn.Linear`` (Kaiming-uniform with
 ``xavier_normal_`` for cross-net kernels, with torch's fan rule for tensors of
 rank 3 and more (``fan_in = shape[1] * prod(shape[2:])``,
 ``fan_out = shape[0] * prod(shape[2:])``). These reproduce the distributions,
-not torch's random streams: to reproduce a TorchRec model's numbers, import its
+not torch's random streams (uniform draws go through ``jaxrec.ops.init``: one
+compiled program for every layer shape, so a model builds without compiling per
+layer): to reproduce a TorchRec model's numbers, import its
 weights with :func:`jaxrec.modules.load_torchrec_state_dict`.
 """
 
@@ -17,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from ..ops.init import uniform
 
 
 def torch_fans(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -38,7 +42,12 @@ def xavier_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float
 
 def torch_linear_kernel_init() -> nnx.Initializer:
     """``torch.nn.Linear``'s weight init for a flax ``[in, out]`` kernel: U(+-1/sqrt(in))."""
-    return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        bound = 1.0 / math.sqrt(shape[0]) if shape[0] > 0 else 0.0
+        return uniform(key, shape, -bound, bound, dtype)
+
+    return init
 
 
 def torch_linear_bias_init(fan_in: int) -> nnx.Initializer:
@@ -46,7 +55,7 @@ def torch_linear_bias_init(fan_in: int) -> nnx.Initializer:
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
     def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
-        return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+        return uniform(key, shape, -bound, bound, dtype)
 
     return init
 
