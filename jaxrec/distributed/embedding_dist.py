@@ -121,18 +121,25 @@ def assemble(received: jax.Array, group: WidthGroup, add: Callable[[Slot, jax.Ar
             add(sl, received[p, j])
 
 
-def grads_to_ranks(
-    read, group: WidthGroup, b: int, axis, dtype, scale=None, ragged: bool = False
-) -> jax.Array:
-    """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
-    slots, where ``read(slot)`` is this device's ``[B, ncols]`` output gradient block."""
+def slot_blocks(read, group: WidthGroup, b: int) -> jax.Array:
+    """``[N, S, B, ncols]``: ``read(slot)`` (``[B, ncols]``) for every rank's slots, zero
+    blocks where a rank has fewer than ``S`` slots."""
     blocks = []
     for slots in group.slots:
         per = [read(sl) for sl in slots]
         per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
         blocks.append(jnp.stack(per))
+    return jnp.stack(blocks)
+
+
+def grads_to_ranks(
+    blocks: jax.Array, group: WidthGroup, axis, dtype, scale=None, ragged: bool = False
+) -> jax.Array:
+    """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
+    slots, where ``blocks[p, j]`` is this device's output gradient of rank ``p``'s slot
+    ``j`` (:func:`slot_blocks`)."""
     sizes = slot_counts(group, axis)[::-1] if ragged else None  # each shard's own slots
-    return send_back(jnp.stack(blocks), axis, dtype, scale, sizes)
+    return send_back(blocks, axis, dtype, scale, sizes)
 
 
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):

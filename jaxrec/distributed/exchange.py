@@ -25,9 +25,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..sparse import KeyedJaggedTensor
-from .layout import Slot, WidthGroup
+from .layout import WidthGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,64 +87,79 @@ class Spec:
         return self.meta(first) + self.capacity * self.per_id()
 
 
-def _slot_entries(kjt: KeyedJaggedTensor, seg_all, slot: Slot, spec: Spec):
-    """Local rows, bag, weights and mask of one slot's ids on this device (pooled lookups
-    need the bags, weighted ones the weights)."""
-    keys = kjt.keys()
-    k = keys.index(slot.key)
-    lo, hi = kjt.capacity_offsets()[k], kjt.capacity_offsets()[k + 1]
-    f, b = len(keys), kjt.stride()
-    ids = kjt.values()[lo:hi]
-    seg = seg_all[lo:hi]
-    valid = (seg < f * b) & (ids >= slot.row0) & (ids < slot.row0 + slot.nrows)
-    rows = jnp.where(valid, ids - slot.row0 + slot.local_offset, spec.fill).astype(jnp.int32)
-    bag = None if spec.sequence else jnp.clip(seg - k * b, 0, b - 1).astype(jnp.int32)
-    w = kjt.weights()[lo:hi].astype(jnp.float32) if spec.weighted else None
-    return rows, bag, w, valid
+def _entry_tables(kjt: KeyedJaggedTensor, group: WidthGroup):
+    """Static per-entry arrays of every destination's candidate entries, concatenated.
+
+    Destination ``p``'s entries are the value positions of its slots' keys, slot by
+    slot; each carries its slot's row range and local offset, its key and its slot
+    number. Built with numpy once per trace: the exchange then costs a few array
+    ops per group, however many tables and features the group holds.
+    """
+    offsets = kjt.capacity_offsets()
+    keys = {k: i for i, k in enumerate(kjt.keys())}
+    cols = {name: [] for name in ("pos", "row0", "end", "off", "key", "slot", "dest")}
+    for p, slots in enumerate(group.slots):
+        for j, sl in enumerate(slots):
+            k = keys[sl.key]
+            n = offsets[k + 1] - offsets[k]
+            cols["pos"].append(np.arange(offsets[k], offsets[k + 1]))
+            for name, v in (
+                ("row0", sl.row0),
+                ("end", sl.row0 + sl.nrows),
+                ("off", sl.local_offset),
+                ("key", k),
+                ("slot", j),
+                ("dest", p),
+            ):
+                cols[name].append(np.full(n, v))  # fmt: skip
+    return {k: np.concatenate(v).astype(np.int32) if v else np.zeros(0, np.int32)
+            for k, v in cols.items()}  # fmt: skip
 
 
 def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
     """Lists this device's ids of ``group`` per destination (see :class:`Outbox`)."""
-    seg_all = kjt.segment_ids()
-    b, s = spec.bags, spec.slots
-    rows, bags, weights, index, slot_index, counts, bag_counts = [], [], [], [], [], [], []
-    for slots in group.slots:  # one destination rank at a time (static)
-        parts = [_slot_entries(kjt, seg_all, sl, spec) for sl in slots]
-        if not parts:
-            parts = [
-                (
-                    jnp.full((1,), spec.fill, jnp.int32),
-                    jnp.zeros((1,), jnp.int32),
-                    jnp.zeros((1,), jnp.float32),
-                    jnp.zeros((1,), bool),
-                )
-            ]
-        valid = jnp.concatenate([p[3] for p in parts])
-        idx = jnp.where(valid, jnp.cumsum(valid, dtype=jnp.int32) - 1, -1)
-        rows.append(jnp.concatenate([p[0] for p in parts]))
-        if not spec.sequence:
-            bags.append(jnp.concatenate([j * b + p[1] for j, p in enumerate(parts)]))
-        if spec.weighted:
-            weights.append(jnp.concatenate([p[2] for p in parts]))
-        index.append(idx)
-        bounds = [0]
-        for p in parts:
-            bounds.append(bounds[-1] + p[0].shape[0])
-        slot_index.append(tuple(idx[bounds[j] : bounds[j + 1]] for j in range(len(slots))))
-        counts.append(jnp.sum(valid, dtype=jnp.int32))
-        if spec.by_counts:
-            per_bag = jnp.where(valid, bags[-1], s * b)
-            bag_counts.append(
-                jax.ops.segment_sum(valid.astype(jnp.int32), per_bag, num_segments=s * b)
-            )
+    e = _entry_tables(kjt, group)
+    f, b, s, n = len(kjt.keys()), kjt.stride(), spec.slots, spec.n
+    ids = jnp.take(kjt.values(), e["pos"])
+    seg = jnp.take(kjt.segment_ids(), e["pos"])
+    # Row bounds in the ids' own dtype: mixing uint32 ids with int32 would promote.
+    row0, end = e["row0"].astype(ids.dtype), e["end"].astype(ids.dtype)
+    valid = (seg < f * b) & (ids >= row0) & (ids < end)
+    local = (ids - row0).astype(jnp.int32) + e["off"]
+    rows = jnp.where(valid, local, spec.fill).astype(jnp.int32)
+    bags = e["slot"] * b + jnp.clip(seg - e["key"] * b, 0, b - 1).astype(jnp.int32)
+    weights = jnp.take(kjt.weights(), e["pos"]).astype(jnp.float32) if spec.weighted else None
+    # Payload index: the entry's rank among its destination's valid entries.
+    counts = jax.ops.segment_sum(valid.astype(jnp.int32), e["dest"], num_segments=n)
+    before = jnp.cumsum(counts) - counts
+    idx = jnp.cumsum(valid, dtype=jnp.int32) - 1 - jnp.take(before, e["dest"])
+    idx = jnp.where(valid, idx, -1)
+    bounds = np.searchsorted(e["dest"], np.arange(n + 1))  # each destination's entries
+    part = lambda x: tuple(x[bounds[p] : bounds[p + 1]] for p in range(n))  # noqa: E731
+    bag_counts = None
+    if spec.by_counts:
+        per_bag = jnp.where(valid, e["dest"] * (s * b) + bags, n * s * b)
+        bag_counts = jax.ops.segment_sum(
+            valid.astype(jnp.int32), per_bag, num_segments=n * s * b
+        ).reshape(n, s * b)
+    slot_index = ()
+    if spec.sequence:  # the sequence path puts rows back slot by slot
+        first = np.searchsorted(e["dest"] * (s + 1) + e["slot"], np.arange(n * (s + 1)))
+        slot_index = tuple(
+            tuple(
+                idx[first[p * (s + 1) + j] : first[p * (s + 1) + j + 1]]
+                for j in range(len(group.slots[p]))
+            )  # fmt: skip
+            for p in range(n)
+        )
     return Outbox(
-        tuple(rows),
-        None if spec.sequence else tuple(bags),
-        tuple(weights) if spec.weighted else None,
-        tuple(index),
-        tuple(slot_index),
-        jnp.stack(counts),
-        jnp.stack(bag_counts) if spec.by_counts else None,
+        part(rows),
+        None if spec.sequence else part(bags),
+        part(weights) if spec.weighted else None,
+        part(idx),
+        slot_index,
+        counts,
+        bag_counts,
     )
 
 

@@ -27,7 +27,7 @@ from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
 from ..embedding.tables import EmbeddingTable, common_count, group_tables
 from ..embedding.tape import log_overflow, report_overflow, tap
-from ..ops import check_ids, embedding_bag, embedding_gather
+from ..ops import embedding_bag, embedding_gather
 from ..optim.base import apply_rows, row_fields
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
@@ -41,6 +41,7 @@ from .capacity import (
     natural_load,
 )
 from .exact_update import exact_update, logical_rows
+from .id_checks import check_sharded_ids
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
 from .row_sums import column_split_row_sum, peer_schedule
@@ -138,6 +139,17 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     def _read_block(self, g, kjt, slot, ncols, b):
         raise NotImplementedError
+
+    def _add_group(self, out, kjt, g, received):
+        """Adds a pooled group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
+        out = list(out)
+        dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
+        return out
+
+    def _group_grads(self, g, kjt, group):
+        """A pooled group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
+        read = lambda sl: self._read_block(g, kjt, sl, group.ncols, kjt.stride())
+        return dist.slot_blocks(read, group, kjt.stride())
 
     def _dp_lookup(self, table, kjt, rg, out):
         raise NotImplementedError
@@ -382,8 +394,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
             received = dist.send_back(partials, self.axis, dtype, ragged=sizes)
             out = list(out)
-            dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
-            return out
+            return self._add_group(out, kjt, g, received)
 
         def place(r, rec, acc):
             rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
@@ -415,13 +426,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     def _check_ids(self, kjt) -> None:
         """Reports out-of-range ids of sharded tables (no shard holds them: they drop)."""
-        for t in self.table_configs:
-            if t.name in self.layout.replicated:
-                continue
-            for f in t.feature_names:
-                jt = kjt[f]
-                check_ids(jt.values(), jt.valid_mask(), t.num_embeddings, self.bounds_check_mode,
-                          f"sharded lookup of {f!r} in table {t.name!r}")  # fmt: skip
+        pairs = [
+            (f, t.name, t.num_embeddings)
+            for t in self.table_configs if t.name not in self.layout.replicated
+            for f in t.feature_names
+        ]  # fmt: skip
+        check_sharded_ids(kjt, pairs, self.bounds_check_mode)
 
     def _dp_outputs(self, rg):
         """Output index of each replicated-group slot in the full collection."""
@@ -543,10 +553,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         rec0, bag_counts = self._first_round(spec, box)
         dtype = self.qcomms.backward_dtype
         if not self.sequence:
-            b = kjt.stride()
-            read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, b)
             scale = self.qcomms.backward_loss_scale
-            blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale, spec.ragged)
+            blocks = self._group_grads(g_local, kjt, g)
+            blocks = dist.grads_to_ranks(blocks, g, self.axis, dtype, scale, spec.ragged)
             grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
 
             def more(r):

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..ops import grouped_pooled_lookup
@@ -98,24 +99,71 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         c = column_offsets(self.layout)[slot.output] + slot.col0
         return g[:, c : c + ncols].astype(jnp.float32) * _mean(kjt, slot)
 
+    # One scatter / gather per width group over static column indices, not one
+    # slice per slot: trace and compile cost follow groups, not tables.
+    def _add_group(self, out, kjt, g, received):
+        n, s, b, w = received.shape
+        cols, factors = self._slot_columns(kjt, g)
+        blocks = received.reshape(n * s, b, w) * factors[:, :, None]
+        values = blocks.transpose(1, 0, 2).reshape(b, n * s * w)
+        return [out[0].at[:, cols].add(values, mode="drop")]
+
+    def _group_grads(self, g, kjt, group):
+        cols, factors = self._slot_columns(kjt, group)
+        n, s, b, w = len(group.slots), group.max_slots, kjt.stride(), group.ncols
+        got = jnp.take(g, np.minimum(cols, g.shape[1] - 1), axis=1).astype(jnp.float32)
+        blocks = got.reshape(b, n * s, w).transpose(1, 0, 2) * factors[:, :, None]
+        return blocks.reshape(n, s, b, w)
+
+    def _slot_columns(self, kjt, g):
+        """Static output column of every ``(rank, slot, col)`` of group ``g`` (one past the
+        last column for padding slots), and ``[N * S, B]`` factors: MEAN slots' ``1 /
+        length``, 1 for SUM, 0 for padding."""
+        offsets = column_offsets(self.layout)
+        n, s, w, total = len(g.slots), g.max_slots, g.ncols, int(offsets[-1])
+        start = np.full((n, s), total, np.int64)
+        key = np.zeros((n, s), np.int32)
+        kind = np.zeros((n, s), np.int32)  # 0 padding, 1 SUM, 2 MEAN
+        keys = {k: i for i, k in enumerate(kjt.keys())}
+        for p, slots in enumerate(g.slots):
+            for j, sl in enumerate(slots):
+                start[p, j] = offsets[sl.output] + sl.col0
+                key[p, j], kind[p, j] = keys[sl.key], 2 if sl.mean else 1
+        cols = np.where(start[:, :, None] < total, start[:, :, None] + np.arange(w), total)
+        inv = _inverse_lengths(kjt)  # [F, B]
+        per_kind = jnp.stack([jnp.zeros_like(inv), jnp.ones_like(inv), inv])  # [3, F, B]
+        factors = per_kind[kind.reshape(-1), key.reshape(-1)]
+        return cols.reshape(-1), factors
+
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = grouped_pooled_lookup(
             table, kjt, rg.slots, is_weighted=self._is_weighted,
             bounds_check_mode=self.bounds_check_mode, implementation=self.implementation,
         )  # fmt: skip
-        cols = column_offsets(self.layout)
-        for j, o in enumerate(self._dp_outputs(rg)):
-            out[0] = out[0].at[:, cols[o] : cols[o + 1]].set(pooled[:, j])
+        cols = self._dp_columns(rg)
+        out[0] = out[0].at[:, cols].set(pooled.reshape(pooled.shape[0], -1))
 
     def _dp_row_grads(self, g, kjt, rg):
-        cols = column_offsets(self.layout)
-        gg = jnp.stack([g[:, cols[o] : cols[o + 1]] for o in self._dp_outputs(rg)], axis=1)
+        cols = self._dp_columns(rg)
+        gg = jnp.take(g, cols, axis=1).reshape(g.shape[0], len(rg.slots), rg.embedding_dim)
         return pooled_row_grads(gg, kjt, rg.slots, is_weighted=self._is_weighted)
+
+    def _dp_columns(self, rg) -> np.ndarray:
+        """Static output columns of a replicated group's slots, slot-major."""
+        offsets = column_offsets(self.layout)
+        starts = np.asarray([offsets[o] for o in self._dp_outputs(rg)], np.int64)
+        return (starts[:, None] + np.arange(rg.embedding_dim)).reshape(-1)
 
     def _finish(self, values, features):
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )
+
+
+def _inverse_lengths(kjt) -> jax.Array:
+    """``[F, B]`` ``1 / max(length, 1)`` of every bag (the MEAN factors)."""
+    f, b = len(kjt.keys()), kjt.stride()
+    return 1.0 / jnp.maximum(kjt.lengths().reshape(f, b), 1).astype(jnp.float32)
 
 
 def _mean(kjt, slot):

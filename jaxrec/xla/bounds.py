@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import enum
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -207,6 +207,33 @@ def report_out_of_range(
     jax.lax.cond(
         count > 0,
         lambda: jax.debug.callback(_report(mode, where), count, example),
+        lambda: None,
+    )
+
+
+def report_out_of_range_many(
+    counts: jax.Array, examples: jax.Array, mode: BoundsCheckMode, wheres: Sequence[str]
+) -> None:
+    """:func:`report_out_of_range` of ``len(wheres)`` checks at once (``counts`` and
+    ``examples`` ``[len(wheres)]``): collected one by one, or one host callback for all."""
+    mode = BoundsCheckMode(mode)
+    if mode in (BoundsCheckMode.NONE, BoundsCheckMode.IGNORE) or not wheres:
+        return
+    sink = _SINK.get()
+    into = None if sink is None else sink.fatal if mode is BoundsCheckMode.FATAL else sink.warning
+    if into is not None:
+        for i, where in enumerate(wheres):
+            into.append(FatalReport(where, counts[i].astype(jnp.int32), examples[i]))
+        return
+    callbacks = [_report(mode, where) for where in wheres]
+
+    def callback(counts, examples):
+        for report, count, example in zip(callbacks, counts, examples, strict=True):
+            report(count, example)
+
+    jax.lax.cond(
+        jnp.sum(counts) > 0,
+        lambda: jax.debug.callback(callback, counts, examples),
         lambda: None,
     )
 
