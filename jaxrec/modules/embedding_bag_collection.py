@@ -90,18 +90,25 @@ class EmbeddingBagCollection(TableStorage):
             )  # [B, S_g, D_g]
             for g in self.groups
         ]
-        if len(pooled) == 1:  # one group holds every table, already in output order
-            values = pooled[0].reshape(pooled[0].shape[0], sum(self.length_per_embedding))
-        else:
-            pieces: list = [None] * len(self.embedding_names)
-            for g, p in zip(self.groups, pooled, strict=True):
-                for j, out in enumerate(g.outputs):
-                    pieces[out] = p[:, j, :]
-            values = jnp.concatenate(pieces, axis=1)
+        b = pooled[0].shape[0]
+        values = jnp.concatenate([p.reshape(b, -1) for p in pooled], axis=1)
+        order = self._group_order()
+        if order is not None:  # one gather into output order, not a slice per feature
+            values = jnp.take(values, order, axis=1)
         values = tap(self, values, features)  # a train step's gradient probe
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )
+
+    def _group_order(self) -> np.ndarray | None:
+        """Static output column of each column of the groups' outputs laid side by side
+        (``None`` when they already are in output order)."""
+        cols = self.output_columns()
+        order = np.concatenate(
+            [np.arange(cols[o], cols[o + 1]) for g in self.groups for o in g.outputs]
+        )
+        inverse = np.argsort(order)
+        return None if np.array_equal(inverse, np.arange(len(order))) else inverse
 
     def output_columns(self) -> tuple[int, ...]:
         """Static start column of each embedding in the output values, plus the end."""
@@ -112,8 +119,9 @@ class EmbeddingBagCollection(TableStorage):
         """Bag ``b``'s output columns of slot ``j`` are row ``b * S + j`` of the
         source; every id of the bag adds that row (times its scale)."""
         cols = self.output_columns()
-        g = jnp.stack([call.grad[:, cols[o] : cols[o + 1]] for o in group.outputs], axis=1)
-        flat = g.reshape(g.shape[0] * g.shape[1], -1)  # [B * S, D]
+        idx = np.concatenate([np.arange(cols[o], cols[o + 1]) for o in group.outputs])
+        g = jnp.take(call.grad, idx, axis=1)  # one gather, not a slice per feature
+        flat = g.reshape(g.shape[0] * len(group.outputs), -1)  # [B * S, D]
         rows, seg, scale, valid = pooled_grad_sources(
             call.features, group.slots, is_weighted=self._is_weighted
         )
