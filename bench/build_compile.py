@@ -15,8 +15,9 @@ one process:
 * ``hlo_kb``: the compiled program's HLO text size;
 * ``movielens_build_s``: the 8-table MovieLens DLRM's cold build (``--movielens``).
 
-Total ids per batch are equal across ``T`` (``L = --ids-per-sample // T`` ids
-per bag), so step time and HLO size should follow width groups, not tables.
+Total ids per batch (``L = --ids-per-sample // T`` ids per bag) and total rows
+(``--total-rows``) are equal across ``T``, so step time and HLO size should follow
+width groups, not tables.
 Every build is cold for its shapes (a fresh process per ``T`` is not needed:
 each ``T`` has new table sizes), except what JAX caches across ``T`` (the same
 dims' programs). One JSON line per ``T``::
@@ -45,11 +46,18 @@ import jaxrec as jr  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
 from jaxrec.embedding import CombinedOptimizer  # noqa: E402
+from jaxrec.modules.initializers import torch_linear  # noqa: E402
 
 
-def make_tables(n, *, dims, min_rows, max_rows, seed=0):
+def make_tables(n, *, dims, min_rows, max_rows, total_rows=None, seed=0):
+    """Rows log-uniform in ``[min_rows, max_rows]``, scaled to ``total_rows`` if given (so
+    that table counts compare at equal memory: random row access slows down as the
+    tables outgrow the caches, whatever their number)."""
     rng = np.random.default_rng(seed)
-    rows = np.exp(rng.uniform(np.log(min_rows), np.log(max_rows), n)).astype(int)
+    rows = np.exp(rng.uniform(np.log(min_rows), np.log(max_rows), n))
+    if total_rows:
+        rows = rows * total_rows / rows.sum()
+    rows = np.maximum(rows.astype(int), 1)
     return [
         jr.EmbeddingBagConfig(
             name=f"t{i}",
@@ -64,7 +72,7 @@ def make_tables(n, *, dims, min_rows, max_rows, seed=0):
 class Model(nnx.Module):
     def __init__(self, tables, *, rngs):
         self.ebc = jr.EmbeddingBagCollection(tables, rngs=rngs)
-        self.head = nnx.Linear(sum(t.embedding_dim for t in tables), 1, rngs=rngs)
+        self.head = torch_linear(sum(t.embedding_dim for t in tables), 1, rngs=rngs)
 
     def __call__(self, kjt):
         return self.head(self.ebc(kjt).values())[:, 0]
@@ -111,7 +119,10 @@ def rng_floor_s(tables) -> float:
 
 
 def run(n, args):
-    tables = make_tables(n, dims=args.dims, min_rows=args.min_rows, max_rows=args.max_rows)
+    tables = make_tables(
+        n, dims=args.dims, min_rows=args.min_rows, max_rows=args.max_rows,
+        total_rows=args.total_rows,
+    )  # fmt: skip
     model, unsharded_s = timed(lambda: Model(tables, rngs=nnx.Rngs(0)))
     mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     opt = CombinedOptimizer(optax.adagrad(0.01), optim.rowwise_adagrad(0.01))
@@ -195,6 +206,9 @@ def main():
     p.add_argument("--dims", default="16,32,64,128")
     p.add_argument("--min-rows", type=int, default=100)
     p.add_argument("--max-rows", type=int, default=10_000)
+    p.add_argument(
+        "--total-rows", type=int, default=1_000_000, help="all tables' rows (0: unscaled)"
+    )
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--batch", type=int, default=64, help="per device")
     p.add_argument("--ids-per-sample", type=int, default=500)

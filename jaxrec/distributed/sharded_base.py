@@ -41,6 +41,7 @@ from .capacity import (
     natural_load,
 )
 from .exact_update import exact_update, logical_rows
+from .host_copies import cast, gathered, host_float32, logical_tables
 from .id_checks import check_sharded_ids
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
@@ -122,7 +123,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         dp = [t for t in self.table_configs if t.name in self.layout.replicated]
         self.replicated_groups = group_tables(dp) if dp else ()
-        self.weights = nnx.Dict(self._place(module.state_dict()))
+        self.weights = nnx.Dict(self._place(logical_tables(module)))
         self.overflow_count = OverflowCount(
             jax.device_put(jnp.zeros((mesh.size,), jnp.int32), self._sharded(P(self.axis)))
         )
@@ -188,15 +189,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
                         buf = buf.at[start : start + nr].set(block.astype(np.float32))
                     else:
                         buf[start : start + nr] = block
-            out[g.name] = EmbeddingTable(
-                jax.device_put(jnp.asarray(buf, dtype), self._sharded(P(self.axis)))
-            )
+            spec = self._sharded(P(self.axis))
+            out[g.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
         for rg in self.replicated_groups:
             buf = xp.concatenate([logical[t] for t in rg.tables])
             dtype = self.config(rg.tables[0]).dtype
-            out["dp_" + rg.name] = EmbeddingTable(
-                jax.device_put(jnp.asarray(buf, dtype), self._sharded(P()))
-            )
+            spec = self._sharded(P())
+            out["dp_" + rg.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
         return out
 
     def state_dict(self) -> dict[str, jax.Array]:
@@ -206,17 +205,17 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for t in self.table_configs
         }
         for g in self.layout.groups:
-            buf = _host(self.weights[g.name].get_value())
+            buf = host_float32(self.weights[g.name].get_value())
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
                     logical[table][r0 : r0 + nr, c0 : c0 + g.ncols] = buf[start : start + nr]
         for rg in self.replicated_groups:
-            buf = _host(self.weights["dp_" + rg.name].get_value())
+            buf = host_float32(self.weights["dp_" + rg.name].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
                 logical[t] = buf[lo : lo + self.config(t).num_embeddings]
         return {
-            f"{self.prefix}.{t.name}.weight": jnp.asarray(logical[t.name], t.dtype)
+            f"{self.prefix}.{t.name}.weight": jax.device_put(cast(logical[t.name], t.dtype))
             for t in self.table_configs
         }
 
@@ -661,8 +660,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
         counts: dict[str, dict] = {t.name: {} for t in self.table_configs}
         for name, (_, ncols, blocks) in self._buffer_blocks().items():
             st = sparse_state[state_key(path, name, 0)]
-            bufs = {"weight": _gathered(self.weights[name].get_value())}
-            bufs.update({f: _gathered(getattr(st, f)) for f in row_fields(st)})
+            bufs = {"weight": gathered(self.weights[name].get_value())}
+            bufs.update({f: gathered(getattr(st, f)) for f in row_fields(st)})
             count = np.array(st.count.addressable_data(0))  # replicated scalar
             for t, r0, nr, c0, start in blocks:
                 cfg, entry = self.config(t), out[t]
@@ -713,24 +712,6 @@ class ShardedCollection(EmbeddingCollectionInterface):
             count = common_count(tables, logical, shape.count.dtype)
             sparse[state_key(path, name, 0)] = type(shape)(count=count, **bufs)
         return weights, sparse
-
-
-def _host(x: jax.Array) -> np.ndarray:
-    """A float32 host copy, gathered from every process when not fully addressable."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-def _gathered(x: jax.Array) -> np.ndarray:
-    """A host copy in ``x``'s dtype, gathered from every process when not fully addressable."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.array(x)
 
 
 def _pass_size(group: WidthGroup, spec: exchange.Spec) -> int:

@@ -198,11 +198,11 @@ class TableStorage(EmbeddingCollectionInterface):
 
     def state_dict(self) -> dict[str, jax.Array]:
         """``{"<prefix>.<table>.weight": [num_embeddings, embedding_dim]}`` in table order."""
-        out = {}
-        for t in self.table_configs:
-            g, lo, n = self.locate(t.name)
-            out[f"{self.prefix}.{t.name}.weight"] = self.weights[g.name].get_value()[lo : lo + n]
-        return out
+        parts = {}
+        for g in self.groups:
+            pieces = _split_rows(self.weights[g.name].get_value(), g.row_offsets[1:])
+            parts.update(zip(g.tables, pieces, strict=True))
+        return {f"{self.prefix}.{t.name}.weight": parts[t.name] for t in self.table_configs}
 
     def load_state_dict(
         self, state_dict: Mapping[str, jax.typing.ArrayLike], strict: bool = True
@@ -378,6 +378,12 @@ def _concat_sources(sources: Sequence[GradSource]) -> GradSource:
         rows=jnp.concatenate([s.rows for s in sources]),
         valid=jnp.concatenate([s.valid for s in sources]),
     )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_rows(buffer: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """A group buffer's tables in one program (eager slices compiled one per table)."""
+    return tuple(jnp.split(buffer, cuts))
 
 
 def common_count(tables: Sequence[str], logical: Mapping[str, Mapping], dtype) -> np.ndarray:
