@@ -228,16 +228,20 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
     caps = data.capacities(size)
     ranks = dist.process_ranks(mesh) if mesh is not None else [0]
     groups = rank_batches(data, size, ranks, world, shuffle=False, drop_last=False, capacities=caps)
-    template = None  # a batch to shape the empty ones (a rank past the last rows)
+    # A rank past the last rows gets an empty batch (a first row's keys and dtypes).
+    empty = _pad(
+        next(data.batches(1, shuffle=False, process_index=0, process_count=1)), size, caps, 0
+    )
     window = InFlight()  # never far ahead of the devices: see jaxrec.train.in_flight
     for group in groups:
-        template = next((b for b in group if b is not None), template) or _any_batch(data)
+        rows = [0 if b is None else int(b.labels.shape[0]) for b in group]
         local = [
-            (b, int(b.labels.shape[0])) if b is not None else (_pad(template, size, caps, 0), 0)
-            for b in group
+            empty if b is None else b if n == size else _pad(b, size, caps)
+            for b, n in zip(group, rows, strict=True)
         ]
-        padded = [(_pad(b, size, caps) if n < size else b, n) for b, n in local]
-        items = [(b, (np.arange(size) < n).astype(np.float32)) for b, n in padded]
+        items = [
+            (b, (np.arange(size) < n).astype(np.float32)) for b, n in zip(local, rows, strict=True)
+        ]
         batch, weights = (
             dist.shard_batch(items, mesh) if mesh is not None else jax.device_put(items[0])
         )
@@ -246,11 +250,6 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
     collection.check(mstate)
     out = collection.compute(mstate)
     return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}
-
-
-def _any_batch(data):
-    """A one-row batch of ``data``: the dtypes and keys an empty batch copies."""
-    return next(data.batches(1, shuffle=False, process_index=0, process_count=1))
 
 
 def _pad(batch, size: int, caps, keep: int | None = None):

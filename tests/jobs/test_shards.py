@@ -1,9 +1,13 @@
-"""Each process's share of the job's global batch stream (host only, no devices)."""
+"""Each process's share of the job's global batch stream, and evaluation's padding."""
 
+import argparse
+
+import jax
 import numpy as np
 import pytest
 
 from jaxrec.datasets import Table, TableDataset
+from jaxrec.jobs import dlrm_parts
 from jaxrec.jobs.shards import rank_batches
 
 WORLD, SIZE = 4, 3
@@ -59,3 +63,14 @@ def test_one_table_matches_the_grouped_stream_of_earlier_jobs():
     for g, want in zip(got, grouped, strict=True):
         for a, b in zip(g, want, strict=True):
             np.testing.assert_array_equal(_ids(a), _ids(b))
+
+
+def test_evaluate_counts_ranks_without_rows_as_empty():
+    # 5 eval rows over 8 devices: ranks 5-7 get empty batches of weight 0.
+    data = _data([5])
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    args = argparse.Namespace(devices=8, batch_size=2)
+    predict = jax.jit(lambda state, batch: 0.25 + 0.5 * batch.labels)  # labels: 0 1 0 1 0
+    got = dlrm_parts.evaluate(predict, None, data, args, mesh)
+    assert got["ctr"] == pytest.approx(2 / 5) and got["auc"] == 1.0
+    assert got["calibration"] == pytest.approx((3 * 0.25 + 2 * 0.75) / 2)
