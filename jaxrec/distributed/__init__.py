@@ -3,6 +3,10 @@
 from .capacity import fast_path_capacity as fast_path_capacity
 from .model_parallel import DistributedModelParallel as DistributedModelParallel
 from .model_parallel import shard_batch as shard_batch
+from .multihost import initialize as initialize
+from .multihost import launched_processes as launched_processes
+from .multihost import mesh_devices as mesh_devices
+from .multihost import process_ranks as process_ranks
 from .qcomms import CommType as CommType
 from .qcomms import QCommsConfig as QCommsConfig
 from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection

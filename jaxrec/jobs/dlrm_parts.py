@@ -21,6 +21,7 @@ from ..modules import EmbeddingBagCollection
 from ..optim import rowwise_adagrad
 from ..sparse import KeyedJaggedTensor
 from ..train import InFlight, init_train_state, make_eval_step, make_train_step
+from .shards import rank_batches
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 
@@ -126,11 +127,11 @@ def shard(args: argparse.Namespace, model: nnx.Module):
     n = args.devices
     if n == 1:
         return None, model, "unsharded"
-    if jax.device_count() < n:
-        raise SystemExit(f"--devices {n}: only {jax.device_count()} devices are visible")
-    mesh = jax.make_mesh(
-        (n,), ("x",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
-    )
+    try:
+        devices = dist.mesh_devices(n)  # n / process_count from each process
+    except ValueError as e:
+        raise SystemExit(f"--devices {n}: {e}") from None
+    mesh = jax.make_mesh((n,), ("x",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
     ebc = model.sparse_arch.embedding_bag_collection
     if args.sharding == "planner":
         plan = None
@@ -162,7 +163,10 @@ def fit_capacities(model: nnx.Module, data: Any, args: argparse.Namespace, batch
     rows gets more than its share, which would cost extra exchange rounds every step).
     Returns ``{width group: capacity}``."""
     sharded = model.sparse_arch.embedding_bag_collection
-    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0)
+    # The one-process stream on every process: each must compile the same program.
+    sample = data.batches(
+        args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
+    )
     kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
     sharded.capacity = sharded.measure_capacities(kjts)
     return sharded.capacity
@@ -198,8 +202,11 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
 def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str, float]:
     """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC).
 
-    The last, partial global batch is padded with empty samples of weight 0, so
-    no sample is dropped and every step has the training shapes (no recompile).
+    The rows after the last full global batch are spread over the devices and
+    each device's batch padded with empty samples of weight 0, so no sample is
+    dropped and every step has the training shapes (no recompile). Each process
+    reads its own devices' batches; the metric state is global (replicated over
+    the mesh), so every process computes the same metrics.
     """
     world, size = args.devices, args.batch_size
     global_size = size * world
@@ -214,27 +221,35 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
     )
     mstate = collection.init()
     update = jax.jit(collection.update)
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        mstate = jax.device_put(mstate, replicated)
+        update = jax.jit(collection.update, out_shardings=replicated)
     caps = data.capacities(size)
-    local = list(_padded_batches(data.batches(size, shuffle=False, drop_last=False), size, caps))
+    ranks = dist.process_ranks(mesh) if mesh is not None else [0]
+    groups = rank_batches(data, size, ranks, world, shuffle=False, drop_last=False, capacities=caps)
+    # A rank past the last rows gets an empty batch (a first row's keys and dtypes).
+    empty = _pad(
+        next(data.batches(1, shuffle=False, process_index=0, process_count=1)), size, caps, 0
+    )
     window = InFlight()  # never far ahead of the devices: see jaxrec.train.in_flight
-    for i in range(0, len(local), world):
-        group = local[i : i + world]
-        group += [(_pad(group[0][0], size, caps, keep=0), 0)] * (world - len(group))
-        batches = [b for b, _ in group]
-        weights = np.concatenate([np.arange(size) < n for _, n in group]).astype(np.float32)
-        batch = dist.shard_batch(batches, mesh) if mesh is not None else jax.device_put(batches[0])
+    for group in groups:
+        rows = [0 if b is None else int(b.labels.shape[0]) for b in group]
+        local = [
+            empty if b is None else b if n == size else _pad(b, size, caps)
+            for b, n in zip(group, rows, strict=True)
+        ]
+        items = [
+            (b, (np.arange(size) < n).astype(np.float32)) for b, n in zip(local, rows, strict=True)
+        ]
+        batch, weights = (
+            dist.shard_batch(items, mesh) if mesh is not None else jax.device_put(items[0])
+        )
         mstate = update(mstate, eval_step(state, batch), batch.labels, weights)
         window.push(mstate)
     collection.check(mstate)
     out = collection.compute(mstate)
     return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}
-
-
-def _padded_batches(batches, size: int, caps):
-    """``(batch of size rows, number of real rows)``; a short batch is padded."""
-    for b in batches:
-        n = int(b.labels.shape[0])
-        yield (b if n == size else _pad(b, size, caps)), n
 
 
 def _pad(batch, size: int, caps, keep: int | None = None):

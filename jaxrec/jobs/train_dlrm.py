@@ -8,6 +8,14 @@ Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
 ``--devices N > 1`` the embedding tables are sharded over N devices (the
 planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
 
+Several processes (hosts): ``--coordinator-address``, ``--num-processes`` and
+``--process-id``, or a launcher JAX detects (``srun``, ``mpirun``; any cluster
+with ``--distributed auto``). ``--devices`` then counts every process's devices
+(default: all of them); each process reads only its own devices' batches of
+the same global stream as a one-process run, metrics and checkpoints are
+global, and process 0 alone writes the reports. ``--run-dir`` must be one
+directory that every process sees (a shared filesystem across hosts).
+
 Steps whose loss or gradients are not finite (a NaN label or feature) are
 skipped and counted (``skipped`` on the progress line, ``skipped_steps`` in
 the summary; see ``make_train_step(skip_nonfinite=True)``).
@@ -31,6 +39,7 @@ from pathlib import Path
 import jax
 
 from ..checkpoint import CheckpointManager
+from ..distributed import initialize, launched_processes, process_ranks
 from ..train import TrainPipeline
 from .dlrm_parts import (
     build_model,
@@ -42,6 +51,7 @@ from .dlrm_parts import (
     shard,
 )
 from .run_log import Progress, ScalarWriter, svg_plot
+from .shards import rank_batches
 
 SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
 
@@ -81,7 +91,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--eval-every", type=int, default=0, help="steps; 0: after each epoch")
     dist = p.add_argument_group("devices")
-    dist.add_argument("--devices", type=int, default=1, help="shard tables over N devices")
+    dist.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="shard tables over N devices (all processes together; several processes: "
+        "default every device)",
+    )
     dist.add_argument("--sharding", default="planner", choices=SHARDINGS)
     dist.add_argument(
         "--qcomms",
@@ -89,6 +105,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("fp32", "fp16", "bf16"),
         help="precision of the embedding payloads between devices (TorchRec's QComms)",
     )
+    procs = p.add_argument_group("processes (multi-host; see jaxrec.distributed.initialize)")
+    procs.add_argument(
+        "--distributed",
+        default="env",
+        choices=("env", "auto", "off"),
+        help="env: several processes when the flags below or a launcher (srun, mpirun) say so; "
+        "auto: always let JAX detect the cluster; off: one process",
+    )
+    procs.add_argument("--coordinator-address", help="host:port of process 0")
+    procs.add_argument("--num-processes", type=int)
+    procs.add_argument("--process-id", type=int, help="this process, 0 .. num-processes - 1")
     out = p.add_argument_group("outputs")
     out.add_argument("--run-dir", default="runs/dlrm")
     out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
@@ -103,13 +130,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    _configure_devices(args.devices)  # before the first array starts JAX's backend
+    _start_processes(args)  # before the first array starts JAX's backend
+    if jax.process_count() > 1 and args.devices == 1:
+        args.devices = jax.device_count()
+    lead = jax.process_index() == 0  # the one process that writes reports
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = load_data(args)
-    _save_args(run_dir, args, train_data)
+    if lead:
+        _save_args(run_dir, args, train_data)
     model = build_model(args, train_data)
     mesh, model, plan_text = shard(args, model)
+    ranks = process_ranks(mesh) if mesh is not None else [0]  # the devices this process feeds
     if mesh is not None:
         fit_capacities(model, train_data, args)
     optimizer = build_optimizer(args)
@@ -121,17 +153,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}): "
             "pass --resume to continue that run, or a new --run-dir"
         )
-    if not args.resume:
+    if not args.resume and lead:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if args.resume:
         if ckpt is None or ckpt.latest_step() is None:
             raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
         start_step = ckpt.latest_step()
         state = ckpt.restore(graphdef, optimizer, state, step=start_step)
-        print(f"resumed from step {start_step}", flush=True)
+        if lead:
+            print(f"resumed from step {start_step}", flush=True)
 
     world = args.devices
-    per_epoch = train_data.num_batches(args.batch_size * world)
+    per_epoch = train_data.num_batches(args.batch_size * world, process_index=0, process_count=1)
     if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
         raise SystemExit(
             f"{train_data.num_rows} training rows: fewer than one global batch of "
@@ -140,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
-    writer = ScalarWriter(run_dir / "tb") if args.tensorboard else None
-    progress = None if args.quiet else Progress(total - start_step)
+    writer = ScalarWriter(run_dir / "tb") if args.tensorboard and lead else None
+    quiet = args.quiet or not lead
+    progress = None if quiet else Progress(total - start_step)
     curves: dict[str, list] = {"train_loss": [], "eval_auc": [], "eval_ne": []}
     history = []
     eval_every = args.eval_every or per_epoch
@@ -153,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if step_i >= total:
             break
         skip = step_i - epoch * per_epoch  # resumed mid-epoch: the same order, minus done batches
-        it = _device_batches(train_data, args, epoch, world, skip)
+        it = _device_batches(train_data, args, epoch, ranks, world, skip)
         while step_i < total:
             try:
                 loss, _ = pipeline.progress(it)
@@ -177,13 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 train_time += time.perf_counter() - t0
                 metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
                 history.append({"step": step_i, "epoch": epoch, **metrics})
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(history[-1]) + "\n")
+                if lead:
+                    with open(run_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(history[-1]) + "\n")
                 curves["eval_auc"].append((step_i, metrics["auc"]))
                 curves["eval_ne"].append((step_i, metrics["ne"]))
                 if writer:
                     writer.add_scalars({f"eval/{k}": v for k, v in metrics.items()}, step_i)
-                if not args.quiet:
+                if not quiet:
                     shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                     print(f"\nstep {step_i}: eval {shown}", flush=True)
                 t0 = time.perf_counter()
@@ -201,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt.close()
     if writer:
         writer.close()
-    if args.plot:
+    if args.plot and lead:
         (run_dir / "curves.svg").write_text(
             svg_plot({k: v for k, v in curves.items() if v}, f"{args.model} on {args.dataset}")
         )
@@ -209,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "dataset": args.dataset,
         "devices": world,
+        "processes": jax.process_count(),
         "sharding": plan_text,
         "steps": step_i,
         "samples": samples,
@@ -218,33 +254,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         **({"eval": history[-1]} if history else {}),
         **train_data.reference_metrics(eval_data),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    if lead:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(json.dumps(summary), flush=True)
     return 0
 
 
-def _configure_devices(n: int) -> None:
-    """On a CPU host, ``n`` fake devices (must run before JAX's backend starts)."""
+def _start_processes(args: argparse.Namespace) -> None:
+    """Starts JAX's distributed runtime when the flags or a launcher ask for several
+    processes (``--distributed``), then sets the CPU device count; both must run
+    before JAX's backend starts. Bad flags fail here, before any process connects."""
+    flags = (args.coordinator_address, args.num_processes, args.process_id)
+    if args.distributed == "off" and flags != (None, None, None):
+        raise SystemExit(
+            "--distributed off runs one process: drop --coordinator-address, "
+            "--num-processes and --process-id"
+        )
+    off, auto = args.distributed == "off", args.distributed == "auto"
+    # The process count if known before the backend starts (None: auto, unknown yet).
+    processes = 1 if off else args.num_processes or launched_processes() or (None if auto else 1)
+    if processes and args.devices != 1 and args.devices % processes:
+        raise SystemExit(
+            f"--devices {args.devices} cannot be split evenly over {processes} processes: "
+            f"use a multiple of {processes}"
+        )
+    if not off:
+        try:
+            initialize(*flags, auto=auto)
+        except ValueError as e:  # name the flags, not the function's arguments
+            text = str(e)
+            for name in ("coordinator_address", "num_processes", "process_id"):
+                text = text.replace(name, "--" + name.replace("_", "-"))
+            raise SystemExit(f"jaxrec-train-dlrm: {text}") from None
+    if processes and (processes == 1 or args.devices != 1):  # else every device (see main)
+        _cpu_devices(args.devices // processes)
+
+
+def _cpu_devices(n: int) -> None:
+    """On a CPU host, ``n`` fake devices in this process."""
     if n > 1 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # RuntimeError: the backend already started (e.g. inside tests).
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", n)
 
 
-def _device_batches(data, args, epoch: int, world: int, skip: int) -> Iterator:
-    """Host batches for the pipeline: one per step, or a list of ``world`` local batches."""
-    batches = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=epoch)
-    if world > 1:
-        batches = _grouped(batches, world)
-    return itertools.islice(batches, skip, None)
-
-
-def _grouped(it: Iterator, n: int) -> Iterator[list]:
-    while True:
-        group = list(itertools.islice(it, n))
-        if len(group) < n:
-            return
-        yield group
+def _device_batches(data, args, epoch: int, ranks: list[int], world: int, skip: int) -> Iterator:
+    """Host batches for the pipeline: one per step, or a list of this process's
+    devices' batches (``ranks`` of ``world``)."""
+    groups = rank_batches(
+        data, args.batch_size, ranks, world, shuffle=True, seed=args.seed, epoch=epoch
+    )
+    if world == 1:
+        groups = (group[0] for group in groups)
+    return itertools.islice(groups, skip, None)
 
 
 def _save_args(run_dir: Path, args: argparse.Namespace, data) -> None:
