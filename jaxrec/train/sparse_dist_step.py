@@ -121,7 +121,8 @@ def _record(graphdef, loss_fn, state, batch):
 
 def _tainted(jaxpr: jcore.Jaxpr, tainted_in: list[bool]) -> list[bool]:
     """Which outputs of ``jaxpr`` depend on the inputs marked in ``tainted_in`` (a nested
-    call with matching arity is followed, any other equation taints all its outputs)."""
+    call with matching arity is followed; loops, whose carries feed back, and any other
+    equation taint all their outputs)."""
     tainted = {v for v, t in zip(jaxpr.invars, tainted_in, strict=True) if t}
 
     def hit(v):
@@ -132,7 +133,7 @@ def _tainted(jaxpr: jcore.Jaxpr, tainted_in: list[bool]) -> list[bool]:
         if not any(ins):
             continue
         subs = list(jcore.jaxprs_in_params(eqn.params))
-        sub = subs[0] if len(subs) == 1 else None
+        sub = subs[0] if len(subs) == 1 and eqn.primitive.name != "scan" else None
         if sub is not None and (len(sub.invars), len(sub.outvars)) == (
             len(eqn.invars),
             len(eqn.outvars),

@@ -2,6 +2,7 @@
 deferred loader errors. A recording fake step, nothing compiled (the sharded results are
 checked in tests/distributed/test_pipeline_sparse_dist.py)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -12,6 +13,7 @@ from jaxrec.train import (
     make_train_step,
 )
 from jaxrec.train.guard import StepReport
+from jaxrec.train.sparse_dist_step import _tainted
 
 
 class FakeStep:
@@ -83,3 +85,18 @@ def test_needs_a_sparse_dist_step():
     with pytest.raises(TypeError, match="make_sparse_dist_train_step"):
         TrainPipelineSparseDist(step, None)
     assert isinstance(TrainPipelineSparseDist(SparseDistTrainStep(None, None), 0), TrainPipeline)
+
+
+def test_state_dependence_follows_calls_and_loops():
+    """The check behind refusing state-dependent ids: a call's outputs are told apart,
+    a loop's carry that takes the state on its second iteration is caught."""
+
+    def f(state, batch):
+        only_batch = jax.jit(lambda s, b: (s + 1, b * 2))(state, batch)[1]
+        body = lambda c, _: ((c[1], state), None)
+        (late, _), _ = jax.lax.scan(body, (batch, batch), None, length=2)
+        return only_batch, late
+
+    closed = jax.make_jaxpr(f)(1.0, 2.0)
+    assert _tainted(closed.jaxpr, [True, False]) == [False, True]
+    assert _tainted(closed.jaxpr, [False, True]) == [True, True]
