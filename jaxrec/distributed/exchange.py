@@ -49,6 +49,8 @@ class Outbox:
     slot_index: tuple[tuple[jax.Array, ...], ...]
     counts: jax.Array  # [N] ids per destination
     bag_counts: jax.Array | None  # [N, S * B] ids per (slot, bag), pooled only
+    # round 0 as received ([N_src, width]) when sent a step ahead (see input_dist.py)
+    ahead: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +194,10 @@ def send(box: Outbox, spec: Spec, r, axis, *, first: bool) -> jax.Array:
     payload = jnp.stack(out)
     if not spec.ragged:
         return jax.lax.all_to_all(payload, axis, 0, 0, tiled=True)
-    return _ragged(payload, _empty(spec, first), box.counts, spec, r, axis, m)
+    return _ragged(payload, empty(spec, first), box.counts, spec, r, axis, m)
 
 
-def _empty(spec: Spec, first: bool) -> jax.Array:
+def empty(spec: Spec, first: bool) -> jax.Array:
     """``[width]``: what a destination's payload holds where no id is."""
     one = [spec.fill]
     if spec.segments:

@@ -32,7 +32,7 @@ from ..optim.base import apply_rows, row_fields
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
-from . import exchange
+from . import exchange, input_dist
 from .capacity import (
     CAPACITY_FACTOR,
     check_capacity,
@@ -274,7 +274,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             out[g.name] = max(1, min(natural, math.ceil(factor * peak)))
         return out
 
-    def _exchanges(self, kjt) -> list[tuple[WidthGroup, exchange.Spec, exchange.Outbox]]:
+    def _exchanges(self, kjt, pre=None) -> list[tuple[WidthGroup, exchange.Spec, exchange.Outbox]]:
         out = []
         for g in self.layout.groups:
             spec = exchange.Spec(
@@ -287,7 +287,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 sequence=self.sequence,
                 ragged=self.exchange == "ragged",
             )
-            out.append((g, spec, exchange.outbox(kjt, g, spec)))
+            box = input_dist.attach(exchange.outbox(kjt, g, spec), spec, pre, g.name)
+            out.append((g, spec, box))
         return out
 
     def _rounds(self, plans) -> tuple[list, jax.Array]:
@@ -300,7 +301,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return [rounds[i] for i in range(len(plans))], jnp.asarray(beyond, jnp.int32)
 
     def _first_round(self, spec, box):
-        got = exchange.send(box, spec, 0, self.axis, first=True)
+        got = box.ahead  # sent by the previous step (a pipelined step), else now
+        if got is None:
+            got = exchange.send(box, spec, 0, self.axis, first=True)
         return exchange.receive(got, spec, 0, None, first=True)
 
     def _round(self, spec, box, bag_counts, r):
@@ -342,6 +345,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return values, overflow
 
     def __call__(self, features):
+        if input_dist.is_recording():  # a pipelined step distributing the next batch
+            return input_dist.record(self, features)
+        kjt, features = features, input_dist.fed(self, features)  # + ids sent ahead, if any
         tables = {name: v.get_value() for name, v in self.weights.items()}
         if isinstance(jax.tree.leaves(features)[0], jax.core.Tracer):
             values, overflow = self._forward(tables, features)
@@ -361,13 +367,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
             jax.lax.cond(total > 0, lambda: jax.debug.callback(log, total), lambda: None)
         self.overflow_count.set_value(self.overflow_count.get_value() + overflow)
         values = tap(self, values, features)  # a train step's gradient probe
-        return self._finish(values, features)
+        return self._finish(values, kjt)
 
     def _forward_local(self, tables, kjt_stacked):
-        kjt = dist.local_kjt(kjt_stacked)
+        kjt, pre = input_dist.split(dist.local_kjt(kjt_stacked))
         self._check_ids(kjt)
         out = self._new_output(kjt)
-        plans = self._exchanges(kjt)
+        plans = self._exchanges(kjt, pre)
         rounds, beyond = self._rounds(plans)
         for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
             out = self._forward_group(tables[g.name], kjt, g, spec, box, n_rounds, out)
@@ -498,9 +504,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         }
 
         def local(tables, states, kjt_stacked, g_local):
-            kjt = dist.local_kjt(kjt_stacked)
+            kjt, pre = input_dist.split(dist.local_kjt(kjt_stacked))
             tables, states = dict(tables), dict(states)
-            plans = self._exchanges(kjt)
+            plans = self._exchanges(kjt, pre)
             rounds, _ = self._rounds(plans)  # the forward's, merged with it by XLA's CSE
             for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
                 k = state_key(path, g.name, 0)

@@ -146,6 +146,14 @@ def record_reset(module: nnx.Module, group: str, rows: Any, old: Any) -> bool:
     return True
 
 
+def call_path(module: nnx.Module) -> tuple:
+    """``module``'s path in the model a train step is tracing (an error outside one)."""
+    tape = _TAPE.get()
+    if tape is None:
+        raise ValueError(f"{type(module).__name__} needs a train step's tape to find its path")
+    return _path(tape, module, "was called")
+
+
 def _path(tape: Tape, module: nnx.Module, did: str) -> tuple:
     """``module``'s path in the model being trained (an error if it is not part of it)."""
     if id(module) not in tape.paths:

@@ -4,6 +4,9 @@ from .guard import BoundsCheckError as BoundsCheckError
 from .guard import CapacityOverflowError as CapacityOverflowError
 from .in_flight import InFlight as InFlight
 from .pipeline import TrainPipeline as TrainPipeline
+from .sparse_dist_pipeline import TrainPipelineSparseDist as TrainPipelineSparseDist
+from .sparse_dist_step import SparseDistTrainStep as SparseDistTrainStep
+from .sparse_dist_step import make_sparse_dist_train_step as make_sparse_dist_train_step
 from .step import TrainState as TrainState
 from .step import TrainStep as TrainStep
 from .step import init_train_state as init_train_state

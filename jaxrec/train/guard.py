@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..distributed.input_dist import Prefetched
 from ..embedding.tables import TableStorage
 from ..embedding.tape import Reset
 from ..sparse import KeyedJaggedTensor
@@ -113,6 +114,8 @@ def apply_mask(loss, g_params, g_probes, fatal, skip_nonfinite: bool) -> jax.Arr
 def without_ids(features: Any, ok: jax.Array) -> Any:
     """``features`` (a KeyedJaggedTensor, leaves of any leading shape) with every length
     zeroed unless ``ok``: a sparse update from it touches no row."""
+    if isinstance(features, Prefetched):  # a pipelined step's call: its ids already arrived
+        return features.masked(without_ids(features.kjt, ok), ok)
     if not isinstance(features, KeyedJaggedTensor):
         raise NotImplementedError(
             f"cannot skip the sparse update of a lookup on {type(features).__name__}; "

@@ -12,8 +12,9 @@ are logged once ready, at the latest two steps late, and all of them when the
 loader is exhausted or the pipeline is closed.
 
 A sharded model's input distribution (the ``all_to_all`` of ids) stays inside
-the step's program, where XLA schedules it; TorchRec runs it on a separate
-CUDA stream instead (``TrainPipelineSparseDist``).
+each step's program, before its lookups; :class:`TrainPipelineSparseDist`
+(``sparse_dist_pipeline.py``) sends batch ``i + 1``'s ids from step ``i``'s
+program instead.
 """
 
 from __future__ import annotations

@@ -173,13 +173,17 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array, Any]:
         new, loss, aux, report = self.jitted(state, batch)
+        self.handle(report, new)
+        return new, loss, aux
+
+    def handle(self, report: StepReport, new: TrainState) -> None:
+        """Records a step's report and raises what it calls for (``new``: the step's state)."""
         self.record(report)
         try:
             guard.raise_for_report(report, new)
         except (BoundsCheckError, CapacityOverflowError):
             self.flush_warnings()  # the step has finished: log what it found before raising
             raise
-        return new, loss, aux
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The lowered program (``jax.jit(...).lower``), for inspection."""
