@@ -171,11 +171,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
-                    block = logical[table][r0 : r0 + nr, c0 : c0 + g.ncols]
+                    w = g.width(table, r0, c0)  # zero-padded up to g.ncols
+                    block = logical[table][r0 : r0 + nr, c0 : c0 + w]
                     if traced:
-                        buf = buf.at[start : start + nr].set(block.astype(np.float32))
+                        buf = buf.at[start : start + nr, :w].set(block.astype(np.float32))
                     else:
-                        buf[start : start + nr] = block
+                        buf[start : start + nr, :w] = block
             out[g.name] = EmbeddingTable(
                 jax.device_put(jnp.asarray(buf, dtype), self._sharded(P(self.axis)))
             )
@@ -198,7 +199,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
-                    logical[table][r0 : r0 + nr, c0 : c0 + g.ncols] = buf[start : start + nr]
+                    w = g.width(table, r0, c0)
+                    logical[table][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
         for rg in self.replicated_groups:
             buf = _host(self.weights["dp_" + rg.name].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
@@ -382,14 +384,14 @@ class ShardedCollection(EmbeddingCollectionInterface):
             sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
             received = dist.send_back(partials, self.axis, dtype, ragged=sizes)
             out = list(out)
-            dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
+            dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, sl.ncols, blk))
             return out
 
         def place(r, rec, acc):
             rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
             back = dist.send_back(rows, self.axis, dtype)
             acc = list(acc)
-            add = lambda sl, blk: self._add_block(acc, kjt, sl, g.ncols, blk)
+            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
             dist.place_rows(back, box, g, r, spec.capacity, add)
             return tuple(acc)
 
@@ -544,7 +546,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         dtype = self.qcomms.backward_dtype
         if not self.sequence:
             b = kjt.stride()
-            read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, b)
+            read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, b)
             scale = self.qcomms.backward_loss_scale
             blocks = dist.grads_to_ranks(read, g, b, self.axis, dtype, scale, spec.ragged)
             grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
@@ -555,7 +557,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
             return grads(rec0), more
 
-        read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, None)
+        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
 
         def grads(r):
             got = dist.sequence_grads(
@@ -617,22 +619,23 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
     def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:
-        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, start)])``.
+        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, w, start)])``.
 
-        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + ncols)``
-        of ``table`` sit at rows ``[start, start + nrows)`` of the global buffer.
+        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + w)``
+        of ``table`` sit at rows ``[start, start + nrows)``, columns ``[0, w)`` of the
+        global buffer (``w < ncols``: a zero-padded column shard).
         """
         out = {}
         for g in self.layout.groups:
             blocks = [
-                (t, r0, nr, c0, rank * g.rows_per_rank + off)
+                (t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
                 for rank, shards in enumerate(g.shards)
                 for t, r0, nr, c0, off in shards
             ]
             out[g.name] = (self.layout.world_size * g.rows_per_rank, g.ncols, blocks)
         for rg in self.replicated_groups:
             blocks = [
-                (t, 0, self.config(t).num_embeddings, 0, lo)
+                (t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
                 for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
             ]
             out["dp_" + rg.name] = (rg.num_rows, rg.embedding_dim, blocks)
@@ -650,19 +653,19 @@ class ShardedCollection(EmbeddingCollectionInterface):
         del optimizer
         out: dict[str, dict] = {t.name: {} for t in self.table_configs}
         counts: dict[str, dict] = {t.name: {} for t in self.table_configs}
-        for name, (_, ncols, blocks) in self._buffer_blocks().items():
+        for name, (_, _, blocks) in self._buffer_blocks().items():
             st = sparse_state[state_key(path, name, 0)]
             bufs = {"weight": _gathered(self.weights[name].get_value())}
             bufs.update({f: _gathered(getattr(st, f)) for f in row_fields(st)})
             count = np.array(st.count.addressable_data(0))  # replicated scalar
-            for t, r0, nr, c0, start in blocks:
+            for t, r0, nr, c0, w, start in blocks:
                 cfg, entry = self.config(t), out[t]
                 for f, buf in bufs.items():
                     if f not in entry:
                         cols = (cfg.embedding_dim,) if buf.ndim == 2 else ()
                         entry[f] = np.zeros((cfg.num_embeddings, *cols), buf.dtype)
                     if buf.ndim == 2:
-                        entry[f][r0 : r0 + nr, c0 : c0 + ncols] = buf[start : start + nr]
+                        entry[f][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
                     else:
                         entry[f][r0 : r0 + nr] = buf[start : start + nr]
                 counts[t][name] = count
@@ -693,11 +696,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
             bufs = {"weight": np.zeros((rows, ncols), self.config(tables[0]).dtype)}
             for f in row_fields(shape):
                 bufs[f] = np.zeros(getattr(shape, f).shape, getattr(shape, f).dtype)
-            for t, r0, nr, c0, start in blocks:
+            for t, r0, nr, c0, w, start in blocks:
                 for f, buf in bufs.items():
                     src = np.asarray(logical[t][f])
                     if buf.ndim == 2:
-                        buf[start : start + nr] = src[r0 : r0 + nr, c0 : c0 + ncols]
+                        buf[start : start + nr, :w] = src[r0 : r0 + nr, c0 : c0 + w]
                     else:
                         buf[start : start + nr] = src[r0 : r0 + nr]
             weights[name] = bufs.pop("weight")
