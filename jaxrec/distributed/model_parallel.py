@@ -49,8 +49,9 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     (plan keys are module paths joined with ``.``, e.g. ``"sparse_arch.ebc"``);
     every other variable is replicated over ``mesh``. With ``plan=None`` the
     planner (:func:`jaxrec.distributed.planner.plan_for_model`) plans every
-    ``EmbeddingBagCollection``, sizing optimizer state for ``optimizer`` (the
-    sparse or combined optimizer you will train with; default row-wise Adagrad).
+    ``EmbeddingBagCollection`` and ``EmbeddingCollection``, sizing optimizer
+    state for ``optimizer`` (the sparse or combined optimizer you will train
+    with; default row-wise Adagrad).
     Train with :func:`jaxrec.train.make_train_step` on batches from
     :func:`shard_batch`: dense gradients come out of XLA's SPMD partitioning
     already averaged over the global batch (the loss is a mean over it), fused
@@ -125,7 +126,7 @@ def _pooling_constraints(model, pooling_factors) -> dict | None:
         return None
     out = {}
     for path, module in nnx.iter_modules(model):
-        if not isinstance(module, EmbeddingBagCollection):  # what the planner plans
+        if not isinstance(module, tuple(SHARDERS)):  # what the planner plans
             continue
         prefix = ".".join(map(str, path))
         for t in module.table_configs:
