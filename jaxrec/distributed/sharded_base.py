@@ -32,7 +32,7 @@ from ..optim.base import apply_rows, row_fields
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
-from . import exchange
+from . import exchange, sharded_reset
 from .capacity import (
     CAPACITY_FACTOR,
     check_capacity,
@@ -571,11 +571,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
+    def reset_table_rows(self, table, rows, key) -> None:
+        """Re-initialises logical ``rows`` of ``table`` (managed-collision evictions)."""
+        sharded_reset.reset_rows(self, table, rows, key)
+
     def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows):
-        raise NotImplementedError(
-            f"row resets (managed-collision evictions) of the sharded collection at {path} "
-            "are not supported; reset only unsharded collections"
-        )
+        return sharded_reset.reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows)
 
     def _group_update(self, opt, group, spec, kjt):
         """``(table, state, rows, grads) -> (table, state)``: one width group's row update;
