@@ -151,7 +151,7 @@ def main() -> None:
         )
         for rank, shards in enumerate(g.shards):
             held = ", ".join(
-                f"{t}[{r0}:{r0 + nr}, {c0}:{c0 + g.ncols}] at local row {off}"
+                f"{t}[{r0}:{r0 + nr}, {c0}:{c0 + g.width(t, r0, c0)}] at local row {off}"
                 for t, r0, nr, c0, off in shards
             )
             print(f"  rank {rank} ({mesh.devices.flat[rank]}): {held}")

@@ -1,6 +1,7 @@
 """Sharded embedding collections on a device mesh (TorchRec's ``torchrec.distributed``)."""
 
 from .capacity import fast_path_capacity as fast_path_capacity
+from .global_mc import GlobalBatchManagedCollision as GlobalBatchManagedCollision
 from .model_parallel import DistributedModelParallel as DistributedModelParallel
 from .model_parallel import shard_batch as shard_batch
 from .multihost import initialize as initialize
@@ -11,6 +12,9 @@ from .qcomms import CommType as CommType
 from .qcomms import QCommsConfig as QCommsConfig
 from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection as ShardedEmbeddingCollection
+from .sharded_fp import (
+    ShardedFeatureProcessedEmbeddingBagCollection as ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from .sharded_mc import ShardedManagedCollisionCollection as ShardedManagedCollisionCollection
 from .sharding_plan import column_wise as column_wise
 from .sharding_plan import construct_module_sharding_plan as construct_module_sharding_plan

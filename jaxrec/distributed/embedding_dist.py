@@ -115,18 +115,25 @@ def pooled_partials(lookup: Callable, table, rec: Received, spec: Spec) -> jax.A
 
 
 def assemble(received: jax.Array, group: WidthGroup, add: Callable[[Slot, jax.Array], None]):
-    """Hands every rank's partial block of every slot to ``add(slot, block [B, ncols])``."""
+    """Hands every rank's partial block of every slot to ``add(slot, block [B, slot.ncols])``
+    (a zero-padded shard's padding columns dropped)."""
     for p, slots in enumerate(group.slots):
         for j, sl in enumerate(slots):
-            add(sl, received[p, j])
+            add(sl, received[p, j][:, : sl.ncols])
+
+
+def _padded(block: jax.Array, ncols: int) -> jax.Array:
+    """``block [.., w]`` with zero columns up to ``ncols`` (a zero-padded shard's gradient)."""
+    extra = ncols - block.shape[-1]
+    return block if not extra else jnp.pad(block, [(0, 0)] * (block.ndim - 1) + [(0, extra)])
 
 
 def slot_blocks(read, group: WidthGroup, b: int) -> jax.Array:
-    """``[N, S, B, ncols]``: ``read(slot)`` (``[B, ncols]``) for every rank's slots, zero
-    blocks where a rank has fewer than ``S`` slots."""
+    """``[N, S, B, ncols]``: ``read(slot)`` (``[B, slot.ncols]``, zero-padded to ``ncols``)
+    for every rank's slots, zero blocks where a rank has fewer than ``S`` slots."""
     blocks = []
     for slots in group.slots:
-        per = [read(sl) for sl in slots]
+        per = [_padded(read(sl), group.ncols) for sl in slots]
         per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
         blocks.append(jnp.stack(per))
     return jnp.stack(blocks)
@@ -166,23 +173,23 @@ def sequence_rows(gather: Callable, table, rec: Received) -> jax.Array:
 
 
 def place_rows(received: jax.Array, box: Outbox, group: WidthGroup, r, capacity: int, add):
-    """Hands round ``r``'s returned rows to ``add(slot, rows [cap_k, ncols])``: each of the
-    slot's id positions gets its row (zero where its id was not in this round)."""
+    """Hands round ``r``'s returned rows to ``add(slot, rows [cap_k, slot.ncols])``: each of
+    the slot's id positions gets its row (zero where its id was not in this round)."""
     for p, slots in enumerate(group.slots):
         for j, sl in enumerate(slots):
             t = round_targets(box.slot_index[p][j], r, capacity)
-            rows = jnp.take(received[p], jnp.minimum(t, capacity - 1), axis=0)
+            rows = jnp.take(received[p][:, : sl.ncols], jnp.minimum(t, capacity - 1), axis=0)
             add(sl, jnp.where((t < capacity)[:, None], rows, 0.0))
 
 
 def sequence_grads(read, box: Outbox, group: WidthGroup, r, capacity: int, axis, dtype, scale):
     """Round ``r``'s per-id output gradients, sent to the shards: ``[N_src, C, ncols]``
-    aligned with the ids the shard received; ``read(slot)`` is ``[cap_k, ncols]``."""
+    aligned with the ids the shard received; ``read(slot)`` is ``[cap_k, slot.ncols]``."""
     out = []
     for p, slots in enumerate(group.slots):
         buf = jnp.zeros((capacity, group.ncols), jnp.float32)
         for j, sl in enumerate(slots):
             t = round_targets(box.slot_index[p][j], r, capacity)
-            buf = buf.at[t].set(read(sl), mode="drop")
+            buf = buf.at[t].set(_padded(read(sl), group.ncols), mode="drop")
         out.append(buf)
     return send_back(jnp.stack(out), axis, dtype, scale)

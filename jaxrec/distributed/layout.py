@@ -8,6 +8,13 @@ sharded over the mesh. Each (shard, feature) pair is a *slot*; the lookup of a
 slot produces a partial pooled block that output_dist sends home and sums
 into the feature's output columns. Data-parallel tables are replicated and
 looked up locally.
+
+A table split into column blocks of different widths (a dim that does not
+divide evenly) keeps all its blocks in the widest block's group: narrower
+blocks are zero-padded on the right (``WidthGroup.narrow``). So the peers of a
+row (its column shards) share one buffer and one update, as row-wise
+optimizers need (``row_sums.py``); padded columns stay zero (their gradient is
+zero) and are never read into an output.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class Slot:
     col0: int  # first column of the shard in the output embedding
     mean: bool
     table_rows: int  # logical rows of the table (its ids spread over them)
+    ncols: int  # the shard's own columns (fewer than its group's when zero-padded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,13 @@ class WidthGroup:
     slots: tuple[tuple[Slot, ...], ...]
     # per rank: (table, row0, nrows, col0, local_offset)
     shards: tuple[tuple[tuple[str, int, int, int, int], ...], ...]
+    # (table, row0, col0, ncols) of the shards narrower than ``ncols`` (zero-padded)
+    narrow: tuple[tuple[str, int, int, int], ...] = ()
+
+    def width(self, table: str, row0: int, col0: int) -> int:
+        """Columns of ``table``'s shard at ``(row0, col0)``: ``ncols`` unless padded."""
+        return next((w for t, r, c, w in self.narrow if (t, r, c) == (table, row0, col0)),
+                    self.ncols)  # fmt: skip
 
     @property
     def max_slots(self) -> int:
@@ -81,6 +96,7 @@ def build_layout(
         if not p.sharding_spec:
             raise ValueError(f"table {t.name!r}: {p.sharding_type.value} sharding needs shards")
         _check_cover(t, p)
+        wide = max((s.shard_sizes[1] for s in p.sharding_spec if s.shard_sizes[0]), default=0)
         for s in p.sharding_spec:
             (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
             if nr == 0 or nc == 0:
@@ -89,19 +105,21 @@ def build_layout(
                 raise ValueError(
                     f"table {t.name!r}: shard on rank {s.placement}, world is {world_size}"
                 )
-            ranks = per_group.setdefault((nc, t.data_type.value), [[] for _ in range(world_size)])
+            ranks = per_group.setdefault((wide, t.data_type.value), [[] for _ in range(world_size)])
             mean = getattr(t, "pooling", PoolingType.SUM) is PoolingType.MEAN
-            ranks[s.placement].append((t, i, r0, nr, c0, mean))
+            ranks[s.placement].append((t, i, r0, nr, c0, nc, mean))
     groups = []
     for (nc, dtype), ranks in per_group.items():
-        slots, shards, rows = [], [], []
+        slots, shards, rows, narrow = [], [], [], []
         for entries in ranks:
             off, rank_slots, rank_shards = 0, [], []
-            for t, i, r0, nr, c0, mean in entries:
+            for t, i, r0, nr, c0, w, mean in entries:
                 rank_shards.append((t.name, r0, nr, c0, off))
+                if w < nc:
+                    narrow.append((t.name, r0, c0, w))
                 for j, f in enumerate(t.feature_names):
                     rank_slots.append(
-                        Slot(f, first_output[i] + j, off, r0, nr, c0, mean, t.num_embeddings)
+                        Slot(f, first_output[i] + j, off, r0, nr, c0, mean, t.num_embeddings, w)
                     )
                 off += nr
             slots.append(tuple(rank_slots))
@@ -109,8 +127,14 @@ def build_layout(
             rows.append(off)
         groups.append(
             WidthGroup(
-                f"{dtype.lower()}_c{nc}", nc, dtype, max(1, max(rows)), tuple(slots), tuple(shards)
-            )
+                f"{dtype.lower()}_c{nc}",
+                nc,
+                dtype,
+                max(1, max(rows)),
+                tuple(slots),
+                tuple(shards),
+                tuple(sorted(narrow)),
+            )  # fmt: skip
         )
     return ShardedLayout(
         world_size,

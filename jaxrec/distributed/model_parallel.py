@@ -14,18 +14,28 @@ from jax.sharding import PartitionSpec as P
 from ..embedding.collection import replace_collection
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
+from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
+from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from ..sparse import KeyedJaggedTensor
 from .capacity import CAPACITY_FACTOR
+from .global_mc import GlobalBatchManagedCollision
 from .planner import ParameterConstraints, plan_for_model
 from .qcomms import QCommsConfig
 from .sharded_base import ShardedCollection
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
+from .sharded_fp import ShardedFeatureProcessedEmbeddingBagCollection
 from .types import ShardingPlan
 
 SHARDERS = {
     EmbeddingBagCollection: ShardedEmbeddingBagCollection,
     EmbeddingCollection: ShardedEmbeddingCollection,
+}
+# Modules around a collection, and the attribute holding it: when it is sharded
+# the module is adapted to stacked batches too (see _adapt).
+WRAPPED = {
+    FeatureProcessedEmbeddingBagCollection: "_embedding_bag_collection",
+    BaseManagedCollisionEmbeddingCollection: "_embedding_module",
 }
 
 
@@ -47,10 +57,17 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     ``EmbeddingBagCollection`` s become :class:`ShardedEmbeddingBagCollection`
     and ``EmbeddingCollection`` s :class:`ShardedEmbeddingCollection`, in place
     (plan keys are module paths joined with ``.``, e.g. ``"sparse_arch.ebc"``);
-    every other variable is replicated over ``mesh``. With ``plan=None`` the
+    every other variable is replicated over ``mesh``. The collection inside a
+    ``FeatureProcessedEmbeddingBagCollection`` or a managed-collision collection
+    is sharded under its own path (as the planner names it) or the wrapper's
+    (as TorchRec's plans do); the feature-processed one becomes a
+    :class:`ShardedFeatureProcessedEmbeddingBagCollection`, the managed-collision
+    one remaps the global batch with its replicated modules
+    (:class:`~jaxrec.distributed.global_mc.GlobalBatchManagedCollision`). With ``plan=None`` the
     planner (:func:`jaxrec.distributed.planner.plan_for_model`) plans every
-    ``EmbeddingBagCollection``, sizing optimizer state for ``optimizer`` (the
-    sparse or combined optimizer you will train with; default row-wise Adagrad).
+    ``EmbeddingBagCollection`` and ``EmbeddingCollection``, sizing optimizer
+    state for ``optimizer`` (the sparse or combined optimizer you will train
+    with; default row-wise Adagrad).
     Train with :func:`jaxrec.train.make_train_step` on batches from
     :func:`shard_batch`: dense gradients come out of XLA's SPMD partitioning
     already averaged over the global batch (the loss is a mean over it), fused
@@ -81,7 +98,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         capacity_factor=capacity_factor, qcomms=qcomms, exchange=exchange,
     )  # fmt: skip
     found = set()
-    for path, module in list(nnx.iter_modules(model)):
+    for path, module in list(nnx.iter_modules(model)):  # children before their parents
         name = ".".join(map(str, path))
         sharder = SHARDERS.get(type(module))
         if sharder is not None and name in plan.plan:
@@ -89,6 +106,9 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
             sharded = sharder(module, plan.plan[name], mesh, **mine)
             replace_collection(model, path, sharded)
             found.add(name)
+        attr = next((a for t, a in WRAPPED.items() if isinstance(module, t)), None)
+        if attr is not None:
+            _adapt(model, path, module, attr, plan, mesh, options, found)
     features = {
         f for _, m in nnx.iter_modules(model) if isinstance(m, ShardedCollection)
         for t in m.table_configs for f in t.feature_names
@@ -110,6 +130,26 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     return model
 
 
+def _adapt(model, path, module, attr, plan, mesh, options, found) -> None:
+    """Shards ``module``'s collection if the plan names ``module`` (TorchRec's key), then
+    adapts ``module`` to the stacked batches its sharded collection takes."""
+    name = ".".join(map(str, path))
+    inner = getattr(module, attr)
+    if name in plan.plan:
+        if isinstance(inner, ShardedCollection):
+            raise ValueError(f"the plan names both {name!r} and {name}.{attr}: name one of them")
+        sharder = SHARDERS[type(inner)]
+        setattr(module, attr, sharder(inner, plan.plan[name], mesh, **_own(inner, options)))
+        found.add(name)
+    if not isinstance(getattr(module, attr), ShardedCollection):
+        return
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        replace_collection(model, path, ShardedFeatureProcessedEmbeddingBagCollection(module))
+    else:
+        mcc = module._managed_collision_collection
+        module._managed_collision_collection = GlobalBatchManagedCollision(mcc)
+
+
 def _own(module, options: dict) -> dict:
     """``options`` with the pooling factors of ``module``'s features only."""
     pf = options["pooling_factors"]
@@ -125,7 +165,7 @@ def _pooling_constraints(model, pooling_factors) -> dict | None:
         return None
     out = {}
     for path, module in nnx.iter_modules(model):
-        if not isinstance(module, EmbeddingBagCollection):  # what the planner plans
+        if not isinstance(module, tuple(SHARDERS)):  # what the planner plans
             continue
         prefix = ".".join(map(str, path))
         for t in module.table_configs:

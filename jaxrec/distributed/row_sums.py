@@ -60,10 +60,10 @@ def peer_schedule(
 ) -> PeerSchedule | None:
     """The schedule for ``group``, or ``None`` when no table of it is split by columns.
 
-    ``sizes[t]`` is ``V_t`` (see the module docstring). Raises
-    ``NotImplementedError`` for splits it cannot pair (a table whose column
-    shards differ in width or split rows differently, or two column shards of
-    one table on one rank).
+    ``sizes[t]`` is ``V_t`` (see the module docstring). A table's column shards
+    all sit in one group (narrower ones zero-padded, see ``layout.py``). Raises
+    ``NotImplementedError`` for splits it cannot pair (column blocks that split
+    rows differently, or two column shards of one table on one rank).
     """
     conf = {t.name: t for t in tables}
     n = layout.world_size
@@ -72,14 +72,6 @@ def peer_schedule(
     )
     if not split:
         return None
-    elsewhere = sorted(
-        {s[0] for g in layout.groups if g is not group for r in g.shards for s in r} & set(split)
-    )
-    if elsewhere:
-        raise NotImplementedError(
-            f"tables {elsewhere} are split into columns of different widths; a row-wise "
-            "optimizer needs equal column shards (a shard count that divides the embedding dim)"
-        )
     k = max(len(r) for r in group.shards)
     offsets = np.full((n, k + 1), group.rows_per_rank, np.int32)
     base = np.full((n, k + 1), -1, np.int32)

@@ -32,7 +32,7 @@ from ..optim.base import apply_rows, row_fields
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
-from . import exchange, input_dist
+from . import exchange, input_dist, sharded_reset
 from .capacity import (
     CAPACITY_FACTOR,
     check_capacity,
@@ -144,12 +144,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
     def _add_group(self, out, kjt, g, received):
         """Adds a pooled group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
         out = list(out)
-        dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, g.ncols, blk))
+        dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, sl.ncols, blk))
         return out
 
     def _group_grads(self, g, kjt, group):
         """A pooled group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
-        read = lambda sl: self._read_block(g, kjt, sl, group.ncols, kjt.stride())
+        read = lambda sl: self._read_block(g, kjt, sl, sl.ncols, kjt.stride())
         return dist.slot_blocks(read, group, kjt.stride())
 
     def _dp_lookup(self, table, kjt, rg, out):
@@ -184,11 +184,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
-                    block = logical[table][r0 : r0 + nr, c0 : c0 + g.ncols]
+                    w = g.width(table, r0, c0)  # zero-padded up to g.ncols
+                    block = logical[table][r0 : r0 + nr, c0 : c0 + w]
                     if traced:
-                        buf = buf.at[start : start + nr].set(block.astype(np.float32))
+                        buf = buf.at[start : start + nr, :w].set(block.astype(np.float32))
                     else:
-                        buf[start : start + nr] = block
+                        buf[start : start + nr, :w] = block
             spec = self._sharded(P(self.axis))
             out[g.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
         for rg in self.replicated_groups:
@@ -209,7 +210,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for rank, shards in enumerate(g.shards):
                 for table, r0, nr, c0, off in shards:
                     start = rank * g.rows_per_rank + off
-                    logical[table][r0 : r0 + nr, c0 : c0 + g.ncols] = buf[start : start + nr]
+                    w = g.width(table, r0, c0)
+                    logical[table][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
         for rg in self.replicated_groups:
             buf = host_float32(self.weights["dp_" + rg.name].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
@@ -405,7 +407,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
             back = dist.send_back(rows, self.axis, dtype)
             acc = list(acc)
-            add = lambda sl, blk: self._add_block(acc, kjt, sl, g.ncols, blk)
+            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
             dist.place_rows(back, box, g, r, spec.capacity, add)
             return tuple(acc)
 
@@ -569,7 +571,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
             return grads(rec0), more
 
-        read = lambda sl: self._read_block(g_local, kjt, sl, g.ncols, None)
+        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
 
         def grads(r):
             got = dist.sequence_grads(
@@ -583,11 +585,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
+    def reset_table_rows(self, table, rows, key) -> None:
+        """Re-initialises logical ``rows`` of ``table`` (managed-collision evictions)."""
+        sharded_reset.reset_rows(self, table, rows, key)
+
     def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows):
-        raise NotImplementedError(
-            f"row resets (managed-collision evictions) of the sharded collection at {path} "
-            "are not supported; reset only unsharded collections"
-        )
+        return sharded_reset.reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows)
 
     def _group_update(self, opt, group, spec, kjt):
         """``(table, state, rows, grads) -> (table, state)``: one width group's row update;
@@ -631,22 +634,23 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
     def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:
-        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, start)])``.
+        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, w, start)])``.
 
-        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + ncols)``
-        of ``table`` sit at rows ``[start, start + nrows)`` of the global buffer.
+        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + w)``
+        of ``table`` sit at rows ``[start, start + nrows)``, columns ``[0, w)`` of the
+        global buffer (``w < ncols``: a zero-padded column shard).
         """
         out = {}
         for g in self.layout.groups:
             blocks = [
-                (t, r0, nr, c0, rank * g.rows_per_rank + off)
+                (t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
                 for rank, shards in enumerate(g.shards)
                 for t, r0, nr, c0, off in shards
             ]
             out[g.name] = (self.layout.world_size * g.rows_per_rank, g.ncols, blocks)
         for rg in self.replicated_groups:
             blocks = [
-                (t, 0, self.config(t).num_embeddings, 0, lo)
+                (t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
                 for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
             ]
             out["dp_" + rg.name] = (rg.num_rows, rg.embedding_dim, blocks)
@@ -664,19 +668,19 @@ class ShardedCollection(EmbeddingCollectionInterface):
         del optimizer
         out: dict[str, dict] = {t.name: {} for t in self.table_configs}
         counts: dict[str, dict] = {t.name: {} for t in self.table_configs}
-        for name, (_, ncols, blocks) in self._buffer_blocks().items():
+        for name, (_, _, blocks) in self._buffer_blocks().items():
             st = sparse_state[state_key(path, name, 0)]
             bufs = {"weight": gathered(self.weights[name].get_value())}
             bufs.update({f: gathered(getattr(st, f)) for f in row_fields(st)})
             count = np.array(st.count.addressable_data(0))  # replicated scalar
-            for t, r0, nr, c0, start in blocks:
+            for t, r0, nr, c0, w, start in blocks:
                 cfg, entry = self.config(t), out[t]
                 for f, buf in bufs.items():
                     if f not in entry:
                         cols = (cfg.embedding_dim,) if buf.ndim == 2 else ()
                         entry[f] = np.zeros((cfg.num_embeddings, *cols), buf.dtype)
                     if buf.ndim == 2:
-                        entry[f][r0 : r0 + nr, c0 : c0 + ncols] = buf[start : start + nr]
+                        entry[f][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
                     else:
                         entry[f][r0 : r0 + nr] = buf[start : start + nr]
                 counts[t][name] = count
@@ -707,11 +711,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
             bufs = {"weight": np.zeros((rows, ncols), self.config(tables[0]).dtype)}
             for f in row_fields(shape):
                 bufs[f] = np.zeros(getattr(shape, f).shape, getattr(shape, f).dtype)
-            for t, r0, nr, c0, start in blocks:
+            for t, r0, nr, c0, w, start in blocks:
                 for f, buf in bufs.items():
                     src = np.asarray(logical[t][f])
                     if buf.ndim == 2:
-                        buf[start : start + nr] = src[r0 : r0 + nr, c0 : c0 + ncols]
+                        buf[start : start + nr, :w] = src[r0 : r0 + nr, c0 : c0 + w]
                     else:
                         buf[start : start + nr] = src[r0 : r0 + nr]
             weights[name] = bufs.pop("weight")

@@ -111,25 +111,29 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _group_grads(self, g, kjt, group):
         cols, factors = self._slot_columns(kjt, group)
         n, s, b, w = len(group.slots), group.max_slots, kjt.stride(), group.ncols
-        got = jnp.take(g, np.minimum(cols, g.shape[1] - 1), axis=1).astype(jnp.float32)
+        # Column ``total`` is a zero column: padding slots and a narrow slot's padding.
+        g = jnp.concatenate([g.astype(jnp.float32), jnp.zeros((b, 1), jnp.float32)], axis=1)
+        got = jnp.take(g, cols, axis=1)
         blocks = got.reshape(b, n * s, w).transpose(1, 0, 2) * factors[:, :, None]
         return blocks.reshape(n, s, b, w)
 
     def _slot_columns(self, kjt, g):
         """Static output column of every ``(rank, slot, col)`` of group ``g`` (one past the
-        last column for padding slots), and ``[N * S, B]`` factors: MEAN slots' ``1 /
-        length``, 1 for SUM, 0 for padding."""
+        last column for padding slots and a zero-padded slot's padding columns), and
+        ``[N * S, B]`` factors: MEAN slots' ``1 / length``, 1 for SUM, 0 for padding."""
         offsets = column_offsets(self.layout)
         n, s, w, total = len(g.slots), g.max_slots, g.ncols, int(offsets[-1])
         start = np.full((n, s), total, np.int64)
+        width = np.zeros((n, s), np.int64)  # a slot's own columns (padding: 0)
         key = np.zeros((n, s), np.int32)
         kind = np.zeros((n, s), np.int32)  # 0 padding, 1 SUM, 2 MEAN
         keys = {k: i for i, k in enumerate(kjt.keys())}
         for p, slots in enumerate(g.slots):
             for j, sl in enumerate(slots):
-                start[p, j] = offsets[sl.output] + sl.col0
+                start[p, j], width[p, j] = offsets[sl.output] + sl.col0, sl.ncols
                 key[p, j], kind[p, j] = keys[sl.key], 2 if sl.mean else 1
-        cols = np.where(start[:, :, None] < total, start[:, :, None] + np.arange(w), total)
+        col = np.arange(w)
+        cols = np.where(col < width[:, :, None], start[:, :, None] + col, total)
         inv = _inverse_lengths(kjt)  # [F, B]
         per_kind = jnp.stack([jnp.zeros_like(inv), jnp.ones_like(inv), inv])  # [3, F, B]
         factors = per_kind[kind.reshape(-1), key.reshape(-1)]

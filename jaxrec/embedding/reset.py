@@ -79,11 +79,14 @@ def reset_table_rows(storage: TableStorage, table: str, rows: jax.Array, key: ja
         key: a PRNG key for this call (fold in a per-call counter: the same
             key and row give the same values).
     """
-    if not isinstance(storage, TableStorage):  # e.g. a sharded collection
-        raise NotImplementedError(
-            f"reset_table_rows needs an unsharded EmbeddingBagCollection / EmbeddingCollection, "
-            f"got {type(storage).__name__}"
-        )
+    if not isinstance(storage, TableStorage):
+        own = getattr(storage, "reset_table_rows", None)  # a sharded collection's own
+        if own is None:
+            raise NotImplementedError(
+                f"reset_table_rows needs an EmbeddingBagCollection / EmbeddingCollection "
+                f"(unsharded or sharded), got {type(storage).__name__}"
+            )
+        return own(table, rows, key)
     names = [t.name for t in storage.table_configs]
     if table not in names:
         raise KeyError(f"reset_table_rows: no table {table!r}; tables are {names}")

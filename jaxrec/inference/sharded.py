@@ -83,7 +83,7 @@ class _QuantShards:
             )
         return dts.pop()
 
-    def _block(self, src, table, r0, nr, c0, nc, dt) -> np.ndarray:
+    def _block(self, src, table, r0, nr, c0, nc, dt, pad_to=None) -> np.ndarray:
         dim = self.config(table).embedding_dim
         if self._source_quantized:
             rows = np.asarray(src[r0 : r0 + nr])
@@ -92,6 +92,10 @@ class _QuantShards:
             src = dequantize_table(rows, dim, dt)
             r0 = 0
         block = np.asarray(src[r0 : r0 + nr, c0 : c0 + nc], np.float32)
+        if pad_to is not None and pad_to > nc:  # a zero-padded column shard (layout.py):
+            # repeat the last column, so each row's range (its scale and bias) is unchanged;
+            # the padding columns are never read into an output
+            block = np.pad(block, [(0, 0), (0, pad_to - nc)], mode="edge")
         return np.asarray(quantize_jit(block, dtype=dt, row_alignment=self.row_alignment))
 
     def _place(self, state_dict: Mapping[str, Any]) -> dict:
@@ -107,7 +111,8 @@ class _QuantShards:
                 for table, r0, nr, c0, off in shards:
                     src = state_dict[f"{self.prefix}.{table}.weight"]
                     start = rank * g.rows_per_rank + off
-                    buf[start : start + nr] = self._block(src, table, r0, nr, c0, g.ncols, dt)
+                    w = g.width(table, r0, c0)
+                    buf[start : start + nr] = self._block(src, table, r0, nr, c0, w, dt, g.ncols)
             out[g.name] = QuantTable(jax.device_put(buf, self._sharded(P(self.axis))))
         for rg in self.replicated_groups:
             dt = self._one_dtype(rg.tables, "data-parallel group " + rg.name)

@@ -193,18 +193,21 @@ class FeatureProcessedEmbeddingBagCollection(nnx.Module):
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings ``[B, sum(D)]``, as the wrapped collection returns them."""
-        if isinstance(self._feature_processors, PositionWeightedModuleCollection):
-            processed = self._feature_processors(features)
-        else:
-            fps = self._feature_processors
-            processed = _apply(features, {k: _weights_of(fps[k]) for k in fps})
-        return self._embedding_bag_collection(processed)
+        return self._embedding_bag_collection(apply_processors(self._feature_processors, features))
 
     def is_weighted(self) -> bool:
         return True
 
     def embedding_bag_collection(self) -> EmbeddingBagCollection:
         return self._embedding_bag_collection
+
+
+def apply_processors(processors: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``features`` weighted by ``processors`` (a :class:`PositionWeightedModuleCollection`
+    or ``{feature: PositionWeightedModule}``); keys without a processor get weight 1."""
+    if isinstance(processors, PositionWeightedModuleCollection):
+        return processors(features)
+    return _apply(features, {k: _weights_of(processors[k]) for k in processors})
 
 
 def _weights_of(processor: PositionWeightedModule):

@@ -135,10 +135,15 @@ def mask_sparse_inputs(
     last first, so a row reset twice in one forward gets its pre-step value), no
     optimizer row is reset (all rows fill) and no call has a valid id."""
     buffers = TableBuffers(tables)
+    fills = []
     for r in reversed(resets):
         w = buffers[r.path, r.group]
         buffers[r.path, r.group] = w.at[jnp.where(ok, w.shape[0], r.rows)].set(r.old, mode="drop")
-    resets = [dataclasses.replace(r, rows=_no_reset_rows(r, ok)) for r in resets]
+        fills.insert(0, w.shape[0])
+    resets = [
+        dataclasses.replace(r, rows=_no_reset_rows(r, ok, n))
+        for r, n in zip(resets, fills, strict=True)
+    ]
     calls = [
         c._replace(lookup=c.lookup._replace(features=without_ids(c.lookup.features, ok)))
         for c in calls
@@ -146,13 +151,12 @@ def mask_sparse_inputs(
     return buffers.state(), resets, calls
 
 
-def _no_reset_rows(reset: Reset, ok: jax.Array) -> jax.Array:
-    """The reset's rows unless ``ok`` is False: then all fill (no optimizer row is reset)."""
-    if not isinstance(reset.module, TableStorage):
-        raise NotImplementedError(
-            f"row resets of {type(reset.module).__name__} at {reset.path} are not supported"
-        )
-    return jnp.where(ok, reset.rows, reset.module.group(reset.group).num_rows)
+def _no_reset_rows(reset: Reset, ok: jax.Array, buffer_rows: int) -> jax.Array:
+    """The reset's rows unless ``ok`` is False: then all fill (no optimizer row is reset);
+    a sharded collection's fill is its global buffer's row count."""
+    if isinstance(reset.module, TableStorage):
+        buffer_rows = reset.module.group(reset.group).num_rows
+    return jnp.where(ok, reset.rows, buffer_rows)
 
 
 def keep_counts(new: dict, old: Mapping, ok: jax.Array) -> dict:

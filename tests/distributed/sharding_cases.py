@@ -86,6 +86,38 @@ def _kjt(bags, ws, caps):
     return jr.KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths, weights=w, capacities=caps)
 
 
+def uneven_columns(widths, ranks=None, hosts=None):
+    """Column blocks of ``widths`` (any sizes: the builders cut ceil-sized ones), one per
+    rank of ``ranks``, or (``hosts``) one per host, its rows split over the host's ranks."""
+
+    def gen(t, world_size, local_size):
+        c0s = np.cumsum([0, *widths[:-1]]).tolist()
+        if hosts is None:
+            kind, blocks = d.ShardingType.COLUMN_WISE, [(0, t.num_embeddings, r) for r in ranks]
+        else:
+            kind, size = d.ShardingType.GRID_SHARD, -(-t.num_embeddings // local_size)
+            blocks = [
+                [(i * size, min(size, t.num_embeddings - i * size), h * local_size + i)
+                 for i in range(local_size) if i * size < t.num_embeddings]
+                for h in hosts
+            ]  # fmt: skip
+        per_col = [[b] for b in blocks] if hosts is None else blocks
+        spec = tuple(
+            d.ShardMetadata(shard_offsets=(r0, c0), shard_sizes=(nr, w), placement=rank)
+            for c0, w, col in zip(c0s, widths, per_col, strict=True)
+            for r0, nr, rank in col
+        )
+        return d.ParameterSharding(
+            sharding_type=kind, compute_kernel=d.EmbeddingComputeKernel.FUSED,
+            ranks=tuple(sorted({x.placement for x in spec})), sharding_spec=spec,
+        )  # fmt: skip
+
+    return gen
+
+
+# Column splits are uneven on purpose (tables keep every column block in one
+# zero-padded buffer, so row-wise optimizers stay exact): 8 columns over 3
+# ranks (3, 3, 2), and hand-made blocks (a narrow first or last block).
 PLANS = {
     "table_wise": (
         {
@@ -102,10 +134,10 @@ PLANS = {
     ),
     "column_wise": (
         {
-            "t1": d.column_wise([0, 3]),
+            "t1": d.column_wise([0, 3, 5]),
             "t2": d.column_wise([1, 5, 6, 2]),
             "t3": d.column_wise([7]),
-            "t4": d.column_wise([4, 0]),
+            "t4": uneven_columns([1, 3], ranks=[4, 0]),
         },
         1,
     ),
@@ -114,7 +146,7 @@ PLANS = {
         {
             "t1": d.row_wise(),
             "t2": d.table_wise(3),
-            "t3": d.column_wise([6, 1]),
+            "t3": d.column_wise([6, 1, 3]),
             "t4": d.data_parallel(),
         },
         1,
@@ -132,7 +164,7 @@ PLANS = {
         {
             "t1": d.table_column_wise(1),
             "t2": d.table_column_wise(0),
-            "t3": d.table_column_wise(0, 2),
+            "t3": d.table_column_wise(0, 3),
             "t4": d.table_column_wise(1),
         },
         2,
@@ -142,7 +174,7 @@ PLANS = {
             "t1": d.grid_shard([0, 1]),
             "t2": d.grid_shard([1, 0]),
             "t3": d.table_wise(2),
-            "t4": d.grid_shard([0, 1]),
+            "t4": uneven_columns([3, 1], hosts=[0, 1]),
         },
         2,
     ),

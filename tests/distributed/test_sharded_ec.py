@@ -55,7 +55,7 @@ def loss_fn(model, batch):
 
 PLANS = {  # every sharding type, and data-parallel, across the two cases
     "1d": (
-        {"t1": d.row_wise(), "t2": d.column_wise([3, 6]), "t3": d.table_wise(5),
+        {"t1": d.row_wise(), "t2": d.column_wise([3, 6, 0]), "t3": d.table_wise(5),
          "t4": d.data_parallel()},
         mesh_1d,
         1,

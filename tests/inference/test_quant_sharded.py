@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from quant_cases import assert_within, jit_call, pooled_bound
+from sharding_cases import uneven_columns
 
 import jaxrec as jr
 from jaxrec import distributed as d
@@ -32,8 +33,11 @@ def tables(cls=jr.EmbeddingBagConfig, **kw):
     ]
 
 
-MIXED = {  # t1 row-wise, t2 table-wise, t3 column-wise (own scale/bias per shard), t4 DP
-    "t1": d.row_wise(), "t2": d.table_wise(3), "t3": d.column_wise([6, 1]), "t4": d.data_parallel(),
+# t1 row-wise, t2 table-wise, t3 column-wise (own scale/bias per shard; 6 and 2
+# columns, the second padded to 6), t4 data-parallel
+MIXED = {
+    "t1": d.row_wise(), "t2": d.table_wise(3), "t3": uneven_columns([6, 2], ranks=[6, 1]),
+    "t4": d.data_parallel(),
 }  # fmt: skip
 
 

@@ -54,13 +54,14 @@ def fast_path_capacities(
 
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-    """Costs of one ``(columns, dtype, state bytes per row, weighted)`` width group."""
+    """Costs of one ``(columns, dtype, state bytes per row, weighted, sequence)`` width group."""
 
     topology: Topology
     ncols: int
     itemsize: int
     state_row: int
     weighted: bool
+    sequence: bool = False  # an EmbeddingCollection's group: rows per id, not pooled blocks
 
     @property
     def weight_row(self) -> int:
@@ -74,13 +75,13 @@ class GroupCost:
         """Lookup buffer bytes for fast-path capacity ``C`` and ``S`` slots (arrays ok)."""
         return sharded_buffer_bytes(
             self.topology, self.ncols, capacity, slots, weighted=self.weighted, split=split,
-            row_sum_values=row_sum_values,
+            row_sum_values=row_sum_values, sequence=self.sequence,
         )  # fmt: skip
 
     def perf(self, capacity, slots, row_sum_sent=0.0) -> Perf:
         return sharded_perf(
             self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
-            weighted=self.weighted, row_sum_sent=row_sum_sent,
+            weighted=self.weighted, row_sum_sent=row_sum_sent, sequence=self.sequence,
         )  # fmt: skip
 
     def time(self, capacity, slots, row_sum_sent=0.0):
@@ -140,7 +141,7 @@ class CostModel:
 
     def group_cost(self, table: TableInfo, ncols: int) -> GroupCost:
         weighted = table.module in self.weighted_modules
-        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted)
+        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted, table.sequence)
         cost = self._groups.get(key)
         if cost is None:
             cost = self._groups[key] = GroupCost(self.topology, *key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ...configs import BaseEmbeddingConfig
+from ...configs import BaseEmbeddingConfig, EmbeddingConfig
 from ...optim import SparseOptimizer
 from ..types import ShardingType
 from .constraints import ParameterConstraints
@@ -55,6 +55,11 @@ class TableInfo:
     @property
     def num_features(self) -> int:
         return len(self.feature_caps)
+
+    @property
+    def sequence(self) -> bool:
+        """A sequence table (``EmbeddingCollection``): one output row per id, not per bag."""
+        return isinstance(self.config, EmbeddingConfig)
 
     @functools.cached_property
     def expected_ids(self) -> float:

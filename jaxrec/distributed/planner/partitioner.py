@@ -120,6 +120,7 @@ class GroupStats:
     memory: tuple[float, float, float]  # weights, state, buffers (per device)
     perf: Perf
     optimizers: tuple[str, ...]
+    sequence: bool = False  # an EmbeddingCollection's group (rows per id travel back)
 
     @property
     def name(self) -> str:
@@ -698,7 +699,8 @@ class _Run:
             perf = perf + gp
             groups.append(
                 GroupStats(g.key, tuple(g.tables), g.max_rows, c, exp, g.max_nat, g.max_slots,
-                           g.cost.weighted, g.split, v, sent, gm, gp, tuple(g.opts.values()))
+                           g.cost.weighted, g.split, v, sent, gm, gp, tuple(g.opts.values()),
+                           g.cost.sequence)
             )  # fmt: skip
             for r in range(self.n):  # unpadded: buffers sized for the rank's own load
                 if g.nat[r]:

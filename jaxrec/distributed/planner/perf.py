@@ -14,7 +14,8 @@ follow jaxrec's collectives (``embedding_dist.py``):
   and optimizer state (the update's input_dist repeats the forward's with
   the same inputs, and XLA's CSE merges the two, so ids move once per step);
 - per slot: the partial ``[N, B, columns]`` float32 blocks ``all_to_all``-ed
-  back in the forward and their gradients in the backward;
+  back in the forward and their gradients in the backward (sequence
+  collections: one ``[N, C, columns]`` block of rows per id, and ids only);
 - a group holding column shards with a row-wise optimizer: each shard sends
   its per-row partial sums to the ``k - 1`` peers holding the same rows
   (``ppermute`` rounds of 4 bytes per value, ``storage.row_sum_values``);
@@ -58,7 +59,7 @@ class Perf(NamedTuple):
 
 def sharded_perf(
     topo: Topology, ncols: int, itemsize: int, state_per_row: int, capacity, slots,
-    *, weighted: bool = False, row_sum_sent=0.0,
+    *, weighted: bool = False, row_sum_sent=0.0, sequence: bool = False,
 ) -> Perf:  # fmt: skip
     """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays).
 
@@ -68,8 +69,8 @@ def sharded_perf(
     a2a = topo.all_to_all_seconds_per_byte()
     row = ncols * itemsize
     k = n * capacity
-    ids = n * id_payload(capacity, slots, b, weighted) * I32  # one [N, P] int32 array
-    block = n * b * ncols * F32 * slots
+    ids = n * id_payload(capacity, slots, b, weighted, sequence) * I32  # one [N, P] int32 array
+    block = n * (capacity if sequence else b * slots) * ncols * F32
     return Perf(
         fwd_compute=(k * row + 2 * ids + 2 * block) / hbm,
         fwd_comms=ids * a2a + block * a2a,
@@ -113,8 +114,9 @@ def comm_bytes(placement, topo: Topology) -> dict[str, int]:
     out = {"ids_all_to_all": 0, "fwd_output_all_to_all": 0, "bwd_grad_all_to_all": 0,
            "dp_row_grad_all_gather": 0, "row_sum_exchange": 0}  # fmt: skip
     for g in placement.groups:
-        blocks = n * g.slots * b * g.key[1] * F32
-        out["ids_all_to_all"] += int(n * id_payload(g.capacity, g.slots, b, g.weighted) * I32)
+        blocks = n * (g.capacity if g.sequence else g.slots * b) * g.key[1] * F32
+        ids = id_payload(g.capacity, g.slots, b, g.weighted, g.sequence)
+        out["ids_all_to_all"] += int(n * ids * I32)
         out["fwd_output_all_to_all"] += blocks
         out["bwd_grad_all_to_all"] += blocks
         out["row_sum_exchange"] += int(g.row_sum_sent * F32)

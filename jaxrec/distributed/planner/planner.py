@@ -11,6 +11,7 @@ from flax import nnx
 
 from ...configs import BaseEmbeddingConfig
 from ...modules.embedding_bag_collection import EmbeddingBagCollection
+from ...modules.embedding_collection import EmbeddingCollection
 from ..capacity import CAPACITY_FACTOR, check_capacity
 from ..types import (
     EmbeddingComputeKernel,
@@ -44,6 +45,8 @@ class PlannerError(ValueError):
 def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]:
     """``{module path: tables}`` from a model, a collection, a table list or such a dict.
 
+    A model's ``EmbeddingBagCollection`` s and ``EmbeddingCollection`` s (sequence
+    tables: ``EmbeddingConfig`` s, whose lookups return a row per id) are planned.
     Paths are joined with ``.`` as ``DistributedModelParallel`` expects; a
     bare table list is module ``""``.
     """
@@ -57,15 +60,15 @@ def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]
         return {"": tables}
     if not isinstance(model_or_tables, nnx.Module):
         raise TypeError(
-            "plan() takes an nnx.Module, a list of EmbeddingBagConfig or {module path: tables}, "
-            f"got {type(model_or_tables).__name__}"
+            "plan() takes an nnx.Module, a list of EmbeddingBagConfig / EmbeddingConfig or "
+            f"{{module path: tables}}, got {type(model_or_tables).__name__}"
         )
     out = {}
     for path, module in nnx.iter_modules(model_or_tables):
-        if isinstance(module, EmbeddingBagCollection):
+        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
             out[".".join(map(str, path))] = list(module.table_configs)
     if not out:
-        raise ValueError("the model has no EmbeddingBagCollection to plan")
+        raise ValueError("the model has no EmbeddingBagCollection or EmbeddingCollection to plan")
     return out
 
 
@@ -191,8 +194,9 @@ class EmbeddingShardingPlanner:
 
         Args:
             model_or_tables: an ``nnx.Module`` (every ``EmbeddingBagCollection``
-                in it, keyed by module path), a list of ``EmbeddingBagConfig``
-                (module ``""``) or ``{module path: [configs]}``.
+                and ``EmbeddingCollection`` in it, keyed by module path), a list of
+                ``EmbeddingBagConfig`` / ``EmbeddingConfig`` (module ``""``) or
+                ``{module path: [configs]}``.
             topology, constraints: override the constructor's.
         """
         start = time.perf_counter()
@@ -333,7 +337,7 @@ def plan_for_model(
     topology: Topology | None = None,
     **planner_kwargs: Any,
 ) -> ShardingPlan:
-    """Plans every ``EmbeddingBagCollection`` of ``model`` for ``mesh``.
+    """Plans every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` of ``model``.
 
     What ``DistributedModelParallel`` calls when given no plan. The topology
     comes from ``mesh`` (its flat device order is the rank order; with more
@@ -341,7 +345,7 @@ def plan_for_model(
     unless ``topology`` is given.
 
     Args:
-        model: an ``nnx.Module`` (or a bare ``EmbeddingBagCollection``).
+        model: an ``nnx.Module`` (or a bare collection).
         mesh: the ``jax.sharding.Mesh`` the model will be sharded over.
         optimizer: the sparse optimizer (or ``CombinedOptimizer``) the model
             will train with, to size its state; default row-wise Adagrad.

@@ -60,6 +60,7 @@ class PlanStats:
         for g in self.placement.groups:
             parts = sharded_buffer_parts(topo, g.key[1], g.capacity, g.slots,
                                          weighted=g.weighted, split=g.column_split,
+                                         sequence=g.sequence,
                                          row_sum_values=g.row_sum_values)  # fmt: skip
             for k, v in parts.items():
                 out[k] += float(v)

@@ -105,20 +105,23 @@ def state_bytes_per_row(optimizer: SparseOptimizer, ncols: int, cache: dict | No
     return two - one
 
 
-def id_payload(capacity, slots, batch: int, weighted: bool):
+def id_payload(capacity, slots, batch: int, weighted: bool, sequence: bool = False):
     """Int32 entries per (source, destination) of a width group's ids ``all_to_all``.
 
     ``P = C + M (+ C weighted)``: the fast path's ``C`` local rows, ``M =
     min(S * B, C)`` segment entries (per-(slot, bag) counts or per-id segments,
     whichever is smaller) and, for a weighted collection, ``C`` float32
-    weights. ``capacity`` and ``slots`` may be numpy arrays.
+    weights; a sequence collection sends the rows only (``P = C``).
+    ``capacity`` and ``slots`` may be numpy arrays.
     """
+    if sequence:
+        return capacity + 0 * slots
     return capacity + np.minimum(slots * batch, capacity) + (capacity if weighted else 0)
 
 
 def sharded_buffer_bytes(
     topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values=0.0,
+    split: bool = False, row_sum_values=0.0, sequence: bool = False,
 ):  # fmt: skip
     """Lookup buffer bytes of one width group on every device (numpy-friendly).
 
@@ -136,7 +139,8 @@ def sharded_buffer_bytes(
       backward's received gradient blocks, which the update reads until its
       overflow loop ends; XLA:GPU held three to four of them in
       ``bench/sharded.py``'s row-wise step, whose other buffers the rest of this
-      estimate over-counts);
+      estimate over-counts); a sequence collection (``sequence``) moves one row
+      per id instead, ``[N, C, columns]``, counted three times alike;
     - a group holding column shards is updated by the XLA path, which
       materialises its updated rows (``K * columns * 4``), or, before them and
       larger, the row-sum vectors of a row-wise optimizer: ``2 * 4`` bytes
@@ -146,24 +150,25 @@ def sharded_buffer_bytes(
     """
     parts = sharded_buffer_parts(
         topo, ncols, capacity, slots, weighted=weighted, split=split,
-        row_sum_values=row_sum_values,
+        row_sum_values=row_sum_values, sequence=sequence,
     )  # fmt: skip
     return parts["ids"] + parts["received"] + parts["blocks"] + parts["column_split"]
 
 
 def sharded_buffer_parts(
     topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values=0.0,
+    split: bool = False, row_sum_values=0.0, sequence: bool = False,
 ) -> dict:  # fmt: skip
     """:func:`sharded_buffer_bytes` by part: ``ids`` (the ids ``all_to_all``),
     ``received`` (per received id), ``blocks`` and ``column_split``."""
     n, b = topo.world_size, topo.batch_size
     k = n * capacity
     extra = np.maximum(k * ncols * F32, 2 * F32 * row_sum_values) if split else 0 * k
+    per_source = capacity if sequence else slots * b  # rows per id, or blocks per bag
     return {
-        "ids": 2 * n * id_payload(capacity, slots, b, weighted) * I32,
+        "ids": 2 * n * id_payload(capacity, slots, b, weighted, sequence) * I32,
         "received": k * (ncols * F32 + SORT_BYTES + CUB_SCRATCH_BYTES),
-        "blocks": 3 * n * slots * b * ncols * F32,
+        "blocks": 3 * n * per_source * ncols * F32,
         "column_split": extra,
     }
 
