@@ -123,7 +123,8 @@ class TableStorage(EmbeddingCollectionInterface):
     Args:
         tables: table configs, in the collection's order.
         prefix: ``state_dict`` key prefix (``"embedding_bags"`` or ``"embeddings"``).
-        rngs: ``nnx.Rngs``; each table draws its own key from ``rngs.params``.
+        rngs: ``nnx.Rngs``; the collection draws one key from ``rngs.params`` and table
+            ``i`` (in ``tables`` order) initialises from ``fold_in(key, i)``.
         bounds_check_mode: out-of-range id handling for lookups.
         implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``
             (``jaxrec.ops.Implementation``).
