@@ -145,7 +145,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             bounds_check_mode=self.bounds_check_mode, implementation=self.implementation,
         )  # fmt: skip
         cols = self._dp_columns(rg)
-        out[0] = out[0].at[:, cols].set(pooled.reshape(pooled.shape[0], -1))
+        out[0] = out[0].at[:, cols].set(pooled.reshape(pooled.shape[0], len(cols)))
 
     def _dp_row_grads(self, g, kjt, rg):
         cols = self._dp_columns(rg)

@@ -91,7 +91,7 @@ class EmbeddingBagCollection(TableStorage):
             for g in self.groups
         ]
         b = pooled[0].shape[0]
-        values = jnp.concatenate([p.reshape(b, -1) for p in pooled], axis=1)
+        values = jnp.concatenate([p.reshape(b, p.shape[1] * p.shape[2]) for p in pooled], axis=1)
         order = self._group_order()
         if order is not None:  # one gather into output order, not a slice per feature
             values = jnp.take(values, order, axis=1)
@@ -121,7 +121,7 @@ class EmbeddingBagCollection(TableStorage):
         cols = self.output_columns()
         idx = np.concatenate([np.arange(cols[o], cols[o + 1]) for o in group.outputs])
         g = jnp.take(call.grad, idx, axis=1)  # one gather, not a slice per feature
-        flat = g.reshape(g.shape[0] * len(group.outputs), -1)  # [B * S, D]
+        flat = g.reshape(g.shape[0] * len(group.outputs), group.embedding_dim)  # [B * S, D]
         rows, seg, scale, valid = pooled_grad_sources(
             call.features, group.slots, is_weighted=self._is_weighted
         )
