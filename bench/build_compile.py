@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import emit  # noqa: E402
+from common import cpu_model, emit  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxrec as jr  # noqa: E402
@@ -216,8 +216,9 @@ def main():
     p.add_argument("--movielens", action="store_true")
     args = p.parse_args()
     args.dims = [int(x) for x in args.dims.split(",")]
-    base = {"bench": "build_compile", "devices": args.devices, "batch": args.batch,
-            "ids_per_sample": args.ids_per_sample}  # fmt: skip
+    base = {"bench": "build_compile", "cpu": cpu_model(), "cores": os.cpu_count(),
+            "jax_version": jax.__version__, "devices": args.devices, "batch": args.batch,
+            "ids_per_sample": args.ids_per_sample, "total_rows": args.total_rows}  # fmt: skip
     if args.movielens:
         emit({**base, "case": "movielens_dlrm", "build_s": round(movielens_build_s(), 3)})
     for n in [int(x) for x in args.tables.split(",")]:
