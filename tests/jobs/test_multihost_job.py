@@ -11,16 +11,14 @@ processes (and their checkpoints) have their own two-process tests
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from processes import free_port, run_processes
 
 import jaxrec
 from jaxrec.jobs.from_run import model_from_run
@@ -44,45 +42,19 @@ def _ratings(folder: Path, n: int = 1200) -> None:
     (folder / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "\n".join(rows))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(flags: list[str]) -> list[str]:
     """Both processes' output; fails the test (killing both) on a timeout or an exit != 0."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-    address = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", CODE, *flags, "--coordinator-address", address]
-            + ["--num-processes", "2", "--process-id", str(i)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    address = f"127.0.0.1:{free_port()}"
+    cmds = [
+        [sys.executable, "-c", CODE, *flags, "--coordinator-address", address]
+        + ["--num-processes", "2", "--process-id", str(i)]
         for i in range(2)
     ]
-    outputs, deadline = [], time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                tails = [q.communicate()[0][-3000:] for q in procs]
-                pytest.fail(f"past {TIMEOUT_S} s; output tails:\n" + "\n----\n".join(tails))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{out[-4000:]}"
+    codes, outputs = run_processes(cmds, env, TIMEOUT_S)
+    for i, (code, out) in enumerate(zip(codes, outputs, strict=True)):
+        assert code == 0, f"process {i} exited {code}:\n{out[-4000:]}"
     return outputs
 
 
