@@ -52,6 +52,9 @@ def uniform(key: jax.Array, shape: Sequence[int], lo: float, hi: float, dtype) -
 def stacked(draws: Sequence[Draw], dtype) -> jax.Array:
     """The draws' values concatenated along axis 0 (all shapes share their trailing dims)."""
     total = sum(d.size for d in draws)
+    if total == 0:  # no chunk to draw (a zero-sized layer)
+        shape = (sum(d.shape[0] for d in draws), *draws[0].shape[1:])
+        return jnp.zeros(shape, dtype)
     traced = any(isinstance(d.key, jax.core.Tracer) for d in draws)
     if traced or total > HOST_LIMIT:
         return _on_device(draws, jnp.dtype(dtype))
@@ -79,7 +82,8 @@ def _on_host(draws: Sequence[Draw]) -> np.ndarray:
     owner = np.concatenate([owner, np.full(pad, owner[-1])])
     first = np.cumsum(chunks) - chunks
     c = (np.arange(n + pad) - first[owner]).astype(np.int32)
-    keys = np.stack([np.asarray(jax.random.key_data(d.key)) for d in draws])[owner]
+    data = {id(d.key): np.asarray(jax.random.key_data(d.key)) for d in draws}  # shared keys once
+    keys = np.stack([data[id(d.key)] for d in draws])[owner]
     sub = np.asarray([d.sub for d in draws], np.int32)[owner]
     lo = np.asarray([d.lo for d in draws], np.float32)[owner]
     hi = np.asarray([d.hi for d in draws], np.float32)[owner]

@@ -84,3 +84,8 @@ def test_many_table_sizes_build_with_a_bounded_number_of_compiles():
     assert control >= 1, events
     n = sum("backend_compile" in e for e in events) - control
     assert n <= 8, f"{n} compiles for 40 table sizes (46 when each size compiled its own draw)"
+
+
+def test_zero_sized_draws_are_empty_arrays():
+    got = init.uniform(jax.random.key(0), (0, 5), -1, 1, jnp.float32)
+    assert got.shape == (0, 5) and got.dtype == jnp.float32
