@@ -36,7 +36,7 @@ import numpy as np
 
 from ..sparse import KeyedJaggedTensor
 from .exchange import Outbox, Received, Spec, round_targets
-from .layout import ShardedLayout, Slot, WidthGroup
+from .layout import ShardedLayout, WidthGroup
 
 
 def local_kjt(kjt_stacked: Any) -> KeyedJaggedTensor:
@@ -114,29 +114,10 @@ def pooled_partials(lookup: Callable, table, rec: Received, spec: Spec) -> jax.A
     return out.reshape(n, spec.slots, spec.bags, -1)
 
 
-def assemble(received: jax.Array, group: WidthGroup, add: Callable[[Slot, jax.Array], None]):
-    """Hands every rank's partial block of every slot to ``add(slot, block [B, slot.ncols])``
-    (a zero-padded shard's padding columns dropped)."""
-    for p, slots in enumerate(group.slots):
-        for j, sl in enumerate(slots):
-            add(sl, received[p, j][:, : sl.ncols])
-
-
 def _padded(block: jax.Array, ncols: int) -> jax.Array:
     """``block [.., w]`` with zero columns up to ``ncols`` (a zero-padded shard's gradient)."""
     extra = ncols - block.shape[-1]
     return block if not extra else jnp.pad(block, [(0, 0)] * (block.ndim - 1) + [(0, extra)])
-
-
-def slot_blocks(read, group: WidthGroup, b: int) -> jax.Array:
-    """``[N, S, B, ncols]``: ``read(slot)`` (``[B, slot.ncols]``, zero-padded to ``ncols``)
-    for every rank's slots, zero blocks where a rank has fewer than ``S`` slots."""
-    blocks = []
-    for slots in group.slots:
-        per = [_padded(read(sl), group.ncols) for sl in slots]
-        per += [jnp.zeros((b, group.ncols), jnp.float32)] * (group.max_slots - len(per))
-        blocks.append(jnp.stack(per))
-    return jnp.stack(blocks)
 
 
 def grads_to_ranks(
@@ -144,7 +125,7 @@ def grads_to_ranks(
 ) -> jax.Array:
     """Backward of output_dist: each rank receives ``[N_src, S, B, ncols]`` grads of its
     slots, where ``blocks[p, j]`` is this device's output gradient of rank ``p``'s slot
-    ``j`` (:func:`slot_blocks`)."""
+    ``j`` (zero-padded to the group's columns; zero for padding slots)."""
     sizes = slot_counts(group, axis)[::-1] if ragged else None  # each shard's own slots
     return send_back(blocks, axis, dtype, scale, sizes)
 

@@ -1,7 +1,8 @@
 """What sharded pooled and sequence collections share: placement, state, the fused update.
 
-A subclass says how one device's output looks (``_new_output``, ``_add_block``,
-``_read_block``), how replicated (data-parallel) tables are looked up and
+A subclass says how one device's output looks (``_new_output``; pooled:
+``_add_group`` / ``_group_grads`` per width group; sequence: ``_add_block`` /
+``_read_block`` per slot), how replicated (data-parallel) tables are looked up and
 differentiated, and how the output is returned; this class runs the three
 stages of ``embedding_dist`` under ``shard_map`` and the fused optimizer on
 the local shards.
@@ -142,15 +143,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
         raise NotImplementedError
 
     def _add_group(self, out, kjt, g, received):
-        """Adds a pooled group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
-        out = list(out)
-        dist.assemble(received, g, lambda sl, blk: self._add_block(out, kjt, sl, sl.ncols, blk))
-        return out
+        """Pooled: adds a group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
+        raise NotImplementedError
 
     def _group_grads(self, g, kjt, group):
-        """A pooled group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
-        read = lambda sl: self._read_block(g, kjt, sl, sl.ncols, kjt.stride())
-        return dist.slot_blocks(read, group, kjt.stride())
+        """Pooled: a group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
+        raise NotImplementedError
 
     def _dp_lookup(self, table, kjt, rg, out):
         raise NotImplementedError

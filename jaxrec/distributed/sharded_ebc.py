@@ -91,11 +91,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _output_value(self, out):
         return out[0]
 
-    def _add_block(self, out, kjt, slot, ncols, block):
-        c = column_offsets(self.layout)[slot.output] + slot.col0
-        out[0] = out[0].at[:, c : c + ncols].add(block * _mean(kjt, slot))
-
     def _read_block(self, g, kjt, slot, ncols, b):
+        """One slot's output gradient (the position-weight gradient of a sharded
+        feature-processed collection reads it slot by slot)."""
         c = column_offsets(self.layout)[slot.output] + slot.col0
         return g[:, c : c + ncols].astype(jnp.float32) * _mean(kjt, slot)
 
