@@ -23,6 +23,19 @@ def test_host_device_and_traced_paths_agree():
     assert host.shape == (1002, 37)
 
 
+def test_large_tables_written_in_place_on_device_equal_the_host_path(monkeypatch):
+    """Above HOST_LIMIT tables are written chunk by chunk into one donated buffer; a dim
+    that does not divide the chunk makes chunks start mid-row."""
+    key = jax.random.key(5)
+    draws = _draws(key) + [init.Draw(key, 4, (3000, 37), 0.0, 2.0)]
+    host = np.asarray(init.stacked(draws, jnp.float32))
+    monkeypatch.setattr(init, "HOST_LIMIT", 0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = init.stacked(draws, dtype)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got), host.astype(dtype))
+
+
 def test_values_are_uniform_in_bounds():
     x = np.asarray(init.uniform(jax.random.key(0), (300, 200), -0.5, 0.25, jnp.float32))
     assert x.min() >= -0.5 and x.max() < 0.25
@@ -89,3 +102,20 @@ def test_many_table_sizes_build_with_a_bounded_number_of_compiles():
 def test_zero_sized_draws_are_empty_arrays():
     got = init.uniform(jax.random.key(0), (0, 5), -1, 1, jnp.float32)
     assert got.shape == (0, 5) and got.dtype == jnp.float32
+
+
+def test_the_device_fill_updates_its_buffer_in_place():
+    """From the compiled program: the buffer is aliased to the output, and the
+    temporaries are one batch of chunks whatever the table's size."""
+    b = init.DEVICE_BATCH
+    i32, f32 = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32)
+    keys = jax.ShapeDtypeStruct((b, 2), jnp.uint32)
+    impl = jax.random.key_impl(jax.random.key(0))
+    temps = []
+    for rows in (200_000, 2_000_000):
+        buf = jax.ShapeDtypeStruct((rows, 37), jnp.float32)
+        args = (buf, keys, i32, i32, f32, f32, i32, i32, i32)
+        stats = init._fill.trace(*args, impl=impl).lower().compile().memory_analysis()
+        assert stats.alias_size_in_bytes >= rows * 37 * 4
+        temps.append(stats.temp_size_in_bytes)
+    assert temps[1] == temps[0], temps  # a table 10x larger, the same temporaries
