@@ -10,16 +10,18 @@ device count, unsharded), which is how a checkpoint reshards on restore.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 
+from ..distributed.host_copies import gathered
 from ..embedding.collection import embedding_collections
-from ..embedding.optimizer import CombinedOptimizer, CombinedOptState
+from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
+from .layout import replace_tables, table_buffers
 from .paths import PLAN_LOCAL, components, dense_leaves, is_key, is_variable, nest, table_key
 from .spec import check_compatible, logical_spec, state_spec
 
@@ -49,28 +51,42 @@ def logical_state(
     graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState
 ) -> LogicalState:
     """The plan-independent view of ``state`` (TorchRec: ``state_dict()`` of the
-    model plus its fused optimizer).
+    model plus its fused optimizer), whole in host memory.
 
     Tables and their optimizer state are gathered into host memory (on every
-    process): the host needs room for all of them. Dense leaves stay device
-    arrays (typed PRNG keys become their ``key_data``).
+    process): the host needs room for all of them (``CheckpointManager`` never
+    does this; it streams bounded slices). Dense leaves stay device arrays (typed
+    PRNG keys become their ``key_data``).
 
     Args:
         graphdef, state: from :func:`jaxrec.train.init_train_state` (any plan).
         optimizer: the ``CombinedOptimizer`` the state was built with.
     """
-    model = merge_model(graphdef, state)
-    tables = {}
-    for path, module in embedding_collections(model):
-        try:
-            entries = module.logical_tables(optimizer, path, state.opt_state.sparse)
-        except KeyError as e:
-            raise ValueError(
-                f"the state has no sparse optimizer state {e} for the collection at "
-                f"{path}: pass the optimizer the state was built with"
-            ) from None
-        for name, entry in entries.items():
-            tables[table_key(path, module, name)] = entry
+    layout = table_buffers(graphdef, optimizer, state)
+    shapes = _shapes(graphdef, state)
+    tables: dict[str, dict] = {}
+    for buf in layout.buffers:
+        host = gathered(buf.array)
+        for b in buf.blocks:
+            entry = tables.setdefault(b.table, {})
+            if buf.field not in entry:
+                rows, dim = shapes[b.table]
+                entry[buf.field] = np.zeros((rows, dim) if host.ndim == 2 else (rows,), host.dtype)
+            if host.ndim == 2:
+                entry[buf.field][b.row : b.row + b.rows, b.col : b.col + b.cols] = host[
+                    b.start : b.start + b.rows, : b.cols
+                ]
+            else:
+                entry[buf.field][b.row : b.row + b.rows] = host[b.start : b.start + b.rows]
+    for key, keys in layout.shared_counts.items():
+        count = np.array(jax.device_get(_first_shard(state.opt_state.sparse[key].count)))
+        for k in keys:
+            if "count" in tables[k] and int(tables[k]["count"]) != int(count):
+                raise ValueError(
+                    f"table {k!r} has different optimizer step counts in its shard buffers "
+                    f"({int(tables[k]['count'])} and {int(count)})"
+                )
+            tables[k]["count"] = count
     return LogicalState(
         params=nest(dense_leaves(state.params)),
         rest=nest(dense_leaves(state.rest)),
@@ -90,7 +106,7 @@ def place_state(
     ``target``'s values are not used, only its structure and shardings (build it
     with :func:`jaxrec.train.init_train_state` on the model sharded as wanted).
     Tables go through host memory: each process builds the whole physical
-    buffers of every collection and places only its own devices' slices.
+    buffers and places only its own devices' slices.
 
     Raises:
         ValueError: the logical state does not fit the target (missing or extra
@@ -100,33 +116,56 @@ def place_state(
     check_compatible(
         logical_spec(logical), state_spec(graphdef, optimizer, target), "the logical state"
     )
-    model = merge_model(graphdef, target)
-    weights, sparse = {}, {}
-    for path, module in embedding_collections(model):
-        mine = {
-            t.name: logical.tables[table_key(path, module, t.name)] for t in module.table_configs
-        }
-        w, s = module.physical_tables(optimizer, path, mine)
-        weights.update({(*map(str, path), "weights", n): x for n, x in w.items()})
-        sparse.update(s)
-    tables = jax.tree_util.tree_map_with_path(
-        lambda p, x: _put(weights[components(p)[:-1]], x), target.tables
-    )
-    if set(sparse) != set(target.opt_state.sparse):
-        raise ValueError(
-            f"the target's sparse optimizer states {sorted(target.opt_state.sparse)} do not "
-            f"match {sorted(sparse)} from the optimizer given: build the target with it"
-        )
-    sparse = {
-        k: jax.tree.map(_put, sparse[k], target.opt_state.sparse[k])
-        for k in target.opt_state.sparse
-    }
-    return TrainState(
+    layout = table_buffers(graphdef, optimizer, target)
+    arrays = {}
+    for buf in layout.buffers:
+        host = np.zeros(buf.array.shape, buf.array.dtype)
+        for b in buf.blocks:
+            src = np.asarray(logical.tables[b.table][buf.field])
+            if host.ndim == 2:
+                host[b.start : b.start + b.rows, : b.cols] = src[
+                    b.row : b.row + b.rows, b.col : b.col + b.cols
+                ]
+            else:
+                host[b.start : b.start + b.rows] = src[b.row : b.row + b.rows]
+        arrays[buf.where] = _put(host, buf.array)
+    counts = {}
+    for key, keys in layout.shared_counts.items():
+        like = target.opt_state.sparse[key].count
+        counts[key] = _put(common_count(keys, logical.tables, like.dtype), like)
+    placed = replace_tables(target, arrays, counts)
+    return placed._replace(
         params=_place_dense(logical.params, target.params),
-        tables=tables,
         rest=_place_dense(logical.rest, target.rest),
-        opt_state=CombinedOptState(_place_dense(logical.dense_opt, target.opt_state.dense), sparse),
+        opt_state=placed.opt_state._replace(
+            dense=_place_dense(logical.dense_opt, target.opt_state.dense)
+        ),
     )
+
+
+def common_count(tables: Sequence[str], logical: Mapping[str, Mapping], dtype) -> np.ndarray:
+    """The one step count of tables stored together; a clear error when they differ."""
+    counts = {t: int(np.asarray(logical[t]["count"])) for t in tables}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"tables {sorted(counts)} share one optimizer state here but have different "
+            f"optimizer step counts {counts}; restore them under a plan/grouping that keeps "
+            "them apart, or set their counts equal"
+        )
+    return np.asarray(next(iter(counts.values())), dtype)
+
+
+def _shapes(graphdef, state) -> dict:
+    model = merge_model(graphdef, state)
+    out = {}
+    for path, module in embedding_collections(model):
+        for t in module.table_configs:
+            out[table_key(path, module, t.name)] = (t.num_embeddings, t.embedding_dim)
+    return out
+
+
+def _first_shard(x: jax.Array):
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 def _place_dense(nested: Mapping, target: Any) -> Any:

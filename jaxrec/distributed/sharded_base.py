@@ -10,7 +10,6 @@ the local shards.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Mapping
@@ -23,13 +22,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..embedding.blocks import Block, TableBlocks
 from ..embedding.collection import EmbeddingCollectionInterface
 from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
-from ..embedding.tables import EmbeddingTable, common_count, group_tables
+from ..embedding.tables import EmbeddingTable, group_tables
 from ..embedding.tape import log_overflow, report_overflow, tap
 from ..ops import embedding_bag, embedding_gather
-from ..optim.base import apply_rows, row_fields
+from ..optim.base import apply_rows
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
 from . import embedding_dist as dist
@@ -42,7 +42,7 @@ from .capacity import (
     natural_load,
 )
 from .exact_update import exact_update, logical_rows
-from .host_copies import cast, gathered, host_float32, logical_tables
+from .host_copies import cast, host_float32, logical_tables
 from .id_checks import check_sharded_ids
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
@@ -630,96 +630,30 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         return update
 
-    # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
-    def _buffer_blocks(self) -> dict[str, tuple[int, int, list]]:
-        """Per physical buffer: ``(rows, ncols, [(table, row0, nrows, col0, w, start)])``.
+    # ----- where the tables sit (used by jaxrec.checkpoint) -----
+    def table_blocks(self, optimizer, path: tuple) -> TableBlocks:
+        """As the interface says. A buffer has one optimizer state (``state_key(path,
+        name, 0)``) with its blocks; ``optimizer`` is unused (kept for the signature).
 
-        Logical rows ``[row0, row0 + nrows)``, columns ``[col0, col0 + w)``
-        of ``table`` sit at rows ``[start, start + nrows)``, columns ``[0, w)`` of the
-        global buffer (``w < ncols``: a zero-padded column shard).
-        """
-        out = {}
-        for g in self.layout.groups:
-            blocks = [
-                (t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
-                for rank, shards in enumerate(g.shards)
-                for t, r0, nr, c0, off in shards
-            ]
-            out[g.name] = (self.layout.world_size * g.rows_per_rank, g.ncols, blocks)
-        for rg in self.replicated_groups:
-            blocks = [
-                (t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
-                for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
-            ]
-            out["dp_" + rg.name] = (rg.num_rows, rg.embedding_dim, blocks)
-        return out
-
-    def logical_tables(self, optimizer, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
-        """Per table: ``weight``, optimizer state fields in natural row order and ``count``.
-
-        Host (numpy) copies, gathered from every process, in the layout of
-        ``TableStorage.logical_tables``: ``[num_embeddings, dim]`` element-wise
-        fields, ``[num_embeddings]`` row-wise fields (column shards hold identical
-        copies of those; the first one read is kept). ``optimizer`` is unused
-        (one state per buffer) and kept for the common signature.
+        Logical rows ``[row, row + rows)``, columns ``[col, col + cols)`` of a table
+        sit at rows ``[start, start + rows)``, columns ``[0, cols)`` of the global
+        buffer (``cols`` below the buffer's width: a zero-padded column shard).
         """
         del optimizer
-        out: dict[str, dict] = {t.name: {} for t in self.table_configs}
-        counts: dict[str, dict] = {t.name: {} for t in self.table_configs}
-        for name, (_, _, blocks) in self._buffer_blocks().items():
-            st = sparse_state[state_key(path, name, 0)]
-            bufs = {"weight": gathered(self.weights[name].get_value())}
-            bufs.update({f: gathered(getattr(st, f)) for f in row_fields(st)})
-            count = np.array(st.count.addressable_data(0))  # replicated scalar
-            for t, r0, nr, c0, w, start in blocks:
-                cfg, entry = self.config(t), out[t]
-                for f, buf in bufs.items():
-                    if f not in entry:
-                        cols = (cfg.embedding_dim,) if buf.ndim == 2 else ()
-                        entry[f] = np.zeros((cfg.num_embeddings, *cols), buf.dtype)
-                    if buf.ndim == 2:
-                        entry[f][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
-                    else:
-                        entry[f][r0 : r0 + nr] = buf[start : start + nr]
-                counts[t][name] = count
-        for t, by_buffer in counts.items():
-            if len({int(c) for c in by_buffer.values()}) > 1:
-                raise ValueError(
-                    f"table {t!r} has different optimizer step counts in its shard buffers "
-                    f"{ {k: int(c) for k, c in by_buffer.items()} }"
-                )
-            out[t]["count"] = next(iter(by_buffer.values()))
-        return out
-
-    def physical_tables(
-        self, optimizer, path: tuple, logical: Mapping[str, Mapping]
-    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """The inverse of :meth:`logical_tables`: global host buffers of this layout.
-
-        Returns ``(weights, sparse)``: ``{buffer: [rows, ncols]}`` and
-        ``{state_key: state}`` with numpy leaves (padding rows zero). Every
-        process builds whole buffers: host memory is the size of this
-        collection's tables and state, twice (logical + physical).
-        """
-        weights, sparse = {}, {}
-        for name, (rows, ncols, blocks) in self._buffer_blocks().items():
-            tables = sorted({b[0] for b in blocks})
-            opt = self._group_optimizer(optimizer, set(tables))
-            shape = jax.eval_shape(functools.partial(opt.init, rows, ncols))
-            bufs = {"weight": np.zeros((rows, ncols), self.config(tables[0]).dtype)}
-            for f in row_fields(shape):
-                bufs[f] = np.zeros(getattr(shape, f).shape, getattr(shape, f).dtype)
-            for t, r0, nr, c0, w, start in blocks:
-                for f, buf in bufs.items():
-                    src = np.asarray(logical[t][f])
-                    if buf.ndim == 2:
-                        buf[start : start + nr, :w] = src[r0 : r0 + nr, c0 : c0 + w]
-                    else:
-                        buf[start : start + nr] = src[r0 : r0 + nr]
-            weights[name] = bufs.pop("weight")
-            count = common_count(tables, logical, shape.count.dtype)
-            sparse[state_key(path, name, 0)] = type(shape)(count=count, **bufs)
-        return weights, sparse
+        weights = {}
+        for g in self.layout.groups:
+            weights[g.name] = tuple(
+                Block(t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
+                for rank, shards in enumerate(g.shards)
+                for t, r0, nr, c0, off in shards
+            )
+        for rg in self.replicated_groups:
+            weights["dp_" + rg.name] = tuple(
+                Block(t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
+                for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
+            )
+        states = {state_key(path, name, 0): blocks for name, blocks in weights.items()}
+        return TableBlocks(weights, states)
 
 
 def _pass_size(group: WidthGroup, spec: exchange.Spec) -> int:

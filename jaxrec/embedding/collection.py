@@ -20,6 +20,7 @@ from flax import nnx
 
 from ..configs import BaseEmbeddingConfig
 from ..ops import Implementation
+from .blocks import TableBlocks
 
 
 class LookupGrad(NamedTuple):
@@ -105,17 +106,10 @@ class EmbeddingCollectionInterface(nnx.Module):
         initial values (fill entries ``>=`` the buffer's rows are ignored)."""
         raise _missing(self, "reset_optimizer_rows")
 
-    def logical_tables(self, optimizer: Any, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
-        """Per table: ``weight`` ``[num_embeddings, dim]``, its sparse optimizer state
-        fields in natural row order and ``count``, as host (numpy) copies."""
-        raise _missing(self, "logical_tables")
-
-    def physical_tables(
-        self, optimizer: Any, path: tuple, logical: Mapping[str, Mapping]
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The inverse of :meth:`logical_tables`: ``({buffer: host array}, {state_key:
-        state})`` in this collection's layout."""
-        raise _missing(self, "physical_tables")
+    def table_blocks(self, optimizer: Any, path: tuple) -> TableBlocks:
+        """Where each table's rows sit in this collection's weight buffers and sparse
+        optimizer states (``state_key`` s under ``path``); see ``blocks.py``."""
+        raise _missing(self, "table_blocks")
 
 
 def embedding_collections(

@@ -18,8 +18,8 @@ from flax import nnx
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot, Implementation
 from ..ops.init import Draw, stacked
-from ..optim.base import row_fields
 from ..xla.backward import dedup_rows, source_grads
+from .blocks import Block, TableBlocks
 from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
 from .optimizer import state_key
 from .sparse_update import backward_update, reset_state_rows, subgroup_rows, update_subgroup
@@ -309,62 +309,22 @@ class TableStorage(EmbeddingCollectionInterface):
             out[key] = reset_state_rows(sub, out[key], state_rows, g.embedding_dim)
         return out
 
-    # ----- logical <-> physical optimizer state (used by jaxrec.checkpoint) -----
-    def logical_tables(self, optimizer, path: tuple, sparse_state: Mapping) -> dict[str, dict]:
-        """Per table: ``weight`` ``[num_embeddings, dim]``, its sparse optimizer state
-        fields in natural row order (``[num_embeddings, dim]`` or ``[num_embeddings]``)
-        and ``count``, as host (numpy) copies.
-
-        Args:
-            optimizer: the ``CombinedOptimizer`` the state was built with (it says
-                how a group splits into per-optimizer subgroups).
-            path: this collection's module path (the state keys' prefix).
-            sparse_state: ``CombinedOptState.sparse``.
-        """
-        out = {}
+    # ----- where the tables sit (used by jaxrec.checkpoint) -----
+    def table_blocks(self, optimizer, path: tuple) -> TableBlocks:
+        """As the interface says: a group buffer stacks its tables' rows; a group split
+        by optimizer keeps one state per subgroup over its member tables' rows."""
+        weights, states = {}, {}
         for g in self.groups:
-            w = np.array(self.weights[g.name].get_value())  # a copy: the state may be donated
-            subs = optimizer.subgroups(g)
-            states = [sparse_state[state_key(path, g.name, k)] for k in range(len(subs))]
-            fields = [{f: np.array(getattr(st, f)) for f in row_fields(st)} for st in states]
-            for i, (name, lo) in enumerate(zip(g.tables, g.row_offsets, strict=True)):
-                n = self.config(name).num_embeddings
-                k = next(k for k, sub in enumerate(subs) if sub.member[i])
-                off = subs[k].state_offsets[i]
-                entry = {"weight": w[lo : lo + n], "count": np.array(states[k].count)}
-                entry.update({f: x[off : off + n] for f, x in fields[k].items()})
-                out[name] = entry
-        return out
-
-    def physical_tables(
-        self, optimizer, path: tuple, logical: Mapping[str, Mapping]
-    ) -> tuple[dict[str, np.ndarray], dict[str, object]]:
-        """The inverse of :meth:`logical_tables`: host buffers for this collection's layout.
-
-        Returns:
-            ``(weights, sparse)``: ``{group: [rows, dim]}`` stacked weights and
-            ``{state_key: state}`` optimizer states (numpy leaves). Tables that
-            share one state must have the same ``count``.
-        """
-        weights, sparse = {}, {}
-        for g in self.groups:
-            dtype = self.config(g.tables[0]).dtype
-            weights[g.name] = np.concatenate(
-                [np.asarray(logical[t]["weight"]).astype(dtype) for t in g.tables]
-            )
+            dim = g.embedding_dim
+            spans = list(zip(g.tables, g.row_offsets, g.table_rows, strict=True))
+            weights[g.name] = tuple(Block(t, 0, n, 0, dim, lo) for t, lo, n in spans)
             for k, sub in enumerate(optimizer.subgroups(g)):
-                members = [t for t, m in zip(g.tables, sub.member, strict=True) if m]
-                init = functools.partial(sub.optimizer.init, sub.num_rows, g.embedding_dim)
-                shape = jax.eval_shape(init)
-                fields = {
-                    f: np.concatenate([np.asarray(logical[t][f]) for t in members]).astype(
-                        getattr(shape, f).dtype
-                    )
-                    for f in row_fields(shape)
-                }
-                count = common_count(members, logical, shape.count.dtype)
-                sparse[state_key(path, g.name, k)] = type(shape)(count=count, **fields)
-        return weights, sparse
+                states[state_key(path, g.name, k)] = tuple(
+                    Block(t, 0, n, 0, dim, off)
+                    for (t, _, n), m, off in zip(spans, sub.member, sub.state_offsets, strict=True)
+                    if m
+                )
+        return TableBlocks(weights, states)
 
 
 def _concat_sources(sources: Sequence[GradSource]) -> GradSource:
@@ -387,13 +347,7 @@ def _split_rows(buffer: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ..
     return tuple(jnp.split(buffer, cuts))
 
 
-def common_count(tables: Sequence[str], logical: Mapping[str, Mapping], dtype) -> np.ndarray:
-    """The one step count of tables stored together; a clear error when they differ."""
-    counts = {t: int(np.asarray(logical[t]["count"])) for t in tables}
-    if len(set(counts.values())) > 1:
-        raise ValueError(
-            f"tables {sorted(counts)} share one optimizer state here but have different "
-            f"optimizer step counts {counts}; restore them under a plan/grouping that keeps "
-            "them apart, or set their counts equal"
-        )
-    return np.asarray(next(iter(counts.values())), dtype)
+@functools.partial(jax.jit, static_argnums=1)
+def _split_rows(buffer: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """A group buffer's tables in one program (eager slices compiled one per table)."""
+    return tuple(jnp.split(buffer, cuts))

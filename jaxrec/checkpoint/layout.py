@@ -1,0 +1,92 @@
+"""A train state's table buffers as arrays with their blocks (what checkpoints move).
+
+Every collection says where its tables sit (``table_blocks``, see
+``jaxrec.embedding.blocks``); this module pairs those blocks with the state's
+arrays: the weight buffers in ``state.tables`` and the optimizer state fields in
+``state.opt_state.sparse``, and puts new arrays back in their place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+from ..embedding.blocks import Block
+from ..embedding.collection import embedding_collections
+from ..embedding.optimizer import CombinedOptimizer, CombinedOptState
+from ..optim.base import row_fields
+from ..train.step import TrainState, merge_model
+from .paths import components, table_key
+
+
+class Buffer(NamedTuple):
+    """One physical array of table rows and where it lives in the state.
+
+    ``where`` is ``("tables", path components)`` for a weight buffer or
+    ``("sparse", state key, field)`` for an optimizer state field.
+    """
+
+    field: str  # "weight" or the optimizer state field
+    array: jax.Array
+    blocks: tuple[Block, ...]  # with table names made checkpoint keys
+    where: tuple
+
+
+class Tables(NamedTuple):
+    buffers: list[Buffer]
+    shared_counts: dict[str, list[str]]  # state key -> the table keys sharing its count
+
+
+def table_buffers(
+    graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState
+) -> Tables:
+    """Every table buffer of ``state`` (any plan) with its blocks."""
+    model = merge_model(graphdef, state)
+    weights = {components(p)[:-1]: x for p, x in jax.tree_util.tree_leaves_with_path(state.tables)}
+    buffers, shared = [], {}
+    for path, module in embedding_collections(model):
+        layout = module.table_blocks(optimizer, path)
+        names = {t.name: table_key(path, module, t.name) for t in module.table_configs}
+        for name, blocks in layout.weights.items():
+            where = (*map(str, path), "weights", name)
+            if where not in weights:
+                raise ValueError(f"the state has no table buffer {'/'.join(where)}")
+            buffers.append(
+                Buffer("weight", weights[where], _keyed(blocks, names), ("tables", where))
+            )
+        for key, blocks in layout.states.items():
+            try:
+                st = state.opt_state.sparse[key]
+            except KeyError:
+                raise ValueError(
+                    f"the state has no sparse optimizer state {key!r} for the collection at "
+                    f"{'.'.join(map(str, path)) or '(root)'}: pass the optimizer the state was "
+                    "built with"
+                ) from None
+            for f in row_fields(st):
+                buffers.append(Buffer(f, getattr(st, f), _keyed(blocks, names), ("sparse", key, f)))
+            shared[key] = sorted({b.table for b in _keyed(blocks, names)})
+    return Tables(buffers, shared)
+
+
+def replace_tables(
+    state: TrainState, arrays: Mapping[tuple, Any], counts: Mapping[str, Any]
+) -> TrainState:
+    """``state`` with the buffers at ``arrays``' places (``Buffer.where``) and the sparse
+    states' ``count`` s from ``counts`` (state key -> scalar array)."""
+    tables = jax.tree_util.tree_map_with_path(
+        lambda p, x: arrays.get(("tables", components(p)[:-1]), x), state.tables
+    )
+    sparse = {}
+    for key, st in state.opt_state.sparse.items():
+        fields = {f: arrays.get(("sparse", key, f), getattr(st, f)) for f in row_fields(st)}
+        sparse[key] = st._replace(count=counts.get(key, st.count), **fields)
+    opt = CombinedOptState(state.opt_state.dense, sparse)
+    return state._replace(tables=tables, opt_state=opt)
+
+
+def _keyed(blocks: tuple[Block, ...], names: Mapping[str, str]) -> tuple[Block, ...]:
+    return tuple(b._replace(table=names[b.table]) for b in blocks)
