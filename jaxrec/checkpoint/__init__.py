@@ -4,4 +4,6 @@ from .logical import LogicalState as LogicalState
 from .logical import logical_state as logical_state
 from .logical import place_state as place_state
 from .manager import CheckpointManager as CheckpointManager
+from .manager import CheckpointWarning as CheckpointWarning
 from .spec import state_spec as state_spec
+from .store import CheckpointCorruptError as CheckpointCorruptError

@@ -135,10 +135,10 @@ def place_state(
         counts[key] = _put(common_count(keys, logical.tables, like.dtype), like)
     placed = replace_tables(target, arrays, counts)
     return placed._replace(
-        params=_place_dense(logical.params, target.params),
-        rest=_place_dense(logical.rest, target.rest),
+        params=place_dense(logical.params, target.params),
+        rest=place_dense(logical.rest, target.rest),
         opt_state=placed.opt_state._replace(
-            dense=_place_dense(logical.dense_opt, target.opt_state.dense)
+            dense=place_dense(logical.dense_opt, target.opt_state.dense)
         ),
     )
 
@@ -168,7 +168,7 @@ def _first_shard(x: jax.Array):
     return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
-def _place_dense(nested: Mapping, target: Any) -> Any:
+def place_dense(nested: Mapping, target: Any) -> Any:
     """``target``'s tree with values from ``nested`` on ``target``'s shardings."""
 
     def node(path, x):

@@ -1,0 +1,234 @@
+"""Table buffers to and from disk a bounded slice at a time, each process its own shards.
+
+Saving: every shard a process holds (replica 0) is cut along its blocks into
+pieces, rectangles of one table's field in logical coordinates; each piece is
+one array on disk (``store.py``). Rows go from device to host ``staging_bytes``
+at a time, a window of whole chunks. Restoring: each device's shard of the
+target buffer is filled in place, a window of rows at a time, from the pieces
+that overlap it, so any plan and device count reads only the rows it needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax import lax
+
+from . import store
+from .layout import Buffer
+
+STAGING_BYTES = 64 << 20
+
+
+class Piece(NamedTuple):
+    """Rows ``[row, row + rows)``, columns ``[col, col + cols)`` of a table field
+    (``cols`` 0: a row-wise field), stored in chunks of ``chunk_rows``."""
+
+    row: int
+    rows: int
+    col: int
+    cols: int
+    chunk_rows: int
+
+
+def piece_path(root: str, table_id: int, field: str, p: Piece) -> str:
+    return os.path.join(root, "tables", str(table_id), field, f"{p.row}_{p.col}")
+
+
+def _span(index: tuple, dim: int, size: int) -> tuple[int, int]:
+    if dim >= len(index):
+        return 0, size
+    s = index[dim]
+    return s.start or 0, size if s.stop is None else s.stop
+
+
+def _overlaps(buf: Buffer, shape: tuple, index: tuple, lo: int, hi: int):
+    """``(block, physical rows [r0, r1), physical cols [c0, c1))`` of ``buf``'s blocks
+    inside rows ``[lo, hi)`` and the columns of shard ``index``."""
+    ca, cb = _span(index, 1, shape[1]) if len(shape) == 2 else (0, 0)
+    for b in buf.blocks:
+        r0, r1 = max(b.start, lo), min(b.start + b.rows, hi)
+        c0, c1 = (max(0, ca), min(b.cols, cb)) if len(shape) == 2 else (0, 0)
+        if r0 < r1 and (len(shape) == 1 or c0 < c1):
+            yield b, r0, r1, c0, c1
+
+
+def _window(rows: int, row_bytes: int, staging_bytes: int, at_least: int = 1) -> int:
+    return min(rows, max(at_least, staging_bytes // max(row_bytes, 1)))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _rows(x: jax.Array, start, n: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, start, n, 0)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(x: jax.Array, rows: jax.Array, start) -> jax.Array:
+    return lax.dynamic_update_slice_in_dim(x, rows, start, 0)
+
+
+def writes_shard(array: jax.Array, shard) -> bool:
+    """Whether this process writes ``shard``: replica 0 of a global array; a
+    process-local array only from process 0 (every process holds its own)."""
+    if shard.replica_id != 0:
+        return False
+    return jax.process_count() == 1 or not array.is_fully_addressable or jax.process_index() == 0
+
+
+class ShardSource(NamedTuple):
+    """One shard to write: its global index and a reader of row windows."""
+
+    index: tuple
+    shape: tuple
+    rows: Callable[[int, int], np.ndarray]  # (start, n) -> host rows
+
+
+def shard_sources(array: jax.Array, snapshot: bool) -> list[ShardSource]:
+    """The shards of ``array`` this process writes. ``snapshot``: copied to host now
+    (an asynchronous save; the caller may donate ``array`` at once), else read from
+    the device a window at a time while writing."""
+    out = []
+    for shard in array.addressable_shards:
+        if not writes_shard(array, shard):
+            continue
+        index = tuple(shard.index)
+        if snapshot:
+            host = np.array(shard.data)  # a copy: the buffer may be donated next step
+            out.append(ShardSource(index, host.shape, lambda s, n, h=host: h[s : s + n]))
+        else:
+            data = shard.data
+            out.append(
+                ShardSource(index, data.shape, lambda s, n, d=data: np.asarray(_rows(d, s, n)))
+            )
+    return out
+
+
+def save_buffer(
+    root: str,
+    buf: Buffer,
+    sources: list[ShardSource],
+    table_ids: Mapping[str, int],
+    staging_bytes: int = STAGING_BYTES,
+) -> dict[str, list[Piece]]:
+    """Writes this process's pieces of ``buf``; returns ``{table: [Piece]}``."""
+    shape, dtype = tuple(buf.array.shape), np.dtype(buf.array.dtype)
+    written: dict[str, list[Piece]] = {}
+    for src in sources:
+        lo, hi = _span(src.index, 0, shape[0])
+        if hi <= lo:
+            continue
+        row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * dtype.itemsize
+        cr = store.row_chunks(src.shape, dtype)[0]
+        chunks = []  # (first shard row, rows, array, piece row offset, shard col, cols)
+        for b, r0, r1, c0, c1 in _overlaps(buf, shape, src.index, lo, hi):
+            if len(shape) == 1 and b.col != 0:
+                continue  # a row-wise field: column pieces hold equal copies
+            ca = _span(src.index, 1, shape[1])[0] if len(shape) == 2 else 0
+            p = Piece(b.row + r0 - b.start, r1 - r0, b.col + c0 if c1 else 0, c1 - c0, cr)
+            dims = (p.rows, p.cols) if len(shape) == 2 else (p.rows,)
+            arr = store.create(
+                piece_path(root, table_ids[b.table], buf.field, p), dims, dtype, (cr, *dims[1:])
+            )
+            written.setdefault(b.table, []).append(p)
+            for k in range(0, p.rows, cr):
+                chunks.append((r0 - lo + k, min(cr, p.rows - k), arr, k, c0 - ca, p.cols))
+        chunks.sort(key=lambda c: c[0])
+        n = _window(hi - lo, row_bytes, staging_bytes, cr)
+        i = 0
+        while i < len(chunks):
+            w0 = min(chunks[i][0], hi - lo - n)
+            j = i
+            while j < len(chunks) and chunks[j][0] + chunks[j][1] <= w0 + n:
+                j += 1
+            host = src.rows(w0, n)
+            futures = []
+            for first, rows, arr, k, col, cols in chunks[i:j]:
+                part = host[first - w0 : first - w0 + rows]
+                part = part[:, col : col + cols] if len(shape) == 2 else part
+                futures.append(store.write(arr, slice(k, k + rows), part))
+            for f in futures:
+                f.result()
+            i = j
+    return written
+
+
+def restore_buffer(
+    root: str,
+    buf: Buffer,
+    pieces: Mapping[str, list[Piece]],
+    table_ids: Mapping[str, int],
+    what: str,
+    staging_bytes: int = STAGING_BYTES,
+) -> jax.Array:
+    """A new array shaped and sharded like ``buf.array``, filled from the saved pieces."""
+    target = buf.array
+    shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+    opened: dict = {}
+
+    def piece_array(table: str, p: Piece):
+        key = (table, p)
+        if key not in opened:
+            dims = (p.rows, p.cols) if p.cols else (p.rows,)
+            path = piece_path(root, table_ids[table], buf.field, p)
+            opened[key] = store.open_array(path, dims, dtype, what, (p.chunk_rows, *dims[1:]))
+        return opened[key]
+
+    def fill(host: np.ndarray, g0: int, index: tuple) -> None:
+        ca = _span(index, 1, shape[1])[0] if len(shape) == 2 else 0
+        reads = []
+        for b, r0, r1, c0, c1 in _overlaps(buf, shape, index, g0, g0 + host.shape[0]):
+            lr0, lr1 = b.row + r0 - b.start, b.row + r1 - b.start
+            lc0, lc1 = b.col + c0, b.col + c1
+            covered = 0
+            for p in pieces.get(b.table, ()):
+                pr0, pr1 = max(lr0, p.row), min(lr1, p.row + p.rows)
+                pc0, pc1 = (max(lc0, p.col), min(lc1, p.col + p.cols)) if p.cols else (0, 0)
+                if pr0 >= pr1 or (p.cols and pc0 >= pc1):
+                    continue
+                src = (slice(pr0 - p.row, pr1 - p.row),)
+                dst = (slice(r0 + pr0 - lr0 - g0, r0 + pr1 - lr0 - g0),)
+                if len(shape) == 2:
+                    src += (slice(pc0 - p.col, pc1 - p.col),)
+                    dst += (slice(c0 + pc0 - lc0 - ca, c0 + pc1 - lc0 - ca),)
+                reads.append((piece_array(b.table, p)[src].read(), dst))
+                covered += (pr1 - pr0) * ((pc1 - pc0) if len(shape) == 2 else 1)
+            want = (lr1 - lr0) * ((lc1 - lc0) if len(shape) == 2 else 1)
+            if covered != want:
+                raise store.CheckpointCorruptError(
+                    f"{what}: rows {lr0}..{lr1 - 1} of table {b.table!r} are not all in the "
+                    "checkpoint's index (pieces missing or overlapping)"
+                )
+        for future, dst in reads:
+            try:
+                host[dst] = future.result()
+            except Exception as e:  # noqa: BLE001  (TensorStore raises ValueError)
+                raise store.CheckpointCorruptError(f"{what}: {store.short(e)}") from None
+
+    by_index: dict = {}
+    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(_normal(index, shape), []).append(device)
+    arrays = []
+    for spans, group in by_index.items():
+        index = tuple(slice(a, b) for a, b in spans)
+        local = tuple(b - a for a, b in spans)
+        row_bytes = int(np.prod(local[1:], dtype=np.int64)) * dtype.itemsize
+        outs = [jax.numpy.zeros(local, dtype, device=d) for d in group]
+        n = _window(local[0], row_bytes, staging_bytes)
+        for w0 in range(0, local[0], max(n, 1)):
+            w0 = min(w0, local[0] - n)
+            host = np.zeros((n, *local[1:]), dtype)
+            fill(host, spans[0][0] + w0, index)
+            outs = [
+                _put_rows(o, jax.device_put(host, d), w0) for o, d in zip(outs, group, strict=True)
+            ]
+        arrays.extend(outs)
+    return jax.make_array_from_single_device_arrays(shape, target.sharding, arrays)
+
+
+def _normal(index: tuple, shape: tuple) -> tuple:
+    return tuple(_span(index, d, shape[d]) for d in range(len(shape)))
