@@ -219,9 +219,8 @@ class CheckpointManager:
         for buf in layout.buffers:
             tables = {b.table for b in buf.blocks}
             pieces = {t: _pieces(meta, t, buf.field) for t in tables}
-            name = f"{what}: field {buf.field!r} of {sorted(tables)}"
             arrays[buf.where] = stream.restore_buffer(
-                step_dir, buf, pieces, ids, name, self.staging_bytes
+                step_dir, buf, pieces, ids, what, self.staging_bytes
             )
         counts = {}
         for key, tables in layout.shared_counts.items():
@@ -251,15 +250,21 @@ class CheckpointManager:
         """
         skipped = []
         for step in reversed(self.all_steps()):
+            restored, error = None, None
             try:
-                return self.restore(graphdef, optimizer, state, step=step), step
+                restored = self.restore(graphdef, optimizer, state, step=step)
             except CheckpointCorruptError as e:
-                warnings.warn(
-                    f"resume: skipping damaged checkpoint step {step}: {e}",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-                skipped.append(f"step {step}: {e}")
+                error = str(e)
+            if _all_processes(error is None):  # one collective per step on every process
+                return restored, step
+            if error is None:
+                error = "damaged in the shards another process reads (see its warning)"
+            warnings.warn(
+                f"resume: skipping damaged checkpoint step {step}: {error}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            skipped.append(f"step {step}: {error}")
         if skipped:
             raise CheckpointCorruptError(
                 f"every checkpoint in {self.directory} is damaged:\n  " + "\n  ".join(skipped)
@@ -441,6 +446,15 @@ def _barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def _all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (all processes must resume one step)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 def _wait_for(done, timeout_s: float, what: str) -> None:

@@ -175,7 +175,8 @@ def restore_buffer(
         if key not in opened:
             dims = (p.rows, p.cols) if p.cols else (p.rows,)
             path = piece_path(root, table_ids[table], buf.field, p)
-            opened[key] = store.open_array(path, dims, dtype, what, (p.chunk_rows, *dims[1:]))
+            name = f"{what}: table {table!r} field {buf.field!r}"
+            opened[key] = store.open_array(path, dims, dtype, name, (p.chunk_rows, *dims[1:]))
         return opened[key]
 
     def fill(host: np.ndarray, g0: int, index: tuple) -> None:
@@ -195,19 +196,21 @@ def restore_buffer(
                 if len(shape) == 2:
                     src += (slice(pc0 - p.col, pc1 - p.col),)
                     dst += (slice(c0 + pc0 - lc0 - ca, c0 + pc1 - lc0 - ca),)
-                reads.append((piece_array(b.table, p)[src].read(), dst))
+                reads.append((piece_array(b.table, p)[src].read(), dst, b.table))
                 covered += (pr1 - pr0) * ((pc1 - pc0) if len(shape) == 2 else 1)
             want = (lr1 - lr0) * ((lc1 - lc0) if len(shape) == 2 else 1)
             if covered != want:
                 raise store.CheckpointCorruptError(
-                    f"{what}: rows {lr0}..{lr1 - 1} of table {b.table!r} are not all in the "
-                    "checkpoint's index (pieces missing or overlapping)"
+                    f"{what}: rows {lr0}..{lr1 - 1} of table {b.table!r} field {buf.field!r} are "
+                    "not all in the checkpoint's index (pieces missing or overlapping)"
                 )
-        for future, dst in reads:
+        for future, dst, table in reads:
             try:
                 host[dst] = future.result()
             except Exception as e:  # noqa: BLE001  (TensorStore raises ValueError)
-                raise store.CheckpointCorruptError(f"{what}: {store.short(e)}") from None
+                raise store.CheckpointCorruptError(
+                    f"{what}: table {table!r} field {buf.field!r}: {store.short(e)}"
+                ) from None
 
     by_index: dict = {}
     for device, index in target.sharding.addressable_devices_indices_map(shape).items():

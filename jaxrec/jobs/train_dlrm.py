@@ -158,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume:
         if ckpt is None or ckpt.latest_step() is None:
             raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-        start_step = ckpt.latest_step()
-        state = ckpt.restore(graphdef, optimizer, state, step=start_step)
+        state, start_step = ckpt.resume(graphdef, optimizer, state)  # the newest intact step
         if lead:
             print(f"resumed from step {start_step}", flush=True)
 
