@@ -88,9 +88,11 @@ def test_every_step_damaged_is_an_error(two_steps, tmp_path):
     for step in ("1", "2"):
         _flip(_table_chunk(str(tmp_path / "ckpt" / step)))
     mgr = ckpt.CheckpointManager(tmp_path / "ckpt")
-    with pytest.warns(ckpt.CheckpointWarning), pytest.raises(
-        ckpt.CheckpointCorruptError, match=r"every checkpoint .* is damaged:\n  step 2: .*\n  step 1"
-    ):  # fmt: skip
+    every = r"every checkpoint .* is damaged:\n  step 2: .*\n  step 1"
+    with (
+        pytest.warns(ckpt.CheckpointWarning),
+        pytest.raises(ckpt.CheckpointCorruptError, match=every),
+    ):
         mgr.resume(graphdef, OPT, state)
 
 
