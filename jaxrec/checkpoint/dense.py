@@ -53,8 +53,12 @@ def index_entries(tree) -> list[dict]:
 
 def create(root: str, part: str, entries: list[dict]) -> None:
     """Creates the leaves' arrays (metadata only; the primary process does this once)."""
-    for i, e in enumerate(entries):
-        store.create(leaf_path(root, part, i), e["shape"], e["dtype"], e["chunks"])
+    store.create(
+        [
+            (leaf_path(root, part, i), e["shape"], e["dtype"], e["chunks"])
+            for i, e in enumerate(entries)
+        ]
+    )
 
 
 def snapshot(tree, copy: bool) -> list[list[tuple[tuple, np.ndarray | jax.Array]]]:
@@ -67,10 +71,13 @@ def snapshot(tree, copy: bool) -> list[list[tuple[tuple, np.ndarray | jax.Array]
 
 
 def save(root: str, part: str, entries: list[dict], shards) -> None:
+    items = [
+        (leaf_path(root, part, i), e["shape"], e["dtype"], e["chunks"])
+        for i, e in enumerate(entries)
+    ]
+    arrays = store.open_arrays(items, part, write=True)
     futures = []
-    for i, (e, leaf) in enumerate(zip(entries, shards, strict=True)):
-        path = leaf_path(root, part, i)
-        arr = store.open_array(path, e["shape"], e["dtype"], part, e["chunks"], write=True)
+    for arr, leaf in zip(arrays, shards, strict=True):
         futures.extend(store.write(arr, index, np.asarray(data)) for index, data in leaf)
     for f in futures:
         f.result()
@@ -79,11 +86,15 @@ def save(root: str, part: str, entries: list[dict], shards) -> None:
 def restore(root: str, part: str, entries: list[dict], target, what: str) -> dict:
     """``{path components: jax.Array}`` of every dense leaf of ``target`` in its sharding."""
     saved = {tuple(e["path"]): (i, e) for i, e in enumerate(entries)}
-    out = {}
-    for comps, like in dense_leaves(target):
+    leaves = dense_leaves(target)
+    items = []
+    for comps, _ in leaves:
         i, e = saved[comps]
+        items.append((leaf_path(root, part, i), e["shape"], e["dtype"], e["chunks"]))
+    arrays = store.open_arrays(items, f"{what}: {part}")
+    out = {}
+    for (comps, like), arr in zip(leaves, arrays, strict=True):
         name = f"{what}: {part} leaf {'/'.join(comps)}"
-        arr = store.open_array(leaf_path(root, part, i), e["shape"], e["dtype"], name, e["chunks"])
         devices = like.sharding.addressable_devices_indices_map(like.shape)
         reads = {d: arr[index].read() for d, index in devices.items()}
         shards = []

@@ -50,30 +50,34 @@ def row_chunks(shape, dtype) -> list[int]:
     return [max(1, min(shape[0], CHUNK_BYTES // max(row, 1)))] + shape[1:]
 
 
-def create(path: str, shape, dtype, chunks=None) -> ts.TensorStore:
-    """A new array (an existing one at ``path`` is replaced)."""
-    chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
-    spec = _spec(path, shape, dtype, chunks)
-    spec.update(create=True, delete_existing=True, store_data_equal_to_fill_value=True)
-    return ts.open(spec, context=_CONTEXT).result()
+def create(items) -> list[ts.TensorStore]:
+    """New arrays, created concurrently: ``items`` are ``(path, shape, dtype, chunks)``
+    (chunks ``None``: :func:`row_chunks`) at paths where nothing exists yet."""
+    futures = []
+    for path, shape, dtype, chunks in items:
+        chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
+        spec = _spec(path, shape, dtype, chunks)
+        spec.update(create=True, store_data_equal_to_fill_value=True)
+        futures.append(ts.open(spec, context=_CONTEXT))
+    return [f.result() for f in futures]
 
 
-def open_array(path: str, shape, dtype, what: str, chunks=None, *, write=False) -> ts.TensorStore:
-    """The array at ``path``, checked against the shape, dtype and chunks the index expects."""
-    chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
-    spec = _spec(path, shape, dtype, chunks)
-    spec.update(open=True, fill_missing_data_reads=False, store_data_equal_to_fill_value=True)
-    try:
-        return ts.open(spec, context=_CONTEXT, read=True, write=write).result()
-    except Exception as e:  # noqa: BLE001  (TensorStore raises ValueError for every failure)
-        raise CheckpointCorruptError(f"{what}: cannot open {path}: {short(e)}") from None
-
-
-def read(array: ts.TensorStore, index, what: str) -> np.ndarray:
-    try:
-        return array[index].read().result()
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointCorruptError(f"{what}: {short(e)}") from None
+def open_arrays(items, what: str, *, write: bool = False) -> list[ts.TensorStore]:
+    """The arrays at ``items``' paths (``(path, shape, dtype, chunks)``), opened
+    concurrently and checked against the shape, dtype and chunks the index expects."""
+    futures = []
+    for path, shape, dtype, chunks in items:
+        chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
+        spec = _spec(path, shape, dtype, chunks)
+        spec.update(open=True, fill_missing_data_reads=False, store_data_equal_to_fill_value=True)
+        futures.append(ts.open(spec, context=_CONTEXT, read=True, write=write))
+    out = []
+    for (path, *_), f in zip(items, futures, strict=True):
+        try:
+            out.append(f.result())
+        except Exception as e:  # noqa: BLE001  (TensorStore raises ValueError for every failure)
+            raise CheckpointCorruptError(f"{what}: cannot open {path}: {short(e)}") from None
+    return out
 
 
 def write(array: ts.TensorStore, index, value: np.ndarray):

@@ -124,19 +124,22 @@ def save_buffer(
             continue
         row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * dtype.itemsize
         cr = store.row_chunks(src.shape, dtype)[0]
-        chunks = []  # (first shard row, rows, array, piece row offset, shard col, cols)
+        ca = _span(src.index, 1, shape[1])[0] if len(shape) == 2 else 0
+        found = []  # (piece, first shard row, shard col)
         for b, r0, r1, c0, c1 in _overlaps(buf, shape, src.index, lo, hi):
             if len(shape) == 1 and b.col != 0:
                 continue  # a row-wise field: column pieces hold equal copies
-            ca = _span(src.index, 1, shape[1])[0] if len(shape) == 2 else 0
             p = Piece(b.row + r0 - b.start, r1 - r0, b.col + c0 if c1 else 0, c1 - c0, cr)
-            dims = (p.rows, p.cols) if len(shape) == 2 else (p.rows,)
-            arr = store.create(
-                piece_path(root, table_ids[b.table], buf.field, p), dims, dtype, (cr, *dims[1:])
-            )
+            found.append((b.table, p, r0 - lo, c0 - ca))
             written.setdefault(b.table, []).append(p)
+        arrays = store.create(
+            [(piece_path(root, table_ids[t], buf.field, p), _dims(p), dtype, (cr, *_dims(p)[1:]))
+             for t, p, _, _ in found]
+        )  # fmt: skip
+        chunks = []  # (first shard row, rows, array, piece row offset, shard col, cols)
+        for (_, p, first, col), arr in zip(found, arrays, strict=True):
             for k in range(0, p.rows, cr):
-                chunks.append((r0 - lo + k, min(cr, p.rows - k), arr, k, c0 - ca, p.cols))
+                chunks.append((first + k, min(cr, p.rows - k), arr, k, col, p.cols))
         chunks.sort(key=lambda c: c[0])
         n = _window(hi - lo, row_bytes, staging_bytes, cr)
         i = 0
@@ -168,16 +171,21 @@ def restore_buffer(
     """A new array shaped and sharded like ``buf.array``, filled from the saved pieces."""
     target = buf.array
     shape, dtype = tuple(target.shape), np.dtype(target.dtype)
-    opened: dict = {}
+    by_index: dict = {}
+    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(_normal(index, shape), []).append(device)
+    needed = {}  # the pieces this process's shards read (ordered), opened at once
+    for spans in by_index:
+        index = tuple(slice(a, b) for a, b in spans)
+        for b, r0, r1, _, _ in _overlaps(buf, shape, index, spans[0][0], spans[0][1]):
+            lr0, lr1 = b.row + r0 - b.start, b.row + r1 - b.start
+            for p in pieces.get(b.table, ()):
+                if max(lr0, p.row) < min(lr1, p.row + p.rows):
+                    needed[(b.table, p)] = None
+    opened = _open(root, buf.field, needed, table_ids, dtype, what)
 
     def piece_array(table: str, p: Piece):
-        key = (table, p)
-        if key not in opened:
-            dims = (p.rows, p.cols) if p.cols else (p.rows,)
-            path = piece_path(root, table_ids[table], buf.field, p)
-            name = f"{what}: table {table!r} field {buf.field!r}"
-            opened[key] = store.open_array(path, dims, dtype, name, (p.chunk_rows, *dims[1:]))
-        return opened[key]
+        return opened[(table, p)]
 
     def fill(host: np.ndarray, g0: int, index: tuple) -> None:
         ca = _span(index, 1, shape[1])[0] if len(shape) == 2 else 0
@@ -212,9 +220,6 @@ def restore_buffer(
                     f"{what}: table {table!r} field {buf.field!r}: {store.short(e)}"
                 ) from None
 
-    by_index: dict = {}
-    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
-        by_index.setdefault(_normal(index, shape), []).append(device)
     arrays = []
     for spans, group in by_index.items():
         index = tuple(slice(a, b) for a, b in spans)
@@ -235,3 +240,21 @@ def restore_buffer(
 
 def _normal(index: tuple, shape: tuple) -> tuple:
     return tuple(_span(index, d, shape[d]) for d in range(len(shape)))
+
+
+def _dims(p: Piece) -> tuple[int, ...]:
+    return (p.rows, p.cols) if p.cols else (p.rows,)
+
+
+def _open(root, field, keys, table_ids, dtype, what) -> dict:
+    """``{(table, Piece): array}`` of pieces ``keys``, opened concurrently."""
+    by_table: dict = {}
+    for table, p in keys:
+        by_table.setdefault(table, []).append(p)
+    out = {}
+    for table, ps in by_table.items():
+        items = [(piece_path(root, table_ids[table], field, p), _dims(p), dtype,
+                  (p.chunk_rows, *_dims(p)[1:])) for p in ps]  # fmt: skip
+        name = f"{what}: table {table!r} field {field!r}"
+        out.update(zip([(table, p) for p in ps], store.open_arrays(items, name), strict=True))
+    return out

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from numpy_reference import rank_auc
 
+from jaxrec.checkpoint import CheckpointWarning
 from jaxrec.jobs import dlrm_parts
 from jaxrec.jobs.train_dlrm import main, parse_args
 
@@ -65,14 +66,23 @@ def test_run_writes_summary_metrics_tensorboard_and_plot(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
+    """A crash left the newest checkpoint (step 30) damaged: --resume warns, starts
+    from step 20 and ends exactly where an uninterrupted run does."""
     _, whole = _run(tmp_path, "whole", "--epochs", "2", "--no-checkpoint")
-    _, part = _run(
+    cut, part = _run(
         tmp_path, "cut", "--epochs", "2", "--max-steps", "30", "--checkpoint-every", "10"
     )
     assert part["steps"] == 30
-    _, resumed = _run(tmp_path, "cut", "--epochs", "2", "--resume")
+    chunk = sorted((cut / "checkpoints" / "30" / "tables").glob("0/weight/*/c/*/*"))[0]
+    with open(chunk, "r+b") as f:  # one flipped bit
+        f.seek(5)
+        byte = f.read(1)[0]
+        f.seek(5)
+        f.write(bytes([byte ^ 1]))
+    with pytest.warns(CheckpointWarning, match="skipping damaged checkpoint step 30"):
+        _, resumed = _run(tmp_path, "cut", "--epochs", "2", "--resume")
     assert (
-        resumed["steps"] == whole["steps"] and resumed["samples"] == whole["steps"] * 128 - 30 * 128
+        resumed["steps"] == whole["steps"] and resumed["samples"] == whole["steps"] * 128 - 20 * 128
     )
     for key in ("auc", "ne", "logloss", "calibration"):
         assert resumed["eval"][key] == whole["eval"][key], key
