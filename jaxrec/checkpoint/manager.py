@@ -162,7 +162,9 @@ class CheckpointManager:
                 dense.create(partial, name, entries)
         _barrier(f"jaxrec_checkpoint_start_{step}")
         copy = self.async_save
-        tables = [(buf, stream.shard_sources(buf.array, copy)) for buf in layout.buffers]
+        tables = [
+            (buf, stream.shard_sources(buf, copy, self.staging_bytes)) for buf in layout.buffers
+        ]
         shards = {name: dense.snapshot(tree, copy) for name, tree in parts.items()}
         self._pending = step
         if not self.async_save:

@@ -88,24 +88,53 @@ class ShardSource(NamedTuple):
     rows: Callable[[int, int], np.ndarray]  # (start, n) -> host rows
 
 
-def shard_sources(array: jax.Array, snapshot: bool) -> list[ShardSource]:
-    """The shards of ``array`` this process writes. ``snapshot``: copied to host now
-    (an asynchronous save; the caller may donate ``array`` at once), else read from
-    the device a window at a time while writing."""
-    out = []
+def shard_sources(
+    buf: Buffer, snapshot: bool, staging_bytes: int = STAGING_BYTES
+) -> list[ShardSource]:
+    """The shards of ``buf`` this process writes, read from the device a window at a
+    time while writing, or, with ``snapshot`` (an asynchronous save: the caller may
+    donate the array at once), copied to host now: only the rows of its pieces, not a
+    padded layout's padding, through one staging window."""
+    array, out = buf.array, []
     for shard in array.addressable_shards:
         if not writes_shard(array, shard):
             continue
-        index = tuple(shard.index)
+        index, data = tuple(shard.index), shard.data
+        read = lambda s, n, d=data: np.asarray(_rows(d, s, n))  # noqa: E731
         if snapshot:
-            host = np.array(shard.data)  # a copy: the buffer may be donated next step
-            out.append(ShardSource(index, host.shape, lambda s, n, h=host: h[s : s + n]))
-        else:
-            data = shard.data
-            out.append(
-                ShardSource(index, data.shape, lambda s, n, d=data: np.asarray(_rows(d, s, n)))
-            )
+            read = _snapshot(buf, index, data, read, staging_bytes)
+        out.append(ShardSource(index, data.shape, read))
     return out
+
+
+def _snapshot(buf: Buffer, index: tuple, data: jax.Array, read, staging_bytes: int):
+    """A host copy of the rows of ``buf``'s blocks in one shard, and its window reader
+    (rows outside the blocks read as zeros: no piece holds them)."""
+    shape, local = tuple(buf.array.shape), data.shape
+    lo, hi = _span(index, 0, shape[0])
+    spans = sorted({(r0 - lo, r1 - lo) for _, r0, r1, _, _ in _overlaps(buf, shape, index, lo, hi)})
+    starts = np.cumsum([0] + [e - s for s, e in spans])
+    copy = np.empty((int(starts[-1]), *local[1:]), data.dtype)
+    row_bytes = int(np.prod(local[1:], dtype=np.int64)) * data.dtype.itemsize
+    n = _window(local[0], row_bytes, staging_bytes)
+    for w0 in range(0, local[0], max(n, 1)):
+        w0 = min(w0, local[0] - n)
+        window = None
+        for (s, e), at in zip(spans, starts, strict=False):
+            a, b = max(s, w0), min(e, w0 + n)
+            if a < b:
+                window = read(w0, n) if window is None else window
+                copy[at + a - s : at + b - s] = window[a - w0 : b - w0]
+
+    def rows(w0: int, n: int) -> np.ndarray:
+        out = np.zeros((n, *local[1:]), data.dtype)
+        for (s, e), at in zip(spans, starts, strict=False):
+            a, b = max(s, w0), min(e, w0 + n)
+            if a < b:
+                out[a - w0 : b - w0] = copy[at + a - s : at + b - s]
+        return out
+
+    return rows
 
 
 def save_buffer(
