@@ -7,7 +7,8 @@ process's peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs
 over the memory held before each operation:
 
 - ``save``: a synchronous save with a 16 MiB staging buffer;
-- ``async_save``: an asynchronous save (its host copy of the shards included);
+- ``async_save``: an asynchronous save (its host copy of the pieces included;
+  ``logical_bytes``: the tables and state unpadded);
 - ``restore``: a restore into another plan (every table row-wise), whose new
   arrays (``restored_bytes``) are counted;
 
@@ -53,12 +54,16 @@ def _reset_peak() -> int:
     return _kb("VmRSS")
 
 
+def _shapes(rows: int) -> list[tuple[int, int]]:
+    return [(rows, 64), (rows, 64), (rows // 2, 32), (rows // 4, 16)]
+
+
 class Model(nnx.Module):
     def __init__(self, rows: int):
         configs = [
             jr.EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n,
                                   feature_names=[f"f{i}"])
-            for i, (n, dim) in enumerate([(rows, 64), (rows, 64), (rows // 2, 32), (rows // 4, 16)])
+            for i, (n, dim) in enumerate(_shapes(rows))
         ]  # fmt: skip
         self.ebc = jr.EmbeddingBagCollection(configs, rngs=nnx.Rngs(0))
 
@@ -78,7 +83,8 @@ def main(directory: str, megabytes: float) -> None:
     graphdef, state = build(rows, saved_plan)
     state = jax.tree.map(lambda x: x + 1, state)  # momentum nonzero
     size = sum(x.nbytes for x in jax.tree.leaves((state.tables, state.opt_state.sparse)))
-    out = {"state_bytes": size, "staging_bytes": STAGING}
+    logical = sum(n * (dim + 1) * 4 for n, dim in _shapes(rows))
+    out = {"state_bytes": size, "logical_bytes": logical, "staging_bytes": STAGING}
 
     base = _reset_peak()
     with ckpt.CheckpointManager(f"{directory}/sync", async_save=False, staging_bytes=STAGING) as m:
