@@ -10,6 +10,7 @@ that overlap it, so any plan and device count reads only the rows it needs.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 from collections.abc import Callable, Mapping
@@ -47,15 +48,30 @@ def _span(index: tuple, dim: int, size: int) -> tuple[int, int]:
     return s.start or 0, size if s.stop is None else s.stop
 
 
-def _overlaps(buf: Buffer, shape: tuple, index: tuple, lo: int, hi: int):
-    """``(block, physical rows [r0, r1), physical cols [c0, c1))`` of ``buf``'s blocks
-    inside rows ``[lo, hi)`` and the columns of shard ``index``."""
-    ca, cb = _span(index, 1, shape[1]) if len(shape) == 2 else (0, 0)
-    for b in buf.blocks:
-        r0, r1 = max(b.start, lo), min(b.start + b.rows, hi)
-        c0, c1 = (max(0, ca), min(b.cols, cb)) if len(shape) == 2 else (0, 0)
-        if r0 < r1 and (len(shape) == 1 or c0 < c1):
-            yield b, r0, r1, c0, c1
+class Blocks:
+    """A buffer's blocks sorted by their first row: those inside a window are found by
+    bisection (a buffer of a production model has tens of thousands of blocks)."""
+
+    def __init__(self, buf: Buffer):
+        self.blocks = sorted(buf.blocks, key=lambda b: b.start)
+        self.ends = [b.start + b.rows for b in self.blocks]
+        if any(e > b.start for e, b in zip(self.ends, self.blocks[1:], strict=False)):
+            raise ValueError(f"blocks of buffer {buf.where} overlap: {self.blocks}")
+        self.shape = tuple(buf.array.shape)
+
+    def inside(self, index: tuple, lo: int, hi: int):
+        """``(block, physical rows [r0, r1), physical cols [c0, c1))`` of the blocks inside
+        rows ``[lo, hi)`` and the columns of shard ``index``."""
+        two_d = len(self.shape) == 2
+        ca, cb = _span(index, 1, self.shape[1]) if two_d else (0, 0)
+        for i in range(bisect.bisect_right(self.ends, lo), len(self.blocks)):
+            b = self.blocks[i]
+            if b.start >= hi:
+                break
+            r0, r1 = max(b.start, lo), min(b.start + b.rows, hi)
+            c0, c1 = (max(0, ca), min(b.cols, cb)) if two_d else (0, 0)
+            if r0 < r1 and (not two_d or c0 < c1):
+                yield b, r0, r1, c0, c1
 
 
 def _window(rows: int, row_bytes: int, staging_bytes: int, at_least: int = 1) -> int:
@@ -112,7 +128,7 @@ def _snapshot(buf: Buffer, index: tuple, data: jax.Array, read, staging_bytes: i
     (rows outside the blocks read as zeros: no piece holds them)."""
     shape, local = tuple(buf.array.shape), data.shape
     lo, hi = _span(index, 0, shape[0])
-    spans = sorted({(r0 - lo, r1 - lo) for _, r0, r1, _, _ in _overlaps(buf, shape, index, lo, hi)})
+    spans = sorted({(r0 - lo, r1 - lo) for _, r0, r1, _, _ in Blocks(buf).inside(index, lo, hi)})
     starts = np.cumsum([0] + [e - s for s, e in spans])
     copy = np.empty((int(starts[-1]), *local[1:]), data.dtype)
     row_bytes = int(np.prod(local[1:], dtype=np.int64)) * data.dtype.itemsize
@@ -146,6 +162,7 @@ def save_buffer(
 ) -> dict[str, list[Piece]]:
     """Writes this process's pieces of ``buf``; returns ``{table: [Piece]}``."""
     shape, dtype = tuple(buf.array.shape), np.dtype(buf.array.dtype)
+    blocks = Blocks(buf)
     written: dict[str, list[Piece]] = {}
     for src in sources:
         lo, hi = _span(src.index, 0, shape[0])
@@ -155,7 +172,7 @@ def save_buffer(
         cr = store.row_chunks(src.shape, dtype)[0]
         ca = _span(src.index, 1, shape[1])[0] if len(shape) == 2 else 0
         found = []  # (piece, first shard row, shard col)
-        for b, r0, r1, c0, c1 in _overlaps(buf, shape, src.index, lo, hi):
+        for b, r0, r1, c0, c1 in blocks.inside(src.index, lo, hi):
             if len(shape) == 1 and b.col != 0:
                 continue  # a row-wise field: column pieces hold equal copies
             p = Piece(b.row + r0 - b.start, r1 - r0, b.col + c0 if c1 else 0, c1 - c0, cr)
@@ -200,13 +217,14 @@ def restore_buffer(
     """A new array shaped and sharded like ``buf.array``, filled from the saved pieces."""
     target = buf.array
     shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+    blocks = Blocks(buf)
     by_index: dict = {}
     for device, index in target.sharding.addressable_devices_indices_map(shape).items():
         by_index.setdefault(_normal(index, shape), []).append(device)
     needed = {}  # the pieces this process's shards read (ordered), opened at once
     for spans in by_index:
         index = tuple(slice(a, b) for a, b in spans)
-        for b, r0, r1, _, _ in _overlaps(buf, shape, index, spans[0][0], spans[0][1]):
+        for b, r0, r1, _, _ in blocks.inside(index, spans[0][0], spans[0][1]):
             lr0, lr1 = b.row + r0 - b.start, b.row + r1 - b.start
             for p in pieces.get(b.table, ()):
                 if max(lr0, p.row) < min(lr1, p.row + p.rows):
@@ -219,7 +237,7 @@ def restore_buffer(
     def fill(host: np.ndarray, g0: int, index: tuple) -> None:
         ca = _span(index, 1, shape[1])[0] if len(shape) == 2 else 0
         reads = []
-        for b, r0, r1, c0, c1 in _overlaps(buf, shape, index, g0, g0 + host.shape[0]):
+        for b, r0, r1, c0, c1 in blocks.inside(index, g0, g0 + host.shape[0]):
             lr0, lr1 = b.row + r0 - b.start, b.row + r1 - b.start
             lc0, lc1 = b.col + c0, b.col + c1
             covered = 0
