@@ -175,17 +175,19 @@ def save_buffer(
         for b, r0, r1, c0, c1 in blocks.inside(src.index, lo, hi):
             if len(shape) == 1 and b.col != 0:
                 continue  # a row-wise field: column pieces hold equal copies
-            p = Piece(b.row + r0 - b.start, r1 - r0, b.col + c0 if c1 else 0, c1 - c0, cr)
+            rows = r1 - r0  # chunks of at most cr rows, equal sizes: zarr pads the last one
+            p = Piece(b.row + r0 - b.start, rows, b.col + c0 if c1 else 0, c1 - c0,
+                      -(-rows // -(-rows // cr)))  # fmt: skip
             found.append((b.table, p, r0 - lo, c0 - ca))
             written.setdefault(b.table, []).append(p)
         arrays = store.create(
-            [(piece_path(root, table_ids[t], buf.field, p), _dims(p), dtype, (cr, *_dims(p)[1:]))
-             for t, p, _, _ in found]
+            [(piece_path(root, table_ids[t], buf.field, p), _dims(p), dtype,
+              (p.chunk_rows, *_dims(p)[1:])) for t, p, _, _ in found]
         )  # fmt: skip
         chunks = []  # (first shard row, rows, array, piece row offset, shard col, cols)
         for (_, p, first, col), arr in zip(found, arrays, strict=True):
-            for k in range(0, p.rows, cr):
-                chunks.append((first + k, min(cr, p.rows - k), arr, k, col, p.cols))
+            for k in range(0, p.rows, p.chunk_rows):
+                chunks.append((first + k, min(p.chunk_rows, p.rows - k), arr, k, col, p.cols))
         chunks.sort(key=lambda c: c[0])
         n = _window(hi - lo, row_bytes, staging_bytes, cr)
         i = 0
