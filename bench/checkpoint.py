@@ -121,8 +121,11 @@ def main() -> None:
 
         ref = np.random.default_rng(0).random(logical // 4, dtype=np.float32)
 
+        paths = []
+
         def np_save(sync: bool):
             path = f"{root}/r{next(n)}.npy"
+            paths.append(path)
             with open(path, "wb") as f:
                 np.save(f, ref)
                 if sync:
@@ -131,7 +134,7 @@ def main() -> None:
 
         out["np_save_s"] = timed(lambda: np_save(False), args.reps)
         out["np_save_fsync_s"] = timed(lambda: np_save(True), args.reps)
-        out["np_load_s"] = timed(lambda: np.load(f"{root}/r{next(n) - 1}.npy"), args.reps)
+        out["np_load_s"] = timed(lambda: np.load(paths[-1]), args.reps)
         for k in [k for k in out if k.endswith("_s")]:
             out[k[:-2] + "_MBps"] = round(logical / out[k] / 1e6, 1)
         out["save_sync_vs_np_save_fsync"] = round(out["np_save_fsync_s"] / out["save_sync_s"], 3)

@@ -194,16 +194,19 @@ def test_nested_pooled_and_sequence_collections(tmp_path):
         ("row_wise", "unsharded", True),
     ],
 )
+@pytest.mark.parametrize("host_views", [True, False], ids=["views", "device_windows"])
 def test_streaming_in_small_windows_across_plans(
-    tmp_path, monkeypatch, saved_under, restored_under, async_save
+    tmp_path, monkeypatch, saved_under, restored_under, async_save, host_views
 ):
     """Chunks of a few rows and staging windows of a few chunks: pieces span many
     chunks, windows end mid-piece and clamp at the end of a shard, column shards are
     read back into other column splits, an async save's host copy skips padding rows;
-    the result is exact."""
-    from jaxrec.checkpoint import store
+    the result is exact. Shards are read through host views (CPU devices) or sliced on
+    the device (as on GPUs)."""
+    from jaxrec.checkpoint import store, stream
 
     monkeypatch.setattr(store, "CHUNK_BYTES", 64)  # 2 rows of 8 floats
+    monkeypatch.setattr(stream, "HOST_VIEWS", host_views)
 
     def state_of(name):
         return build("unsharded", OPT)[:2] if name == "unsharded" else build_plan(name, OPT)
