@@ -103,7 +103,6 @@ class CheckpointManager:
         self.commit_timeout_s = commit_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pending: int | None = None
         _LIVE.add(self)
 
     def save(
@@ -166,12 +165,8 @@ class CheckpointManager:
             (buf, stream.shard_sources(buf, copy, self.staging_bytes)) for buf in layout.buffers
         ]
         shards = {name: dense.snapshot(tree, copy) for name, tree in parts.items()}
-        self._pending = step
         if not self.async_save:
-            try:
-                self._write(step, partial, meta, ids, tables, shards)
-            finally:
-                self._pending = None
+            self._write(step, partial, meta, ids, tables, shards)
             return True
         self._thread = threading.Thread(
             target=self._write_in_background,
@@ -350,8 +345,6 @@ class CheckpointManager:
             self._write(*args)
         except BaseException as e:  # noqa: BLE001  (re-raised by wait_until_finished)
             self._error = e
-        finally:
-            self._pending = None
 
     def _write(self, step, partial, meta, ids, tables, shards) -> None:
         pieces: dict = {}
