@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..distributed.host_copies import gathered
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
@@ -200,3 +199,12 @@ def _put(value: Any, like: Any) -> jax.Array:
         return jax.device_put(value.astype(like.dtype), sharding)
     value = np.asarray(value).astype(like.dtype, copy=False)
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def gathered(x: jax.Array) -> np.ndarray:
+    """A host copy in ``x``'s dtype, gathered from every process when not fully addressable."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.array(x)

@@ -7,11 +7,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..distributed.sharded_base import OverflowCount
+from ..embedding.collection import PlanLocal
 
 # Per-device diagnostics whose shape depends on the mesh: not checkpointed; a
 # restored state keeps the target's values.
-PLAN_LOCAL = (OverflowCount,)
+PLAN_LOCAL = (PlanLocal,)
 
 
 def table_key(path: tuple, module: Any, table: str) -> str:

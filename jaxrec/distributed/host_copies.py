@@ -45,12 +45,3 @@ def host_float32(x: jax.Array) -> np.ndarray:
 
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
-
-
-def gathered(x: jax.Array) -> np.ndarray:
-    """A host copy in ``x``'s dtype, gathered from every process when not fully addressable."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.array(x)

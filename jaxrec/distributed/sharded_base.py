@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..embedding.blocks import Block, TableBlocks
-from ..embedding.collection import EmbeddingCollectionInterface
+from ..embedding.collection import EmbeddingCollectionInterface, PlanLocal
 from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
 from ..embedding.tables import EmbeddingTable, group_tables
@@ -56,7 +56,7 @@ OVERFLOW_MODES = ("exact", "raise", "warn", "count")
 _EAGER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class OverflowCount(nnx.Variable):
+class OverflowCount(PlanLocal):
     """Ids beyond the fast-path capacity, per device, since construction: sent in extra
     rounds (``overflow="exact"``) or dropped (the drop modes)."""
 

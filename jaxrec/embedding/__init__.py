@@ -13,6 +13,7 @@ with tables implements for the optimizer, the train step and checkpoints
 from .collection import EmbeddingCollectionInterface as EmbeddingCollectionInterface
 from .collection import GradSource as GradSource
 from .collection import LookupGrad as LookupGrad
+from .collection import PlanLocal as PlanLocal
 from .collection import embedding_collections as embedding_collections
 from .optimizer import CombinedOptimizer as CombinedOptimizer
 from .optimizer import CombinedOptState as CombinedOptState

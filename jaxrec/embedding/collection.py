@@ -23,6 +23,12 @@ from ..ops import Implementation
 from .blocks import TableBlocks
 
 
+class PlanLocal(nnx.Variable):
+    """A variable shaped by the sharding plan (per-device diagnostics such as the
+    sharded collections' overflow counts): not part of the plan-independent state, so
+    checkpoints leave it out and a restored state keeps the target's value."""
+
+
 class LookupGrad(NamedTuple):
     """One call of a collection in a train step: what it looked up and the gradient
     of the loss with respect to its (tapped) output."""
