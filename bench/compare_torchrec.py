@@ -32,7 +32,8 @@ Prints one JSON line per (configuration, phase, framework), one per ceiling,
 and one ``ratio`` line per (configuration, phase): ``torchrec median_ms /
 jaxrec median_ms`` (> 1: jaxrec is faster) beside the issue's goal and the
 fractions of the ceiling. Every line names the machine (CPU model, cores,
-cache sizes). Exits 1 if outputs disagree.
+cache sizes) and the 1-minute load average (above the thread count: other
+jobs shared the cores). Exits 1 if outputs disagree.
 
     python bench/compare_torchrec.py --preset tiny            # a smoke test
     python bench/compare_torchrec.py --preset issue --reps 15 # the issue's three configs
@@ -172,7 +173,8 @@ def ratio_line(name, spec, phase, times, impl, bytes_moved=None, **extra) -> dic
 
 
 def emit(line: dict) -> dict:
-    line = {**line, "machine": MACHINE}
+    # The load average shows whether other jobs shared the cores during the phase.
+    line = {**line, "machine": MACHINE, "loadavg_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(line), flush=True)
     return line
 
