@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -162,6 +163,33 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """The CPU this runs on: model, cores it may use, and each cache level's size per instance."""
+    caches = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            if not index.startswith("index"):
+                continue
+            path = os.path.join(base, index)
+            with open(os.path.join(path, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(path, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(path, "size")) as f:
+                size = f.read().strip()
+            if kind != "Instruction":
+                caches["L" + level + ("d" if kind == "Data" else "")] = size
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "cpus_online": os.cpu_count(),
+        "caches": caches,
+    }
 
 
 def record(bench: str, spec: LookupSpec, impl: str, times: Sequence[float], **extra) -> dict:

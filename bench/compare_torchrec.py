@@ -15,9 +15,25 @@ reported. Phases:
   kernel: ``backward()`` applies FBGEMM's fused optimizer). Both run the same
   number of steps from the same weights; touched rows must then agree.
 
-Prints one JSON line per (configuration, phase, framework) and one ``ratio``
-line per (configuration, phase): ``torchrec median_ms / jaxrec median_ms``
-(> 1: jaxrec is faster) beside the issue's goal. Exits 1 if outputs disagree.
+The roofline: in the same run, the machine's own ceilings for this access
+pattern (``jaxrec.cpu.read_bandwidth`` / ``gather_rows``, small C++ loops that
+sum what they read in registers): a sequential read of the table (up to 1 GiB)
+and a gather of the forward's rows (the same ids, rows and row size from
+jaxrec's table), each with 1 thread and with ``n``. The gathers are timed in
+the forward's interleaved turns (after the frameworks, so the protocol's cache
+state is theirs: they never warm jaxrec's next call), at the prefetch distance
+that was fastest for them. Every phase is reported as a fraction of the
+faster gather (1 or ``n`` threads; small calls may gain nothing from a second
+thread) and of the faster read: the forward's ``gather ms / phase ms``; a train step's
+traffic is modeled as the forward's rows plus each unique row read and written
+back once (and row-wise Adagrad's one float of state per row).
+
+Prints one JSON line per (configuration, phase, framework), one per ceiling,
+and one ``ratio`` line per (configuration, phase): ``torchrec median_ms /
+jaxrec median_ms`` (> 1: jaxrec is faster) beside the issue's goal and the
+fractions of the ceiling. Every line names the machine (CPU model, cores,
+cache sizes) and the 1-minute load average (above the thread count: other
+jobs shared the cores). Exits 1 if outputs disagree.
 
     python bench/compare_torchrec.py --preset tiny            # a smoke test
     python bench/compare_torchrec.py --preset issue --reps 15 # the issue's three configs
@@ -45,6 +61,7 @@ from common import (  # noqa: E402
     build_jaxrec,
     build_torchrec,
     jaxrec_kjt,
+    machine,
     record,
     torchrec_available,
     torchrec_kjt,
@@ -52,8 +69,8 @@ from common import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from specs import LookupSpec, make_inputs  # noqa: E402
 
-from jaxrec import EmbeddingTable, optim  # noqa: E402
-from jaxrec.embedding import CombinedOptimizer
+from jaxrec import EmbeddingTable, cpu, optim  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 from jaxrec.train import init_train_state, make_train_step  # noqa: E402
 
 BENCH = "compare_torchrec"
@@ -68,12 +85,18 @@ CONFIGS: dict[str, LookupSpec] = {
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
 IDLE_S = 0.05  # pause before each timed call (not timed); --idle-ms
 BLOCK = 1  # calls per turn; with > 1 the first of each turn is untimed; --block
-GOALS = {"forward": 1.5, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
+GOALS = {"forward": 1.3, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
 OPTIMIZERS: dict[str, tuple[str, Callable]] = {
     "rowwise_adagrad": ("EXACT_ROWWISE_ADAGRAD", lambda lr: optim.rowwise_adagrad(lr, OPT_EPS)),
     "sgd": ("EXACT_SGD", lambda lr: optim.sgd(lr)),
 }
+
+
+MACHINE = machine()
+GATHER_AHEADS = (0, 4, 8, 16, 32)  # prefetch distances tried for the gather ceiling
+READ_CAP = 1 << 30  # bytes of the table read sequentially
+CEILINGS: dict[str, dict] = {}  # config -> the forward's ceilings in this run (GB/s)
 
 
 def threads() -> int:
@@ -93,7 +116,7 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     call), then calls ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts
     cold (idle cores, caches filled by the other framework). ``BLOCK > 1``: the
     first call of a turn is untimed and the rest run back to back, as in a
-    training loop.
+    training loop. A ``fn`` that returns a number gives its own time (seconds).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -105,13 +128,28 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
             time.sleep(IDLE_S)
             for j in range(BLOCK):
                 start = time.perf_counter()
-                fns[k]()
+                own = fns[k]()
+                took = own if isinstance(own, float) else time.perf_counter() - start
                 if BLOCK == 1 or j > 0:
-                    times[k].append((time.perf_counter() - start) * 1e3)
+                    times[k].append(took * 1e3)
     return times
 
 
-def ratio_line(name, spec, phase, times, impl, **extra) -> dict:
+def fractions(name, times, bytes_moved) -> dict:
+    """Each framework's bandwidth over this run's ceilings for ``name`` (1.0: at the ceiling)."""
+    ceil = CEILINGS.get(name)
+    if not ceil or not bytes_moved:
+        return {}
+    out = {"gather_gbps": round(ceil["gather"], 3), "read_gbps": round(ceil["read"], 3)}
+    for fw in ("jaxrec", "torchrec"):
+        gbps = bytes_moved / (statistics.median(times[fw]) * 1e-3) / 1e9
+        out[f"{fw}_gbps"] = round(gbps, 3)
+        out[f"{fw}_fraction_of_gather"] = round(gbps / ceil["gather"], 3)
+        out[f"{fw}_fraction_of_read"] = round(gbps / ceil["read"], 3)
+    return out
+
+
+def ratio_line(name, spec, phase, times, impl, bytes_moved=None, **extra) -> dict:
     ratio = statistics.median(times["torchrec"]) / statistics.median(times["jaxrec"])
     goal = GOALS["forward" if phase == "forward" else "train"]
     return {
@@ -128,25 +166,78 @@ def ratio_line(name, spec, phase, times, impl, **extra) -> dict:
         "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
         "goal": goal,
         "meets_goal": ratio >= goal,
+        "bytes_moved": bytes_moved,
+        **fractions(name, times, bytes_moved),
         **extra,
     }
 
 
 def emit(line: dict) -> dict:
+    # The load average shows whether other jobs shared the cores during the phase.
+    line = {**line, "machine": MACHINE, "loadavg_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(line), flush=True)
     return line
 
 
-def _records(name, spec, phase, times, impl, **extra) -> list[dict]:
+# ----- the roofline -----
+def forward_ids(spec, inputs) -> np.ndarray:
+    """The forward's rows in the stacked ``[T * E, D]`` table, in the kernel's order."""
+    ids = inputs["values"].reshape(spec.T, -1) + np.arange(spec.T)[:, None] * spec.E
+    return np.ascontiguousarray(ids.reshape(-1), np.int32)
+
+
+def best_ahead(table, ids, n, reps=3) -> int:
+    """The prefetch distance at which ``gather_rows`` is fastest with ``n`` threads."""
+    cpu.gather_rows(table, ids, n, 16)  # warm
+    med = {}
+    for ahead in GATHER_AHEADS:
+        med[ahead] = statistics.median(
+            cpu.gather_rows(table, ids, n, ahead)[0] for _ in range(reps)
+        )
+    return min(med, key=med.get)
+
+
+def read_gbps(table, n, reps=5) -> float:
+    """Median sequential read bandwidth of (up to ``READ_CAP`` bytes of) the table, GB/s."""
+    flat = table.reshape(-1)[: READ_CAP // 4]
+    cpu.read_bandwidth(flat, n)
+    secs = []
+    for _ in range(reps):
+        time.sleep(IDLE_S)
+        secs.append(cpu.read_bandwidth(flat, n)[0])
+    return flat.nbytes / statistics.median(secs) / 1e9
+
+
+def gather_fns(spec, inputs, table) -> tuple[dict, dict]:
+    """``{"gather_1t", "gather_<n>t"}`` timed calls over the forward's rows, and their settings."""
+    ids = forward_ids(spec, inputs)
+    fns, settings = {}, {}
+    for n in sorted({1, threads()}):
+        ahead = best_ahead(table, ids, n)
+        fns[f"gather_{n}t"] = lambda n=n, ahead=ahead: cpu.gather_rows(table, ids, n, ahead)[0]
+        settings[f"gather_{n}t"] = {"threads": n, "prefetch_ahead": ahead}
+    return fns, settings
+
+
+def train_bytes(spec, inputs, optimizer) -> int:
+    """A train step's modeled traffic: the forward's rows, then each unique row read and
+    written back once (row-wise Adagrad: and its one float of state)."""
+    ids = inputs["values"].reshape(spec.T, -1)
+    unique = sum(len(np.unique(row)) for row in ids)
+    per_row = 2 * spec.D * spec.bytes_per_element + (8 if optimizer == "rowwise_adagrad" else 0)
+    return spec.bytes_read() + unique * per_row
+
+
+def _records(name, spec, phase, times, impl, bytes_moved=None, **extra) -> list[dict]:
     out = []
     for fw, t in times.items():
         rec = record(BENCH, spec, fw, t, config=name, phase=phase, threads=threads(), block=BLOCK)
         if fw == "jaxrec":
             rec["jaxrec_impl"] = impl
-        if phase == "forward":
-            rec["gbps"] = round(spec.bytes_read() / (statistics.median(t) * 1e-3) / 1e9, 3)
+        if bytes_moved:
+            rec["gbps"] = round(bytes_moved / (statistics.median(t) * 1e-3) / 1e9, 3)
         out.append(emit(rec))
-    out.append(emit(ratio_line(name, spec, phase, times, impl, **extra)))
+    out.append(emit(ratio_line(name, spec, phase, times, impl, bytes_moved, **extra)))
     return out
 
 
@@ -156,6 +247,7 @@ def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
 
     ebc = build_jaxrec(spec, seed=seed)
     ebc.implementation = None if impl == "auto" else impl
+    (table,) = [np.asarray(w) for w in jax.tree.leaves(nnx.state(ebc, EmbeddingTable))]
     graphdef, state = nnx.split(ebc)
     forward = jax.jit(lambda state, kjt: nnx.merge(graphdef, state)(kjt).values())
     kjt = jaxrec_kjt(spec, inputs)
@@ -163,6 +255,11 @@ def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
     del ebc
     gc.collect()
     tkjt = torchrec_kjt(inputs, next(iter(tebc.parameters())).dtype)
+    gathers, settings = gather_fns(spec, inputs, table)
+    seq, read_settings = {}, {}
+    for n in sorted({1, threads()}):
+        seq[f"read_{n}t"] = read_gbps(table, n)
+        read_settings[f"read_{n}t"] = {"threads": n, "bytes": min(table.nbytes, READ_CAP)}
     with torch.no_grad():
         out = np.asarray(forward(state, kjt), np.float32)
         ref = tebc(tkjt).values().float().numpy()
@@ -170,14 +267,39 @@ def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
             {
                 "jaxrec": lambda: forward(state, kjt).block_until_ready(),
                 "torchrec": lambda: tebc(tkjt),
+                **gathers,
             },
             reps,
             warmup,
         )
     diff = float(np.max(np.abs(out - ref))) if ref.size else 0.0
     tol = 4 * EPS[spec.dtype] * spec.L * (1.0 / spec.E) ** 0.5
+    gb = spec.bytes_read() / 1e9
+    ceil = {k: gb / (statistics.median(times.pop(k)) * 1e-3) for k in gathers}
+    for k, gbps in {**ceil, **seq}.items():
+        emit(
+            {
+                "bench": BENCH,
+                "impl": "ceiling",
+                "ceiling": k,
+                "config": name,
+                **spec.as_dict(),
+                "block": BLOCK,
+                "gbps": round(gbps, 3),
+                **{**settings, **read_settings}[k],
+            }
+        )
+    CEILINGS[name] = {"gather": max(ceil.values()), "read": max(seq.values()), **ceil, **seq}
     return _records(
-        name, spec, "forward", times, impl, max_abs_diff=diff, tolerance=tol, agree=diff <= tol
+        name,
+        spec,
+        "forward",
+        times,
+        impl,
+        bytes_moved=spec.bytes_read(),
+        max_abs_diff=diff,
+        tolerance=tol,
+        agree=diff <= tol,
     )
 
 
@@ -243,6 +365,7 @@ def run_train(name, spec, inputs, optimizer, impl, reps, warmup, seed, lr=0.1) -
         f"train_{optimizer}",
         times,
         impl,
+        bytes_moved=train_bytes(spec, inputs, optimizer),
         optimizer=fbgemm,
         steps=steps,
         max_abs_diff=diff,

@@ -47,6 +47,7 @@ namespace ffi = xla::ffi;
 #include "jaxrec_cpu/common.h"
 #include "jaxrec_cpu/lookup.h"
 #include "jaxrec_cpu/update.h"
+#include "jaxrec_cpu/roofline.h"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
                               ffi::Ffi::Bind()
@@ -173,9 +174,79 @@ PyObject* Info(PyObject*, PyObject*) {
                        "ffi_api_minor", XLA_FFI_API_MINOR);
 }
 
+// A C-contiguous buffer of 4-byte items of kind `kind` ('f' float, 'i' int32), or an error.
+bool GetBuffer(PyObject* obj, Py_buffer* view, char kind, int ndim, const char* name) {
+  if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return false;
+  const char* f = view->format ? view->format : "B";
+  const char last = f[std::strlen(f) - 1];
+  const bool ok_kind = kind == 'f' ? last == 'f' : (last == 'i' || last == 'l');
+  if (!ok_kind || view->itemsize != 4 || view->ndim != ndim) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous %d-d %s array, got format=%s "
+                 "itemsize=%zd ndim=%d", name, ndim, kind == 'f' ? "float32" : "int32", f,
+                 view->itemsize, view->ndim);
+    PyBuffer_Release(view);
+    return false;
+  }
+  return true;
+}
+
+PyObject* PyReadBandwidth(PyObject*, PyObject* args) {
+  PyObject* obj;
+  int threads;
+  if (!PyArg_ParseTuple(args, "Oi", &obj, &threads)) return nullptr;
+  Py_buffer buf;
+  if (!GetBuffer(obj, &buf, 'f', 1, "read_bandwidth(data)")) return nullptr;
+  double sum = 0, s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = ReadBandwidth(static_cast<const float*>(buf.buf), buf.len / 4, std::max(1, threads), &sum);
+  Py_END_ALLOW_THREADS;
+  PyBuffer_Release(&buf);
+  return Py_BuildValue("(dd)", s, sum);
+}
+
+PyObject* PyGatherRows(PyObject*, PyObject* args) {
+  PyObject *tobj, *iobj;
+  int threads;
+  long long ahead;
+  if (!PyArg_ParseTuple(args, "OOiL", &tobj, &iobj, &threads, &ahead)) return nullptr;
+  Py_buffer table, ids;
+  if (!GetBuffer(tobj, &table, 'f', 2, "gather_rows(table)")) return nullptr;
+  if (!GetBuffer(iobj, &ids, 'i', 1, "gather_rows(ids)")) {
+    PyBuffer_Release(&table);
+    return nullptr;
+  }
+  const int64_t r = table.shape[0], d = table.shape[1], n = ids.len / 4;
+  const int32_t* id = static_cast<const int32_t*>(ids.buf);
+  for (int64_t c = 0; c < n; ++c) {
+    if (id[c] < 0 || id[c] >= r) {
+      PyBuffer_Release(&table);
+      PyBuffer_Release(&ids);
+      return PyErr_Format(PyExc_ValueError, "gather_rows: ids[%lld]=%d outside [0, %lld)",
+                          static_cast<long long>(c), id[c], static_cast<long long>(r));
+    }
+  }
+  std::vector<float> sums(d);
+  double s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = GatherRows(static_cast<const float*>(table.buf), d, id, n, std::max(1, threads), ahead,
+                 sums.data());
+  Py_END_ALLOW_THREADS;
+  PyBuffer_Release(&table);
+  PyBuffer_Release(&ids);
+  PyObject* list = PyList_New(d);
+  if (!list) return nullptr;
+  for (int64_t j = 0; j < d; ++j) PyList_SET_ITEM(list, j, PyFloat_FromDouble(sums[j]));
+  return Py_BuildValue("(dN)", s, list);
+}
+
 PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
     {"info", Info, METH_NOARGS, "Build facts: vector width, threads, FFI API minor version."},
+    {"read_bandwidth", PyReadBandwidth, METH_VARARGS,
+     "read_bandwidth(data, threads) -> (seconds, sum): sums a 1-d float32 array (a ceiling)."},
+    {"gather_rows", PyGatherRows, METH_VARARGS,
+     "gather_rows(table, ids, threads, ahead) -> (seconds, column sums): sums rows ids of a "
+     "float32 [R, D] table, `ahead` rows prefetched (a ceiling)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -69,11 +69,141 @@ ffi::Error EmbeddingBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> rows,
 }
 
 // ----- table-batched pooled lookup straight from a KeyedJaggedTensor -----
+// One slot's bags [lo, hi), read by one thread.
+struct KjtSlot {
+  const int32_t* values;   // the KJT's ids
+  const float* pvw;        // per-sample weights, or nullptr
+  const int32_t* o;        // bag i's ids are [o[i], o[i + 1]), contiguous across bags
+  const int32_t* lengths;  // MEAN: the bags' lengths (divisors); nullptr for SUM
+  int64_t lo, hi, row_offset, num, ahead;
+  float* out;  // bag lo's output; bag i's is out + (i - lo) * out_stride
+  int64_t out_stride;
+  int64_t bad_base;  // slot * values count: orders bad ids as the XLA path reports them
+};
+
+// KjtSlot's bags when D = NV native vectors (the common dims): the row `ahead`
+// ids on in this slot is prefetched (every line, into L1) from one load of its
+// id, with no range bookkeeping; a bag's sums stay in NV registers and are
+// stored once (MEAN: multiplied by 1 / length first, as the XLA path rounds),
+// into lines prefetched for writing kOutAhead bags before.
+// kDrop: ids outside [0, num) add nothing and are counted (their prefetch is
+// of some address outside the table: prefetches do not fault); else rows are
+// clamped to [0, r). The same float order as Pool: products rounded, then the
+// sums in id order.
+constexpr int64_t kOutAhead = 4;
+
+template <typename T, int NV, bool kDrop, bool kScaled>
+void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t* first_bad) {
+  constexpr int64_t d = NV * kVL;
+  constexpr int64_t kRowBytes = d * sizeof(T);
+  const int32_t* values = a.values;
+  const int64_t c_last = a.o[a.hi] - 1, ahead = a.ahead, row_offset = a.row_offset;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(w);
+  int64_t c = a.o[a.lo];
+  float* out = a.out;
+  for (int64_t i = a.lo; i < a.hi; ++i, out += a.out_stride) {
+    VF acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = VF{};
+    if (i + kOutAhead < a.hi) {  // bag outputs are S * D floats apart: no hardware prefetch
+      const char* q = reinterpret_cast<const char*>(out + kOutAhead * a.out_stride);
+      for (int64_t b = 0; b < d * 4; b += 64) __builtin_prefetch(q + b, 1, 3);
+    }
+    for (const int64_t e = a.o[i + 1]; c < e; ++c) {
+      if (ahead > 0) {
+        int64_t next = values[std::min(c + ahead, c_last)] + row_offset;
+        if constexpr (!kDrop) next = std::min<int64_t>(std::max<int64_t>(next, 0), r - 1);
+        const char* q = reinterpret_cast<const char*>(base + static_cast<uintptr_t>(next * kRowBytes));
+        for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(q + b, 0, 3);
+      }
+      int64_t row = values[c];
+      if constexpr (kDrop) {
+        if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(a.num)) {
+          ++*count;
+          *first_bad = std::min(*first_bad, a.bad_base + c);
+          continue;
+        }
+        row += row_offset;
+      } else {
+        row = std::min<int64_t>(std::max<int64_t>(row + row_offset, 0), r - 1);
+      }
+      const T* p = w + row * d;
+      if constexpr (kScaled) {
+        const float sc = a.pvw[c];
+        for (int v = 0; v < NV; ++v) {
+          VF x = LoadV(p + v * kVL) * sc;
+          acc[v] += x;
+        }
+      } else {
+        for (int v = 0; v < NV; ++v) acc[v] += LoadV(p + v * kVL);
+      }
+    }
+    if (a.lengths) {
+      const float inv = 1.0f / static_cast<float>(std::max(a.lengths[i], 1));
+      for (int v = 0; v < NV; ++v) acc[v] = acc[v] * inv;
+    }
+    for (int v = 0; v < NV; ++v) StoreV(out + v * kVL, acc[v]);
+  }
+}
+
+// KjtSlotVec for nv = D / kVL in [1, NV]; false (nothing done) for other nv.
+template <typename T, int NV, bool kDrop, bool kScaled>
+bool KjtSlotVecN(int nv, const T* w, int64_t r, const KjtSlot& a, int64_t* count,
+                 int64_t* first_bad) {
+  if constexpr (NV > 0) {
+    if (nv == NV) {
+      KjtSlotVec<T, NV, kDrop, kScaled>(w, r, a, count, first_bad);
+      return true;
+    }
+    return KjtSlotVecN<T, NV - 1, kDrop, kScaled>(nv, w, r, a, count, first_bad);
+  }
+  return false;
+}
+
+// Any D: Pool over each bag, with the general prefetcher.
+template <typename T>
+void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, int64_t* count,
+                int64_t* first_bad) {
+  const int32_t* values = a.values;
+  auto row_of = [&](int64_t c) -> const T* {
+    const int64_t id = values[c];
+    if (drop) {
+      if (id < 0 || id >= a.num) return nullptr;
+      return w + (id + a.row_offset) * d;
+    }
+    return w + std::min<int64_t>(std::max<int64_t>(id + a.row_offset, 0), r - 1) * d;
+  };
+  auto scale_of = [&](int64_t c) { return a.pvw[c]; };
+  if (drop) {
+    for (int64_t c = a.o[a.lo]; c < a.o[a.hi]; ++c) {
+      const int64_t id = values[c];
+      if (id < 0 || id >= a.num) {
+        ++*count;
+        *first_bad = std::min(*first_bad, a.bad_base + c);
+      }
+    }
+  }
+  const int32_t range[2] = {a.o[a.lo], a.o[a.hi]};
+  Prefetcher<T, decltype(row_of)> pf{range, 1, row_of, d * static_cast<int64_t>(sizeof(T))};
+  pf.Init(static_cast<int>(a.ahead));
+  float* dst = a.out;
+  for (int64_t i = a.lo; i < a.hi; ++i, dst += a.out_stride) {
+    if (a.pvw) {
+      Pool<T, true, true>(d, a.o[i], a.o[i + 1], row_of, scale_of, dst, &pf);
+    } else {
+      Pool<T, false, true>(d, a.o[i], a.o[i + 1], row_of, scale_of, dst, &pf);
+    }
+    if (a.lengths) {
+      const float inv = 1.0f / static_cast<float>(std::max(a.lengths[i], 1));
+      for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * inv;
+    }
+  }
+}
+
 // slots[s] = (key, row_offset, num_embeddings, is_mean). Output [B, S, D]:
 // out[b, s] pools key `key`'s bag b (its ids id -> row row_offset + id).
 // drop != 0: ids outside [0, num_embeddings) contribute nothing and are
 // counted (bad = [count, first such id]); drop == 0: rows are clamped to the
-// buffer (the XLA path's BoundsCheckMode.NONE).
+// buffer (the XLA path's BoundsCheckMode.NONE). Threads split the bags.
 template <typename T>
 void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const int32_t* lengths,
                  const float* pvw, const int32_t* slots, int64_t n_slots, const int32_t* starts,
@@ -106,43 +236,30 @@ void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const 
       return;
     }
     int64_t count = 0, first_bad = INT64_MAX;
+    const int nv = d % kVL == 0 ? static_cast<int>(d / kVL) : 0;
     for (int64_t s = 0; s < n_slots; ++s) {
-      const int32_t* o = off.data() + slots[4 * s] * (b + 1);
-      const int64_t row_offset = slots[4 * s + 1], num = slots[4 * s + 2];
-      const bool mean = slots[4 * s + 3] != 0;
-      auto row_of = [&](int64_t c) -> const T* {
-        const int64_t id = values[c];
-        if (drop) {
-          if (id < 0 || id >= num) return nullptr;
-          return w + (id + row_offset) * d;
-        }
-        return w + std::min<int64_t>(std::max<int64_t>(id + row_offset, 0), r - 1) * d;
-      };
-      auto scale_of = [&](int64_t c) { return pvw[c]; };
+      const int32_t* sl = slots + 4 * s;
+      const KjtSlot a{values,
+                      pvw,
+                      off.data() + sl[0] * (b + 1),
+                      sl[3] != 0 ? lengths + sl[0] * b : nullptr,
+                      lo,
+                      hi,
+                      sl[1],
+                      sl[2],
+                      PrefetchAhead(d * static_cast<int64_t>(sizeof(T))),
+                      out + (lo * n_slots + s) * d,
+                      n_slots * d,
+                      s * v_total};
+      bool done;
       if (drop) {
-        for (int64_t c = o[lo]; c < o[hi]; ++c) {
-          const int64_t id = values[c];
-          if (id < 0 || id >= num) {  // the first in slot order, as the XLA path reports
-            ++count;
-            first_bad = std::min(first_bad, s * v_total + c);
-          }
-        }
+        done = pvw ? KjtSlotVecN<T, 16, true, true>(nv, w, r, a, &count, &first_bad)
+                   : KjtSlotVecN<T, 16, true, false>(nv, w, r, a, &count, &first_bad);
+      } else {
+        done = pvw ? KjtSlotVecN<T, 16, false, true>(nv, w, r, a, &count, &first_bad)
+                   : KjtSlotVecN<T, 16, false, false>(nv, w, r, a, &count, &first_bad);
       }
-      const int32_t range[2] = {o[lo], o[hi]};
-      Prefetcher<T, decltype(row_of)> pf{range, 1, row_of, d * static_cast<int64_t>(sizeof(T))};
-      pf.Init(PrefetchAhead(d * static_cast<int64_t>(sizeof(T))));
-      for (int64_t i = lo; i < hi; ++i) {
-        float* dst = out + (i * n_slots + s) * d;
-        if (pvw) {
-          Pool<T, true, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
-        } else {
-          Pool<T, false, true>(d, o[i], o[i + 1], row_of, scale_of, dst, &pf);
-        }
-        if (mean) {
-          const float inv = 1.0f / static_cast<float>(std::max(lengths[slots[4 * s] * b + i], 1));
-          for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * inv;
-        }
-      }
+      if (!done) KjtSlotAny(w, r, d, drop, a, &count, &first_bad);
     }
     counts[t] = count;
     first[t] = first_bad;

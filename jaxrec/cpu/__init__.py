@@ -34,3 +34,9 @@ from .loader import (
 from .loader import (
     unavailable_reason as unavailable_reason,
 )
+from .roofline import (
+    gather_rows as gather_rows,
+)
+from .roofline import (
+    read_bandwidth as read_bandwidth,
+)

@@ -124,7 +124,10 @@ def _all_lookups(impl):
     [
         (jnp.float32, 4),
         (jnp.float32, 13),
+        (jnp.float32, 64),  # whole native vectors: the unrolled path
+        (jnp.float32, 128),
         (jnp.float32, 256),
+        (jnp.float32, 272),  # more vectors than the unrolled path takes
         (jnp.bfloat16, 4),
         (jnp.bfloat16, 96),
     ],
