@@ -92,9 +92,7 @@ def test_missing_contract_methods_name_the_collection():
     model = Model()
     opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(LR))
     graphdef, state = train.init_train_state(model, opt)
-    with pytest.raises(
-        NotImplementedError, match="OneIdPerBag does not implement .*table_blocks"
-    ):
+    with pytest.raises(NotImplementedError, match="OneIdPerBag does not implement .*table_blocks"):
         ckpt.logical_state(graphdef, opt, state)
 
     class Bare(EmbeddingCollectionInterface):
