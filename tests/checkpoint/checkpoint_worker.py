@@ -11,15 +11,22 @@ Every process:
 2. restores it into the same plan (every process placing its own shards)
    and into an unsharded model on its first local device;
 3. compares each restored logical state with the unsharded model's state
-   changed the same way (exact), prints one JSON line and exits 1 on a mismatch.
+   changed the same way (exact);
+4. saves step 2, has process 0 flip a bit in a table only process 1 reads, and
+   resumes: both processes skip step 2 (process 1 finds the damage, process 0
+   learns it from the agreement) and restore step 1 exactly;
+
+and prints one JSON line, exiting 1 on a mismatch.
 
 Exit code 77 means gloo CPU collectives are unavailable in this jaxlib.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
+import warnings
 
 import jax
 
@@ -85,7 +92,35 @@ def main(process_id: int, port: int, directory: str) -> int:
                 got = host(ckpt.logical_state(graphdef, opt, mgr.restore(graphdef, opt, target)))
             same = sorted(got) == sorted(expected)
             results[name] = same and all(np.array_equal(got[k], expected[k]) for k in expected)
-    report = {"process": process_id, "equal": results, "ok": all(results.values())}
+    # Step 2 damaged where only process 1 reads (t2 lives on rank 2, a device of
+    # process 1): both processes must skip it together and resume step 1.
+    graphdef, state = build(opt, MIXED, mesh)
+    with ckpt.CheckpointManager(directory) as mgr:
+        mgr.save(2, graphdef, opt, jax.tree.map(lambda x: x + 4, state))
+    multihost_utils.sync_global_devices("saved 2")
+    if process_id == 0:
+        with open(f"{directory}/2/meta.json") as f:
+            t2 = json.load(f)["meta"]["tables"]["ebc.embedding_bags.t2"]["id"]
+        chunk = sorted(glob.glob(f"{directory}/2/tables/{t2}/weight/*/c/*/*"))[0]
+        with open(chunk, "r+b") as f:
+            f.seek(3)
+            byte = f.read(1)[0]
+            f.seek(3)
+            f.write(bytes([byte ^ 1]))
+    multihost_utils.sync_global_devices("damaged 2")
+    with jax.default_device(jax.local_devices()[0]):
+        graphdef, target = build(opt, MIXED, mesh)
+    with ckpt.CheckpointManager(directory) as mgr, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed, step = mgr.resume(graphdef, opt, target)
+    got = host(ckpt.logical_state(graphdef, opt, resumed))
+    results["resume"] = step == 1 and all(np.array_equal(got[k], expected[k]) for k in expected)
+    skipped = [
+        str(w.message) for w in caught if "skipping damaged checkpoint step 2" in str(w.message)
+    ]
+    results["warned"] = len(skipped) == 1
+    report = {"process": process_id, "equal": results, "ok": all(results.values()),
+              "resumed": step, "warning": skipped[:1]}  # fmt: skip
     print(json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("done")
     return 0 if report["ok"] else 1

@@ -32,4 +32,4 @@ def test_two_processes_save_and_restore(tmp_path):
         assert code == 0, f"process {i} exited {code}:\n{out[-4000:]}"
         report = json.loads(next(ln for ln in out.splitlines() if ln.startswith('{"process"')))
         assert report["ok"], report
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
