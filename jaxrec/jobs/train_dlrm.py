@@ -121,7 +121,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
     out.add_argument("--keep-checkpoints", type=int, default=2)
     out.add_argument("--no-checkpoint", action="store_true")
-    out.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    out.add_argument(
+        "--resume", action="store_true", help="continue from the newest intact checkpoint"
+    )
     out.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
     out.add_argument("--plot", action="store_true", help="write curves.svg")
     out.add_argument("--quiet", action="store_true", help="no progress line")
