@@ -35,7 +35,7 @@ def _chunks(array: jax.Array) -> list[int]:
             for c in (d, rows // d):
                 if c * row <= store.CHUNK_BYTES:
                     best = max(best, c)
-    return [max(best, 1) if rows else 1, *shard[1:]]
+    return [best, *shard[1:]]
 
 
 def index_entries(tree) -> list[dict]:

@@ -32,7 +32,10 @@ def _spec(path: str, shape, dtype, chunks) -> dict:
         "metadata": {
             "shape": list(shape),
             "data_type": np.dtype(dtype).name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [max(1, int(c)) for c in chunks]},
+            },
             "codecs": [
                 {"name": "bytes", "configuration": {"endian": "little"}},
                 {"name": "crc32c"},
@@ -52,11 +55,10 @@ def row_chunks(shape, dtype) -> list[int]:
 
 def create(items) -> list[ts.TensorStore]:
     """New arrays, created concurrently: ``items`` are ``(path, shape, dtype, chunks)``
-    (chunks ``None``: :func:`row_chunks`) at paths where nothing exists yet."""
+    at paths where nothing exists yet."""
     futures = []
-    for path, shape, dtype, chunks in items:
-        chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
-        spec = _spec(path, shape, dtype, chunks)
+    for item in items:
+        spec = _spec(*item)
         spec.update(create=True, store_data_equal_to_fill_value=True)
         futures.append(ts.open(spec, context=_CONTEXT))
     return [f.result() for f in futures]
@@ -66,9 +68,8 @@ def open_arrays(items, what: str, *, write: bool = False) -> list[ts.TensorStore
     """The arrays at ``items``' paths (``(path, shape, dtype, chunks)``), opened
     concurrently and checked against the shape, dtype and chunks the index expects."""
     futures = []
-    for path, shape, dtype, chunks in items:
-        chunks = row_chunks(shape, dtype) if chunks is None else [max(1, c) for c in chunks]
-        spec = _spec(path, shape, dtype, chunks)
+    for item in items:
+        spec = _spec(*item)
         spec.update(open=True, fill_missing_data_reads=False, store_data_equal_to_fill_value=True)
         futures.append(ts.open(spec, context=_CONTEXT, read=True, write=write))
     out = []

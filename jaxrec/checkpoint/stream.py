@@ -58,7 +58,7 @@ class Blocks:
         self.blocks = sorted(buf.blocks, key=lambda b: b.start)
         self.ends = [b.start + b.rows for b in self.blocks]
         if any(e > b.start for e, b in zip(self.ends, self.blocks[1:], strict=False)):
-            raise ValueError(f"blocks of buffer {buf.where} overlap: {self.blocks}")
+            raise ValueError(f"blocks of buffer {'/'.join(map(str, buf.where))} overlap")
         self.shape = tuple(buf.array.shape)
 
     def inside(self, index: tuple, lo: int, hi: int):
@@ -244,9 +244,6 @@ def restore_buffer(
                     needed[(b.table, p)] = None
     opened = _open(root, buf.field, needed, table_ids, dtype, what)
 
-    def piece_array(table: str, p: Piece):
-        return opened[(table, p)]
-
     def fill(host: np.ndarray, g0: int, index: tuple) -> None:
         """Writes the window's rows into ``host`` (TensorStore copies straight into it)."""
         host.fill(0)  # padding rows and columns
@@ -267,7 +264,7 @@ def restore_buffer(
                 if len(shape) == 2:
                     src += (slice(pc0 - p.col, pc1 - p.col),)
                     dst += (slice(c0 + pc0 - lc0 - ca, c0 + pc1 - lc0 - ca),)
-                reads.append((into[dst].write(piece_array(b.table, p)[src]), b.table))
+                reads.append((into[dst].write(opened[(b.table, p)][src]), b.table))
                 covered += (pr1 - pr0) * ((pc1 - pc0) if len(shape) == 2 else 1)
             want = (lr1 - lr0) * ((lc1 - lc0) if len(shape) == 2 else 1)
             if covered != want:
