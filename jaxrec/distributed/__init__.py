@@ -24,6 +24,8 @@ from .sharding_plan import row_wise as row_wise
 from .sharding_plan import table_column_wise as table_column_wise
 from .sharding_plan import table_row_wise as table_row_wise
 from .sharding_plan import table_wise as table_wise
+from .types import CacheAlgorithm as CacheAlgorithm
+from .types import CacheParams as CacheParams
 from .types import EmbeddingComputeKernel as EmbeddingComputeKernel
 from .types import EmbeddingModuleShardingPlan as EmbeddingModuleShardingPlan
 from .types import ParameterSharding as ParameterSharding

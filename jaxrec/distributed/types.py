@@ -20,7 +20,46 @@ class ShardingType(enum.Enum):
 
 class EmbeddingComputeKernel(enum.Enum):
     DENSE = "dense"  # data-parallel tables
-    FUSED = "fused"  # sharded tables with the fused sparse optimizer
+    FUSED = "fused"  # sharded tables with the fused sparse optimizer, in device memory
+    # the table and its optimizer state in host memory, a device cache of its rows
+    # (``CacheParams``; see ``jaxrec.cache``)
+    FUSED_UVM_CACHING = "fused_uvm_caching"
+
+
+class CacheAlgorithm(enum.Enum):
+    """Which cached row a miss replaces (FBGEMM's ``CacheAlgorithm``)."""
+
+    LRU = "lru"  # the least recently used
+    LFU = "lfu"  # the least frequently used (ids counted since the start)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheParams:
+    """The device cache of a ``fused_uvm_caching`` table (TorchRec's ``CacheParams``).
+
+    Attributes:
+        algorithm: the replacement policy.
+        load_factor: cached rows as a fraction of the table's rows (of each
+            shard's rows under row-wise sharding), in ``(0, 1]``.
+    """
+
+    algorithm: CacheAlgorithm = CacheAlgorithm.LRU
+    load_factor: float = 0.2
+
+    def __post_init__(self):
+        object.__setattr__(self, "algorithm", CacheAlgorithm(self.algorithm))
+        if not 0 < self.load_factor <= 1:
+            raise ValueError(
+                f"CacheParams.load_factor must be in (0, 1] (the cached fraction of the "
+                f"table's rows), got {self.load_factor}"
+            )
+
+    def to_json(self) -> dict:
+        return {"algorithm": self.algorithm.value, "load_factor": self.load_factor}
+
+    @staticmethod
+    def from_json(d: Mapping) -> CacheParams:
+        return CacheParams(algorithm=CacheAlgorithm(d["algorithm"]), load_factor=d["load_factor"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,12 +96,27 @@ class ParameterSharding:
         ranks: ranks holding a shard (every rank for data parallel).
         sharding_spec: the shards; ``None`` for data parallel (a full replica
             on every rank).
+        cache_params: the device cache of a ``fused_uvm_caching`` table
+            (``None`` otherwise).
     """
 
     sharding_type: ShardingType
     compute_kernel: EmbeddingComputeKernel
     ranks: tuple[int, ...]
     sharding_spec: tuple[ShardMetadata, ...] | None = None
+    cache_params: CacheParams | None = None
+
+    def __post_init__(self):
+        cached = self.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
+        if cached and self.cache_params is None:
+            object.__setattr__(self, "cache_params", CacheParams())
+        if not cached and self.cache_params is not None:
+            raise ValueError(
+                f"cache_params is for compute_kernel 'fused_uvm_caching', not "
+                f"{self.compute_kernel.value!r}"
+            )
+        if cached and self.sharding_type is ShardingType.DATA_PARALLEL:
+            raise ValueError("a data-parallel table cannot be cached (fused_uvm_caching)")
 
     def to_json(self) -> dict:
         return {
@@ -72,6 +126,7 @@ class ParameterSharding:
             "sharding_spec": None
             if self.sharding_spec is None
             else [s.to_json() for s in self.sharding_spec],
+            **({} if self.cache_params is None else {"cache_params": self.cache_params.to_json()}),
         }
 
     @staticmethod
@@ -82,6 +137,7 @@ class ParameterSharding:
             compute_kernel=EmbeddingComputeKernel(d["compute_kernel"]),
             ranks=tuple(d["ranks"]),
             sharding_spec=None if spec is None else tuple(ShardMetadata.from_json(s) for s in spec),
+            cache_params=CacheParams.from_json(d["cache_params"]) if "cache_params" in d else None,
         )
 
 
