@@ -1,0 +1,68 @@
+"""The device side of cached tables: each becomes a table of cache slots."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from ..configs import BaseEmbeddingConfig
+from ..distributed.types import (
+    CacheParams,
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardMetadata,
+)
+
+
+def slots_per_shard(rows: int, shards: int, params: CacheParams) -> int:
+    """Slots of each row shard's cache: ``ceil(load_factor * shard rows)``, at least 1."""
+    shard_rows = -(-rows // shards)
+    return max(1, -(-int(round(params.load_factor * shard_rows * 1e6)) // 1_000_000))
+
+
+def cached_configs(
+    configs: Sequence[BaseEmbeddingConfig], params: Mapping[str, CacheParams]
+) -> list[BaseEmbeddingConfig]:
+    """``configs`` with each table named in ``params`` (unsharded) as its slot table."""
+    out = []
+    for c in configs:
+        if c.name in params:
+            c = dataclasses.replace(c, num_embeddings=slots_per_shard(c.num_embeddings, 1,
+                                                                     params[c.name]))  # fmt: skip
+        out.append(c)
+    return out
+
+
+def device_plan(
+    configs: Sequence[BaseEmbeddingConfig], plan: Mapping[str, ParameterSharding]
+) -> tuple[list[BaseEmbeddingConfig], EmbeddingModuleShardingPlan]:
+    """The slot tables and their plan for a collection whose plan (over the logical
+    tables, e.g. from the planner) has ``fused_uvm_caching`` tables.
+
+    A cached table keeps its sharding type, ranks and column split; each of its row
+    shards gets ``slots_per_shard`` slots (``num_embeddings`` = row shards x slots),
+    and its kernel on the device is ``fused``.
+    """
+    out_configs, out_plan = [], EmbeddingModuleShardingPlan()
+    for c in configs:
+        p = plan[c.name]
+        if p.compute_kernel is not EmbeddingComputeKernel.FUSED_UVM_CACHING:
+            out_configs.append(c)
+            out_plan[c.name] = p
+            continue
+        starts = sorted({s.shard_offsets[0] for s in p.sharding_spec})
+        slots = slots_per_shard(c.num_embeddings, len(starts), p.cache_params)
+        spec = tuple(
+            ShardMetadata(
+                shard_offsets=(starts.index(s.shard_offsets[0]) * slots, s.shard_offsets[1]),
+                shard_sizes=(slots, s.shard_sizes[1]),
+                placement=s.placement,
+            )
+            for s in p.sharding_spec
+        )
+        out_configs.append(dataclasses.replace(c, num_embeddings=len(starts) * slots))
+        out_plan[c.name] = dataclasses.replace(
+            p, compute_kernel=EmbeddingComputeKernel.FUSED, cache_params=None, sharding_spec=spec
+        )
+    return out_configs, out_plan

@@ -1,0 +1,323 @@
+"""RowCache: tables in host memory, their hot rows in a device cache (FBGEMM's UVM caching).
+
+The model is built with each cached table as a table of *slots* (see
+``cached_configs``); the table itself and its optimizer rows live on the host
+(:class:`~jaxrec.cache.HostTable`). Before a batch runs, :meth:`RowCache.prepare`
+(host only) finds each cached table's rows in the batch, gives the missed ones
+slots (evicting LRU / LFU rows the batch does not use) and rewrites the batch's ids
+as slots; :meth:`RowCache.load` then writes the evicted rows back to the host and
+the missed rows into their slots, in place on the state's buffers. The train step
+runs unchanged on slots, so every step updates exactly the rows and optimizer
+state an all-device-memory step would.
+
+Prepared batches are applied in the order they were prepared, which is what lets
+the train pipeline prepare batch ``i + 1`` while step ``i`` runs (a row evicted by
+one load is back on the host before a later load reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..checkpoint.layout import replace_tables, table_buffers
+from ..checkpoint.paths import table_key
+from ..distributed.types import CacheParams
+from ..embedding.collection import embedding_collections
+from ..embedding.optimizer import CombinedOptimizer
+from ..sparse import KeyedJaggedTensor
+from ..train.step import TrainState, merge_model
+from .host import HostTable
+from .mover import Mover, Pending, columns
+from .slots import SlotMap
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """Counts since the start (or :meth:`RowCache.reset_stats`), per table.
+
+    ``ids``: looked-up ids in range; ``rows``: distinct rows per batch, summed;
+    ``misses``: rows copied from the host; ``evictions``: rows copied back.
+    """
+
+    ids: int = 0
+    rows: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Ids served from the cache (a missed row's first id is the miss)."""
+        return 1.0 - self.misses / self.ids if self.ids else float("nan")
+
+    @property
+    def row_hit_rate(self) -> float:
+        """Distinct rows of a batch found in the cache."""
+        return 1.0 - self.misses / self.rows if self.rows else float("nan")
+
+
+class _Table(NamedTuple):
+    name: str
+    key: str  # checkpoint key
+    host: HostTable
+    features: tuple[str, ...]
+    shard_rows: int  # logical rows per row shard (ceil blocks; the last may be smaller)
+    slots: int  # slots per row shard
+    maps: list[SlotMap]
+
+
+class Prepared(NamedTuple):
+    """A batch with cached tables' ids rewritten as slots, and the rows its load moves."""
+
+    batch: Any
+    moves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    serial: int
+
+
+class RowCache:
+    """The host tier and device caches of a model's ``fused_uvm_caching`` tables.
+
+    Args:
+        graphdef, optimizer, state: from ``init_train_state`` of the model built
+            with :func:`cached_configs` (each cached table has slots, not rows).
+        host_tables: ``{table name: HostTable}`` with the logical tables
+            (``num_embeddings`` rows) and their optimizer rows.
+        params: ``CacheParams`` per table name, or one for all (its algorithm is
+            used; the slot counts are the device tables').
+
+    A model-parallel state is supported for any sharding type but data parallel;
+    row shards keep their own caches. One process only: a multi-process job would
+    need each process to hold its shards' host rows (not built).
+
+    Example:
+        >>> cache = RowCache(graphdef, optimizer, state, {"t": host}, CacheParams())
+        >>> step = CachedTrainStep(make_train_step(graphdef, optimizer, loss_fn), cache)
+        >>> state, loss, _ = step(state, batch)
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        optimizer: CombinedOptimizer,
+        state: TrainState,
+        host_tables: Mapping[str, HostTable],
+        params: CacheParams | Mapping[str, CacheParams],
+    ):
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "RowCache runs in one process: a multi-process job would need each process "
+                "to hold its shards' host rows"
+            )
+        self.graphdef, self.optimizer = graphdef, optimizer
+        layout = table_buffers(graphdef, optimizer, state)
+        self.tables: dict[str, _Table] = {}
+        model = merge_model(graphdef, state)
+        found = {}
+        for path, module in embedding_collections(model):
+            for t in module.table_configs:
+                if t.name in host_tables:
+                    if t.name in found:
+                        raise ValueError(f"two collections have a table named {t.name!r}")
+                    found[t.name] = (table_key(path, module, t.name), t)
+        missing = sorted(set(host_tables) - set(found))
+        if missing:
+            raise ValueError(f"host_tables names tables the model does not have: {missing}")
+        weights = [b for b in layout.buffers if b.field == "weight"]
+        for name, host in host_tables.items():
+            key, device = found[name]
+            p = params if isinstance(params, CacheParams) else params[name]
+            blocks = [c for b in weights for c in columns(b.blocks, key)]
+            starts = sorted(set(int(r) for c in blocks[:1] for r in c.rows))
+            n_shards = len(starts)
+            slots = device.num_embeddings // n_shards
+            if slots * n_shards != device.num_embeddings or host.config.name != name:
+                raise ValueError(
+                    f"table {name!r}: the device table has {device.num_embeddings} slots in "
+                    f"{n_shards} row shards; build it with cached_configs"
+                )
+            rows = host.config.num_embeddings
+            shard_rows = -(-rows // n_shards)
+            maps = [
+                SlotMap(max(0, min(shard_rows, rows - s * shard_rows)), slots, p.algorithm)
+                for s in range(n_shards)
+            ]
+            feats = tuple(host.config.feature_names) or (name,)
+            self.tables[name] = _Table(name, key, host, feats, shard_rows, slots, maps)
+        self._feature_table = {f: t for t in self.tables.values() for f in t.features}
+        self._mover = Mover(layout.buffers, {t.key for t in self.tables.values()})
+        self._pending: Pending | None = None
+        self._prepared = 0  # serial numbers: loads must follow prepares in order
+        self._loaded = 0
+        self._lock = threading.Lock()
+        self.stats = {name: CacheStats() for name in self.tables}
+
+    # ----- host: plan a batch -----
+    def prepare(self, batch: Any) -> Prepared:
+        """Plans ``batch`` (a pytree with host ``KeyedJaggedTensor`` leaves, e.g. a
+        ``Batch`` or a list of per-device batches): slots for the cached tables' rows,
+        ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
+        shard's cache cannot hold the batch's rows."""
+        with self._lock:
+            kjts = [x for x in jax.tree.leaves(batch, is_leaf=_is_kjt) if _is_kjt(x)]
+            ids = {name: [] for name in self.tables}
+            for kjt in kjts:
+                for f, vals in _feature_values(kjt, self._feature_table):
+                    ids[self._feature_table[f].name].append(vals)
+            plans = {}
+            for name, t in self.tables.items():
+                allv = np.concatenate(ids[name]) if ids[name] else np.zeros(0, np.int64)
+                plans[name] = self._plan(t, allv)  # checks every shard before any change
+            moves, slot_of = {}, {}
+            for name, t in self.tables.items():
+                moves[t.key], slot_of[name] = self._commit(t, *plans[name])
+            self._prepared += 1
+            new = jax.tree.map(
+                lambda x: self._remap(x, slot_of) if _is_kjt(x) else x, batch, is_leaf=_is_kjt
+            )
+            return Prepared(new, moves, self._prepared)
+
+    def _plan(self, t: _Table, ids: np.ndarray):
+        ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
+        rows = ids[ok]
+        shard = rows // t.shard_rows
+        per_shard = []
+        for s, m in enumerate(t.maps):
+            local = rows[shard == s] - s * t.shard_rows if len(t.maps) > 1 else rows
+            u, counts = np.unique(local, return_counts=True)
+            m.check(u, f"cached table {t.name!r} shard {s}")
+            per_shard.append((u, counts))
+        return len(rows), per_shard
+
+    def _commit(self, t: _Table, n_ids: int, per_shard):
+        st = self.stats[t.name]
+        st.ids += n_ids
+        fills, evicts = [], []
+        for s, (m, (u, counts)) in enumerate(zip(t.maps, per_shard, strict=True)):
+            a = m.assign(u, counts)
+            base_slot, base_row = s * t.slots, s * t.shard_rows
+            fills.append((a.fill_slots + base_slot, a.fill_rows + base_row))
+            evicts.append((a.evict_slots + base_slot, a.evict_rows + base_row))
+            st.rows += len(u)
+            st.misses += len(a.fill_rows)
+            st.evictions += len(a.evict_rows)
+        fs, fr = (np.concatenate(x) for x in zip(*fills, strict=True))
+        es, er = (np.concatenate(x) for x in zip(*evicts, strict=True))
+        return (fs, fr, es, er), t
+
+    def _remap(self, kjt: KeyedJaggedTensor, slot_of) -> KeyedJaggedTensor:
+        values = np.array(kjt.values())
+        for f, lo, hi in _feature_spans(kjt, self._feature_table):
+            t = self._feature_table[f]
+            values[lo:hi] = _slots(t, values[lo:hi])
+        children, aux = kjt.tree_flatten()
+        return KeyedJaggedTensor.tree_unflatten(aux, (values.astype(children[0].dtype),
+                                                      *children[1:]))  # fmt: skip
+
+    # ----- device: apply a prepared batch -----
+    def load(self, state: TrainState, prepared: Prepared) -> TrainState:
+        """``state`` with the prepared batch's missed rows in their slots (the evicted
+        rows go back to host memory: the previous load's are written back first)."""
+        if prepared.serial != self._loaded + 1:
+            raise ValueError(
+                f"prepared batches must be loaded in the order they were prepared: this is "
+                f"number {prepared.serial}, the next to load is {self._loaded + 1}"
+            )
+        self.write_back()
+        moves = {k: v for k, v in prepared.moves.items() if len(v[0]) or len(v[2])}
+        self._loaded += 1
+        if not moves:
+            return state
+        return self._apply(state, moves)
+
+    def _apply(self, state, moves):
+        layout = table_buffers(self.graphdef, self.optimizer, state)
+        arrays = {b.where: b.array for b in layout.buffers}
+        targets = [arrays[b.where] for b in self._mover.buffers]
+        host = {t.key: t.host.fields for t in self.tables.values()}
+        new, self._pending = self._mover.move(targets, moves, host)
+        return replace_tables(state, dict(zip([b.where for b in self._mover.buffers], new,
+                                              strict=True)), {})  # fmt: skip
+
+    def write_back(self) -> None:
+        """Waits for the last load's evicted rows and writes them to host memory."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.write_back()
+
+    def flush(self, state: TrainState) -> TrainState:
+        """Copies every cached row (and its optimizer rows) to host memory, so the host
+        tables are the model's current tables (before a checkpoint or an export). The
+        rows stay cached."""
+        self.write_back()
+        moves = {}
+        for t in self.tables.values():
+            slots, rows = [], []
+            for s, m in enumerate(t.maps):
+                sl, r = m.cached()
+                slots.append(sl + s * t.slots)
+                rows.append(r + s * t.shard_rows)
+            es, er = np.concatenate(slots), np.concatenate(rows)
+            moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
+        state = self._apply(state, moves)
+        self.write_back()
+        return state
+
+    def clear(self) -> None:
+        """Forgets what is cached (after the host tables were replaced, e.g. restored)."""
+        self._pending = None
+        for t in self.tables.values():
+            for m in t.maps:
+                m.clear()
+
+    def host_fields(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{checkpoint key: {field: host array}}``: what a checkpoint saves for the
+        cached tables (call :meth:`flush` first)."""
+        return {t.key: t.host.fields for t in self.tables.values()}
+
+    def reset_stats(self) -> None:
+        self.stats = {name: CacheStats() for name in self.tables}
+
+
+def _slots(t: _Table, ids: np.ndarray) -> np.ndarray:
+    """Global slots of ids (already assigned); ids out of range stay out of range
+    (``-1`` / the slot count), for the device's bounds check."""
+    n_slots = t.slots * len(t.maps)
+    out = np.where(ids < 0, -1, n_slots).astype(np.int64)
+    ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
+    rows = ids[ok].astype(np.int64)
+    shard = rows // t.shard_rows
+    local = rows - shard * t.shard_rows
+    slot = np.empty(len(rows), np.int64)
+    for s, m in enumerate(t.maps):
+        sel = shard == s
+        slot[sel] = m.slot_of_row[local[sel]] + s * t.slots
+    out[ok] = slot
+    return out
+
+
+def _is_kjt(x) -> bool:
+    return isinstance(x, KeyedJaggedTensor)
+
+
+def _feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
+    """``(feature, lo, hi)``: the packed ids of each cached feature in ``values``.
+
+    A per-device KJT stacked by ``shard_batch`` has a leading device axis: not here
+    (``prepare`` takes host batches, before stacking)."""
+    lengths = np.asarray(kjt.lengths()).reshape(len(kjt.keys()), -1)
+    starts = kjt.capacity_offsets()
+    for k, f in enumerate(kjt.keys()):
+        if f in features:
+            yield f, starts[k], starts[k] + int(lengths[k].sum())
+
+
+def _feature_values(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
+    values = np.asarray(kjt.values())
+    for f, lo, hi in _feature_spans(kjt, features):
+        yield f, values[lo:hi].astype(np.int64)
