@@ -11,3 +11,4 @@ from .row_cache import Prepared as Prepared
 from .row_cache import RowCache as RowCache
 from .slots import CacheTooSmallError as CacheTooSmallError
 from .step import CachedTrainStep as CachedTrainStep
+from .step import prefetching as prefetching

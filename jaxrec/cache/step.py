@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from ..train.step import TrainState, TrainStep
 from .row_cache import Prepared, RowCache
@@ -26,3 +29,20 @@ class CachedTrainStep(TrainStep):
 
     def lower(self, state: TrainState, batch: Any) -> Any:
         return self.inner.lower(state, batch)
+
+
+def prefetching(cache: RowCache, to_device: Callable[[Any], Any] = jax.device_put):
+    """A ``to_device`` for ``TrainPipeline`` that also prepares each batch: the
+    pipeline's thread plans batch ``i + depth``'s slots and starts its transfer while
+    step ``i`` runs (TorchRec's prefetch pipeline); the step then only loads the rows.
+
+    Example:
+        >>> step = CachedTrainStep(make_train_step(graphdef, optimizer, loss_fn), cache)
+        >>> pipeline = TrainPipeline(step, state, to_device=prefetching(cache))
+    """
+
+    def prepare(batch: Any) -> Prepared:
+        p = cache.prepare(batch)
+        return p._replace(batch=to_device(p.batch))
+
+    return prepare

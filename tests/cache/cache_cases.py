@@ -7,6 +7,8 @@ all-device-memory model's buffers can be copied into the cached model's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,19 +74,39 @@ def local_batch(rng, n=B):
 
 
 def build(opt, tables=None, plan=None, mesh=None):
-    """``(graphdef, state)`` of the model (``plan``: generators per table, over ``mesh``)."""
+    """``(graphdef, state)`` of the model (``plan``: the collection's plan, over ``mesh``)."""
     model = Model(tables or configs(), rngs=nnx.Rngs(1))
     if plan is not None:
-        p = d.construct_module_sharding_plan(model.ebc, plan, world_size=mesh.size)
-        model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": p}), mesh)
+        model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
     return train.init_train_state(model, opt)
 
 
-def cached_twin(opt, graphdef, state, params, *, device_configs=None, plan=None, mesh=None):
+def logical_plan(gens, mesh, params):
+    """The plan of ``gens`` (generators per table) with the tables in ``params`` cached."""
+    plan = d.construct_module_sharding_plan(Model(configs(), rngs=nnx.Rngs(1)).ebc, gens,
+                                            world_size=mesh.size)  # fmt: skip
+    for name, p in params.items():
+        plan[name] = dataclasses.replace(
+            plan[name], compute_kernel=d.EmbeddingComputeKernel.FUSED_UVM_CACHING, cache_params=p
+        )
+    return plan
+
+
+def fused(plan):
+    """``plan`` with every table in device memory (the all-device reference)."""
+    return d.EmbeddingModuleShardingPlan({k: dataclasses.replace(
+        p, compute_kernel=d.EmbeddingComputeKernel.FUSED, cache_params=None)
+        for k, p in plan.items()})  # fmt: skip
+
+
+def cached_twin(opt, graphdef, state, params, plan=None, mesh=None):
     """The cached model holding the same values as the all-device ``state``:
-    ``(graphdef, state, RowCache)``."""
-    device_configs = device_configs or jc.cached_configs(configs(), params)
-    g2, s2 = build(opt, device_configs, plan, mesh)
+    ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables."""
+    if plan is None:
+        device_configs, device_plan = jc.cached_configs(configs(), params), None
+    else:
+        device_configs, device_plan = jc.device_plan(configs(), plan)
+    g2, s2 = build(opt, device_configs, device_plan, mesh)
     logical = ckpt.logical_state(graphdef, opt, state)
     hosts = {}
     for c in configs():

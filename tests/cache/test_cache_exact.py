@@ -1,6 +1,7 @@
 """A cached model trains exactly as the all-device-memory model (tables, optimizer
 rows, dense params, losses), for several optimizers, policies and plans."""
 
+import jax
 import numpy as np
 import pytest
 from cache_cases import (
@@ -8,13 +9,16 @@ from cache_cases import (
     build,
     cached_twin,
     dense,
+    fused,
     local_batch,
+    logical_plan,
     logical_tables,
     loss_fn,
     optimizer,
 )
 
 from jaxrec import cache as jc
+from jaxrec import distributed as d
 from jaxrec import optim, train
 
 STEPS = 12
@@ -55,3 +59,42 @@ def test_unsharded_exact(name, algorithm):
         np.testing.assert_array_equal(a, b)
     for t in CACHED:  # the cache was too small to hold everything: rows went both ways
         assert cache.stats[t].evictions > 0 and 0 < cache.stats[t].hit_rate < 1
+
+
+SHARDED = {  # name: (generators, devices)
+    "row_wise": ({"big": d.row_wise(), "mean": d.table_wise(2), "small": d.row_wise()}, 4),
+    "column_wise": (
+        {"big": d.column_wise([1, 3]), "mean": d.row_wise([0, 3]), "small": d.table_wise(0)},
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(SHARDED))
+def test_sharded_exact(layout):
+    """Row-wise (each row shard its own cache), table-wise and column-wise (one slot per
+    row, in both column pieces; row-wise Adagrad's state copied into each): exact."""
+    gens, n = SHARDED[layout]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.6) for t in CACHED}
+    plan = logical_plan(gens, mesh, params)
+    graphdef, state = build(opt, plan=fused(plan), mesh=mesh)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params, plan, mesh)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        local = [local_batch(rng, 3) for _ in range(n)]
+        state, loss, _ = step(state, d.shard_batch(local, mesh))
+        p = cache.prepare(local)
+        s2, loss2, _ = cstep(s2, p._replace(batch=d.shard_batch(p.batch, mesh)))
+        np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss2))
+    s2 = cache.flush(s2)
+    want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
+    for t in want:
+        for f in want[t]:
+            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert all(cache.stats[t].evictions > 0 for t in CACHED)
+    if layout == "row_wise":
+        assert len(cache.tables["big"].maps) == 4  # a cache per row shard

@@ -1,0 +1,58 @@
+"""Prefetching (the pipeline plans batch i + depth while step i runs) gives the same
+states and losses as preparing each batch right before its step."""
+
+import numpy as np
+import pytest
+from cache_cases import CACHED, build, cached_twin, local_batch, logical_tables, loss_fn, optimizer
+
+from jaxrec import cache as jc
+from jaxrec import optim, train
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetched_equals_unprefetched(depth):
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    rng = np.random.default_rng(2)
+    batches = [local_batch(rng) for _ in range(10)]
+    runs = []
+    for prefetch in (False, True):
+        g2, s2, cache = cached_twin(opt, graphdef, state, params)
+        step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
+        losses = []
+        if prefetch:
+            pipe = train.TrainPipeline(step, s2, to_device=jc.prefetching(cache), depth=depth)
+            it = iter(batches)
+            while True:
+                try:
+                    losses.append(float(pipe.progress(it)[0]))
+                except StopIteration:
+                    break
+            s2 = pipe.state
+        else:
+            for b in batches:
+                s2, loss, _ = step(s2, b)
+                losses.append(float(loss))
+        s2 = cache.flush(s2)
+        runs.append((losses, logical_tables(g2, opt, s2, cache), cache.stats))
+    (l0, t0, st0), (l1, t1, st1) = runs
+    assert l0 == l1
+    for t in t0:
+        for f in t0[t]:
+            np.testing.assert_array_equal(t1[t][f], t0[t][f], err_msg=f"{t}.{f}")
+    assert st0 == st1 and all(st0[t].evictions > 0 for t in CACHED)
+
+
+def test_loads_follow_prepares():
+    """A prepared batch loaded out of order is refused (its slots assume the earlier
+    batches' loads)."""
+    opt = optimizer(optim.sgd(0.1))
+    graphdef, state = build(opt)
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    rng = np.random.default_rng(0)
+    first, second = cache.prepare(local_batch(rng)), cache.prepare(local_batch(rng))
+    with pytest.raises(ValueError, match="in the order they were prepared"):
+        cache.load(s2, second)
+    cache.load(s2, first)
