@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from ..checkpoint.layout import replace_tables, table_buffers
-from ..checkpoint.paths import table_key
+from ..checkpoint.paths import components, table_key
 from ..distributed.types import CacheParams
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
@@ -236,13 +236,10 @@ class RowCache:
         return self._apply(state, moves)
 
     def _apply(self, state, moves):
-        layout = table_buffers(self.graphdef, self.optimizer, state)
-        arrays = {b.where: b.array for b in layout.buffers}
-        targets = [arrays[b.where] for b in self._mover.buffers]
+        wheres = [b.where for b in self._mover.buffers]
         host = {t.key: t.host.fields for t in self.tables.values()}
-        new, self._pending = self._mover.move(targets, moves, host)
-        return replace_tables(state, dict(zip([b.where for b in self._mover.buffers], new,
-                                              strict=True)), {})  # fmt: skip
+        new, self._pending = self._mover.move(_arrays(state, wheres), moves, host)
+        return replace_tables(state, dict(zip(wheres, new, strict=True)), {})
 
     def write_back(self) -> None:
         """Waits for the last load's evicted rows and writes them to host memory."""
@@ -280,8 +277,49 @@ class RowCache:
         cached tables (call :meth:`flush` first)."""
         return {t.key: t.host.fields for t in self.tables.values()}
 
+    def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
+        """Flushes the cache and saves the state with the host tables in place of the
+        device caches (``CheckpointManager.save``; synchronous). Returns the state
+        (its buffers were donated to the flush)."""
+        state = self.flush(state)
+        manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
+                     **kwargs)  # fmt: skip
+        return state
+
+    def restore(self, manager: Any, target: TrainState, *, step: int | None = None) -> TrainState:
+        """Restores a checkpoint (of this model, cached or not, any plan) into the host
+        tables and ``target``; the cache starts empty. A restore that fails leaves the
+        host tables partly written: restore again (``resume`` falls back by itself)."""
+        self.clear()
+        state = manager.restore(self.graphdef, self.optimizer, target, step=step,
+                                host_tables=self.host_fields())  # fmt: skip
+        self.clear()
+        return state
+
+    def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
+        """``CheckpointManager.resume`` into the host tables; the cache starts empty."""
+        self.clear()
+        out = manager.resume(self.graphdef, self.optimizer, state, host_tables=self.host_fields())
+        self.clear()
+        return out
+
     def reset_stats(self) -> None:
         self.stats = {name: CacheStats() for name in self.tables}
+
+
+def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
+    """The state's buffers at ``wheres`` (``Buffer.where``), without merging the model."""
+    tables = {
+        ("tables", components(p)[:-1]): x
+        for p, x in jax.tree_util.tree_leaves_with_path(state.tables)
+    }
+    out = []
+    for w in wheres:
+        if w[0] == "tables":
+            out.append(tables[w])
+        else:
+            out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
+    return out
 
 
 def _slots(t: _Table, ids: np.ndarray) -> np.ndarray:

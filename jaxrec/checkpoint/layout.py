@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
 
 from ..embedding.blocks import Block
@@ -40,10 +41,37 @@ class Tables(NamedTuple):
     shared_counts: dict[str, list[str]]  # state key -> the table keys sharing its count
 
 
+HostTables = Mapping[str, Mapping[str, np.ndarray]]  # table key -> field -> host rows
+
+
 def table_buffers(
-    graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState
+    graphdef: nnx.GraphDef,
+    optimizer: CombinedOptimizer,
+    state: TrainState,
+    host: HostTables | None = None,
 ) -> Tables:
-    """Every table buffer of ``state`` (any plan) with its blocks."""
+    """Every table buffer of ``state`` (any plan) with its blocks.
+
+    ``host``: tables kept in host memory (``jaxrec.cache``), by checkpoint key: their
+    fields are buffers of their own (``where = ("host", key, field)``), and the
+    state's buffers of those tables (device caches) are left out.
+    """
+    tables = _device_buffers(graphdef, optimizer, state)
+    if not host:
+        return tables
+    buffers = []
+    for buf in tables.buffers:
+        blocks = tuple(b for b in buf.blocks if b.table not in host)
+        if blocks:
+            buffers.append(buf._replace(blocks=blocks))
+    for key, fields in host.items():
+        for f, a in fields.items():
+            block = Block(key, 0, a.shape[0], 0, a.shape[1] if a.ndim == 2 else 0, 0)
+            buffers.append(Buffer(f, a, (block,), ("host", key, f)))
+    return Tables(buffers, tables.shared_counts)
+
+
+def _device_buffers(graphdef, optimizer, state) -> Tables:
     model = merge_model(graphdef, state)
     weights = {components(p)[:-1]: x for p, x in jax.tree_util.tree_leaves_with_path(state.tables)}
     buffers, shared = [], {}

@@ -37,7 +37,7 @@ from flax import nnx
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState
 from . import dense, legacy, stream
-from .layout import replace_tables, table_buffers
+from .layout import HostTables, replace_tables, table_buffers
 from .logical import common_count, place_dense
 from .paths import nest
 from .spec import DENSE_PARTS, check_compatible, state_spec
@@ -114,6 +114,7 @@ class CheckpointManager:
         *,
         metadata: Mapping[str, Any] | None = None,
         force: bool = False,
+        host_tables: HostTables | None = None,
     ) -> bool:
         """Saves ``state`` (any plan) as step ``step``; returns whether it saved.
 
@@ -123,6 +124,10 @@ class CheckpointManager:
             metadata: JSON-serialisable extras (data position, config, ...);
                 read back with :meth:`metadata`.
             force: save even where ``save_interval_steps`` would skip the step.
+            host_tables: tables kept in host memory (``RowCache.host_fields()``,
+                after ``RowCache.flush``): saved as their tables, in place of their
+                device caches. Such a save is synchronous (training writes the host
+                rows in place), whatever ``async_save`` says.
 
         Raises:
             the error of an earlier asynchronous save that failed (that step was
@@ -137,8 +142,8 @@ class CheckpointManager:
         self.wait_until_finished()
         if not self._should_save(step, force):
             return False
-        layout = table_buffers(graphdef, optimizer, state)
-        spec = state_spec(graphdef, optimizer, state)
+        layout = table_buffers(graphdef, optimizer, state, host_tables)
+        spec = state_spec(graphdef, optimizer, state, host_tables)
         ids = {key: i for i, key in enumerate(sorted(spec["tables"]))}
         parts = dict(zip(DENSE_PARTS, _dense_parts(state), strict=True))
         meta = {
@@ -160,12 +165,12 @@ class CheckpointManager:
             for name, entries in meta["dense"].items():
                 dense.create(partial, name, entries)
         _barrier(f"jaxrec_checkpoint_start_{step}")
-        copy = self.async_save
+        copy = self.async_save and not host_tables
         tables = [
             (buf, stream.shard_sources(buf, copy, self.staging_bytes)) for buf in layout.buffers
         ]
         shards = {name: dense.snapshot(tree, copy) for name, tree in parts.items()}
-        if not self.async_save:
+        if not copy:
             self._write(step, partial, meta, ids, tables, shards)
             return True
         self._thread = threading.Thread(
@@ -183,6 +188,7 @@ class CheckpointManager:
         target: TrainState,
         *,
         step: int | None = None,
+        host_tables: HostTables | None = None,
     ) -> TrainState:
         """The saved state in ``target``'s plan, layout and shardings.
 
@@ -194,6 +200,8 @@ class CheckpointManager:
 
         Args:
             step: the step to restore (default: the latest).
+            host_tables: tables kept in host memory (``RowCache.host_fields()``):
+                filled in place with the saved tables (then ``RowCache.clear()``).
 
         Raises:
             FileNotFoundError: no such step.
@@ -205,13 +213,13 @@ class CheckpointManager:
         step = self._step(step)
         what = f"checkpoint step {step} in {self.directory}"
         meta = self._meta(step)
-        expected = state_spec(graphdef, optimizer, target)
+        expected = state_spec(graphdef, optimizer, target, host_tables)
         check_compatible(meta["spec"], expected, what)
         step_dir = self._path(step)
         if meta["format"] == legacy.FORMAT:
             return legacy.restore(step_dir, meta, graphdef, optimizer, target, what)
         ids = {k: t["id"] for k, t in meta["tables"].items()}
-        layout = table_buffers(graphdef, optimizer, target)
+        layout = table_buffers(graphdef, optimizer, target, host_tables)
         arrays = {}
         for buf in layout.buffers:
             tables = {b.table for b in buf.blocks}
@@ -236,7 +244,12 @@ class CheckpointManager:
         )
 
     def resume(
-        self, graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState
+        self,
+        graphdef: nnx.GraphDef,
+        optimizer: CombinedOptimizer,
+        state: TrainState,
+        *,
+        host_tables: HostTables | None = None,
     ) -> tuple[TrainState, int]:
         """``(newest intact saved state in state's layout, its step)``, or ``(state, 0)`` if
         there is no checkpoint.
@@ -249,7 +262,9 @@ class CheckpointManager:
         for step in reversed(self.all_steps()):
             restored, error = None, None
             try:
-                restored = self.restore(graphdef, optimizer, state, step=step)
+                restored = self.restore(
+                    graphdef, optimizer, state, step=step, host_tables=host_tables
+                )
             except CheckpointCorruptError as e:
                 error = str(e)
             if _all_processes(error is None):  # one collective per step on every process

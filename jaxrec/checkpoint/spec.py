@@ -24,8 +24,14 @@ from .paths import dense_leaves, flatten, table_key
 DENSE_PARTS = ("params", "rest", "dense_opt")
 
 
-def state_spec(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState) -> dict:
-    """The logical content of ``state`` (shapes and dtypes only; nothing is gathered).
+def state_spec(
+    graphdef: nnx.GraphDef,
+    optimizer: CombinedOptimizer,
+    state: TrainState,
+    host: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+) -> dict:
+    """The logical content of ``state`` (shapes and dtypes only; nothing is gathered);
+    ``host``: tables kept in host memory, by key (their rows are the host arrays').
 
     Returns:
         ``{"tables": {key: {"shape", "dtype", "optimizer", "state": {field:
@@ -39,11 +45,17 @@ def state_spec(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: Trai
             opt = optimizer.for_table(t.name)
             init = functools.partial(opt.init, t.num_embeddings, t.embedding_dim)
             st = jax.eval_shape(init)
-            tables[table_key(path, module, t.name)] = {
-                "shape": [t.num_embeddings, t.embedding_dim],
+            key = table_key(path, module, t.name)
+            fields = {f: _array(getattr(st, f)) for f in row_fields(st)}
+            rows = t.num_embeddings
+            if host and key in host:  # the device table is a cache: the host has the rows
+                rows = host[key]["weight"].shape[0]
+                fields = {f: _array(a) for f, a in host[key].items() if f != "weight"}
+            tables[key] = {
+                "shape": [rows, t.embedding_dim],
                 "dtype": np.dtype(t.dtype).name,
                 "optimizer": opt.name,
-                "state": {f: _array(getattr(st, f)) for f in row_fields(st)},
+                "state": fields,
             }
     parts = (state.params, state.rest, state.opt_state.dense)
     out: dict[str, Any] = {"tables": tables}

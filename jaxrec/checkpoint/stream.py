@@ -114,6 +114,14 @@ def shard_sources(
     donate the array at once), copied to host now: only the rows of its pieces, not a
     padded layout's padding, through one staging window."""
     array, out = buf.array, []
+    if isinstance(array, np.ndarray):  # a host table (jaxrec.cache): read in place
+        if jax.process_index() != 0:
+            return []
+        index = tuple(slice(0, n) for n in array.shape)
+        read = lambda s, n: array[s : s + n]  # noqa: E731
+        if snapshot:
+            raise ValueError("a host table is written in place by training: save it synchronously")
+        return [ShardSource(index, array.shape, read)]
     for shard in array.addressable_shards:
         if not writes_shard(array, shard):
             continue
@@ -226,14 +234,18 @@ def restore_buffer(
     table_ids: Mapping[str, int],
     what: str,
     staging_bytes: int = STAGING_BYTES,
-) -> jax.Array:
-    """A new array shaped and sharded like ``buf.array``, filled from the saved pieces."""
+) -> jax.Array | np.ndarray:
+    """A new array shaped and sharded like ``buf.array``, filled from the saved pieces
+    (a host table, a numpy array, is filled in place)."""
     target = buf.array
     shape, dtype = tuple(target.shape), np.dtype(target.dtype)
     blocks = Blocks(buf)
     by_index: dict = {}
-    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
-        by_index.setdefault(_normal(index, shape), []).append(device)
+    if isinstance(target, np.ndarray):
+        by_index[_normal((), shape)] = []
+    else:
+        for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+            by_index.setdefault(_normal(index, shape), []).append(device)
     needed = {}  # the pieces this process's shards read (ordered), opened at once
     for spans in by_index:
         index = tuple(slice(a, b) for a, b in spans)
@@ -280,6 +292,13 @@ def restore_buffer(
                     f"{what}: table {table!r} field {buf.field!r}: {store.short(e)}"
                 ) from None
 
+    if isinstance(target, np.ndarray):  # a host table: filled in place, a window at a time
+        index = tuple(slice(0, n) for n in shape)
+        n = _window(shape[0], int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize,
+                    staging_bytes)  # fmt: skip
+        for w0 in range(0, shape[0], max(n, 1)):
+            fill(target[w0 : w0 + n], w0, index)
+        return target
     arrays = []
     for spans, group in by_index.items():
         index = tuple(slice(a, b) for a, b in spans)

@@ -1,0 +1,247 @@
+"""Host-memory tables with a device row cache: hit rate and step time against cache size.
+
+For each id distribution (uniform, Zipf ``alpha``) and cache load factor, trains
+``T`` cached tables (``jaxrec.cache``, row-wise Adagrad) and, in the same run, the
+same model with every table in device memory; prints one JSON line per case:
+the hit rate over the timed steps (ids served from the cache), rows moved per step,
+the median step time of the cached step (prepare + load + train step, waited for),
+of the pipelined one (``TrainPipeline`` with ``prefetching``: the next batch is
+planned while a step runs) and of the all-device step, and their ratios. A first
+line gives the machine and the copy rates that bound a miss: host gather
+(numpy), host -> device and device -> host.
+
+    python bench/cache.py --preset tiny            # seconds, a check that it runs
+    python bench/cache.py                          # CPU figures (~5 min on 2 cores)
+    python bench/cache.py --preset gpu             # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from common import machine
+from flax import nnx
+
+import jaxrec as jr
+from jaxrec import cache as jc
+from jaxrec import checkpoint as ckpt
+from jaxrec import optim, train
+from jaxrec.datasets.random import zipf_ids
+from jaxrec.embedding import CombinedOptimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    T: int = 4
+    E: int = 1_000_000
+    D: int = 64
+    B: int = 2048
+    L: int = 20
+    warmup: int = 20  # steps before the timed ones (the cache fills)
+    reps: int = 10
+    load_factors: tuple[float, ...] = (0.05, 0.1, 0.2, 0.5, 1.0)
+    alphas: tuple[float | None, ...] = (None, 0.8, 1.05, 1.2)  # None: uniform
+
+
+PRESETS = {
+    "tiny": Config(T=2, E=20_000, D=16, B=128, L=5, warmup=3, reps=3, load_factors=(0.1, 1.0),
+                   alphas=(None, 1.05)),
+    "cpu": Config(),
+    "gpu": Config(T=8, E=4_000_000, D=128, B=8192, L=20, reps=10),
+}  # fmt: skip
+
+
+class Model(nnx.Module):
+    def __init__(self, tables, *, rngs):
+        self.ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
+        self.head = nnx.Linear(sum(t.embedding_dim for t in tables), 1, rngs=rngs)
+
+    def __call__(self, kjt):
+        return self.head(self.ebc(kjt).values())[:, 0]
+
+
+def loss_fn(model, batch):
+    kjt, y = batch
+    return jnp.mean((model(kjt) - y) ** 2)
+
+
+def configs(cfg: Config):
+    return [
+        jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg.E, embedding_dim=cfg.D,
+                              feature_names=[f"f{i}"])
+        for i in range(cfg.T)
+    ]  # fmt: skip
+
+
+def batches(cfg: Config, alpha: float | None, n: int, seed: int = 0):
+    """``n`` host batches: ``L`` ids per bag, Zipf ranks scattered over the rows."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(cfg.E)
+    keys = [f"f{i}" for i in range(cfg.T)]
+    out = []
+    for _ in range(n):
+        values = perm[zipf_ids(rng, cfg.E, cfg.T * cfg.B * cfg.L, alpha)]
+        lengths = np.full(cfg.T * cfg.B, cfg.L, np.int32)
+        kjt = jr.KeyedJaggedTensor(keys, values.astype(np.int32), lengths=lengths,
+                                   capacities=[cfg.B * cfg.L] * cfg.T)  # fmt: skip
+        out.append((kjt, rng.normal(size=cfg.B).astype(np.float32)))
+    return out
+
+
+def timed(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def copy_rates(cfg: Config) -> dict:
+    """GB/s of a random-row gather on the host and of copies between host and device
+    (64 MiB of rows, medians of 5)."""
+    rows = max(1, (64 << 20) // (cfg.D * 4))
+    table = np.random.default_rng(0).random((min(cfg.E, 4 * rows), cfg.D), np.float32)
+    idx = np.random.default_rng(1).integers(0, len(table), rows)
+    block = table[idx]
+    nbytes = block.nbytes
+    dev = jax.devices()[0]
+    on_device = jax.device_put(block, dev).block_until_ready()
+
+    def gb_s(ms):
+        return round(nbytes / (statistics.median(ms) * 1e-3) / 1e9, 2)
+
+    return {
+        "host_gather_GBps": gb_s(timed(lambda: table[idx], 5)),
+        "host_to_device_GBps": gb_s(
+            timed(lambda: jax.device_put(block, dev).block_until_ready(), 5)
+        ),  # fmt: skip
+        "device_to_host_GBps": gb_s(timed(lambda: np.asarray(on_device + 0), 5)),
+        "copy_MiB": round(nbytes / 2**20, 1),
+    }
+
+
+def run_case(cfg, opt, graphdef, state0, data, alpha, lf) -> dict:
+    params = {f"t{i}": jc.CacheParams(load_factor=lf) for i in range(cfg.T)}
+    g2, s2 = train.init_train_state(
+        Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
+    )
+    logical = ckpt.logical_state(graphdef, opt, state0)
+    hosts = {
+        t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name),
+                                         logical.tables[f"ebc.embedding_bags.{t.name}"]["weight"])
+        for t in configs(cfg)
+    }  # fmt: skip
+    cache = jc.RowCache(g2, opt, s2, hosts, params)
+    step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    box = {"s": s2, "i": 0}
+
+    def one():
+        box["s"], loss, _ = step(box["s"], data[box["i"] % len(data)])
+        box["i"] += 1
+        loss.block_until_ready()
+
+    for _ in range(cfg.warmup):
+        one()
+    cache.reset_stats()
+    ms = timed(one, cfg.reps)
+    stats = list(cache.stats.values())
+    t0 = time.perf_counter()
+    prepared = cache.prepare(data[box["i"] % len(data)])  # host planning alone
+    prep = (time.perf_counter() - t0) * 1e3
+    box["s"] = cache.load(box["s"], prepared)  # loads follow prepares in order
+    pipe = train.TrainPipeline(step, box["s"], to_device=jc.prefetching(cache))
+    it = iter([data[i % len(data)] for i in range(cfg.reps + 2)])
+    pipe.progress(it)[0].block_until_ready()
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        try:
+            loss, _ = pipe.progress(it)
+        except StopIteration:
+            break
+        n += 1
+    loss.block_until_ready()
+    pipelined = (time.perf_counter() - t0) * 1e3 / max(n, 1)
+    ids = sum(s.ids for s in stats)
+    return {
+        "load_factor": lf,
+        "slots_per_table": cache.tables["t0"].slots,
+        "hit_rate": round(1 - sum(s.misses for s in stats) / ids, 4),
+        "row_hit_rate": round(1 - sum(s.misses for s in stats) / sum(s.rows for s in stats), 4),
+        "rows_in_per_step": sum(s.misses for s in stats) / cfg.reps,
+        "rows_out_per_step": sum(s.evictions for s in stats) / cfg.reps,
+        "distinct_rows_per_step": sum(s.rows for s in stats) / cfg.reps,
+        "cached_step_ms": round(statistics.median(ms), 2),
+        "pipelined_step_ms": round(pipelined, 2),
+        "prepare_ms": round(prep, 2),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
+    p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
+    a = p.parse_args(argv)
+    cfg = PRESETS[a.preset]
+    if a.reps:
+        cfg = dataclasses.replace(cfg, reps=a.reps)
+    if a.alphas:
+        cfg = dataclasses.replace(
+            cfg, alphas=tuple(None if float(x) == 0 else float(x) for x in a.alphas.split(","))
+        )
+    if a.load_factors:
+        cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
+    dev = jax.devices()[0]
+    base = {
+        "bench": "cache",
+        "preset": a.preset,
+        "date": datetime.date.today().isoformat(),
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        **machine(),
+        "config": dataclasses.asdict(cfg),
+    }
+    print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
+    opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
+    graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
+    state0 = jax.tree.map(jnp.copy, state)
+    full = train.make_train_step(graphdef, opt, loss_fn)
+    for alpha in cfg.alphas:
+        data = batches(cfg, alpha, cfg.warmup + cfg.reps)
+        box = {"s": jax.tree.map(jnp.copy, state0), "i": 0}
+
+        def one(box=box, data=data):
+            box["s"], loss, _ = full(box["s"], data[box["i"] % len(data)])
+            box["i"] += 1
+            loss.block_until_ready()
+
+        timed(one, 3)
+        device_ms = statistics.median(timed(one, cfg.reps))
+        del box
+        for lf in cfg.load_factors:
+            r = run_case(cfg, opt, graphdef, state0, data, alpha, lf)
+            r.update(
+                alpha=alpha or "uniform",
+                device_step_ms=round(device_ms, 2),
+                cached_over_device=round(r["cached_step_ms"] / device_ms, 3),
+                pipelined_over_device=round(r["pipelined_step_ms"] / device_ms, 3),
+            )
+            print(json.dumps({**base, **r}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
