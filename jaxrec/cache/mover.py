@@ -61,10 +61,12 @@ class Pending(NamedTuple):
         host_vals = [np.asarray(e) for e in self.evicted]
         for i, host, rows, at, col, cols in self.parts:
             vals = host_vals[i][at : at + len(rows)]
-            if host.ndim == 2:
-                host[rows, col : col + cols] = vals[:, :cols]
-            else:
+            if host.ndim == 1:
                 host[rows] = vals
+            elif col == 0 and cols == host.shape[1]:
+                host[rows] = vals[:, :cols] if vals.shape[1] != cols else vals
+            else:
+                host[rows, col : col + cols] = vals[:, :cols]
 
 
 class Mover:
@@ -85,41 +87,42 @@ class Mover:
         """``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``; ``host[key]``
         the table's host fields. Returns the new buffers and the evicted rows (not yet
         on the host: :meth:`Pending.write_back`)."""
+        sizes = []
+        for cols in self.cols:
+            nf = sum(len(m[0]) * len(cols[k]) for k, m in moves.items())
+            ne = sum(len(m[2]) * len(cols[k]) for k, m in moves.items())
+            sizes.append(max(nf, ne))
+        n = _bucket(max(sizes))
         fill_pos, fill_vals, evict_pos, parts = [], [], [], []
-        for i, (buf, cols) in enumerate(zip(self.buffers, self.cols, strict=True)):
-            width = buf.array.shape[1] if buf.array.ndim == 2 else 0
-            fp, fv, ep, at = [], [], [], 0
+        for i, (buf, cols, a) in enumerate(zip(self.buffers, self.cols, arrays, strict=True)):
+            size = a.shape[0]  # padding positions: out of range (dropped / read as zeros)
+            fp = np.full(n, size, np.int32)
+            ep = np.full(n, size, np.int32)
+            fv = np.zeros((n, *a.shape[1:]), a.dtype)
+            f_at = e_at = 0
             for key, (fs, fr, es, er) in moves.items():
                 src = host[key][buf.field]
                 for k, c in enumerate(cols[key]):
                     if len(fs):
-                        fp.append(c.positions(fs))
-                        vals = src[fr, c.col : c.col + c.cols] if width else src[fr]
-                        fv.append(_pad(vals, width))
-                    if len(es) and (width or k == 0):  # a row-wise field: one copy suffices
-                        ep.append(c.positions(es))
-                        parts.append((i, src, er, at, c.col, c.cols))
-                        at += len(es)
-            fill_pos.append(_cat(fp, np.int64))
-            fill_vals.append(np.concatenate(fv) if fv else np.zeros((0, *buf.array.shape[1:]),
-                                                                   buf.array.dtype))  # fmt: skip
-            evict_pos.append(_cat(ep, np.int64))
-        return self._run(arrays, fill_pos, fill_vals, evict_pos, parts)
-
-    def _run(self, arrays, fill_pos, fill_vals, evict_pos, parts):
-        nf = _bucket(max(len(p) for p in fill_pos))
-        ne = _bucket(max(len(p) for p in evict_pos))
-        fp, fv, ep = [], [], []
-        for a, p, v, e in zip(arrays, fill_pos, fill_vals, evict_pos, strict=True):
-            n = a.shape[0]  # padding positions: out of range (dropped / read as zeros)
-            fp.append(np.pad(p, (0, nf - len(p)), constant_values=n).astype(np.int32))
-            fv.append(np.pad(v, [(0, nf - len(v))] + [(0, 0)] * (v.ndim - 1)).astype(a.dtype))
-            ep.append(np.pad(e, (0, ne - len(e)), constant_values=n).astype(np.int32))
-        key = (nf, ne)
-        if key not in self._programs:
+                        fp[f_at : f_at + len(fs)] = c.positions(fs)
+                        if a.ndim == 1:
+                            np.take(src, fr, out=fv[f_at : f_at + len(fs)])
+                        elif c.col == 0 and c.cols == src.shape[1] == a.shape[1]:
+                            np.take(src, fr, axis=0, out=fv[f_at : f_at + len(fs)])
+                        else:
+                            fv[f_at : f_at + len(fs), : c.cols] = src[fr, c.col : c.col + c.cols]
+                        f_at += len(fs)
+                    if len(es) and (a.ndim == 2 or k == 0):  # a row-wise field: one copy
+                        ep[e_at : e_at + len(es)] = c.positions(es)
+                        parts.append((i, src, er, e_at, c.col, c.cols))
+                        e_at += len(es)
+            fill_pos.append(fp)
+            fill_vals.append(fv)
+            evict_pos.append(ep)
+        if n not in self._programs:
             shardings = [a.sharding for a in arrays]
-            self._programs[key] = jax.jit(_move, donate_argnums=0, out_shardings=(shardings, None))
-        new, evicted = self._programs[key](list(arrays), ep, fp, fv)
+            self._programs[n] = jax.jit(_move, donate_argnums=0, out_shardings=(shardings, None))
+        new, evicted = self._programs[n](list(arrays), evict_pos, fill_pos, fill_vals)
         return new, Pending(evicted, parts)
 
 
@@ -130,16 +133,6 @@ def _move(arrays, evict_pos, fill_pos, fill_vals):
     ]
     new = [a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)]
     return new, evicted
-
-
-def _pad(rows: np.ndarray, width: int) -> np.ndarray:
-    if not width or rows.shape[1] == width:
-        return rows
-    return np.pad(rows, [(0, 0), (0, width - rows.shape[1])])
-
-
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
 @functools.cache

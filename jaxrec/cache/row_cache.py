@@ -173,44 +173,40 @@ class RowCache:
             for name, t in self.tables.items():
                 allv = np.concatenate(ids[name]) if ids[name] else np.zeros(0, np.int64)
                 plans[name] = self._plan(t, allv)  # checks every shard before any change
-            moves, slot_of = {}, {}
-            for name, t in self.tables.items():
-                moves[t.key], slot_of[name] = self._commit(t, *plans[name])
+            moves = {t.key: self._commit(t, *plans[name]) for name, t in self.tables.items()}
             self._prepared += 1
-            new = jax.tree.map(
-                lambda x: self._remap(x, slot_of) if _is_kjt(x) else x, batch, is_leaf=_is_kjt
-            )
+            new = jax.tree.map(lambda x: self._remap(x) if _is_kjt(x) else x, batch,
+                               is_leaf=_is_kjt)  # fmt: skip
             return Prepared(new, moves, self._prepared)
 
     def _plan(self, t: _Table, ids: np.ndarray):
         ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
         rows = ids[ok]
+        if len(t.maps) == 1:
+            return len(rows), [t.maps[0].plan(rows, f"cached table {t.name!r}")]
         shard = rows // t.shard_rows
-        per_shard = []
-        for s, m in enumerate(t.maps):
-            local = rows[shard == s] - s * t.shard_rows if len(t.maps) > 1 else rows
-            u, counts = np.unique(local, return_counts=True)
-            m.check(u, f"cached table {t.name!r} shard {s}")
-            per_shard.append((u, counts))
-        return len(rows), per_shard
+        return len(rows), [
+            m.plan(rows[shard == s] - s * t.shard_rows, f"cached table {t.name!r} shard {s}")
+            for s, m in enumerate(t.maps)
+        ]
 
-    def _commit(self, t: _Table, n_ids: int, per_shard):
+    def _commit(self, t: _Table, n_ids: int, plans):
         st = self.stats[t.name]
         st.ids += n_ids
         fills, evicts = [], []
-        for s, (m, (u, counts)) in enumerate(zip(t.maps, per_shard, strict=True)):
-            a = m.assign(u, counts)
+        for s, (m, plan) in enumerate(zip(t.maps, plans, strict=True)):
+            a = m.assign(plan)
             base_slot, base_row = s * t.slots, s * t.shard_rows
             fills.append((a.fill_slots + base_slot, a.fill_rows + base_row))
             evicts.append((a.evict_slots + base_slot, a.evict_rows + base_row))
-            st.rows += len(u)
+            st.rows += a.hits + len(a.fill_rows)
             st.misses += len(a.fill_rows)
             st.evictions += len(a.evict_rows)
         fs, fr = (np.concatenate(x) for x in zip(*fills, strict=True))
         es, er = (np.concatenate(x) for x in zip(*evicts, strict=True))
-        return (fs, fr, es, er), t
+        return fs, fr, es, er
 
-    def _remap(self, kjt: KeyedJaggedTensor, slot_of) -> KeyedJaggedTensor:
+    def _remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values = np.array(kjt.values())
         for f, lo, hi in _feature_spans(kjt, self._feature_table):
             t = self._feature_table[f]

@@ -20,14 +20,23 @@ class CacheTooSmallError(ValueError):
     """A batch looks up more distinct rows of a shard than its cache has slots."""
 
 
-class Assignment(NamedTuple):
-    """One batch's slots (shard-local): ``slots[i]`` holds ``rows[i]`` for the batch."""
+class Plan(NamedTuple):
+    """What one batch needs of a shard's cache (see :meth:`SlotMap.plan`)."""
 
-    slots: np.ndarray  # [U] int64, the slot of each looked-up row
+    fill_rows: np.ndarray  # [M] int64, distinct rows not cached
+    hit_slots: np.ndarray  # slots of the cached ids (repeats allowed)
+    hits: int  # distinct cached rows
+    counts: tuple | None  # LFU: (distinct rows, ids per row)
+
+
+class Assignment(NamedTuple):
+    """One batch's moves (shard-local slots and rows)."""
+
     fill_slots: np.ndarray  # [M] int64, slots that receive a missed row
     fill_rows: np.ndarray  # [M] int64, the missed rows (shard-local)
     evict_slots: np.ndarray  # [V] int64, slots whose row goes back to host memory first
     evict_rows: np.ndarray  # [V] int64, those rows (shard-local)
+    hits: int  # distinct rows found cached
 
 
 class SlotMap:
@@ -47,51 +56,63 @@ class SlotMap:
         self.counts = np.zeros(rows, np.uint32) if self.algorithm is CacheAlgorithm.LFU else None
         self.used = 0  # slots [0, used) have held a row
         self.clock = 0
+        self._seen = np.zeros(slots, bool)  # scratch of plan()
 
-    def check(self, rows: np.ndarray, where: str) -> None:
-        """Raises ``CacheTooSmallError`` when a batch's distinct ``rows`` cannot all be
+    def plan(self, ids: np.ndarray, where: str) -> Plan:
+        """What a batch's shard-local ``ids`` (repeats allowed) need, without changing
+        anything. Raises ``CacheTooSmallError`` when its distinct rows cannot all be
         cached at once (fully associative: any number up to the slot count can)."""
-        if len(rows) > self.slots:
-            raise CacheTooSmallError(
-                f"{where}: the batch looks up {len(rows)} distinct rows but the cache has "
-                f"{self.slots} slots; raise CacheParams.load_factor to at least "
-                f"{len(rows) / max(self.rows, 1):.3g} (better 2x that) or use smaller batches"
-            )
-
-    def assign(self, rows: np.ndarray, counts: np.ndarray) -> Assignment:
-        """Slots for the distinct shard-local ``rows`` of a batch (``counts``: ids per
-        row), which passed :meth:`check`."""
-        self.clock += 1
-        if self.counts is not None:
-            self.counts[rows] = np.minimum(
-                self.counts[rows].astype(np.int64) + counts, np.iinfo(np.uint32).max
-            )
-        slots = self.slot_of_row[rows].astype(np.int64)
+        slots = self.slot_of_row[ids]
         miss = slots < 0
-        fill_rows = rows[miss]
+        fill_rows = np.unique(ids[miss]).astype(np.int64)
+        hit_slots = slots[~miss]
+        self._seen[hit_slots] = True  # distinct hits without sorting them
+        hits = int(np.count_nonzero(self._seen[: self.used]))
+        self._seen[hit_slots] = False
+        if hits + len(fill_rows) > self.slots:
+            n = hits + len(fill_rows)
+            raise CacheTooSmallError(
+                f"{where}: the batch looks up {n} distinct rows but the cache has "
+                f"{self.slots} slots; raise CacheParams.load_factor to at least "
+                f"{n / max(self.rows, 1):.3g} (better 2x that) or use smaller batches"
+            )
+        counts = None
+        if self.counts is not None:  # LFU counts every id
+            counts = np.unique(ids, return_counts=True)
+        return Plan(fill_rows, hit_slots, hits, counts)
+
+    def assign(self, plan: Plan) -> Assignment:
+        """Gives the planned batch's missed rows slots (evicting others) and marks its
+        rows used; nothing else may have been assigned since :meth:`plan`."""
+        self.clock += 1
+        if plan.counts is not None:
+            rows, n = plan.counts
+            total = self.counts[rows].astype(np.int64) + n
+            self.counts[rows] = np.minimum(total, np.iinfo(np.uint32).max)
+        fill_rows = plan.fill_rows
         fresh = min(len(fill_rows), self.slots - self.used)
         fill_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
         self.used += fresh
-        keep = np.concatenate([slots[~miss], fill_slots])  # this batch's hits, fresh slots
-        evict_slots = self._victims(len(fill_rows) - fresh, keep)
+        self.last_used[plan.hit_slots] = self.clock  # the batch's hits and fresh slots stay
+        self.last_used[fill_slots] = self.clock
+        evict_slots = self._victims(len(fill_rows) - fresh)
         evict_rows = self.row_of_slot[evict_slots]
         self.slot_of_row[evict_rows] = -1
         fill_slots = np.concatenate([fill_slots, evict_slots])
         self.slot_of_row[fill_rows] = fill_slots
         self.row_of_slot[fill_slots] = fill_rows
-        slots[miss] = fill_slots
-        self.last_used[slots] = self.clock
-        return Assignment(slots, fill_slots, fill_rows, evict_slots, evict_rows)
+        self.last_used[fill_slots] = self.clock
+        return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
 
-    def _victims(self, k: int, keep: np.ndarray) -> np.ndarray:
-        """``k`` occupied slots to empty, none of them in ``keep``."""
+    def _victims(self, k: int) -> np.ndarray:
+        """``k`` occupied slots to empty, none used by this batch (stamped ``clock``)."""
         if k <= 0:
             return np.zeros(0, np.int64)
         if self.algorithm is CacheAlgorithm.LRU:
             key = self.last_used.copy()
         else:
             key = self.counts[self.row_of_slot].astype(np.int64)
-        key[keep] = np.iinfo(np.int64).max
+            key[self.last_used == self.clock] = np.iinfo(np.int64).max
         return np.sort(np.argpartition(key, k - 1)[:k]).astype(np.int64)
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
