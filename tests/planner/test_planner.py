@@ -73,7 +73,8 @@ def test_per_device_memory_never_exceeds_capacity(seed, opt):
 def test_infeasible_error_explains():
     topo = Topology(world_size=4, hbm_cap=2 * GiB, batch_size=64)
     tables = [_cfg("huge", 20_000_000, 64), _cfg("ok", 1000, 64)]
-    cons = {"huge": ParameterConstraints(sharding_types=["table_wise", "column_wise"])}
+    cons = {"huge": ParameterConstraints(sharding_types=["table_wise", "column_wise"],
+                                         hbm_only=True)}  # fmt: skip
     with pytest.raises(PlannerError) as e:
         EmbeddingShardingPlanner(topo, cons, optimizer="adam").plan(tables)
     msg = str(e.value)
@@ -87,8 +88,9 @@ def test_infeasible_error_explains():
 def test_infeasible_together_names_the_tables_that_did_not_fit():
     topo = Topology(world_size=2, hbm_cap=1 * GiB, batch_size=64)
     tables = [_cfg(f"t{i}", 1_000_000, 64) for i in range(8)]  # 2 GiB with state: 1 GiB/device
+    never = {t.name: ParameterConstraints(hbm_only=True) for t in tables}  # no host memory
     with pytest.raises(PlannerError, match="could not place") as e:
-        EmbeddingShardingPlanner(topo, optimizer="sgd").plan(tables)
+        EmbeddingShardingPlanner(topo, never, optimizer="sgd").plan(tables)
     assert "about 3" in str(e.value) or "about 4" in str(e.value)  # devices suggested
 
 
@@ -129,8 +131,8 @@ def test_constraints_respected():
 def test_constraint_errors():
     with pytest.raises(ValueError, match="unknown value 'diagonal'"):
         ParameterConstraints(sharding_types=["diagonal"])
-    with pytest.raises(ValueError, match="jaxrec does not"):
-        ParameterConstraints(hbm_only=False)
+    with pytest.raises(ValueError, match="contradicts"):
+        ParameterConstraints(hbm_only=True, compute_kernels=["fused_uvm_caching"])
     with pytest.raises(ValueError, match="unknown tables"):
         EmbeddingShardingPlanner(Topology(world_size=2), {"nope": ParameterConstraints()}).plan(
             [_cfg("a", 10, 8)]

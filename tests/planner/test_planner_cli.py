@@ -42,9 +42,9 @@ def test_dry_run_csv_and_infeasible(tmp_path, capsys):
     """The same entry point in-process (a subprocess per case costs seconds of imports)."""
     spec = tmp_path / "tables.csv"
     spec.write_text(
-        "name,num_embeddings,embedding_dim,feature_names,pooling_factor,sharding_types\n"
-        "user,4000000,64,user_id;user_hist,20,table_wise\n"
-        "item,100000,32,item_id,1,\n"
+        "name,num_embeddings,embedding_dim,feature_names,pooling_factor,sharding_types,hbm_only\n"
+        "user,4000000,64,user_id;user_hist,20,table_wise,true\n"
+        "item,100000,32,item_id,1,,\n"
     )
     assert main(["--tables", str(spec), "--devices", "4", "--hbm-gib", "64", "--quiet-plan"]) == 0
     assert "user | 4000000 x 64 FP32 | table_wise" in capsys.readouterr().out

@@ -1,5 +1,9 @@
 """The sharding planner (TorchRec's ``torchrec.distributed.planner``)."""
 
+from .cache_stats import CacheStatistics as CacheStatistics
+from .cache_stats import MissRateCurve as MissRateCurve
+from .cache_stats import UniformCacheStatistics as UniformCacheStatistics
+from .cache_stats import ZipfCacheStatistics as ZipfCacheStatistics
 from .constraints import ParameterConstraints as ParameterConstraints
 from .cost_model import CostModel as CostModel
 from .enumerator import enumerate_options as enumerate_options
@@ -7,11 +11,12 @@ from .options import ShardingOption as ShardingOption
 from .options import ShardSpec as ShardSpec
 from .options import TableInfo as TableInfo
 from .partitioner import GreedyPerfPartitioner as GreedyPerfPartitioner
-from .partitioner import Placement as Placement
 from .perf import Perf as Perf
+from .placement import Placement as Placement
 from .planner import EmbeddingShardingPlanner as EmbeddingShardingPlanner
 from .planner import PlannerError as PlannerError
 from .planner import plan_for_model as plan_for_model
+from .proposers import CachingProposer as CachingProposer
 from .proposers import GreedyProposer as GreedyProposer
 from .proposers import GridSearchProposer as GridSearchProposer
 from .proposers import Proposer as Proposer

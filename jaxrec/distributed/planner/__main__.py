@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="world size (default: the spec's, else 8)")
     p.add_argument("--local-devices", type=int, help="devices per host (default: all)")
     p.add_argument("--hbm-gib", type=float, help="device memory per device, GiB (default 32)")
+    p.add_argument("--ddr-gib", type=float, help="host memory per host, GiB (default 128)")
     p.add_argument("--batch-size", type=int, help="samples per device (default 512)")
     p.add_argument("--hbm-bw-gbps", type=float, help="device memory bandwidth, GB/s")
     p.add_argument("--intra-host-bw-gbps", type=float, help="per-device bandwidth in a host, GB/s")
@@ -28,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", help="sparse optimizer whose state is sized (rowwise_adagrad)")
     p.add_argument("--capacity", type=int, help="ids per destination (DMP's capacity=)")
     p.add_argument("--reserved", type=float, default=0.15, help="reserved HBM fraction (0.15)")
+    p.add_argument("--reserved-ddr", type=float, default=0.1, help="reserved host fraction (0.1)")
     p.add_argument("--plan-out", help="write the plan as JSON to this file")
     p.add_argument("--quiet-plan", action="store_true", help="print the stats only")
     return p
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": args.devices,
         "local_world_size": args.local_devices,
         "hbm_cap": None if args.hbm_gib is None else int(args.hbm_gib * GiB),
+        "ddr_cap": None if args.ddr_gib is None else int(args.ddr_gib * GiB),
         "batch_size": args.batch_size,
         "hbm_mem_bw": None if args.hbm_bw_gbps is None else args.hbm_bw_gbps * 1e9,
         "intra_host_bw": None if args.intra_host_bw_gbps is None else args.intra_host_bw_gbps * 1e9,
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=args.optimizer or settings.get("optimizer"),
         capacity=args.capacity if args.capacity is not None else settings.get("capacity"),
         reserved_hbm_fraction=args.reserved,
+        reserved_ddr_fraction=args.reserved_ddr,
     )
     try:
         plan = planner.plan(tables)

@@ -7,6 +7,8 @@ fast-path capacity ``C`` (``jaxrec.distributed.capacity``), and slots ``S``.
 Memory is linear in ``R``; buffers and time are piecewise linear in ``C`` and
 ``S`` (``storage.sharded_buffer_bytes``, ``perf.sharded_perf``). Everything
 here takes numpy arrays, so the partitioner prices every candidate rank at once.
+A ``fused_uvm_caching`` group also depends on its per-rank cache slots and
+expected misses, and holds host memory (``storage.cache_host_bytes``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..capacity import CAPACITY_FACTOR, SIGMAS, fast_path_capacity
+from ..types import CacheParams
+from .cache_stats import UniformCacheStatistics
 from .options import ShardSpec, TableInfo
-from .perf import Perf, replicated_perf, sharded_perf
+from .perf import Perf, cache_miss_seconds, replicated_perf, sharded_perf
 from .storage import (
+    cache_host_bytes,
+    cache_slots,
+    cache_staging_bytes,
     replicated_memory,
     row_sum_calls,
     sharded_buffer_bytes,
@@ -28,10 +35,18 @@ from .storage import (
 )
 from .topology import Topology
 
+CACHED = "fused_uvm_caching"  # the last element of a cached width group's key
 
-def group_name(ncols: int, dtype: str) -> str:
-    """A width group's name in the sharded collection (``layout.py``): ``fp32_c64``."""
-    return f"{dtype.lower()}_c{ncols}"
+
+def group_name(ncols: int, dtype: str, cached: bool = False) -> str:
+    """A width group's name in the sharded collection (``layout.py``): ``fp32_c64``, or
+    ``fp32_c64_cached`` for its ``fused_uvm_caching`` tables."""
+    return f"{dtype.lower()}_c{ncols}" + ("_cached" if cached else "")
+
+
+def key_name(key: tuple) -> str:
+    """The name of the group with key ``(module, columns, dtype[, CACHED])``."""
+    return group_name(key[1], key[2], key[-1] == CACHED)
 
 
 def fast_path_capacities(
@@ -54,7 +69,8 @@ def fast_path_capacities(
 
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-    """Costs of one ``(columns, dtype, state bytes per row, weighted, sequence)`` width group."""
+    """Costs of one ``(columns, dtype, state bytes per row, weighted, sequence, cached)``
+    width group."""
 
     topology: Topology
     ncols: int
@@ -62,6 +78,7 @@ class GroupCost:
     state_row: int
     weighted: bool
     sequence: bool = False  # an EmbeddingCollection's group: rows per id, not pooled blocks
+    cached: bool = False  # fused_uvm_caching: HBM holds cache slots, host memory the rows
 
     @property
     def weight_row(self) -> int:
@@ -73,19 +90,28 @@ class GroupCost:
 
     def buffers(self, capacity, slots, split: bool = False, row_sum_values=0.0):
         """Lookup buffer bytes for fast-path capacity ``C`` and ``S`` slots (arrays ok)."""
-        return sharded_buffer_bytes(
+        out = sharded_buffer_bytes(
             self.topology, self.ncols, capacity, slots, weighted=self.weighted, split=split,
             row_sum_values=row_sum_values, sequence=self.sequence,
         )  # fmt: skip
+        if self.cached:
+            out = out + cache_staging_bytes(self.topology, capacity, self.mem_row)
+        return out
 
-    def perf(self, capacity, slots, row_sum_sent=0.0) -> Perf:
-        return sharded_perf(
+    def perf(self, capacity, slots, row_sum_sent=0.0, fetch=0.0) -> Perf:
+        """``fetch``: expected missed ids per source on the busiest rank (cached groups)."""
+        p = sharded_perf(
             self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
             weighted=self.weighted, row_sum_sent=row_sum_sent, sequence=self.sequence,
         )  # fmt: skip
+        if not self.cached:
+            return p
+        fetched = self.topology.world_size * fetch  # every source's misses on the rank
+        return p._replace(prefetch_compute=cache_miss_seconds(self.topology, fetched,
+                                                              self.mem_row))  # fmt: skip
 
-    def time(self, capacity, slots, row_sum_sent=0.0):
-        return self.perf(capacity, slots, row_sum_sent).total
+    def time(self, capacity, slots, row_sum_sent=0.0, fetch=0.0):
+        return self.perf(capacity, slots, row_sum_sent, fetch).total
 
     @functools.cached_property
     def linear(self) -> tuple[float, float, float, float]:
@@ -94,10 +120,21 @@ class GroupCost:
         return (float(self.buffers(1, 0)), float(self.buffers(0, 1)),
                 float(self.time(1, 0)), float(self.time(0, 1)))  # fmt: skip
 
-    def memory(self, rows, capacity, slots, split=False, row_sum_values=0.0):
-        """``(weights, optimizer state, buffers)`` bytes on every device."""
+    def memory(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
+        """``(weights, optimizer state, buffers)`` bytes on every device (of ``cache``
+        slots in a cached group, of ``rows`` rows in others)."""
         buffers = float(self.buffers(capacity, slots, split, row_sum_values))
-        return rows * self.weight_row, rows * self.state_row, buffers
+        held = cache if self.cached else rows
+        return held * self.weight_row, held * self.state_row, buffers
+
+    def hbm(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
+        """Device bytes (arrays ok): rows or cache slots, and buffers."""
+        held = cache if self.cached else rows
+        return held * self.mem_row + self.buffers(capacity, slots, split, row_sum_values)
+
+    def host(self, rows, cache):
+        """Host bytes per rank: a cached group's rows and cache metadata, else 0."""
+        return cache_host_bytes(rows, cache, self.mem_row) if self.cached else 0.0
 
 
 class CostModel:
@@ -125,6 +162,7 @@ class CostModel:
         self.weighted_modules = frozenset(weighted_modules)
         self._groups: dict = {}
         self._state: dict = {}
+        self._miss: dict = {}
         # the partitioner's memos, reused across the proposals of one plan() call
         self.cuts: dict = {}  # row-cut options
         self.items: dict = {}  # (option, shard) -> its placement fields
@@ -135,13 +173,16 @@ class CostModel:
     def row_sum_calls(self, table: TableInfo) -> int:
         return row_sum_calls(table.optimizer, self._state)
 
-    def group_key(self, table: TableInfo, ncols: int) -> tuple:
-        """Shards stack by ``(columns, dtype)`` within one collection (``layout.py``)."""
-        return (table.module, ncols, table.config.data_type.value)
+    def group_key(self, table: TableInfo, ncols: int, cache: CacheParams | None = None) -> tuple:
+        """Shards stack by ``(columns, dtype)`` within one collection (``layout.py``);
+        cached shards stack apart from the others."""
+        key = (table.module, ncols, table.config.data_type.value)
+        return key if cache is None else (*key, CACHED)
 
-    def group_cost(self, table: TableInfo, ncols: int) -> GroupCost:
+    def group_cost(self, table: TableInfo, ncols: int, cached: bool = False) -> GroupCost:
         weighted = table.module in self.weighted_modules
-        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted, table.sequence)
+        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted, table.sequence,
+               cached)  # fmt: skip
         cost = self._groups.get(key)
         if cost is None:
             cost = self._groups[key] = GroupCost(self.topology, *key)
@@ -166,18 +207,37 @@ class CostModel:
             return max(1, min(given, natural))
         return fast_path_capacity(expected, natural, self.capacity_factor)
 
-    def standalone(self, table: TableInfo, nrows, ncols: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(bytes, seconds)`` of shards of ``nrows`` rows (an array) and ``ncols``
-        columns, each as if alone in its width group."""
-        g = self.group_cost(table, ncols)
+    def miss_rate(self, table: TableInfo, cache: CacheParams) -> float:
+        """Expected share of the table's lookups that miss its cache (uniform ids unless
+        the constraints give ``cache_statistics``)."""
+        key = (id(table), cache.load_factor)
+        if key not in self._miss:
+            stats = table.constraints.cache_statistics or UniformCacheStatistics()
+            rate = stats.expected_miss_rate(cache.load_factor, table.rows)
+            self._miss[key] = (table, min(1.0, max(0.0, float(rate))))  # keeps ids unique
+        return self._miss[key][1]
+
+    def standalone(
+        self, table: TableInfo, nrows, ncols: int, cache: CacheParams | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(device bytes, seconds, host bytes)`` of shards of ``nrows`` rows (an array)
+        and ``ncols`` columns, each as if alone in its width group (cached with
+        ``cache``, if given)."""
+        g = self.group_cost(table, ncols, cache is not None)
         nrows = np.asarray(nrows, np.float64)
-        name = group_name(ncols, table.config.data_type.value)
-        c = self.capacities(table.expected_ids * nrows / table.rows, table.ids, name)
+        name = group_name(ncols, table.config.data_type.value, cache is not None)
+        loads = table.expected_ids * nrows / table.rows
+        c = self.capacities(loads, table.ids, name)
         split = ncols < table.dim
         v = self.topology.world_size * np.minimum(c, table.ids) * self.row_sum_calls(table)
         v = v if split else 0.0
-        mem = nrows * g.mem_row + g.buffers(c, table.num_features, split, v)
-        return mem, g.time(c, table.num_features, v)
+        if cache is None:
+            mem = nrows * g.mem_row + g.buffers(c, table.num_features, split, v)
+            return mem, g.time(c, table.num_features, v), 0.0 * nrows
+        slots = np.array([cache_slots(int(r), cache.load_factor) for r in nrows], np.float64)
+        fetch = self.miss_rate(table, cache) * loads
+        mem = g.hbm(nrows, c, table.num_features, split, v, slots)
+        return mem, g.time(c, table.num_features, v, fetch), g.host(nrows, slots)
 
     def shard_memory(self, table: TableInfo, shard: ShardSpec) -> float:
         """Bytes of one shard as if alone in its width group."""

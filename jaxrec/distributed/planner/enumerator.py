@@ -13,13 +13,19 @@ Per table and allowed sharding type:
 Host-based types are enumerated only on multi-host topologies unless a
 constraint names them (on one host they equal row-wise / column-wise). Rows
 and columns split in ceil-sized blocks, as the plan builders do.
+
+Every sharded option whose table allows ``fused_uvm_caching`` also comes
+cached (the same shards, the table's ``cache_params``) when ``caching`` is
+asked for (the planner asks only when nothing fits in device memory), and
+only cached for a table whose constraints exclude ``fused``. Data-parallel
+tables are never cached.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..types import ShardingType
+from ..types import CacheParams, EmbeddingComputeKernel, ShardingType
 from .cost_model import CostModel
 from .options import ShardingOption, ShardSpec, TableInfo
 
@@ -41,8 +47,12 @@ def _column_splits(dim: int, most: int, min_partition: int | None, only: bool) -
     return good
 
 
-def enumerate_options(table: TableInfo, cost: CostModel) -> list[ShardingOption]:
-    """Every allowed option of ``table``, with standalone estimates, in a fixed order."""
+def enumerate_options(
+    table: TableInfo, cost: CostModel, caching: bool = False
+) -> list[ShardingOption]:
+    """Every allowed option of ``table``, with standalone estimates, in a fixed order
+    (``fused`` ones first; cached ones too with ``caching`` or when only they are
+    allowed)."""
     topo = cost.topology
     c = table.constraints
     n, lo, hosts = topo.world_size, topo.local_world_size, topo.num_hosts
@@ -92,13 +102,24 @@ def enumerate_options(table: TableInfo, cost: CostModel) -> list[ShardingOption]
                     for r0, nr in _blocks(rows, lo)
                 )
                 out.append((st, shards, "host", tuple(ok_hosts), h))
-    return [estimate_option(table, cost, *o) for o in out]
+    fused = [estimate_option(table, cost, *o) for o in out]
+    cache = table.constraints.cache_params or CacheParams()
+    cached = [
+        estimate_option(table, cost, *o, cache=cache)
+        for o in out
+        if EmbeddingComputeKernel.FUSED_UVM_CACHING in table.constraints.kernels(o[0])
+    ]
+    if table.constraints.cache_only:
+        return [o for o in fused if o.placement == "replicated"] + cached
+    return fused + cached if caching else fused
 
 
 def estimate_option(
-    table: TableInfo, cost: CostModel, st, shards, placement, ranks, blocks=0
-) -> ShardingOption:
+    table: TableInfo, cost: CostModel, st, shards, placement, ranks, blocks=0,
+    cache: CacheParams | None = None,
+) -> ShardingOption:  # fmt: skip
     """A ``ShardingOption`` with its standalone storage and perf estimates."""
+    host = total_host = 0.0
     if placement == "replicated":
         (w, s, io), perf = cost.replicated(table)
         per_device, total, seconds = w + s + io, (w + s + io) * cost.topology.world_size, perf.total
@@ -107,10 +128,12 @@ def estimate_option(
         per_device = total = seconds = 0.0
         for ncols in sorted({sh.ncols for sh in shards if sh.nrows and sh.ncols}):
             nrows = [sh.nrows for sh in shards if sh.nrows and sh.ncols == ncols]
-            mem, sec = cost.standalone(table, nrows, ncols)
+            mem, sec, hb = cost.standalone(table, nrows, ncols, cache)
             per_device = max(per_device, float(mem.max()))
             total += float(mem.sum())
             seconds += float(sec.sum())
+            host = max(host, float(hb.max()))
+            total_host += float(hb.sum())
     return ShardingOption(
         table=table,
         sharding_type=st,
@@ -121,8 +144,13 @@ def estimate_option(
         per_device_bytes=per_device,
         total_bytes=total,
         perf=seconds,
+        cache=cache,
+        host_bytes=host,
+        total_host_bytes=total_host,
     )
 
 
-def enumerate_all(tables: Sequence[TableInfo], cost: CostModel) -> list[list[ShardingOption]]:
-    return [enumerate_options(t, cost) for t in tables]
+def enumerate_all(
+    tables: Sequence[TableInfo], cost: CostModel, caching: bool = False
+) -> list[list[ShardingOption]]:
+    return [enumerate_options(t, cost, caching) for t in tables]

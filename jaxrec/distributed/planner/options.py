@@ -7,7 +7,7 @@ import functools
 
 from ...configs import BaseEmbeddingConfig, EmbeddingConfig
 from ...optim import SparseOptimizer
-from ..types import ShardingType
+from ..types import CacheParams, EmbeddingComputeKernel, ShardingType
 from .constraints import ParameterConstraints
 from .storage import DTYPE_BYTES
 
@@ -94,9 +94,14 @@ class ShardingOption:
     group on its own host: shard ``j`` of a full group on the host's local rank
     ``j``, a smaller group on distinct ranks of the host).
 
+    ``cache``: the device cache of a ``fused_uvm_caching`` option (``None``: ``fused``,
+    or ``dense`` for data parallel).
+
     Estimates are standalone (the table as if alone in its width group):
-    ``per_device_bytes`` is its largest shard, ``total_bytes`` all its shards
-    (times the world size for replicas), ``perf`` seconds summed over shards.
+    ``per_device_bytes`` is its largest shard's device memory, ``total_bytes``
+    all its shards' (times the world size for replicas), ``host_bytes`` and
+    ``total_host_bytes`` the same in host memory (cached options), ``perf``
+    seconds summed over shards.
     """
 
     table: TableInfo
@@ -108,6 +113,17 @@ class ShardingOption:
     per_device_bytes: float = 0.0
     total_bytes: float = 0.0
     perf: float = 0.0
+    cache: CacheParams | None = None
+    host_bytes: float = 0.0
+    total_host_bytes: float = 0.0
+
+    @property
+    def compute_kernel(self) -> EmbeddingComputeKernel:
+        if self.placement == "replicated":
+            return EmbeddingComputeKernel.DENSE
+        if self.cache is not None:
+            return EmbeddingComputeKernel.FUSED_UVM_CACHING
+        return EmbeddingComputeKernel.FUSED
 
     @property
     def label(self) -> str:
@@ -116,5 +132,5 @@ class ShardingOption:
         if self.sharding_type in (
             ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD
         ):  # fmt: skip
-            return f"{t}/{len({(s.col0, s.ncols) for s in self.shards})}x{max(cols)}"
-        return t
+            t = f"{t}/{len({(s.col0, s.ncols) for s in self.shards})}x{max(cols)}"
+        return t if self.cache is None else f"{t} cached {self.cache.load_factor:g}"

@@ -22,6 +22,11 @@ costs less than placing it whole. The pieces become a ``ROW_WISE`` sharding
 over those ranks with uneven shard sizes (``build_layout`` accepts any exact
 tiling).
 
+A ``fused_uvm_caching`` group is balanced alike; its padded device memory is
+its fullest rank's cache slots, and its padded host memory (rows, state and
+cache metadata, ``storage.cache_host_bytes``) must fit too: a host's usable
+host memory split over its ranks.
+
 A shard that no rank can hold within the usable memory is set aside and its
 table reported as not fitting; once everything else is placed, the set-aside
 shards are placed anyway (where they hurt least) so that the memory the
@@ -30,7 +35,6 @@ proposal needs is known.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -38,11 +42,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..types import ShardingType
-from .cost_model import CostModel, GroupCost, group_name
+from .cost_model import CostModel, GroupCost, key_name
 from .enumerator import estimate_option
 from .options import ShardingOption, ShardSpec
 from .perf import Perf
-from .storage import row_sum_values
+from .placement import GroupStats, Placement
+from .storage import cache_slots, row_sum_values
 
 SLACK_ROWS = 0.02  # a rank's rows may exceed the group's balanced mean by this share
 SLACK_IDS = 0.10  # and its expected ids per destination by this one before a table splits
@@ -54,7 +59,7 @@ class _Group:
     __slots__ = ("key", "cost", "model", "rows", "exp", "nat", "slots", "vub", "max_rows",
                  "max_exp", "max_nat", "max_slots", "max_vub", "split", "loads", "split_ids",
                  "total_rows", "total_exp", "cap_rows", "cap_exp", "opts", "tables", "mem_now",
-                 "time_now")  # fmt: skip
+                 "time_now", "cache", "fetch", "max_cache", "max_fetch", "ddr_now")  # fmt: skip
 
     def __init__(self, key, cost: GroupCost, model: CostModel, n: int):
         self.key, self.cost, self.model = key, cost, model
@@ -73,14 +78,18 @@ class _Group:
         self.cap_rows = self.cap_exp = math.inf  # balanced targets with slack
         self.opts: dict[int, str] = {}
         self.tables: list[str] = []
-        self.mem_now = self.time_now = 0.0  # padded cost of the current maxima
+        self.mem_now = self.time_now = self.ddr_now = 0.0  # padded cost of the current maxima
+        self.cache = np.zeros(n, np.int64)  # cached groups: cache slots
+        self.fetch = np.zeros(n)  # and expected missed ids per source
+        self.max_cache, self.max_fetch = 0, 0.0
 
-    def price(self, rows, exp, nat, slots, split, vub):
-        """Padded (memory, time) of the group for given maxima (arrays ok)."""
-        c = self.model.capacities(exp, nat, group_name(self.key[1], self.key[2]))
+    def price(self, rows, exp, nat, slots, split, vub, cache=0, fetch=0.0):
+        """Padded (device memory, time, host memory) of the group for given maxima
+        (arrays ok)."""
+        c = self.model.capacities(exp, nat, key_name(self.key))
         v = vub if split else 0.0
-        mem = rows * self.cost.mem_row + self.cost.buffers(c, slots, split, v)
-        return mem, self.cost.time(c, slots, v)
+        mem = self.cost.hbm(rows, c, slots, split, v, cache)
+        return mem, self.cost.time(c, slots, v, fetch), self.cost.host(rows, cache)
 
 
 class _Item(NamedTuple):
@@ -96,78 +105,12 @@ class _Item(NamedTuple):
     calls: int  # row sums per step of its optimizer
     table: str  # its key: row sums are exchanged once per table on a rank
     peers: int  # the table's other column blocks (each gets the row sums)
+    cache: int  # cached shards: device cache slots
+    fetch: float  # cached shards: expected missed ids per source
 
     @property
     def vub(self) -> float:
         return self.calls * len(self.group.rows) * self.split_ids if self.split else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupStats:
-    """One width group after placement: its padded per-rank sizes and costs."""
-
-    key: tuple  # (module path, columns, dtype)
-    tables: tuple[str, ...]
-    rows_per_rank: int
-    capacity: int  # fast-path ids per (source, destination): the buffers' size
-    expected_ids: float  # the largest mean ids a destination receives from one source
-    natural_ids: int  # the largest possible payload (a capacity that never overflows)
-    slots: int
-    weighted: bool
-    column_split: bool  # holds a column shard: updated by the XLA path
-    row_sum_values: int  # float32 row sums held per step (the fullest rank's, all calls)
-    row_sum_sent: int  # float32 row sums the busiest rank sends its peers per step
-    memory: tuple[float, float, float]  # weights, state, buffers (per device)
-    perf: Perf
-    optimizers: tuple[str, ...]
-    sequence: bool = False  # an EmbeddingCollection's group (rows per id travel back)
-
-    @property
-    def name(self) -> str:
-        """The group's name in the sharded collection (``layout.py``): ``fp32_c64``."""
-        return group_name(self.key[1], self.key[2])
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """A partitioned proposal and its estimates (per device, padded as jaxrec allocates).
-
-    ``options`` are the proposal's, except table-wise tables the partitioner
-    split by rows, which appear as their ``ROW_WISE`` pieces.
-    """
-
-    options: tuple[ShardingOption, ...]
-    shard_ranks: tuple[tuple[int, ...], ...]  # per option, per shard
-    usable_bytes: float
-    memory: tuple[float, float, float]  # weights, optimizer state, buffers per device
-    perf: Perf  # per step (every device runs the same padded shapes)
-    own_memory: tuple[float, ...]  # per rank: bytes of its own shards, unpadded
-    own_perf: tuple[float, ...]  # per rank: seconds for its own shards, unpadded
-    groups: tuple[GroupStats, ...]
-    overflow: tuple[str, ...]  # tables placed beyond the usable memory
-    split: tuple[str, ...] = ()  # table-wise tables cut by rows to balance their groups
-
-    @property
-    def hbm(self) -> float:
-        return sum(self.memory)
-
-    @property
-    def feasible(self) -> bool:
-        return not self.overflow
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the per-rank own time (1.0 is perfect)."""
-        mean = sum(self.own_perf) / len(self.own_perf)
-        return max(self.own_perf) / mean if mean > 0 else 1.0
-
-    @property
-    def capacities(self) -> dict[str, dict[str, int]]:
-        """``{module path: {group name: fast-path capacity}}`` the collections build."""
-        out: dict[str, dict[str, int]] = {}
-        for g in self.groups:
-            out.setdefault(g.key[0], {})[g.name] = g.capacity
-        return out
 
 
 class GreedyPerfPartitioner:
@@ -182,19 +125,24 @@ class GreedyPerfPartitioner:
         self.split = split
 
     def partition(
-        self, proposal: Sequence[ShardingOption], cost: CostModel, usable_bytes: float
-    ) -> Placement:
-        return _Run(proposal, cost, usable_bytes, self.split).run()
+        self, proposal: Sequence[ShardingOption], cost: CostModel, usable_bytes: float,
+        usable_ddr: float = math.inf,
+    ) -> Placement:  # fmt: skip
+        """``usable_ddr``: host bytes per device (a host's usable memory / its devices)."""
+        return _Run(proposal, cost, usable_bytes, self.split, usable_ddr).run()
 
 
 _ORDER = {"fixed": 0, "host": 1, "free": 2}
 
 
 class _Run:
-    def __init__(self, proposal, cost: CostModel, usable: float, split: bool):
+    def __init__(self, proposal, cost: CostModel, usable: float, split: bool, usable_ddr):
         self.proposal = tuple(proposal)
         self.cost = cost
         self.usable = usable
+        self.usable_ddr = usable_ddr
+        self.padded_ddr = 0.0
+        self.host_overflow: list[str] = []
         self.allow_split = split
         self.n = n = cost.topology.world_size
         self.groups: dict[tuple, _Group] = {}
@@ -212,10 +160,10 @@ class _Run:
         self.t_ref = max(sum(o.perf for o in proposal) / n, 1e-12)
 
     def _group(self, o: ShardingOption, ncols: int) -> _Group:
-        key = self.cost.group_key(o.table, ncols)
+        key = self.cost.group_key(o.table, ncols, o.cache)
         g = self.groups.get(key)
         if g is None:
-            cost = self.cost.group_cost(o.table, ncols)
+            cost = self.cost.group_cost(o.table, ncols, o.cache is not None)
             g = self.groups[key] = _Group(key, cost, self.cost, self.n)
         return g
 
@@ -229,8 +177,13 @@ class _Run:
             split = sh.ncols < t.dim
             calls = self.cost.row_sum_calls(t) if split else 0
             peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
+            loads = t.slot_loads(sh.nrows)
+            cache = fetch = 0
+            if o.cache is not None:
+                cache = cache_slots(sh.nrows, o.cache.load_factor)
+                fetch = self.cost.miss_rate(t, o.cache) * sum(loads)
             base = self._bases[(o, sh)] = (
-                sh.nrows, t.slot_loads(sh.nrows), t.ids, split, t.ids, calls, t.key, peers
+                sh.nrows, loads, t.ids, split, t.ids, calls, t.key, peers, cache, fetch
             )  # fmt: skip
         return _Item(self._group(o, sh.ncols), rank, *base)
 
@@ -238,50 +191,62 @@ class _Run:
         return [self._item(o, sh, r) for sh, r in shards_ranks if sh.nrows and sh.ncols]
 
     # ----- what-if and apply -----
-    def _delta(self, items: Sequence[_Item]) -> tuple[float, float]:
-        """Padded (memory, time) increase of placing ``items``."""
+    def _delta(self, items: Sequence[_Item]) -> tuple[float, float, float]:
+        """Padded (device memory, time, host memory) increase of placing ``items``."""
         per: dict[int, list] = {}
         for it in items:
             g = it.group
             m = per.get(id(g))
             if m is None:
                 m = per[id(g)] = [g, {}, False]
-            d = m[1].setdefault(it.rank, [0, 0.0, 0, 0, 0.0])
+            d = m[1].setdefault(it.rank, [0, 0.0, 0, 0, 0.0, 0, 0.0])
             d[0] += it.nrows
             d[1] += sum(it.loads)
             d[2] += it.natural
             d[3] += len(it.loads)
             d[4] += it.vub
+            d[5] += it.cache
+            d[6] += it.fetch
             m[2] = m[2] or it.split
-        dm = dt = 0.0
+        dm = dt = dd = 0.0
         for g, ranks, split in per.values():
             rows, exp, nat = g.max_rows, g.max_exp, g.max_nat
             slots, vub = g.max_slots, g.max_vub
-            for r, (a, b, c, d, e) in ranks.items():
+            cache, fetch = g.max_cache, g.max_fetch
+            for r, (a, b, c, d, e, f, h) in ranks.items():
                 rows = max(rows, int(g.rows[r]) + a)
                 exp = max(exp, float(g.exp[r]) + b)
                 nat = max(nat, int(g.nat[r]) + c)
                 slots = max(slots, int(g.slots[r]) + d)
                 vub = max(vub, float(g.vub[r]) + e)
-            mem, t = g.price(rows, exp, nat, slots, g.split or split, vub)
+                cache = max(cache, int(g.cache[r]) + f)
+                fetch = max(fetch, float(g.fetch[r]) + h)
+            mem, t, ddr = g.price(rows, exp, nat, slots, g.split or split, vub, cache, fetch)
             dm += float(mem) - g.mem_now
             dt += float(t) - g.time_now
-        return dm, dt
+            dd += float(ddr) - g.ddr_now
+        return dm, dt, dd
+
+    def _fit(self, dm, dd):
+        """Whether device and host memory hold a ``dm`` / ``dd`` increase (arrays ok)."""
+        return (self.padded_mem + dm <= self.usable) & (self.padded_ddr + dd <= self.usable_ddr)
 
     def _score(self, items, tie: float, index: int) -> tuple:
-        dm, dt = self._delta(items)
-        fits = self.padded_mem + dm <= self.usable
+        dm, dt, dd = self._delta(items)
+        fits = bool(self._fit(dm, dd))
         primary = dm / self.m_ref + dt / self.t_ref
         return (not fits, primary if fits else dm, tie, index)
 
     def _fits(self, items) -> bool:
-        return self.padded_mem + self._delta(items)[0] <= self.usable
+        dm, _, dd = self._delta(items)
+        return bool(self._fit(dm, dd))
 
     def _apply(self, o: ShardingOption, items: Sequence[_Item]) -> None:
         touched: dict[int, tuple[_Group, list[_Item]]] = {}
         for it in items:
             touched.setdefault(id(it.group), (it.group, []))[1].append(it)
         before = sum(g.mem_now for g, _ in touched.values())
+        before_ddr = sum(g.ddr_now for g, _ in touched.values())
         for g, its in touched.values():
             r = np.array([it.rank for it in its])
             exp = np.array([sum(it.loads) for it in its])
@@ -292,6 +257,8 @@ class _Run:
             np.add.at(g.nat, r, [it.natural for it in its])
             np.add.at(g.slots, r, slots)
             np.add.at(g.vub, r, [it.vub for it in its])
+            np.add.at(g.cache, r, [it.cache for it in its])
+            np.add.at(g.fetch, r, [it.fetch for it in its])
             for it in its:
                 g.loads[it.rank].extend(it.loads)
                 if it.split:
@@ -302,18 +269,26 @@ class _Run:
             g.max_nat = max(g.max_nat, int(g.nat[r].max()))
             g.max_slots = max(g.max_slots, int(g.slots[r].max()))
             g.max_vub = max(g.max_vub, float(g.vub[r].max()))
+            g.max_cache = max(g.max_cache, int(g.cache[r].max()))
+            g.max_fetch = max(g.max_fetch, float(g.fetch[r].max()))
             m_id, m_slot, t_id, t_slot = g.cost.linear  # own load, for tie-breaks
-            np.add.at(self.own_mem, r, nrows * g.cost.mem_row + exp * m_id + slots * m_slot)
+            held = np.array([it.cache for it in its]) if g.cost.cached else nrows
+            np.add.at(self.own_mem, r, held * g.cost.mem_row + exp * m_id + slots * m_slot)
             np.add.at(self.own_time, r, exp * t_id + slots * t_slot)
             g.opts.setdefault(id(o.table.optimizer), o.table.optimizer.name)
             if o.table.key not in g.tables:
                 g.tables.append(o.table.key)
-            mem, t = g.price(g.max_rows, g.max_exp, g.max_nat, g.max_slots, g.split, g.max_vub)
-            g.mem_now, g.time_now = float(mem), float(t)
+            mem, t, ddr = g.price(g.max_rows, g.max_exp, g.max_nat, g.max_slots, g.split,
+                                  g.max_vub, g.max_cache, g.max_fetch)  # fmt: skip
+            g.mem_now, g.time_now, g.ddr_now = float(mem), float(t), float(ddr)
         touched = {k: g for k, (g, _) in touched.items()}
         self.padded_mem += sum(g.mem_now for g in touched.values()) - before
-        if self.padded_mem > self.usable and o.table.key not in self.overflow:
+        self.padded_ddr += sum(g.ddr_now for g in touched.values()) - before_ddr
+        host = self.padded_ddr > self.usable_ddr
+        if (self.padded_mem > self.usable or host) and o.table.key not in self.overflow:
             self.overflow.append(o.table.key)
+            if host:
+                self.host_overflow.append(o.table.key)
 
     # ----- placement per kind -----
     def _place_fixed(self, o: ShardingOption, ranks: list) -> None:
@@ -337,16 +312,18 @@ class _Run:
         g = it.group
         e = sum(it.loads)
         split = g.split or it.split
-        mem, tm = g.price(
+        mem, tm, ddr = g.price(
             np.maximum(g.max_rows, g.rows[cands] + sh.nrows),
             np.maximum(g.max_exp, g.exp[cands] + e),
             np.maximum(g.max_nat, g.nat[cands] + it.natural),
             np.maximum(g.max_slots, g.slots[cands] + len(it.loads)),
             split,
             np.maximum(g.max_vub, g.vub[cands] + it.vub),
+            np.maximum(g.max_cache, g.cache[cands] + it.cache),
+            np.maximum(g.max_fetch, g.fetch[cands] + it.fetch),
         )
         dm, dt = mem - g.mem_now, tm - g.time_now
-        fits = self.padded_mem + dm <= self.usable
+        fits = self._fit(dm, ddr - g.ddr_now) & np.ones(len(cands), bool)
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
         load = self._load(g, cands, sh.nrows, e)
         own = self.own_mem[cands] / self.m_ref + self.own_time[cands] / self.t_ref
@@ -509,11 +486,17 @@ class _Run:
             shards.append(ShardSpec(row0, sizes[r], 0, t.dim))
             ranks.append(r)
             row0 += sizes[r]
-        key = (id(t), tuple(shards), tuple(ranks))  # proposals often cut a table alike
+        key = (id(t), tuple(shards), tuple(ranks), o.cache)  # proposals often cut alike
         cut = self.cost.cuts.get(key)
         if cut is None:
             cut = self.cost.cuts[key] = estimate_option(
-                t, self.cost, ShardingType.ROW_WISE, tuple(shards), "fixed", tuple(ranks)
+                t,
+                self.cost,
+                ShardingType.ROW_WISE,
+                tuple(shards),
+                "fixed",
+                tuple(ranks),
+                cache=o.cache,
             )
         return cut
 
@@ -555,16 +538,18 @@ class _Run:
         def peak(arr, values):
             return (arr[at] + np.asarray(values)[None, :]).max(axis=1)
 
-        mem, tm = g.price(
+        mem, tm, ddr = g.price(
             np.maximum(g.max_rows, peak(g.rows, [it.nrows for it in its])),
             np.maximum(g.max_exp, peak(g.exp, [sum(it.loads) for it in its])),
             np.maximum(g.max_nat, peak(g.nat, [it.natural for it in its])),
             np.maximum(g.max_slots, peak(g.slots, [len(it.loads) for it in its])),
             g.split or split,
             np.maximum(g.max_vub, peak(g.vub, [it.vub for it in its])),
+            np.maximum(g.max_cache, peak(g.cache, [it.cache for it in its])),
+            np.maximum(g.max_fetch, peak(g.fetch, [it.fetch for it in its])),
         )
         dm, dt = mem - g.mem_now, tm - g.time_now
-        fits = self.padded_mem + dm <= self.usable
+        fits = self._fit(dm, ddr - g.ddr_now) & np.ones(len(h), bool)
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
         own = self.own_mem / self.m_ref + self.own_time / self.t_ref
         tie = own[h[:, None] * lo + np.arange(lo)[None, :]].sum(axis=1)
@@ -683,6 +668,8 @@ class _Run:
         perf = self.base_perf
         own_mem = np.zeros(self.n)
         own_time = np.zeros(self.n)
+        own_ddr = np.zeros(self.n)
+        ddr = 0.0
         for o in options:
             if o.placement == "replicated":
                 (w, s, io), p = self.cost.replicated(o.table)
@@ -693,21 +680,25 @@ class _Run:
             if not g.tables:
                 continue
             c, exp, v, sent = self._exact(g)
-            gm = g.cost.memory(g.max_rows, c, g.max_slots, g.split, v)
-            gp = g.cost.perf(c, g.max_slots, sent)
+            gm = g.cost.memory(g.max_rows, c, g.max_slots, g.split, v, g.max_cache)
+            gp = g.cost.perf(c, g.max_slots, sent, g.max_fetch)
+            gd = float(g.cost.host(g.max_rows, g.max_cache))
             mem = [a + b for a, b in zip(mem, gm, strict=True)]
             perf = perf + gp
+            ddr += gd
             groups.append(
                 GroupStats(g.key, tuple(g.tables), g.max_rows, c, exp, g.max_nat, g.max_slots,
                            g.cost.weighted, g.split, v, sent, gm, gp, tuple(g.opts.values()),
-                           g.cost.sequence)
+                           g.cost.sequence, g.max_cache, gd, self.n * g.max_fetch)
             )  # fmt: skip
             for r in range(self.n):  # unpadded: buffers sized for the rank's own load
                 if g.nat[r]:
                     cr, _, vr, sr = self._exact(g, r)
-                    own_mem[r] += sum(g.cost.memory(int(g.rows[r]), cr, int(g.slots[r]),
-                                                    g.split, vr))  # fmt: skip
-                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), sr))
+                    rows, cache = int(g.rows[r]), int(g.cache[r])
+                    own_mem[r] += sum(g.cost.memory(rows, cr, int(g.slots[r]), g.split, vr,
+                                                    cache))  # fmt: skip
+                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), sr, g.fetch[r]))
+                    own_ddr[r] += float(g.cost.host(rows, cache))
         return Placement(
             options=options,
             shard_ranks=ranks,
@@ -719,6 +710,10 @@ class _Run:
             groups=tuple(groups),
             overflow=tuple(self.overflow),
             split=tuple(o.table.key for o in self.proposal if id(o) in self.replaced),
+            ddr=ddr,
+            usable_ddr=self.usable_ddr,
+            own_ddr=tuple(float(x) for x in own_ddr),
+            host_overflow=tuple(self.host_overflow),
         )
 
     def _exact(self, g: _Group, rank: int | None = None) -> tuple[int, float, int, int]:
@@ -728,7 +723,7 @@ class _Run:
         ranks = range(self.n) if rank is None else (rank,)
         exp = max(math.fsum(g.loads[r]) for r in ranks)
         nat = max(int(g.nat[r]) for r in ranks)
-        c = self.cost.capacity_of(exp, nat, group_name(g.key[1], g.key[2]))
+        c = self.cost.capacity_of(exp, nat, key_name(g.key))
         v = sent = 0
         if g.split:
             per = [[(row_sum_values(self.n, c, ids, calls), peers)

@@ -22,6 +22,13 @@ follow jaxrec's collectives (``embedding_dist.py``):
 - data parallel: a local lookup forward; backward an ``all_gather`` of every
   device's row gradients and a replicated update.
 
+A ``fused_uvm_caching`` group costs the same lookups and updates (hits read
+the device cache) plus, per row fetched on a miss, a host-to-device copy of
+the row and its optimizer state and the copy back of the row it evicts, at
+``hbm_to_ddr_mem_bw`` (``prefetch_compute``, TorchRec's name; rows fetched =
+expected miss rate x ids received, see ``cache_stats.py``); the prefetch
+pipeline may hide it behind compute, which is not modelled.
+
 Ids beyond ``C`` take extra exchange rounds; the estimate assumes the fast
 path holds them (the planner sizes ``C`` so that it does, see
 ``jaxrec.distributed.capacity``). Latency per collective, kernel launch
@@ -45,10 +52,12 @@ class Perf(NamedTuple):
     fwd_comms: float = 0.0
     bwd_compute: float = 0.0
     bwd_comms: float = 0.0
+    prefetch_compute: float = 0.0  # cache misses: rows copied in and evicted rows out
 
     @property
     def total(self) -> float:
-        return self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms
+        return (self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms
+                + self.prefetch_compute)  # fmt: skip
 
     def __add__(self, other):  # element-wise, not tuple concatenation
         return Perf(*(a + b for a, b in zip(self, other, strict=True)))
@@ -78,6 +87,14 @@ def sharded_perf(
         / hbm,
         bwd_comms=block * a2a + row_sum_sent * F32 * topo.ppermute_seconds_per_byte(),
     )
+
+
+def cache_miss_seconds(topo: Topology, fetched, row_bytes: int):
+    """Seconds to fetch ``fetched`` rows of ``row_bytes`` (columns and optimizer state)
+    from host memory and write as many evicted rows back; they also pass through the
+    device cache once each way."""
+    moved = 2 * fetched * row_bytes
+    return moved / topo.hbm_to_ddr_mem_bw + moved / topo.hbm_mem_bw
 
 
 def replicated_perf(

@@ -24,8 +24,15 @@ from .constraints import ParameterConstraints
 from .cost_model import CostModel
 from .enumerator import enumerate_options, estimate_option
 from .options import ShardingOption, ShardSpec, TableInfo
-from .partitioner import GreedyPerfPartitioner, Placement
-from .proposers import GreedyProposer, GridSearchProposer, Proposer, UniformProposer
+from .partitioner import GreedyPerfPartitioner
+from .placement import Placement
+from .proposers import (
+    CachingProposer,
+    GreedyProposer,
+    GridSearchProposer,
+    Proposer,
+    UniformProposer,
+)
 from .stats import PlanStats, capacity_errors, infeasible_message
 from .storage import resolve_optimizer, table_optimizer
 from .topology import Topology
@@ -81,6 +88,13 @@ class EmbeddingShardingPlanner:
     the fastest proposal that fits wins (ties: less memory, then the first
     found). Everything is deterministic.
 
+    Tables live in device memory (``fused``) whenever a plan fits so. When
+    none does, the search runs again with the cached options
+    (``fused_uvm_caching``: table and optimizer state in host memory, a device
+    cache of ``load_factor`` of the rows) of the tables whose constraints
+    allow them, with a ``CachingProposer`` that caches as few tables as fit;
+    host memory (``Topology.ddr_cap`` per host) must hold what is cached.
+
     Args:
         topology: the devices (default ``Topology.from_devices()``).
         constraints: ``{table name: ParameterConstraints}``; a key
@@ -100,6 +114,9 @@ class EmbeddingShardingPlanner:
             same ``capacity_factor=`` as ``DistributedModelParallel``'s).
         reserved_hbm_fraction: share of each device's memory kept for dense
             parameters and activations (TorchRec's storage reservation, 15%).
+        reserved_ddr_fraction: share of each host's memory kept for the
+            process, the input pipeline and the system (10%; TorchRec keeps
+            none) when tables are cached in host memory.
         proposers: default greedy, uniform and a bounded grid search.
 
     Example:
@@ -117,13 +134,13 @@ class EmbeddingShardingPlanner:
         capacity: int | Mapping[str, int] | None = None,
         capacity_factor: float = CAPACITY_FACTOR,
         reserved_hbm_fraction: float = 0.15,
+        reserved_ddr_fraction: float = 0.1,
         proposers: Sequence[Proposer] | None = None,
         partitioner: GreedyPerfPartitioner | None = None,
     ):
-        if not 0 <= reserved_hbm_fraction < 1:
-            raise ValueError(
-                f"reserved_hbm_fraction must be in [0, 1), got {reserved_hbm_fraction}"
-            )
+        for name, v in (("hbm", reserved_hbm_fraction), ("ddr", reserved_ddr_fraction)):
+            if not 0 <= v < 1:
+                raise ValueError(f"reserved_{name}_fraction must be in [0, 1), got {v}")
         check_capacity(capacity)
         self.topology = topology
         self.constraints = dict(constraints or {})
@@ -131,13 +148,15 @@ class EmbeddingShardingPlanner:
         self.capacity = capacity
         self.capacity_factor = capacity_factor
         self.reserved_hbm_fraction = reserved_hbm_fraction
+        self.reserved_ddr_fraction = reserved_ddr_fraction
         self.proposers = proposers
         self.partitioner = partitioner or GreedyPerfPartitioner()
         self.last_placement: Placement | None = None
         self.last_stats: PlanStats | None = None
 
     def _setup(self, model_or_tables, topology, constraints):
-        """Topology, constraints, modules, table infos, cost model and usable HBM of one call."""
+        """Topology, constraints, modules, table infos, cost model, usable HBM per device
+        and usable host memory per device (a host's, split over its devices) of one call."""
         topo = topology or self.topology or Topology.from_devices()
         cons = self.constraints if constraints is None else dict(constraints)
         modules = collect_tables(model_or_tables)
@@ -150,6 +169,7 @@ class EmbeddingShardingPlanner:
             tables,
             CostModel(topo, self.capacity, weighted, self.capacity_factor),
             (topo.hbm_cap * (1 - self.reserved_hbm_fraction)),
+            topo.ddr_cap * (1 - self.reserved_ddr_fraction) / topo.local_world_size,
         )
 
     def _table_infos(self, modules, topo: Topology, constraints) -> list[TableInfo]:
@@ -201,7 +221,7 @@ class EmbeddingShardingPlanner:
         """
         start = time.perf_counter()
         setup = self._setup(model_or_tables, topology, constraints)
-        topo, cons, modules, tables, cost, usable = setup
+        topo, cons, modules, tables, cost, usable, usable_ddr = setup
         options = [enumerate_options(t, cost) for t in tables]
         empty = [t.key for t, o in zip(tables, options, strict=True) if not o]
         if empty:
@@ -217,24 +237,41 @@ class EmbeddingShardingPlanner:
         closest: Placement | None = None
         seen: dict[tuple, Placement] = {}
         counts: dict[str, int] = {}
-        for p in proposers:
-            p.load(options, usable)
-            while (proposal := p.propose()) is not None:
-                key = tuple(id(o) for o in proposal)
-                placed = seen.get(key)
-                if placed is None:
-                    placed = seen[key] = self.partitioner.partition(proposal, cost, usable)
-                    counts[p.name] = counts.get(p.name, 0) + 1
-                p.feedback(placed.feasible, placed.perf.total, placed.overflow)
-                if placed.feasible:
-                    rank = (placed.perf.total, placed.hbm)
-                    errors = capacity_errors(placed, cost)
-                    if errors and (refused is None or rank < refused[0]):
-                        refused = (rank, errors, placed)
-                    if not errors and (best is None or rank < best[0]):
-                        best = (rank, placed, p.name)
-                elif closest is None or placed.hbm < closest.hbm:
-                    closest = placed
+
+        def search(options, proposers):
+            nonlocal best, refused, closest
+            for p in proposers:
+                p.load(options, usable)
+                while (proposal := p.propose()) is not None:
+                    key = tuple(id(o) for o in proposal)
+                    placed = seen.get(key)
+                    if placed is None:
+                        placed = self.partitioner.partition(proposal, cost, usable, usable_ddr)
+                        seen[key] = placed
+                        counts[p.name] = counts.get(p.name, 0) + 1
+                    p.feedback(placed.feasible, placed.perf.total, placed.overflow,
+                               placed.host_overflow)  # fmt: skip
+                    if placed.feasible:
+                        rank = (placed.perf.total, placed.hbm)
+                        errors = capacity_errors(placed, cost)
+                        if errors and (refused is None or rank < refused[0]):
+                            refused = (rank, errors, placed)
+                        if not errors and (best is None or rank < best[0]):
+                            best = (rank, placed, p.name)
+                    elif closest is None or placed.fullness() < closest.fullness():
+                        closest = placed
+
+        search(options, proposers)
+        cached = None
+        if best is None and refused is None:  # nothing fits in HBM: cache what may be cached
+            cached = [
+                [o for o in enumerate_options(t, cost, caching=True) if o.cache is not None]
+                if not t.constraints.cache_only else []
+                for t in tables
+            ]  # fmt: skip
+            if any(cached):
+                options = [o + c for o, c in zip(options, cached, strict=True)]
+                search(options, (*proposers, CachingProposer()))
         elapsed = time.perf_counter() - start
         if best is None and refused is not None:
             stats = PlanStats(refused[2], cost, self.reserved_hbm_fraction, counts, "", elapsed)
@@ -250,9 +287,13 @@ class EmbeddingShardingPlanner:
             stats = closest and PlanStats(
                 closest, cost, self.reserved_hbm_fraction, counts, "", elapsed
             )
+            host_fits = [p.ddr for p in seen.values() if p.hbm <= usable and p.ddr]
             raise PlannerError(
-                infeasible_message(tables, options, closest, cost, usable, cons), stats
-            )
+                infeasible_message(tables, options, closest, cost, usable, cons,
+                                   any(o.cache for opts in options for o in opts),
+                                   min(host_fits, default=None), self.reserved_ddr_fraction),
+                stats,
+            )  # fmt: skip
         placed = best[1]
         self.last_placement = placed
         self.last_stats = PlanStats(
@@ -274,7 +315,7 @@ class EmbeddingShardingPlanner:
         """
         start = time.perf_counter()
         setup = self._setup(model_or_tables, topology, constraints)
-        topo, cons, modules, tables, cost, usable = setup
+        topo, cons, modules, tables, cost, usable, usable_ddr = setup
         options = []
         for t in tables:
             ps = (plan.get_plan_for_module(t.module) or {}).get(t.name)
@@ -289,8 +330,9 @@ class EmbeddingShardingPlanner:
                     for s in ps.sharding_spec
                 )  # fmt: skip
                 placement, ranks = "fixed", tuple(s.placement for s in ps.sharding_spec)
-            options.append(estimate_option(t, cost, ps.sharding_type, shards, placement, ranks))
-        placed = self.partitioner.partition(options, cost, usable)
+            options.append(estimate_option(t, cost, ps.sharding_type, shards, placement, ranks,
+                                           cache=ps.cache_params))  # fmt: skip
+        placed = self.partitioner.partition(options, cost, usable, usable_ddr)
         elapsed = time.perf_counter() - start
         return PlanStats(placed, cost, self.reserved_hbm_fraction, {}, "the given plan", elapsed)
 
@@ -308,9 +350,10 @@ def _parameter_sharding(o: ShardingOption, ranks: Sequence[int]) -> ParameterSha
     )
     return ParameterSharding(
         sharding_type=o.sharding_type,
-        compute_kernel=EmbeddingComputeKernel.FUSED,
+        compute_kernel=o.compute_kernel,
         ranks=tuple(ranks),
         sharding_spec=spec,
+        cache_params=o.cache,
     )
 
 

@@ -1,5 +1,6 @@
 """Proposers: which option each table uses (TorchRec's ``GreedyProposer``,
-``GridSearchProposer``, ``UniformProposer``).
+``GridSearchProposer``, ``UniformProposer``; ``CachingProposer`` picks the
+tables that go to host memory when nothing fits in device memory).
 
 A proposer sees every table's options, proposes one option per table, and
 hears back whether the partitioner fit the proposal and its estimated step
@@ -32,8 +33,12 @@ class Proposer:
     def propose(self) -> list[ShardingOption] | None:
         raise NotImplementedError
 
-    def feedback(self, feasible: bool, seconds: float, overflow: Sequence[str]) -> None:
-        del feasible, seconds, overflow
+    def feedback(
+        self, feasible: bool, seconds: float, overflow: Sequence[str], host_overflow=()
+    ) -> None:
+        """``overflow``: the tables placed beyond memory, ``host_overflow`` those of them
+        beyond host memory."""
+        del feasible, seconds, overflow, host_overflow
 
 
 class GreedyProposer(Proposer):
@@ -64,8 +69,8 @@ class GreedyProposer(Proposer):
         self.count += 1
         return [o[i] for o, i in zip(self.opts, self.idx, strict=True)]
 
-    def feedback(self, feasible, seconds, overflow):
-        del seconds
+    def feedback(self, feasible, seconds, overflow, host_overflow=()):
+        del seconds, host_overflow
         if feasible:
             self.found = True
         if self.found:
@@ -120,8 +125,9 @@ class GridSearchProposer(Proposer):
     tables (as many as keep the grid within ``max_proposals``), the other
     tables fixed to their fastest option that fits on one device.
 
-    A table's choices are its fastest option of each sharding type; options
-    whose largest shard alone exceeds a device are dropped when any fits.
+    A table's choices are its fastest option of each sharding type (and of
+    each with a device cache, when cached options are offered); options whose
+    largest shard alone exceeds a device are dropped when any fits.
     """
 
     name = "grid"
@@ -134,7 +140,7 @@ class GridSearchProposer(Proposer):
         for opts in options:
             best: dict = {}
             for o in _by_perf(opts):
-                best.setdefault(o.sharding_type, o)
+                best.setdefault((o.sharding_type, o.cache is None), o)
             fit = [o for o in best.values() if o.per_device_bytes <= usable_bytes]
             choices.append(_by_perf(fit or list(best.values())))
         size = [max(o.total_bytes for o in c) for c in choices]
@@ -157,3 +163,58 @@ class GridSearchProposer(Proposer):
         for t, o in zip(self.grid, combo, strict=True):
             out[t] = o
         return out
+
+
+class CachingProposer(Proposer):
+    """Caches the fewest tables that make a proposal fit (``fused_uvm_caching``).
+
+    Every table starts at its fastest ``fused`` option that fits a device alone
+    (else its smallest); tables with cached options are ranked: first those
+    whose ``fused`` options fit no device, then by device bytes freed per
+    second their misses add (rarely read large tables first). The first ``k``
+    take their fastest cached option. Device memory frees up and host memory
+    fills as ``k`` grows, so ``k`` doubles while device memory overflows, then
+    bisects to the smallest ``k`` that fits the devices (it fits the hosts, or
+    no larger ``k`` does).
+    """
+
+    name = "caching"
+
+    def load(self, options: Options, usable_bytes: float) -> None:
+        self.base, alts, rank = [], [], []
+        for t, opts in enumerate(options):
+            fused = _by_perf([o for o in opts if o.cache is None])
+            cached = _by_perf([o for o in opts if o.cache is not None])
+            fit = [o for o in fused if o.per_device_bytes <= usable_bytes]
+            base = fit[0] if fit else min(fused, key=lambda o: (o.per_device_bytes, o.perf),
+                                          default=None)  # fmt: skip
+            alt = next((o for o in cached if o.per_device_bytes <= usable_bytes), None)
+            alt = alt or (cached[0] if cached else None)
+            self.base.append(base or alt)
+            alts.append(alt if base is not None else None)
+            if base is not None and alt is not None:
+                freed = base.total_bytes - alt.total_bytes
+                rank.append((bool(fit), -freed / max(alt.perf - base.perf, 1e-12), t))
+        self.alts = alts
+        self.order = [t for *_, t in sorted(rank)]
+        self.lo, self.hi, self.k = 0, None, min(1, len(self.order))
+
+    def propose(self):
+        if self.k is None or not self.order:
+            return None
+        out = list(self.base)
+        for t in self.order[: self.k]:
+            out[t] = self.alts[t]
+        return out
+
+    def feedback(self, feasible, seconds, overflow, host_overflow=()):
+        del seconds, overflow
+        if feasible or host_overflow:  # caching enough, or already too much
+            self.hi = self.k
+        else:
+            self.lo = self.k
+        if self.hi is None:  # doubling: device memory overflows
+            self.k = None if self.k >= len(self.order) else min(2 * self.k, len(self.order))
+        else:
+            mid = (self.lo + self.hi) // 2
+            self.k = mid if mid > self.lo else None

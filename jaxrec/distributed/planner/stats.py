@@ -12,8 +12,8 @@ from ..capacity import fast_path_capacity
 from ..types import ShardingType
 from .cost_model import CostModel
 from .options import ShardingOption, TableInfo
-from .partitioner import Placement
 from .perf import comm_bytes
+from .placement import Placement
 from .storage import format_bytes as fb
 from .storage import sharded_buffer_parts
 
@@ -104,12 +104,20 @@ class PlanStats:
             f" = {fb(p.hbm)} of {fb(p.usable_bytes)} ({p.hbm / p.usable_bytes:.1%})",
             f"  step estimate {_ms(perf.total)} ms = fwd compute {_ms(perf.fwd_compute)} + fwd "
             f"comms {_ms(perf.fwd_comms)} + bwd compute {_ms(perf.bwd_compute)} + bwd comms "
-            f"{_ms(perf.bwd_comms)}",
+            f"{_ms(perf.bwd_comms)}"
+            + (f" + cache misses {_ms(perf.prefetch_compute)}" if perf.prefetch_compute else ""),
             "  collective operand bytes per device per step: "
             + ", ".join(f"{k} {fb(v)}" for k, v in comm_bytes(p, topo).items() if v),
-            "",
-            " rank | own HBM (unpadded) | own time (ms) | shards",
         ]
+        lo = topo.local_world_size
+        if p.cached:
+            lines.insert(-1, (
+                f"  host memory (cached tables: rows, optimizer state, cache metadata): "
+                f"{fb(p.ddr)} per device, {fb(p.ddr * lo)} per host of {fb(p.usable_ddr * lo)} "
+                f"usable ({p.ddr / p.usable_ddr:.1%}; ddr_cap {fb(topo.ddr_cap)})"
+            ))  # fmt: skip
+        host_col = " | own host (unpadded)" if p.cached else ""
+        lines += ["", f" rank | own HBM (unpadded) | own time (ms) | shards{host_col}"]
         shards = [0] * topo.world_size
         for o, rs in zip(p.options, p.shard_ranks, strict=True):
             if o.placement == "replicated":
@@ -120,8 +128,10 @@ class PlanStats:
                 if s.nrows and s.ncols:
                     shards[r] += 1
         for r in range(topo.world_size):
+            host = f" | {fb(p.own_ddr[r]):>19}" if p.cached else ""
             lines.append(
                 f" {r:>4} | {fb(p.own_memory[r]):>18} | {_ms(p.own_perf[r]):>13} | {shards[r]}"
+                + host
             )
         lines.append(f" balance (max / mean own time): {p.balance:.3f}")
         own = sum(p.own_memory) / len(p.own_memory)
@@ -149,6 +159,12 @@ class PlanStats:
                     f"{g.capacity} | {g.natural_ids} | {g.slots} | {fb(sum(g.memory))} | "
                     f"{_ms(g.perf.total)}"
                 )
+                if g.cached:
+                    lines.append(
+                        f"   cache: {g.cache_rows} slots/rank, {g.fetched:.0f} rows fetched per "
+                        f"step on the busiest rank ({_ms(g.perf.prefetch_compute)} ms), host "
+                        f"{fb(g.host)}/rank"
+                    )
         for w in self.warnings():
             lines.append(f"WARNING: {w}")
         return "\n".join(lines)
@@ -187,10 +203,24 @@ def infeasible_message(
     cost: CostModel,
     usable: float,
     constraints: Mapping,
+    cached: bool = False,
+    host_fits: float | None = None,
+    reserved_ddr: float = 0.0,
 ) -> str:
-    """Which tables do not fit, how big they are, the closest plan, and what would fit."""
+    """Which tables do not fit, how big they are, the closest plan, and what would fit.
+
+    ``cached``: the search also tried host-memory caching; ``host_fits``: the least
+    host memory per device of the plans that fit the devices (``None``: none did).
+    """
     topo = cost.topology
+    lo = topo.local_world_size
     lines = [f"no sharding plan fits {topo.world_size} device(s) with {fb(usable)} usable HBM each"]
+    if cached:
+        host = topo.ddr_cap * (1 - reserved_ddr)
+        lines[0] += (
+            f", even with tables cached in host memory (fused_uvm_caching; {fb(host)} usable per "
+            f"host of ddr_cap {fb(topo.ddr_cap)}, {topo.num_hosts} host(s))"
+        )
     smallest = {
         t.key: min(o, key=lambda x: x.per_device_bytes)
         for t, o in zip(tables, options, strict=True)
@@ -214,7 +244,11 @@ def infeasible_message(
     lines.append(
         f"all {len(tables)} tables with optimizer state: {fb(total)}; the devices hold "
         f"{topo.world_size} x {fb(usable)} = {fb(topo.world_size * usable)}"
+        + (f", host memory {topo.num_hosts} x {fb(host)}" if cached else "")
     )
+    room = topo.world_size * usable + topo.num_hosts * host if cached else math.inf
+    if total > room:
+        lines.append(f"  together {fb(room)}: less than the tables, whatever the cache load factor")
     if closest is not None:
         mem = closest.memory
         lines.append(
@@ -222,6 +256,11 @@ def infeasible_message(
             f"{fb(mem[0])}, optimizer state {fb(mem[1])}, buffers {fb(mem[2])}) against "
             f"{fb(usable)} usable"
         )
+        if closest.ddr:
+            lines.append(
+                f"  and {fb(closest.ddr * lo)} of host memory per host (cached tables' rows, "
+                f"optimizer state and cache metadata) against {fb(closest.usable_ddr * lo)} usable"
+            )
     need = closest.hbm if closest else max(s.per_device_bytes for s in smallest.values())
     lines.append("suggestions:")
     split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
@@ -232,6 +271,12 @@ def infeasible_message(
         lines.append(
             f"  - more devices alone will not help: {no_rw} cannot be split by rows under "
             "their constraints"
+        )
+    elif cached and closest is not None and closest.fullness() > 1:
+        hosts = math.ceil(topo.num_hosts * closest.fullness())
+        lines.append(
+            f"  - more hosts: about {hosts} of {lo} device(s) each (device and host memory "
+            "grow with them)"
         )
     elif devices > topo.world_size:
         lines.append(
@@ -257,6 +302,24 @@ def infeasible_message(
         lines.append(
             "  - smaller id buffers: lower batch_size or pooling_factors (buffers are "
             f"{fb(closest.memory[2])} per device)"
+        )
+    if cached and host_fits is not None:
+        need = host_fits * lo
+        lines.append(
+            f"  - more host memory: the plans that fit the devices need at least {fb(need)} per "
+            f"host (ddr_cap >= {fb(need / (1 - reserved_ddr))} with reserved_ddr_fraction="
+            f"{reserved_ddr:g})"
+        )
+    if cached and closest is not None and closest.cached and closest.hbm > usable:
+        lines.append(
+            "  - a smaller cache: ParameterConstraints(cache_params=CacheParams(load_factor=...))"
+            " for the largest cached tables"
+        )
+    no_cache = [t.key for t in bad if not t.constraints.allows_caching]
+    if no_cache and not cached:
+        lines.append(
+            f"  - allow host memory for {no_cache[:SHOWN]}: drop hbm_only / add "
+            "'fused_uvm_caching' to compute_kernels (the table in host memory, a device cache)"
         )
     lines.append("  - more HBM per device or a smaller reserved_hbm_fraction")
     return "\n".join(lines)

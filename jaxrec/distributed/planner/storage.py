@@ -16,10 +16,16 @@ summed over groups: XLA schedules every group's backward before the updates
 that free them, so their row gradients are live together. Data-parallel
 tables are full replicas plus an ``all_gather`` of every device's row
 gradients.
+
+A ``fused_uvm_caching`` group holds, per rank, a device cache of ``ceil(load_factor
+* shard rows)`` slots per shard (a slot: the row's columns and optimizer state) in
+HBM, and the shards' rows with their state in host memory beside the cache's
+metadata (:func:`cache_host_bytes`); both are padded to the group's fullest rank.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -40,6 +46,10 @@ F32 = 4
 # off) the compiler's figures lack it, so it is counted here explicitly.
 SORT_BYTES = 8
 CUB_SCRATCH_BYTES = 8
+# A cached shard's metadata in host memory: the slot of every table row (int32, -1 when
+# not cached), and per slot its row (int64) and LRU stamp or LFU count (int64).
+ROW_TO_SLOT_BYTES = 4
+SLOT_META_BYTES = 16
 
 
 def _resolve_factory(name: str):
@@ -208,6 +218,23 @@ def row_sum_calls(optimizer: SparseOptimizer, cache: dict | None = None) -> int:
     if cache is not None:
         cache[key] = (optimizer, len(calls))
     return len(calls)
+
+
+def cache_slots(rows: int, load_factor: float) -> int:
+    """Device cache slots of a cached shard of ``rows`` rows."""
+    return math.ceil(load_factor * rows)
+
+
+def cache_host_bytes(rows, slots, row_bytes: int):
+    """Host bytes of cached shards: ``rows`` rows of ``row_bytes`` (columns and optimizer
+    state) with their row -> slot map, and the metadata of ``slots`` slots."""
+    return rows * (row_bytes + ROW_TO_SLOT_BYTES) + slots * SLOT_META_BYTES
+
+
+def cache_staging_bytes(topo: Topology, capacity, row_bytes: int):
+    """Device bytes staging a cached group's copies: the rows fetched on misses and
+    the rows evicted, each as many as the ids received (``N * C``; shapes are static)."""
+    return 2 * topo.world_size * capacity * row_bytes
 
 
 def replicated_memory(

@@ -7,7 +7,9 @@ has ``EmbeddingBagConfig`` fields (``name``, ``num_embeddings``,
 and optional ``ParameterConstraints`` fields (``sharding_types``,
 ``compute_kernels``, ``pooling_factors`` or ``pooling_factor``,
 ``num_poolings``, ``batch_sizes``, ``feature_capacities``, ``min_partition``,
-``ranks``, ``is_weighted``). In CSV, list values are separated by ``;``.
+``ranks``, ``is_weighted``, ``hbm_only``; ``cache_load_factor`` and
+``cache_algorithm`` give its ``cache_params``). In CSV, list values are
+separated by ``;``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...configs import DataType, EmbeddingBagConfig, PoolingType
+from ..types import CacheParams
 from .constraints import ParameterConstraints
 
 _CONFIG = {"name", "num_embeddings", "embedding_dim", "data_type", "feature_names", "pooling"}
 _LISTS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings", "batch_sizes",
           "feature_capacities", "ranks", "feature_names"}  # fmt: skip
+_SCALARS = {"min_partition", "is_weighted", "hbm_only", "cache_load_factor", "cache_algorithm"}
 _NUMBERS = {"pooling_factors": float, "num_poolings": float, "batch_sizes": int,
             "feature_capacities": int, "ranks": int}  # fmt: skip
 
@@ -32,7 +36,7 @@ def _table(raw: Mapping[str, Any], where: str) -> tuple[EmbeddingBagConfig, Para
     d = {k: v for k, v in raw.items() if v not in (None, "")}
     if "pooling_factor" in d:
         d["pooling_factors"] = d.pop("pooling_factor")
-    unknown = sorted(set(d) - _CONFIG - _LISTS - {"min_partition", "is_weighted"})
+    unknown = sorted(set(d) - _CONFIG - _LISTS - _SCALARS)
     if unknown:
         raise ValueError(f"{where}: unknown table fields {unknown}")
     for k in _LISTS & set(d):
@@ -56,11 +60,19 @@ def _table(raw: Mapping[str, Any], where: str) -> tuple[EmbeddingBagConfig, Para
     cons = {k: v for k, v in d.items() if k not in _CONFIG}
     if "min_partition" in cons:
         cons["min_partition"] = int(cons["min_partition"])
-    if "is_weighted" in cons:
-        w = cons["is_weighted"]
-        cons["is_weighted"] = (
-            str(w).strip().lower() in ("1", "true", "yes") if isinstance(w, str) else bool(w)
-        )
+    for flag in ("is_weighted", "hbm_only"):
+        if flag in cons:
+            w = cons[flag]
+            cons[flag] = (
+                str(w).strip().lower() in ("1", "true", "yes") if isinstance(w, str) else bool(w)
+            )
+    cache = {}
+    if "cache_load_factor" in cons:
+        cache["load_factor"] = float(cons.pop("cache_load_factor"))
+    if "cache_algorithm" in cons:
+        cache["algorithm"] = str(cons.pop("cache_algorithm")).strip().lower()
+    if cache:
+        cons["cache_params"] = CacheParams(**cache)
     return cfg, ParameterConstraints(**cons)
 
 

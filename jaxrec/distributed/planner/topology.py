@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ HBM_CAP = 32 * GiB
 DDR_CAP = 128 * GiB
 HBM_MEM_BW = 897 * GiB
 DDR_MEM_BW = 51 * GiB
+HBM_TO_DDR_MEM_BW = 32 * GiB  # host <-> device copies (PCIe); TorchRec's "may be shared"
 INTRA_HOST_BW = 600 * GiB
 CROSS_HOST_BW = 12.5 * GiB
 BATCH_SIZE = 512
@@ -35,7 +38,8 @@ class Topology:
     """Devices, their memory and bandwidths, and the per-device batch size.
 
     Defaults are TorchRec's (32 GiB HBM, 128 GiB host DDR, 897 GiB/s HBM,
-    600 GiB/s within a host, 12.5 GiB/s across hosts, batch 512 per device).
+    32 GiB/s between host and device, 600 GiB/s within a host, 12.5 GiB/s
+    across hosts, batch 512 per device).
     Ranks are flat device indices; a host is ``local_world_size`` consecutive
     ranks (the last mesh axis, as the plan builders assume).
 
@@ -44,9 +48,11 @@ class Topology:
         local_world_size: devices per host (default: all on one host).
         compute_device: ``"cuda"``, ``"tpu"``, ``"cpu"`` (for printing).
         hbm_cap: bytes of device memory per device.
-        ddr_cap: bytes of host memory per host (jaxrec keeps every table in
-            device memory, so this is reported only).
+        ddr_cap: bytes of host memory per host (TorchRec's is per device): it
+            holds the tables of ``fused_uvm_caching`` shards on the host's ranks.
         hbm_mem_bw, ddr_mem_bw: bytes/s of device and host memory.
+        hbm_to_ddr_mem_bw: bytes/s of one device's copies to and from host
+            memory (TorchRec's name): cache misses and evictions move at this rate.
         intra_host_bw, cross_host_bw: bytes/s per device for collectives.
         batch_size: samples per device per step.
 
@@ -65,6 +71,7 @@ class Topology:
     ddr_cap: int = DDR_CAP
     hbm_mem_bw: float = HBM_MEM_BW
     ddr_mem_bw: float = DDR_MEM_BW
+    hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW
     intra_host_bw: float = INTRA_HOST_BW
     cross_host_bw: float = CROSS_HOST_BW
     batch_size: int = BATCH_SIZE
@@ -76,7 +83,8 @@ class Topology:
         if local < 1 or self.world_size % local:
             raise ValueError(f"local_world_size={local} must divide world_size={self.world_size}")
         object.__setattr__(self, "local_world_size", local)
-        for f in ("hbm_cap", "hbm_mem_bw", "intra_host_bw", "cross_host_bw", "batch_size"):
+        for f in ("hbm_cap", "ddr_cap", "hbm_mem_bw", "ddr_mem_bw", "hbm_to_ddr_mem_bw",
+                  "intra_host_bw", "cross_host_bw", "batch_size"):  # fmt: skip
             if not getattr(self, f) > 0:
                 raise ValueError(f"Topology.{f} must be positive, got {getattr(self, f)!r}")
 
@@ -117,9 +125,10 @@ class Topology:
 
         Reads what JAX exposes: the device count, devices per process (as
         ``local_world_size``), the platform, ``memory_stats()["bytes_limit"]``
-        as HBM capacity (GPU/TPU) and a nominal HBM bandwidth for known device
-        kinds. Everything else keeps TorchRec's defaults; ``overrides`` (any
-        field, e.g. ``batch_size=4096``) win.
+        as HBM capacity (GPU/TPU), a nominal HBM bandwidth for known device
+        kinds and this host's physical memory as ``ddr_cap``. Everything else
+        keeps TorchRec's defaults; ``overrides`` (any field, e.g.
+        ``batch_size=4096``) win.
         """
         import jax
 
@@ -139,6 +148,8 @@ class Topology:
             stats = None
         if stats and stats.get("bytes_limit"):
             fields["hbm_cap"] = int(stats["bytes_limit"])
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # not POSIX: default
+            fields["ddr_cap"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         kind = str(getattr(devs[0], "device_kind", ""))
         for name, bw in _KNOWN_HBM_BW:
             if name.lower() in kind.lower():
