@@ -57,7 +57,8 @@ PRESETS = {
     "tiny": Config(T=2, E=20_000, D=16, B=128, L=5, warmup=3, reps=3, load_factors=(0.1, 1.0),
                    alphas=(None, 1.05)),
     "cpu": Config(),
-    "gpu": Config(T=8, E=4_000_000, D=128, B=8192, L=20, reps=10),
+    "gpu": Config(T=4, E=2_000_000, D=128, B=8192, L=20, load_factors=(0.05, 0.1, 0.2, 1.0),
+                  alphas=(None, 1.05)),
 }  # fmt: skip
 
 
@@ -131,17 +132,15 @@ def copy_rates(cfg: Config) -> dict:
     }
 
 
-def run_case(cfg, opt, graphdef, state0, data, alpha, lf) -> dict:
+def run_case(cfg, opt, weights, data, lf) -> dict:
     params = {f"t{i}": jc.CacheParams(load_factor=lf) for i in range(cfg.T)}
     g2, s2 = train.init_train_state(
         Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
     )
-    logical = ckpt.logical_state(graphdef, opt, state0)
     hosts = {
-        t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name),
-                                         logical.tables[f"ebc.embedding_bags.{t.name}"]["weight"])
+        t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name), weights[t.name])
         for t in configs(cfg)
-    }  # fmt: skip
+    }
     cache = jc.RowCache(g2, opt, s2, hosts, params)
     step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
     box = {"s": s2, "i": 0}
@@ -188,13 +187,17 @@ def run_case(cfg, opt, graphdef, state0, data, alpha, lf) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     cfg = PRESETS[a.preset]
     if a.reps:
         cfg = dataclasses.replace(cfg, reps=a.reps)
@@ -218,6 +221,9 @@ def main(argv=None) -> int:
     opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
     graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
     state0 = jax.tree.map(jnp.copy, state)
+    logical = ckpt.logical_state(graphdef, opt, state0).tables
+    weights = {t.name: logical[f"ebc.embedding_bags.{t.name}"]["weight"] for t in configs(cfg)}
+    del logical
     full = train.make_train_step(graphdef, opt, loss_fn)
     for alpha in cfg.alphas:
         data = batches(cfg, alpha, cfg.warmup + cfg.reps)
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
         device_ms = statistics.median(timed(one, cfg.reps))
         del box
         for lf in cfg.load_factors:
-            r = run_case(cfg, opt, graphdef, state0, data, alpha, lf)
+            r = run_case(cfg, opt, weights, data, lf)
             r.update(
                 alpha=alpha or "uniform",
                 device_step_ms=round(device_ms, 2),

@@ -8,6 +8,7 @@
 #
 #   bash bench/gpu_check.sh            # from the repository root or anywhere
 #   GPU_CHECK_OUT=/tmp/x bash bench/gpu_check.sh
+#   GPU_CHECK_SKIP="lookup_sweep train_step" bash bench/gpu_check.sh   # steps left out
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-bench/results}
@@ -39,6 +40,7 @@ echo "gpu_check: $DEVICE, results in $PREFIX*"
 step() {
     local name=$1 limit=$2
     shift 2
+    case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "== $name: skipped (GPU_CHECK_SKIP)"; return;; esac
     local start=$SECONDS
     echo "== $name (limit ${limit}s): $*"
     timeout "$limit" "$@" > "${PREFIX}_${name}.jsonl" 2> "${PREFIX}_${name}.log"
@@ -52,9 +54,11 @@ step() {
 
 step tests 150 python -m pytest -q -p no:cacheprovider \
     tests/pallas/test_pallas_gpu.py tests/inference/test_quant_kernel.py tests/pallas/test_pallas_dispatch.py \
-    tests/distributed/test_ragged_gpu.py
+    tests/distributed/test_ragged_gpu.py tests/cache/test_cache_pipeline.py \
+    "tests/cache/test_cache_exact.py::test_unsharded_exact"
 step lookup_target 100 python bench/gpu_lookup.py --preset target --reps 20
 step lookup_sweep 200 python bench/gpu_lookup.py --preset gpu_sweep --reps 5 --pass fwd,bwd_update
 step train_step 90 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
+step cache 200 python bench/cache.py --preset gpu
 cat "$SUMMARY"
 exit $FAILED

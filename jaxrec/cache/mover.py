@@ -3,8 +3,8 @@
 A cached table's device table is a table of slots: its weight buffer and optimizer
 state fields hold slot ``s`` where the collection's blocks say (any plan; a
 column-wise table has one block per column piece). A move gathers the slots being
-evicted and then writes the missed rows into their slots, in one jitted program per
-set of shapes, in place on the donated buffers.
+evicted, then writes the missed rows into their slots in place on the donated
+buffers (sizes padded to powers of two, so a run compiles a few programs).
 """
 
 from __future__ import annotations
@@ -78,61 +78,106 @@ class Mover:
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         self._programs: dict = {}
 
-    def move(
+    def stage(
         self,
-        arrays: list[jax.Array],
         moves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
         host: Mapping[str, Mapping[str, np.ndarray]],
-    ) -> tuple[list[jax.Array], Pending]:
-        """``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``; ``host[key]``
-        the table's host fields. Returns the new buffers and the evicted rows (not yet
-        on the host: :meth:`Pending.write_back`)."""
+        late: Mapping[str, np.ndarray] | None = None,
+    ) -> Staged | None:
+        """The host side of a move (``None`` when nothing moves): positions, and the
+        missed rows gathered from ``host`` (a prefetch can do this while a step runs).
+        ``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``;
+        ``late[key]``: fill rows whose value is still on its way back to the host,
+        copied by :meth:`apply` instead."""
         sizes = []
         for cols in self.cols:
             nf = sum(len(m[0]) * len(cols[k]) for k, m in moves.items())
             ne = sum(len(m[2]) * len(cols[k]) for k, m in moves.items())
             sizes.append(max(nf, ne))
+        if not max(sizes, default=0):
+            return None
         n = _bucket(max(sizes))
-        fill_pos, fill_vals, evict_pos, parts = [], [], [], []
-        for i, (buf, cols, a) in enumerate(zip(self.buffers, self.cols, arrays, strict=True)):
-            size = a.shape[0]  # padding positions: out of range (dropped / read as zeros)
-            fp = np.full(n, size, np.int32)
-            ep = np.full(n, size, np.int32)
-            fv = np.zeros((n, *a.shape[1:]), a.dtype)
+        fill_pos, fill_vals, evict_pos, parts, patches = [], [], [], [], []
+        for i, (buf, cols) in enumerate(zip(self.buffers, self.cols, strict=True)):
+            shape, dtype = buf.array.shape, buf.array.dtype
+            fp = np.full(n, shape[0], np.int32)  # padding: out of range (dropped / zeros)
+            ep = np.full(n, shape[0], np.int32)
+            fv = np.zeros((n, *shape[1:]), dtype)
             f_at = e_at = 0
             for key, (fs, fr, es, er) in moves.items():
                 src = host[key][buf.field]
                 for k, c in enumerate(cols[key]):
                     if len(fs):
                         fp[f_at : f_at + len(fs)] = c.positions(fs)
-                        if a.ndim == 1:
-                            np.take(src, fr, out=fv[f_at : f_at + len(fs)])
-                        elif c.col == 0 and c.cols == src.shape[1] == a.shape[1]:
-                            np.take(src, fr, axis=0, out=fv[f_at : f_at + len(fs)])
-                        else:
-                            fv[f_at : f_at + len(fs), : c.cols] = src[fr, c.col : c.col + c.cols]
+                        _rows_into(fv[f_at : f_at + len(fs)], src, fr, c)
+                        if late is not None and late[key].any():
+                            patches.append((i, f_at, src, fr, late[key], c))
                         f_at += len(fs)
-                    if len(es) and (a.ndim == 2 or k == 0):  # a row-wise field: one copy
+                    if len(es) and (len(shape) == 2 or k == 0):  # a row-wise field: one copy
                         ep[e_at : e_at + len(es)] = c.positions(es)
                         parts.append((i, src, er, e_at, c.col, c.cols))
                         e_at += len(es)
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
-        if n not in self._programs:
+        return Staged(fill_pos, fill_vals, evict_pos, parts, patches)
+
+    def apply(self, arrays: list[jax.Array], staged: Staged) -> tuple[list[jax.Array], Pending]:
+        """Runs a staged move on the buffers ``arrays`` (donated): the evicted rows are
+        read, then the missed rows written. Returns the new buffers and the evicted rows
+        (not yet on the host: :meth:`Pending.write_back`)."""
+        for i, at, src, rows, late, c in staged.patches:  # their rows are back on the host now
+            where = np.flatnonzero(late)
+            fv, vals = staged.fill_vals[i], _columns(src, rows[where], c)
+            if fv.ndim == 1:
+                fv[at + where] = vals
+            else:
+                fv[at + where, : c.cols] = vals
+        if not self._programs:
             shardings = [a.sharding for a in arrays]
-            self._programs[n] = jax.jit(_move, donate_argnums=0, out_shardings=(shardings, None))
-        new, evicted = self._programs[n](list(arrays), evict_pos, fill_pos, fill_vals)
-        return new, Pending(evicted, parts)
+            self._programs = {
+                "gather": jax.jit(_gather),
+                "scatter": jax.jit(_scatter, donate_argnums=0, out_shardings=shardings),
+            }
+        # two programs: in one, XLA copies each whole buffer to scatter in place after
+        # the gather read it; the runtime orders the donation after the read instead
+        evicted = self._programs["gather"](list(arrays), staged.evict_pos)
+        new = self._programs["scatter"](list(arrays), staged.fill_pos, staged.fill_vals)
+        return new, Pending(evicted, staged.parts)
 
 
-def _move(arrays, evict_pos, fill_pos, fill_vals):
-    """Reads the evicted slots, then writes the filled ones (the same slot may be both)."""
-    evicted = [
-        a.at[e].get(mode="fill", fill_value=0) for a, e in zip(arrays, evict_pos, strict=True)
+class Staged(NamedTuple):
+    """A move ready to run (see :meth:`Mover.stage`); per buffer, padded to one size."""
+
+    fill_pos: list[np.ndarray]
+    fill_vals: list[np.ndarray]
+    evict_pos: list[np.ndarray]
+    parts: list  # as Pending.parts
+    patches: list  # (buffer, first fill, host field, rows, late mask, Columns)
+
+
+def _columns(src: np.ndarray, rows: np.ndarray, c: Columns) -> np.ndarray:
+    return src[rows] if src.ndim == 1 else src[rows, c.col : c.col + c.cols]
+
+
+def _rows_into(out: np.ndarray, src: np.ndarray, rows: np.ndarray, c: Columns) -> None:
+    """Host rows ``rows`` (the columns of piece ``c``) into ``out``, one copy."""
+    if src.ndim == 1:
+        np.take(src, rows, out=out)
+    elif c.col == 0 and c.cols == src.shape[1] == out.shape[1]:
+        np.take(src, rows, axis=0, out=out)
+    else:
+        out[:, : c.cols] = _columns(src, rows, c)
+
+
+def _gather(arrays, evict_pos):
+    return [a.at[e].get(mode="fill", fill_value=0) for a, e in zip(arrays, evict_pos, strict=True)]
+
+
+def _scatter(arrays, fill_pos, fill_vals):
+    return [
+        a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)
     ]
-    new = [a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)]
-    return new, evicted
 
 
 @functools.cache

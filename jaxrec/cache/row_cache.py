@@ -34,7 +34,7 @@ from ..embedding.optimizer import CombinedOptimizer
 from ..sparse import KeyedJaggedTensor
 from ..train.step import TrainState, merge_model
 from .host import HostTable
-from .mover import Mover, Pending, columns
+from .mover import Mover, Pending, Staged, columns
 from .slots import SlotMap
 
 
@@ -43,13 +43,16 @@ class CacheStats:
     """Counts since the start (or :meth:`RowCache.reset_stats`), per table.
 
     ``ids``: looked-up ids in range; ``rows``: distinct rows per batch, summed;
-    ``misses``: rows copied from the host; ``evictions``: rows copied back.
+    ``misses``: rows copied from the host; ``evictions``: rows copied back;
+    ``late``: missed rows copied at load time rather than when prepared (an earlier
+    batch still in flight evicts them).
     """
 
     ids: int = 0
     rows: int = 0
     misses: int = 0
     evictions: int = 0
+    late: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -73,10 +76,11 @@ class _Table(NamedTuple):
 
 
 class Prepared(NamedTuple):
-    """A batch with cached tables' ids rewritten as slots, and the rows its load moves."""
+    """A batch with cached tables' ids rewritten as slots, and its staged move (the
+    missed rows already gathered from the host; ``None``: nothing moves)."""
 
     batch: Any
-    moves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    staged: Staged | None
     serial: int
 
 
@@ -151,10 +155,13 @@ class RowCache:
             self.tables[name] = _Table(name, key, host, feats, shard_rows, slots, maps)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._mover = Mover(layout.buffers, {t.key for t in self.tables.values()})
-        self._pending: Pending | None = None
+        self._host = {t.key: t.host.fields for t in self.tables.values()}
+        self._pending: tuple[Pending, int] | None = None
+        self._unsaved: list = []  # (serial, {key: evicted rows}) not yet back on the host
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
+        self._unsaved_lock = threading.Lock()
         self.stats = {name: CacheStats() for name in self.tables}
 
     # ----- host: plan a batch -----
@@ -175,13 +182,34 @@ class RowCache:
                 plans[name] = self._plan(t, allv)  # checks every shard before any change
             moves = {t.key: self._commit(t, *plans[name]) for name, t in self.tables.items()}
             self._prepared += 1
+            staged = self._mover.stage(moves, self._host, self._late(moves))
+            with self._unsaved_lock:
+                self._unsaved.append((self._prepared, {k: m[3] for k, m in moves.items()}))
             new = jax.tree.map(lambda x: self._remap(x) if _is_kjt(x) else x, batch,
                                is_leaf=_is_kjt)  # fmt: skip
-            return Prepared(new, moves, self._prepared)
+            return Prepared(new, staged, self._prepared)
+
+    def _late(self, moves) -> dict[str, np.ndarray] | None:
+        """Per table, which fill rows an earlier prepared batch evicts and whose value is
+        not back on the host yet (they are copied at load time)."""
+        with self._unsaved_lock:
+            unsaved = list(self._unsaved)
+        if not unsaved:
+            return None
+        out = {}
+        for key, (_, fill_rows, _, _) in moves.items():
+            gone = [ev[key] for _, ev in unsaved if len(ev[key])]
+            out[key] = (np.isin(fill_rows, np.concatenate(gone)) if gone
+                        else np.zeros(len(fill_rows), bool))  # fmt: skip
+        for name, t in self.tables.items():
+            self.stats[name].late += int(out[t.key].sum())
+        return out
 
     def _plan(self, t: _Table, ids: np.ndarray):
-        ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
-        rows = ids[ok]
+        if _in_range(ids, t.host.config.num_embeddings):
+            rows = ids
+        else:
+            rows = ids[(ids >= 0) & (ids < t.host.config.num_embeddings)]
         if len(t.maps) == 1:
             return len(rows), [t.maps[0].plan(rows, f"cached table {t.name!r}")]
         shard = rows // t.shard_rows
@@ -225,28 +253,39 @@ class RowCache:
                 f"number {prepared.serial}, the next to load is {self._loaded + 1}"
             )
         self.write_back()
-        moves = {k: v for k, v in prepared.moves.items() if len(v[0]) or len(v[2])}
         self._loaded += 1
-        if not moves:
+        if prepared.staged is None:
+            self._written(prepared.serial)
             return state
-        return self._apply(state, moves)
+        return self._apply(state, prepared.staged, prepared.serial)
 
-    def _apply(self, state, moves):
+    def _apply(self, state, staged, serial):
         wheres = [b.where for b in self._mover.buffers]
-        host = {t.key: t.host.fields for t in self.tables.values()}
-        new, self._pending = self._mover.move(_arrays(state, wheres), moves, host)
+        new, pending = self._mover.apply(_arrays(state, wheres), staged)
+        self._pending = (pending, serial)
         return replace_tables(state, dict(zip(wheres, new, strict=True)), {})
 
     def write_back(self) -> None:
         """Waits for the last load's evicted rows and writes them to host memory."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.write_back()
+            pending[0].write_back()
+            self._written(pending[1])
+
+    def _written(self, serial: int) -> None:
+        with self._unsaved_lock:
+            self._unsaved = [(s, ev) for s, ev in self._unsaved if s > serial]
 
     def flush(self, state: TrainState) -> TrainState:
         """Copies every cached row (and its optimizer rows) to host memory, so the host
         tables are the model's current tables (before a checkpoint or an export). The
-        rows stay cached."""
+        rows stay cached. Every prepared batch must have been loaded (a pipeline's
+        prefetched batches would be cached in the maps but not yet on the device)."""
+        if self._prepared != self._loaded:
+            raise ValueError(
+                f"flush with {self._prepared - self._loaded} prepared batches not loaded: "
+                "flush (or save) between pipeline runs, once every prepared batch has run"
+            )
         self.write_back()
         moves = {}
         for t in self.tables.values():
@@ -257,13 +296,17 @@ class RowCache:
                 rows.append(r + s * t.shard_rows)
             es, er = np.concatenate(slots), np.concatenate(rows)
             moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
-        state = self._apply(state, moves)
-        self.write_back()
+        staged = self._mover.stage(moves, self._host)
+        if staged is not None:
+            state = self._apply(state, staged, self._loaded)
+            self.write_back()
         return state
 
     def clear(self) -> None:
         """Forgets what is cached (after the host tables were replaced, e.g. restored)."""
         self._pending = None
+        self._unsaved = []
+        self._prepared = self._loaded = 0
         for t in self.tables.values():
             for m in t.maps:
                 m.clear()
@@ -322,6 +365,8 @@ def _slots(t: _Table, ids: np.ndarray) -> np.ndarray:
     """Global slots of ids (already assigned); ids out of range stay out of range
     (``-1`` / the slot count), for the device's bounds check."""
     n_slots = t.slots * len(t.maps)
+    if len(t.maps) == 1 and _in_range(ids, t.host.config.num_embeddings):
+        return t.maps[0].slot_of_row[ids]  # the common case, one gather
     out = np.where(ids < 0, -1, n_slots).astype(np.int64)
     ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
     rows = ids[ok].astype(np.int64)
@@ -333,6 +378,10 @@ def _slots(t: _Table, ids: np.ndarray) -> np.ndarray:
         slot[sel] = m.slot_of_row[local[sel]] + s * t.slots
     out[ok] = slot
     return out
+
+
+def _in_range(ids: np.ndarray, rows: int) -> bool:
+    return not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < rows)
 
 
 def _is_kjt(x) -> bool:
@@ -354,4 +403,4 @@ def _feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
 def _feature_values(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
     values = np.asarray(kjt.values())
     for f, lo, hi in _feature_spans(kjt, features):
-        yield f, values[lo:hi].astype(np.int64)
+        yield f, values[lo:hi]

@@ -1,0 +1,82 @@
+"""The slot maps against an independent model of LRU and LFU, and their errors."""
+
+import numpy as np
+import pytest
+from cache_cases import CACHED, build, cached_twin, local_batch, loss_fn, optimizer
+
+import jaxrec as jr
+from jaxrec import cache as jc
+from jaxrec import optim, train
+from jaxrec.cache.slots import SlotMap
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_replacement_policy(algorithm):
+    """Random batches through a 40-slot cache of 300 rows: slots and rows stay a
+    bijection, every row of a batch is cached, and each evicted row was (LRU) used no
+    later / (LFU) looked up no more often than every row kept outside the batch."""
+    rng = np.random.default_rng(0)
+    m = SlotMap(300, 40, jc.CacheAlgorithm(algorithm))
+    last, count, evictions = {}, np.zeros(300, np.int64), 0
+    for clock in range(1, 200):
+        ids = np.minimum(rng.zipf(1.2, int(rng.integers(1, 60))) - 1, 299)
+        if len(np.unique(ids)) > 40:
+            continue
+        a = m.assign(m.plan(ids, "t"))
+        batch = set(ids.tolist())
+        np.add.at(count, ids, 1)
+        kept = {int(r) for r in m.row_of_slot if r >= 0} - batch
+        for r in a.evict_rows.tolist():
+            assert r not in batch and r not in kept
+            if algorithm == "lru":
+                assert all(last[r] <= last[k] for k in kept)
+            else:
+                assert all(count[r] <= count[k] for k in kept)
+        evictions += len(a.evict_rows)
+        for r in batch:
+            last[r] = clock
+        cached = np.flatnonzero(m.slot_of_row >= 0)
+        np.testing.assert_array_equal(np.sort(m.row_of_slot[m.row_of_slot >= 0]), cached)
+        np.testing.assert_array_equal(m.row_of_slot[m.slot_of_row[cached]], cached)
+        assert batch <= set(cached.tolist())
+    assert evictions > 100
+
+
+def test_cache_too_small_leaves_state_valid():
+    opt = optimizer(optim.sgd(0.1))
+    graphdef, state = build(opt)
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(0)
+    s2, _, _ = step(s2, local_batch(rng))
+    before = [m.slot_of_row.copy() for t in cache.tables.values() for m in t.maps]
+    keys, n = ["a", "b", "m", "s"], 61  # 61 distinct rows of "big" > its 60 slots
+    big = jr.KeyedJaggedTensor.from_lengths_sync(
+        keys, list(range(n)) + [0, 0, 0], [n, 1, 1, 1], capacities={k: 64 for k in keys}
+    )
+    with pytest.raises(jc.CacheTooSmallError, match=r"'big'.*61 distinct rows.*60 slots.*0\.305"):
+        step(s2, (big, np.zeros(1, np.float32)))
+    after = [m.slot_of_row for t in cache.tables.values() for m in t.maps]
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+    s2, loss, _ = step(s2, local_batch(rng))  # the cache still works
+    assert np.isfinite(float(loss))
+
+
+def test_out_of_range_ids_as_without_cache():
+    """Ids outside a cached table stay outside its slot table: the bounds check
+    (WARNING: they count zero) gives the all-device model's loss."""
+    opt = optimizer(optim.sgd(0.1))
+    graphdef, state = build(opt)
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    kjt, y = local_batch(np.random.default_rng(5))
+    values = np.asarray(kjt.values()).copy()
+    values[0], values[1] = 999, -3  # feature "a" (table "big") has bags in sample 0
+    bad = jr.KeyedJaggedTensor(kjt.keys(), values, lengths=kjt.lengths(),
+                               capacities=kjt.capacity_per_key())  # fmt: skip
+    assert int(np.asarray(kjt.lengths())[0]) >= 2
+    _, want, _ = train.make_train_step(graphdef, opt, loss_fn)(state, (bad, y))
+    _, got, _ = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)(s2, (bad, y))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
