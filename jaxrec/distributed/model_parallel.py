@@ -25,7 +25,7 @@ from .sharded_base import ShardedCollection
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .sharded_fp import ShardedFeatureProcessedEmbeddingBagCollection
-from .types import ShardingPlan
+from .types import EmbeddingComputeKernel, ShardingPlan
 
 SHARDERS = {
     EmbeddingBagCollection: ShardedEmbeddingBagCollection,
@@ -97,6 +97,15 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         capacity=capacity, overflow=overflow, pooling_factors=pooling_factors,
         capacity_factor=capacity_factor, qcomms=qcomms, exchange=exchange,
     )  # fmt: skip
+    cached = [f"{m}.{t}" for m, mp in plan.plan.items() for t, p in mp.items()
+              if p.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING]  # fmt: skip
+    if cached:
+        raise ValueError(
+            f"tables {cached} are planned as fused_uvm_caching (host memory + a device cache): "
+            "build the model's collection from jaxrec.cache.device_plan(configs, module_plan) "
+            "(its tables become cache slots), shard it with that plan, and keep the tables in "
+            "a jaxrec.cache.RowCache; or forbid caching with ParameterConstraints(hbm_only=True)"
+        )
     found = set()
     for path, module in list(nnx.iter_modules(model)):  # children before their parents
         name = ".".join(map(str, path))

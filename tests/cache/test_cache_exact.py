@@ -44,8 +44,11 @@ def run_pair(opt, params, steps=STEPS, seed=0):
     return (graphdef, state), (g2, s2), cache
 
 
-@pytest.mark.parametrize("name", list(OPTS))
-@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+# each optimizer once, each policy at least once (the policy only picks which rows
+# move; test_slots checks both policies against a model of them)
+@pytest.mark.parametrize(
+    "name,algorithm", [("sgd", "lru"), ("rowwise_adagrad", "lfu"), ("adam", "lru")]
+)
 def test_unsharded_exact(name, algorithm):
     opt = optimizer(OPTS[name]())
     params = {t: jc.CacheParams(algorithm=algorithm, load_factor=0.3) for t in CACHED}
@@ -98,3 +101,12 @@ def test_sharded_exact(layout):
     assert all(cache.stats[t].evictions > 0 for t in CACHED)
     if layout == "row_wise":
         assert len(cache.tables["big"].maps) == 4  # a cache per row shard
+
+
+def test_model_parallel_refuses_a_cached_plan():
+    """A plan with fused_uvm_caching tables is for device_plan, not the logical model."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    params = {"big": jc.CacheParams(load_factor=0.5)}
+    plan = logical_plan(SHARDED["row_wise"][0], mesh, params)
+    with pytest.raises(ValueError, match=r"\['ebc.big'\].*jaxrec.cache.device_plan"):
+        build(optimizer(optim.sgd(0.1)), plan=plan, mesh=mesh)
