@@ -12,6 +12,7 @@ line gives the machine and the copy rates that bound a miss: host gather
 
     python bench/cache.py --preset tiny            # seconds, a check that it runs
     python bench/cache.py                          # CPU figures (~5 min on 2 cores)
+    python bench/cache.py --policy-rows 100000000  # + LRU / LFU hit rates at 1e8 rows
     python bench/cache.py --preset gpu             # on a GPU machine
 """
 
@@ -47,7 +48,7 @@ class Config:
     D: int = 64
     B: int = 2048
     L: int = 20
-    warmup: int = 20  # steps before the timed ones (the cache fills)
+    warmup: int = 40  # steps before the timed ones (the cache fills)
     reps: int = 10
     load_factors: tuple[float, ...] = (0.05, 0.1, 0.2, 0.5, 1.0)
     alphas: tuple[float | None, ...] = (None, 0.8, 1.05, 1.2)  # None: uniform
@@ -193,7 +194,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
+    p.add_argument("--policy-rows", type=int, default=0,
+                   help="also the policies' hit rates alone, one table of this many rows")  # fmt: skip
     return p.parse_args(argv)
+
+
+def policy_hit_rates(rows: int, cfg: Config, base: dict) -> None:
+    """Hit rates of the replacement policies alone (``SlotMap``, the cache's own
+    bookkeeping, no tables) on one table of ``rows`` rows: how they grow with the table
+    at a fixed cache fraction (Zipf's head holds more of the ids in a bigger table)."""
+    from jaxrec.cache.slots import SlotMap
+
+    one = dataclasses.replace(cfg, T=1, E=rows)
+    for alpha in [a for a in cfg.alphas if a]:
+        data = [np.asarray(k.values()) for k, _ in batches(one, alpha, 60, seed=1)]
+        for algorithm in ("lru", "lfu"):
+            for lf in [x for x in cfg.load_factors if x < 1]:
+                m = SlotMap(rows, max(1, int(lf * rows)), jc.CacheAlgorithm(algorithm))
+                ids = misses = 0
+                for i, v in enumerate(data):
+                    a = m.assign(m.plan(v, "policy"))
+                    if i >= 30:  # after 30 batches
+                        ids, misses = ids + len(v), misses + len(a.fill_rows)
+                print(json.dumps({**base, "policy_only": True, "rows": rows, "alpha": alpha,
+                                  "algorithm": algorithm, "load_factor": lf,
+                                  "hit_rate": round(1 - misses / ids, 4)}), flush=True)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -218,6 +243,8 @@ def main(argv=None) -> int:
         "config": dataclasses.asdict(cfg),
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
+    if a.policy_rows:
+        policy_hit_rates(a.policy_rows, cfg, base)
     opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
     graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
     state0 = jax.tree.map(jnp.copy, state)
