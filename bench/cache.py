@@ -195,7 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
     p.add_argument("--policy-rows", type=int, default=0,
-                   help="also the policies' hit rates alone, one table of this many rows")  # fmt: skip
+                   help="also the policies' hit rates alone, one table this large")  # fmt: skip
     return p.parse_args(argv)
 
 
