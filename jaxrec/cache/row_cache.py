@@ -265,6 +265,13 @@ class RowCache:
         self._pending = (pending, serial)
         return replace_tables(state, dict(zip(wheres, new, strict=True)), {})
 
+    def load_batch(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        """``(state, batch)`` ready for any computation on the model other than a train
+        step (evaluation, predictions): the batch's rows loaded, its ids as slots.
+        Without it a cached table would be read at the raw ids' slots."""
+        prepared = self.prepare(batch)
+        return self.load(state, prepared), prepared.batch
+
     def write_back(self) -> None:
         """Waits for the last load's evicted rows and writes them to host memory."""
         pending, self._pending = self._pending, None

@@ -60,3 +60,23 @@ def test_loads_follow_prepares():
     with pytest.raises(ValueError, match="in the order they were prepared"):
         cache.load(s2, second)
     cache.load(s2, first)
+
+
+def test_evaluation_through_load_batch():
+    """An eval step on a cached model gives the all-device model's outputs once the
+    batch is loaded; the same state is then trained on exactly."""
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    evaluate = train.make_eval_step(graphdef, lambda m, b: m(b[0]))
+    evaluate2 = train.make_eval_step(g2, lambda m, b: m(b[0]))
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        b, e = local_batch(rng), local_batch(rng)
+        state, _, _ = step(state, b)
+        s2, _, _ = cstep(s2, b)
+        s2, e2 = cache.load_batch(s2, e)
+        np.testing.assert_array_equal(np.asarray(evaluate2(s2, e2)), np.asarray(evaluate(state, e)))
