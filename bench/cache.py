@@ -207,13 +207,14 @@ def policy_hit_rates(rows: int, cfg: Config, base: dict) -> None:
 
     one = dataclasses.replace(cfg, T=1, E=rows)
     for alpha in [a for a in cfg.alphas if a]:
-        data = [np.asarray(k.values()) for k, _ in batches(one, alpha, 60, seed=1)]
+        data = [np.asarray(k.values(), np.int32) for k, _ in batches(one, alpha, 60, seed=1)]
         for algorithm in ("lru", "lfu"):
             for lf in [x for x in cfg.load_factors if x < 1]:
                 m = SlotMap(rows, max(1, int(lf * rows)), jc.CacheAlgorithm(algorithm))
                 ids = misses = 0
                 for i, v in enumerate(data):
-                    a = m.assign(m.plan(v, "policy"))
+                    a = m.assign(m.plan([v], "policy"))
+                    m.touch(v, np.empty_like(v), 0)
                     if i >= 30:  # after 30 batches
                         ids, misses = ids + len(v), misses + len(a.fill_rows)
                 print(json.dumps({**base, "policy_only": True, "rows": rows, "alpha": alpha,

@@ -48,6 +48,7 @@ namespace ffi = xla::ffi;
 #include "jaxrec_cpu/lookup.h"
 #include "jaxrec_cpu/update.h"
 #include "jaxrec_cpu/roofline.h"
+#include "jaxrec_cpu/cache.h"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
                               ffi::Ffi::Bind()
@@ -239,6 +240,98 @@ PyObject* PyGatherRows(PyObject*, PyObject* args) {
   return Py_BuildValue("(dN)", s, list);
 }
 
+// A writable (or read-only) C-contiguous 1-d buffer of `itemsize`-byte items, or an error.
+bool GetVector(PyObject* obj, Py_buffer* view, Py_ssize_t itemsize, bool writable,
+               const char* name) {
+  const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj, view, flags) < 0) return false;
+  if (view->itemsize != itemsize || view->ndim != 1) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous 1-d array of %zd-byte items, "
+                 "got itemsize=%zd ndim=%d", name, itemsize, view->itemsize, view->ndim);
+    PyBuffer_Release(view);
+    return false;
+  }
+  return true;
+}
+
+// Releases every buffer it got, on any exit.
+struct Buffers {
+  std::vector<Py_buffer> views;
+  bool Get(PyObject* obj, Py_ssize_t itemsize, bool writable, const char* name) {
+    views.emplace_back();
+    if (GetVector(obj, &views.back(), itemsize, writable, name)) return true;
+    views.pop_back();
+    return false;
+  }
+  template <typename T>
+  T* At(size_t i) { return static_cast<T*>(views[i].buf); }
+  int64_t Len(size_t i) const { return views[i].len / views[i].itemsize; }
+  ~Buffers() {
+    for (Py_buffer& v : views) PyBuffer_Release(&v);
+  }
+};
+
+bool IdsInRange(const int32_t* ids, int64_t n, int64_t rows, const char* name) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= rows) {
+      PyErr_Format(PyExc_ValueError, "%s: ids[%lld]=%d outside [0, %lld)", name,
+                   static_cast<long long>(i), ids[i], static_cast<long long>(rows));
+      return false;
+    }
+  }
+  return true;
+}
+
+PyObject* PyCacheScan(PyObject*, PyObject* args) {
+  PyObject *ids, *slot_of_row, *seen, *miss;
+  long long epoch, n_miss;
+  if (!PyArg_ParseTuple(args, "OOOLOL", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss))
+    return nullptr;
+  Buffers b;
+  if (!b.Get(ids, 4, false, "cache_scan(ids)") || !b.Get(slot_of_row, 4, true, "slot_of_row") ||
+      !b.Get(seen, 8, true, "seen") || !b.Get(miss, 8, true, "miss"))
+    return nullptr;
+  const int64_t n = b.Len(0);
+  if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_scan")) return nullptr;
+  if (n_miss < 0 || n_miss + n > b.Len(3))
+    return PyErr_Format(PyExc_ValueError, "cache_scan: miss holds %lld, needs up to %lld",
+                        static_cast<long long>(b.Len(3)), n_miss + static_cast<long long>(n));
+  int64_t m = n_miss, hits;
+  Py_BEGIN_ALLOW_THREADS;
+  hits = CacheScan(b.At<int32_t>(0), n, b.At<int32_t>(1), b.At<int64_t>(2), epoch,
+                   b.At<int64_t>(3), &m);
+  Py_END_ALLOW_THREADS;
+  return Py_BuildValue("(LL)", static_cast<long long>(hits), static_cast<long long>(m));
+}
+
+PyObject* PyCacheTouch(PyObject*, PyObject* args) {
+  PyObject *ids, *slot_of_row, *last_used, *counts, *out;
+  long long clock, base;
+  if (!PyArg_ParseTuple(args, "OOOOLLO", &ids, &slot_of_row, &last_used, &counts, &clock, &base,
+                        &out))
+    return nullptr;
+  Buffers b;
+  if (!b.Get(ids, 4, false, "cache_touch(ids)") || !b.Get(slot_of_row, 4, false, "slot_of_row") ||
+      !b.Get(last_used, 8, true, "last_used") || !b.Get(counts, 4, true, "counts") ||
+      !b.Get(out, 4, true, "out"))
+    return nullptr;
+  const int64_t n = b.Len(0);
+  if (b.Len(4) != n) return PyErr_Format(PyExc_ValueError, "cache_touch: out and ids differ");
+  if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_touch")) return nullptr;
+  const int32_t* ids_p = b.At<int32_t>(0);
+  const int32_t* sor = b.At<int32_t>(1);
+  const int64_t slots = b.Len(2);
+  for (int64_t i = 0; i < n; ++i) {
+    if (sor[ids_p[i]] < 0 || sor[ids_p[i]] >= slots)
+      return PyErr_Format(PyExc_ValueError, "cache_touch: row %d has no slot", ids_p[i]);
+  }
+  uint32_t* cnt = b.Len(3) ? b.At<uint32_t>(3) : nullptr;
+  Py_BEGIN_ALLOW_THREADS;
+  CacheTouch(ids_p, n, sor, b.At<int64_t>(2), cnt, clock, base, b.At<int32_t>(4));
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
     {"info", Info, METH_NOARGS, "Build facts: vector width, threads, FFI API minor version."},
@@ -247,6 +340,12 @@ PyMethodDef kMethods[] = {
     {"gather_rows", PyGatherRows, METH_VARARGS,
      "gather_rows(table, ids, threads, ahead) -> (seconds, column sums): sums rows ids of a "
      "float32 [R, D] table, `ahead` rows prefetched (a ceiling)."},
+    {"cache_scan", PyCacheScan, METH_VARARGS,
+     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss) -> (hits, n_miss): jaxrec.cache's "
+     "plan pass (int32 ids and map, int64 seen and miss)."},
+    {"cache_touch", PyCacheTouch, METH_VARARGS,
+     "cache_touch(ids, slot_of_row, last_used, counts, clock, base, out): jaxrec.cache's remap "
+     "pass (out = base + slot; stamps; counts when counts is not empty)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -172,22 +172,27 @@ class RowCache:
         shard's cache cannot hold the batch's rows."""
         with self._lock:
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=_is_kjt) if _is_kjt(x)]
-            ids = {name: [] for name in self.tables}
-            for kjt in kjts:
-                for f, vals in _feature_values(kjt, self._feature_table):
-                    ids[self._feature_table[f].name].append(vals)
+            values = [np.asarray(k.values()) for k in kjts]
+            spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
+            for i, kjt in enumerate(kjts):
+                for f, lo, hi in _feature_spans(kjt, self._feature_table):
+                    spans[self._feature_table[f].name].append((i, lo, hi))
             plans = {}
-            for name, t in self.tables.items():
-                allv = np.concatenate(ids[name]) if ids[name] else np.zeros(0, np.int64)
-                plans[name] = self._plan(t, allv)  # checks every shard before any change
+            for name, t in self.tables.items():  # every shard checked before any change
+                plans[name] = self._plan(t, [values[i][lo:hi] for i, lo, hi in spans[name]])
             moves = {t.key: self._commit(t, *plans[name]) for name, t in self.tables.items()}
             self._prepared += 1
             staged = self._mover.stage(moves, self._host, self._late(moves))
             with self._unsaved_lock:
                 self._unsaved.append((self._prepared, {k: m[3] for k, m in moves.items()}))
-            new = jax.tree.map(lambda x: self._remap(x) if _is_kjt(x) else x, batch,
+            new = [v.copy() for v in values]
+            for name, t in self.tables.items():
+                for i, lo, hi in spans[name]:
+                    _touch(t, values[i][lo:hi], new[i][lo:hi])
+            by_id = {id(k): _with_values(k, v) for k, v in zip(kjts, new, strict=True)}
+            out = jax.tree.map(lambda x: by_id[id(x)] if _is_kjt(x) else x, batch,
                                is_leaf=_is_kjt)  # fmt: skip
-            return Prepared(new, staged, self._prepared)
+            return Prepared(out, staged, self._prepared)
 
     def _late(self, moves) -> dict[str, np.ndarray] | None:
         """Per table, which fill rows an earlier prepared batch evicts and whose value is
@@ -205,18 +210,20 @@ class RowCache:
             self.stats[name].late += int(out[t.key].sum())
         return out
 
-    def _plan(self, t: _Table, ids: np.ndarray):
-        if _in_range(ids, t.host.config.num_embeddings):
-            rows = ids
-        else:
-            rows = ids[(ids >= 0) & (ids < t.host.config.num_embeddings)]
+    def _plan(self, t: _Table, parts: list[np.ndarray]):
+        rows = t.host.config.num_embeddings
+        if not all(_in_range(p, rows) for p in parts):
+            parts = [p[(p >= 0) & (p < rows)] for p in parts]
+        n_ids = sum(len(p) for p in parts)
         if len(t.maps) == 1:
-            return len(rows), [t.maps[0].plan(rows, f"cached table {t.name!r}")]
-        shard = rows // t.shard_rows
-        return len(rows), [
-            m.plan(rows[shard == s] - s * t.shard_rows, f"cached table {t.name!r} shard {s}")
+            return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}")]
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        shard = ids // t.shard_rows
+        return n_ids, [
+            m.plan([(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
+                   f"cached table {t.name!r} shard {s}")
             for s, m in enumerate(t.maps)
-        ]
+        ]  # fmt: skip
 
     def _commit(self, t: _Table, n_ids: int, plans):
         st = self.stats[t.name]
@@ -233,15 +240,6 @@ class RowCache:
         fs, fr = (np.concatenate(x) for x in zip(*fills, strict=True))
         es, er = (np.concatenate(x) for x in zip(*evicts, strict=True))
         return fs, fr, es, er
-
-    def _remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        values = np.array(kjt.values())
-        for f, lo, hi in _feature_spans(kjt, self._feature_table):
-            t = self._feature_table[f]
-            values[lo:hi] = _slots(t, values[lo:hi])
-        children, aux = kjt.tree_flatten()
-        return KeyedJaggedTensor.tree_unflatten(aux, (values.astype(children[0].dtype),
-                                                      *children[1:]))  # fmt: skip
 
     # ----- device: apply a prepared batch -----
     def load(self, state: TrainState, prepared: Prepared) -> TrainState:
@@ -368,23 +366,29 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
     return out
 
 
-def _slots(t: _Table, ids: np.ndarray) -> np.ndarray:
-    """Global slots of ids (already assigned); ids out of range stay out of range
-    (``-1`` / the slot count), for the device's bounds check."""
-    n_slots = t.slots * len(t.maps)
-    if len(t.maps) == 1 and _in_range(ids, t.host.config.num_embeddings):
-        return t.maps[0].slot_of_row[ids]  # the common case, one gather
-    out = np.where(ids < 0, -1, n_slots).astype(np.int64)
-    ok = (ids >= 0) & (ids < t.host.config.num_embeddings)
-    rows = ids[ok].astype(np.int64)
-    shard = rows // t.shard_rows
-    local = rows - shard * t.shard_rows
-    slot = np.empty(len(rows), np.int64)
+def _touch(t: _Table, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[:]``: the global slots of ``ids`` (assigned); ids out of range stay out of
+    range (``-1`` / the slot count), for the device's bounds check."""
+    rows = t.host.config.num_embeddings
+    if len(t.maps) == 1 and _in_range(ids, rows):
+        t.maps[0].touch(ids, out, 0)  # the common case, one pass
+        return
+    ok = (ids >= 0) & (ids < rows)
+    out[:] = np.where(ids < 0, -1, t.slots * len(t.maps))
+    good = ids[ok]
+    shard = good // t.shard_rows
+    slots = np.empty(len(good), out.dtype)
     for s, m in enumerate(t.maps):
         sel = shard == s
-        slot[sel] = m.slot_of_row[local[sel]] + s * t.slots
-    out[ok] = slot
-    return out
+        part = np.empty(int(sel.sum()), out.dtype)
+        m.touch((good[sel] - s * t.shard_rows).astype(ids.dtype), part, s * t.slots)
+        slots[sel] = part
+    out[ok] = slots
+
+
+def _with_values(kjt: KeyedJaggedTensor, values: np.ndarray) -> KeyedJaggedTensor:
+    children, aux = kjt.tree_flatten()
+    return KeyedJaggedTensor.tree_unflatten(aux, (values, *children[1:]))
 
 
 def _in_range(ids: np.ndarray, rows: int) -> bool:
@@ -405,9 +409,3 @@ def _feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
     for k, f in enumerate(kjt.keys()):
         if f in features:
             yield f, starts[k], starts[k] + int(lengths[k].sum())
-
-
-def _feature_values(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
-    values = np.asarray(kjt.values())
-    for f, lo, hi in _feature_spans(kjt, features):
-        yield f, values[lo:hi]

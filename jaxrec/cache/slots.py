@@ -5,15 +5,29 @@ Host-side bookkeeping of one shard's device cache (FBGEMM keeps the same state i
 associative: a miss may take any slot that the batch does not use. LRU evicts the
 slots used longest ago; LFU the rows looked up least often since the start (counts
 survive eviction, as FBGEMM's ``lfu_state`` does).
+
+A batch goes through :meth:`SlotMap.plan` (what it needs; nothing changes, so a
+batch that does not fit leaves the cache as it was), :meth:`SlotMap.assign` (slots
+for its missed rows) and :meth:`SlotMap.touch` (its ids as slots; stamps and counts
+its rows). The per-id passes run in C++ when the extension is built (``jaxrec.cpu``),
+else in numpy; both give the same slots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from ..distributed.types import CacheAlgorithm
+
+try:  # the per-id passes; numpy otherwise
+    from ..cpu import _kernels as _native
+except ImportError:
+    _native = None
+
+NATIVE = _native is not None and hasattr(_native, "cache_scan")
 
 
 class CacheTooSmallError(ValueError):
@@ -21,12 +35,12 @@ class CacheTooSmallError(ValueError):
 
 
 class Plan(NamedTuple):
-    """What one batch needs of a shard's cache (see :meth:`SlotMap.plan`)."""
+    """What one batch needs of a shard's cache (see :meth:`SlotMap.plan`); the slots
+    of its cached rows are those with ``SlotMap.seen == epoch``."""
 
     fill_rows: np.ndarray  # [M] int64, distinct rows not cached
-    hit_slots: np.ndarray  # slots of the cached ids (repeats allowed)
     hits: int  # distinct cached rows
-    counts: tuple | None  # LFU: (distinct rows, ids per row)
+    epoch: int
 
 
 class Assignment(NamedTuple):
@@ -42,11 +56,11 @@ class Assignment(NamedTuple):
 class SlotMap:
     """The cache state of one shard: ``rows`` table rows, ``slots`` device slots.
 
-    Memory: 4 bytes per row (its slot) + 16 per slot (its row, its last use), and 4
-    more per row for LFU (the counts).
+    Memory: 4 bytes per row (its slot) + 24 per slot (its row, its last use, a
+    scratch mark), and 4 more per row for LFU (the counts).
     """
 
-    def __init__(self, rows: int, slots: int, algorithm: CacheAlgorithm):
+    def __init__(self, rows: int, slots: int, algorithm: CacheAlgorithm, native: bool = NATIVE):
         if slots < 1:
             raise ValueError(f"a cache needs at least one slot, got {slots}")
         self.rows, self.slots, self.algorithm = rows, slots, CacheAlgorithm(algorithm)
@@ -54,21 +68,34 @@ class SlotMap:
         self.row_of_slot = np.full(slots, -1, np.int64)
         self.last_used = np.zeros(slots, np.int64)
         self.counts = np.zeros(rows, np.uint32) if self.algorithm is CacheAlgorithm.LFU else None
+        self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses
         self.used = 0  # slots [0, used) have held a row
         self.clock = 0
-        self._seen = np.zeros(slots, bool)  # scratch of plan()
+        self.epoch = 0
+        self.native = native and NATIVE
 
-    def plan(self, ids: np.ndarray, where: str) -> Plan:
-        """What a batch's shard-local ``ids`` (repeats allowed) need, without changing
-        anything. Raises ``CacheTooSmallError`` when its distinct rows cannot all be
-        cached at once (fully associative: any number up to the slot count can)."""
-        slots = self.slot_of_row[ids]
-        miss = slots < 0
-        fill_rows = np.unique(ids[miss]).astype(np.int64)
-        hit_slots = slots[~miss]
-        self._seen[hit_slots] = True  # distinct hits without sorting them
-        hits = int(np.count_nonzero(self._seen[: self.used]))
-        self._seen[hit_slots] = False
+    def plan(self, parts: Sequence[np.ndarray], where: str) -> Plan:
+        """What a batch's shard-local ids (``parts``, in range, repeats allowed) need.
+        Raises ``CacheTooSmallError`` when its distinct rows cannot all be cached at
+        once (fully associative: any number up to the slot count can); the slot map is
+        then as it was (only the scratch ``seen`` marks differ)."""
+        self.epoch += 1
+        if self.native and all(p.dtype == np.int32 for p in parts):
+            miss = np.empty(sum(len(p) for p in parts), np.int64)
+            hits = n_miss = 0
+            for p in parts:  # misses are marked -2 in slot_of_row until unmarked below
+                h, n_miss = _native.cache_scan(p, self.slot_of_row, self.seen, self.epoch, miss,
+                                               n_miss)  # fmt: skip
+                hits += h
+            fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
+            self.slot_of_row[fill_rows] = -1
+        else:
+            ids = np.concatenate(parts) if len(parts) != 1 else parts[0]
+            slots = self.slot_of_row[ids]
+            miss = slots < 0
+            fill_rows = np.unique(ids[miss]).astype(np.int64)
+            self.seen[slots[~miss]] = self.epoch
+            hits = int(np.count_nonzero(self.seen[: self.used] == self.epoch))
         if hits + len(fill_rows) > self.slots:
             n = hits + len(fill_rows)
             raise CacheTooSmallError(
@@ -76,43 +103,52 @@ class SlotMap:
                 f"{self.slots} slots; raise CacheParams.load_factor to at least "
                 f"{n / max(self.rows, 1):.3g} (better 2x that) or use smaller batches"
             )
-        counts = None
-        if self.counts is not None:  # LFU counts every id
-            counts = np.unique(ids, return_counts=True)
-        return Plan(fill_rows, hit_slots, hits, counts)
+        return Plan(fill_rows, hits, self.epoch)
 
     def assign(self, plan: Plan) -> Assignment:
-        """Gives the planned batch's missed rows slots (evicting others) and marks its
-        rows used; nothing else may have been assigned since :meth:`plan`."""
+        """Gives the planned batch's missed rows slots (evicting rows it does not use);
+        nothing else may have been planned since."""
+        if plan.epoch != self.epoch:
+            raise ValueError("SlotMap.assign: another batch was planned since this one")
         self.clock += 1
-        if plan.counts is not None:
-            rows, n = plan.counts
-            total = self.counts[rows].astype(np.int64) + n
-            self.counts[rows] = np.minimum(total, np.iinfo(np.uint32).max)
         fill_rows = plan.fill_rows
         fresh = min(len(fill_rows), self.slots - self.used)
         fill_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
         self.used += fresh
-        self.last_used[plan.hit_slots] = self.clock  # the batch's hits and fresh slots stay
-        self.last_used[fill_slots] = self.clock
+        self.seen[fill_slots] = self.epoch  # not victims either
         evict_slots = self._victims(len(fill_rows) - fresh)
         evict_rows = self.row_of_slot[evict_slots]
         self.slot_of_row[evict_rows] = -1
-        fill_slots = np.concatenate([fill_slots, evict_slots])
+        fill_slots = np.concatenate([evict_slots, fill_slots])  # ascending
         self.slot_of_row[fill_rows] = fill_slots
         self.row_of_slot[fill_slots] = fill_rows
-        self.last_used[fill_slots] = self.clock
         return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
 
+    def touch(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
+        """``out[:] = base + slot`` of each id (assigned, in range), and marks their rows
+        used now (LRU) or counts them (LFU)."""
+        if self.native and ids.dtype == out.dtype == np.int32:
+            counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
+            _native.cache_touch(ids, self.slot_of_row, self.last_used, counts, self.clock,
+                                base, out)  # fmt: skip
+            return
+        slots = self.slot_of_row[ids]
+        self.last_used[slots] = self.clock
+        if self.counts is not None:  # saturating, as the C++ pass
+            rows, n = np.unique(ids, return_counts=True)
+            total = self.counts[rows].astype(np.int64) + n
+            self.counts[rows] = np.minimum(total, np.iinfo(np.uint32).max)
+        out[:] = slots + base
+
     def _victims(self, k: int) -> np.ndarray:
-        """``k`` occupied slots to empty, none used by this batch (stamped ``clock``)."""
+        """``k`` occupied slots to empty, none the planned batch uses (sorted)."""
         if k <= 0:
             return np.zeros(0, np.int64)
         if self.algorithm is CacheAlgorithm.LRU:
             key = self.last_used.copy()
         else:
             key = self.counts[self.row_of_slot].astype(np.int64)
-            key[self.last_used == self.clock] = np.iinfo(np.int64).max
+        key[self.seen == self.epoch] = np.iinfo(np.int64).max
         return np.sort(np.argpartition(key, k - 1)[:k]).astype(np.int64)
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
@@ -125,4 +161,5 @@ class SlotMap:
         self.slot_of_row.fill(-1)
         self.row_of_slot.fill(-1)
         self.last_used.fill(0)
+        self.seen.fill(0)
         self.used = 0

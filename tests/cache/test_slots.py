@@ -7,22 +7,32 @@ from cache_cases import CACHED, build, cached_twin, local_batch, loss_fn, optimi
 import jaxrec as jr
 from jaxrec import cache as jc
 from jaxrec import optim, train
-from jaxrec.cache.slots import SlotMap
+from jaxrec.cache.slots import NATIVE, SlotMap
 
 
+def run(m: SlotMap, ids: np.ndarray):
+    """One batch through the map: ``(Assignment, slots of ids)``."""
+    a = m.assign(m.plan([ids], "t"))
+    out = np.empty_like(ids)
+    m.touch(ids, out, 0)
+    return a, out
+
+
+@pytest.mark.parametrize("native", [False, True] if NATIVE else [False])
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
-def test_replacement_policy(algorithm):
+def test_replacement_policy(algorithm, native):
     """Random batches through a 40-slot cache of 300 rows: slots and rows stay a
     bijection, every row of a batch is cached, and each evicted row was (LRU) used no
     later / (LFU) looked up no more often than every row kept outside the batch."""
     rng = np.random.default_rng(0)
-    m = SlotMap(300, 40, jc.CacheAlgorithm(algorithm))
+    m = SlotMap(300, 40, jc.CacheAlgorithm(algorithm), native=native)
     last, count, evictions = {}, np.zeros(300, np.int64), 0
     for clock in range(1, 200):
-        ids = np.minimum(rng.zipf(1.2, int(rng.integers(1, 60))) - 1, 299)
+        ids = np.minimum(rng.zipf(1.2, int(rng.integers(1, 60))) - 1, 299).astype(np.int32)
         if len(np.unique(ids)) > 40:
             continue
-        a = m.assign(m.plan(ids, "t"))
+        a, out = run(m, ids)
+        np.testing.assert_array_equal(m.row_of_slot[out], ids)
         batch = set(ids.tolist())
         np.add.at(count, ids, 1)
         kept = {int(r) for r in m.row_of_slot if r >= 0} - batch
@@ -40,6 +50,23 @@ def test_replacement_policy(algorithm):
         np.testing.assert_array_equal(m.row_of_slot[m.slot_of_row[cached]], cached)
         assert batch <= set(cached.tolist())
     assert evictions > 100
+
+
+@pytest.mark.skipif(not NATIVE, reason="the C++ extension (jaxrec.cpu._kernels) is not built")
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_native_passes_equal_numpy(algorithm):
+    """The C++ per-id passes give the numpy passes' slots, moves and counts."""
+    rng = np.random.default_rng(1)
+    a, b = (SlotMap(5000, 700, jc.CacheAlgorithm(algorithm), native=n) for n in (True, False))
+    for _ in range(60):
+        ids = np.minimum(rng.zipf(1.1, 900) - 1, 4999).astype(np.int32)
+        (xa, oa), (xb, ob) = run(a, ids), run(b, ids)
+        np.testing.assert_array_equal(oa, ob)
+        for f in ("fill_slots", "evict_slots", "evict_rows"):
+            np.testing.assert_array_equal(getattr(xa, f), getattr(xb, f))
+        assert set(xa.fill_rows.tolist()) == set(xb.fill_rows.tolist()) and xa.hits == xb.hits
+    for f in ("slot_of_row", "row_of_slot", "last_used", "counts"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
 
 
 def test_cache_too_small_leaves_state_valid():
