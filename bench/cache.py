@@ -12,7 +12,7 @@ line gives the machine and the copy rates that bound a miss: host gather
 
     python bench/cache.py --preset tiny            # seconds, a check that it runs
     python bench/cache.py                          # CPU figures (~5 min on 2 cores)
-    python bench/cache.py --policy-rows 100000000  # + LRU / LFU hit rates at 1e8 rows
+    python bench/cache.py --policy-rows 20000000   # + LRU / LFU steady-state hit rates
     python bench/cache.py --preset gpu             # on a GPU machine
 """
 
@@ -200,25 +200,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def policy_hit_rates(rows: int, cfg: Config, base: dict) -> None:
-    """Hit rates of the replacement policies alone (``SlotMap``, the cache's own
-    bookkeeping, no tables) on one table of ``rows`` rows: how they grow with the table
-    at a fixed cache fraction (Zipf's head holds more of the ids in a bigger table)."""
+    """Steady-state hit rates of the replacement policies alone (``SlotMap``, the
+    cache's own bookkeeping, no tables) on one table of ``rows`` rows: batches of at
+    least a fifth of the slots, 40 to warm the cache, 20 counted (a big cache warms
+    slowly: at the bench's batch size it would take thousands of steps)."""
     from jaxrec.cache.slots import SlotMap
 
-    one = dataclasses.replace(cfg, T=1, E=rows)
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(rows).astype(np.int32)
     for alpha in [a for a in cfg.alphas if a]:
-        data = [np.asarray(k.values(), np.int32) for k, _ in batches(one, alpha, 60, seed=1)]
-        for algorithm in ("lru", "lfu"):
-            for lf in [x for x in cfg.load_factors if x < 1]:
-                m = SlotMap(rows, max(1, int(lf * rows)), jc.CacheAlgorithm(algorithm))
+        cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -alpha)
+        for lf in [x for x in cfg.load_factors if x < 1]:
+            slots = max(1, int(lf * rows))
+            n = max(cfg.B * cfg.L, slots // 5)
+            data = [perm[np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1]), rows - 1)]
+                    for _ in range(60)]  # fmt: skip
+            for algorithm in ("lru", "lfu"):
+                m = SlotMap(rows, slots, jc.CacheAlgorithm(algorithm))
                 ids = misses = 0
                 for i, v in enumerate(data):
                     a = m.assign(m.plan([v], "policy"))
                     m.touch(v, np.empty_like(v), 0)
-                    if i >= 30:  # after 30 batches
+                    if i >= 40:
                         ids, misses = ids + len(v), misses + len(a.fill_rows)
                 print(json.dumps({**base, "policy_only": True, "rows": rows, "alpha": alpha,
-                                  "algorithm": algorithm, "load_factor": lf,
+                                  "algorithm": algorithm, "load_factor": lf, "ids_per_batch": n,
                                   "hit_rate": round(1 - misses / ids, 4)}), flush=True)  # fmt: skip
 
 
