@@ -33,7 +33,7 @@ from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..sparse import KeyedJaggedTensor
 from ..train.step import TrainState, merge_model
-from .host import HostTable
+from .host import HostTable, initial_state
 from .mover import Mover, Pending, Staged, columns
 from .slots import SlotMap
 
@@ -122,9 +122,11 @@ class RowCache:
         layout = table_buffers(graphdef, optimizer, state)
         self.tables: dict[str, _Table] = {}
         model = merge_model(graphdef, state)
-        found = {}
+        found, readers = {}, {}
         for path, module in embedding_collections(model):
             for t in module.table_configs:
+                for f in tuple(t.feature_names) or (t.name,):
+                    readers.setdefault(f, []).append(t.name)
                 if t.name in host_tables:
                     if t.name in found:
                         raise ValueError(f"two collections have a table named {t.name!r}")
@@ -145,6 +147,7 @@ class RowCache:
                     f"table {name!r}: the device table has {device.num_embeddings} slots in "
                     f"{n_shards} row shards; build it with cached_configs"
                 )
+            _check_host(name, host, device, optimizer, readers)
             rows = host.config.num_embeddings
             shard_rows = -(-rows // n_shards)
             maps = [
@@ -364,6 +367,34 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
         else:
             out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
     return out
+
+
+def _check_host(name, host: HostTable, device, optimizer, readers) -> None:
+    """The host table fits the device's slot table, its optimizer and its features."""
+    hc = host.config
+    if (hc.embedding_dim, hc.dtype) != (device.embedding_dim, device.dtype):
+        raise ValueError(
+            f"host table {name!r} is [{hc.num_embeddings}, {hc.embedding_dim}] {hc.dtype}, its "
+            f"device table has dim {device.embedding_dim} and dtype {device.dtype}"
+        )
+    if tuple(hc.feature_names) != tuple(device.feature_names):
+        raise ValueError(
+            f"host table {name!r} reads features {list(hc.feature_names)}, its device table "
+            f"{list(device.feature_names)}"
+        )
+    want = {"weight", *initial_state(optimizer.for_table(name), 1, hc.embedding_dim)}
+    if set(host.fields) != want:
+        raise ValueError(
+            f"host table {name!r} has fields {sorted(host.fields)}, its optimizer needs "
+            f"{sorted(want)} (build it with HostTable.create / from_arrays and that optimizer)"
+        )
+    for f in tuple(hc.feature_names) or (name,):
+        others = [t for t in readers.get(f, []) if t != name]
+        if others:
+            raise ValueError(
+                f"feature {f!r} of cached table {name!r} is also read by {others}: the cache "
+                "rewrites its ids as slots, so a cached table needs features of its own"
+            )
 
 
 def _touch(t: _Table, ids: np.ndarray, out: np.ndarray) -> None:

@@ -1,8 +1,10 @@
 """The slot maps against an independent model of LRU and LFU, and their errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
-from cache_cases import CACHED, build, cached_twin, local_batch, loss_fn, optimizer
+from cache_cases import CACHED, build, cached_twin, configs, local_batch, loss_fn, optimizer
 
 import jaxrec as jr
 from jaxrec import cache as jc
@@ -107,3 +109,27 @@ def test_out_of_range_ids_as_without_cache():
     _, want, _ = train.make_train_step(graphdef, opt, loss_fn)(state, (bad, y))
     _, got, _ = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)(s2, (bad, y))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_host_tables_checked():
+    """A host table of another dim, with the wrong optimizer's fields, or a cached
+    table whose feature another table reads: each refused with the reason."""
+    opt = optimizer(optim.rowwise_adagrad(0.1))
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    g2, s2 = build(opt, jc.cached_configs(configs(), params))
+    big = configs()[0]
+    ok = jc.HostTable.create(big, opt.for_table("big"))
+    wide = dataclasses.replace(big, embedding_dim=16)
+    cases = {
+        "dim 8": {"big": jc.HostTable.create(wide, opt.for_table("big"))},
+        "its optimizer needs": {"big": jc.HostTable.create(big, optim.sgd(0.1))},
+        "does not have": {"nope": ok},
+    }
+    for message, hosts in cases.items():
+        with pytest.raises(ValueError, match=message):
+            jc.RowCache(g2, opt, s2, hosts, jc.CacheParams())
+    shared = [dataclasses.replace(c, feature_names=["a"]) if c.name == "small" else c
+              for c in jc.cached_configs(configs(), params)]  # fmt: skip
+    g3, s3 = build(opt, shared)
+    with pytest.raises(ValueError, match=r"feature 'a' of cached table 'big' is also read by"):
+        jc.RowCache(g3, opt, s3, {"big": ok}, jc.CacheParams())
