@@ -76,6 +76,7 @@ class Mover:
     def __init__(self, buffers: list[Buffer], keys: set[str]):
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
+        self.staging = _staging([b.array.sharding for b in self.buffers])
         self._programs: dict = {}
 
     def stage(
@@ -120,6 +121,10 @@ class Mover:
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
+        patched = {p[0] for p in patches}
+        if self.staging is not None:  # to pinned host memory now (a prefetch's thread)
+            fill_vals = [v if i in patched else jax.device_put(v, self.staging[i])
+                         for i, v in enumerate(fill_vals)]  # fmt: skip
         return Staged(fill_pos, fill_vals, evict_pos, parts, patches)
 
     def apply(self, arrays: list[jax.Array], staged: Staged) -> tuple[list[jax.Array], Pending]:
@@ -133,16 +138,25 @@ class Mover:
                 fv[at + where] = vals
             else:
                 fv[at + where, : c.cols] = vals
+        fill_vals = staged.fill_vals
+        if self.staging is not None:
+            fill_vals = [jax.device_put(v, h) if isinstance(v, np.ndarray) else v
+                         for v, h in zip(fill_vals, self.staging, strict=True)]  # fmt: skip
         if not self._programs:
             shardings = [a.sharding for a in arrays]
+            to_device = None if self.staging is None else shardings
             self._programs = {
-                "gather": jax.jit(_gather),
-                "scatter": jax.jit(_scatter, donate_argnums=0, out_shardings=shardings),
+                "gather": jax.jit(_gather, out_shardings=self.staging),
+                "scatter": jax.jit(
+                    functools.partial(_scatter, to_device),
+                    donate_argnums=0,
+                    out_shardings=shardings,
+                ),  # fmt: skip
             }
         # two programs: in one, XLA copies each whole buffer to scatter in place after
         # the gather read it; the runtime orders the donation after the read instead
         evicted = self._programs["gather"](list(arrays), staged.evict_pos)
-        new = self._programs["scatter"](list(arrays), staged.fill_pos, staged.fill_vals)
+        new = self._programs["scatter"](list(arrays), staged.fill_pos, fill_vals)
         return new, Pending(evicted, staged.parts)
 
 
@@ -174,10 +188,33 @@ def _gather(arrays, evict_pos):
     return [a.at[e].get(mode="fill", fill_value=0) for a, e in zip(arrays, evict_pos, strict=True)]
 
 
-def _scatter(arrays, fill_pos, fill_vals):
+def _scatter(to_device, arrays, fill_pos, fill_vals):
+    if to_device is not None:  # staged in pinned host memory: copied in by the program
+        fill_vals = [jax.device_put(v, s) for v, s in zip(fill_vals, to_device, strict=True)]
     return [
         a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)
     ]
+
+
+PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it on CPU)
+
+
+def _staging(shardings: list) -> list | None:
+    """Pinned-host shardings for the moves' rows (replicated), or None (the CPU, where
+    host and device memory are one, or a backend without pinned host memory)."""
+    if not shardings:
+        return None
+    dev = next(iter(shardings[0].device_set))
+    use = PINNED if PINNED is not None else dev.platform != "cpu"
+    if not use or "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
+        return None
+    out = []
+    for s in shardings:
+        if isinstance(s, jax.sharding.NamedSharding):
+            out.append(jax.sharding.NamedSharding(s.mesh, jax.P(), memory_kind="pinned_host"))
+        else:
+            out.append(s.with_memory_kind("pinned_host"))
+    return out
 
 
 @functools.cache

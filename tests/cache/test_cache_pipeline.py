@@ -1,12 +1,25 @@
 """Prefetching (the pipeline plans batch i + depth while step i runs) gives the same
 states and losses as preparing each batch right before its step."""
 
+import jax
 import numpy as np
 import pytest
-from cache_cases import CACHED, build, cached_twin, local_batch, logical_tables, loss_fn, optimizer
+from cache_cases import (
+    CACHED,
+    build,
+    cached_twin,
+    fused,
+    local_batch,
+    logical_plan,
+    logical_tables,
+    loss_fn,
+    optimizer,
+)
 
 from jaxrec import cache as jc
+from jaxrec import distributed as d
 from jaxrec import optim, train
+from jaxrec.cache import mover
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -80,3 +93,39 @@ def test_evaluation_through_load_batch():
         s2, _, _ = cstep(s2, b)
         s2, e2 = cache.load_batch(s2, e)
         np.testing.assert_array_equal(np.asarray(evaluate2(s2, e2)), np.asarray(evaluate(state, e)))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_pinned_host_staging(monkeypatch, sharded):
+    """Rows staged in pinned host memory (the default off the CPU, forced here) move as
+    the direct path moves them: the cached model stays equal to the all-device one."""
+    monkeypatch.setattr(mover, "PINNED", True)
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    lf = {"big": 0.4, "mean": 0.2} if sharded else {"big": 0.3, "mean": 0.3}
+    params = {t: jc.CacheParams(load_factor=lf[t]) for t in CACHED}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",)) if sharded else None
+    plan = None
+    if sharded:
+        gens = {"big": d.row_wise(), "mean": d.table_wise(1), "small": d.table_wise(0)}
+        plan = logical_plan(gens, mesh, params)
+    graphdef, state = build(opt, plan=None if plan is None else fused(plan), mesh=mesh)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params, plan, mesh)
+    assert cache._mover.staging is not None
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(7)
+    for _ in range(6):
+        local = [local_batch(rng, 4) for _ in range(2)] if sharded else local_batch(rng)
+        b = d.shard_batch(local, mesh) if sharded else local
+        state, loss, _ = step(state, b)
+        p = cache.prepare(local)
+        if sharded:
+            p = p._replace(batch=d.shard_batch(p.batch, mesh))
+        s2, loss2, _ = cstep(s2, p)
+        np.testing.assert_array_equal(np.asarray(loss2), np.asarray(loss))
+    s2 = cache.flush(s2)
+    want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
+    for t in want:
+        for f in want[t]:
+            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert all(cache.stats[t].evictions > 0 for t in CACHED)
