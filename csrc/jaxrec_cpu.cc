@@ -332,6 +332,46 @@ PyObject* PyCacheTouch(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* PyCacheRows(PyObject*, PyObject* args) {
+  PyObject *src, *rows, *dst;
+  int scatter;
+  if (!PyArg_ParseTuple(args, "OOOp", &src, &rows, &dst, &scatter)) return nullptr;
+  Py_buffer s, d;
+  if (PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return nullptr;
+  if (PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+    PyBuffer_Release(&s);
+    return nullptr;
+  }
+  Buffers b;
+  const bool ok_rows = b.Get(rows, 8, false, "cache_rows(rows)");
+  struct Release {
+    Py_buffer *a, *b;
+    ~Release() { PyBuffer_Release(a); PyBuffer_Release(b); }
+  } release{&s, &d};
+  if (!ok_rows) return nullptr;
+  if (s.ndim < 1 || d.ndim < 1 || s.itemsize != d.itemsize || s.ndim != d.ndim ||
+      (s.ndim == 2 && s.shape[1] != d.shape[1]) || s.ndim > 2)
+    return PyErr_Format(PyExc_TypeError, "cache_rows: src and dst need the same row shape");
+  const int64_t n = b.Len(0), row_bytes = s.len / std::max<Py_ssize_t>(s.shape[0], 1);
+  const int64_t table_rows = scatter ? d.shape[0] : s.shape[0];
+  const int64_t* r = b.At<int64_t>(0);
+  if ((scatter ? s.shape[0] : d.shape[0]) != n)
+    return PyErr_Format(PyExc_ValueError, "cache_rows: %lld rows for %lld row ids",
+                        static_cast<long long>(scatter ? s.shape[0] : d.shape[0]),
+                        static_cast<long long>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0 || r[i] >= table_rows)
+      return PyErr_Format(PyExc_ValueError, "cache_rows: rows[%lld]=%lld outside [0, %lld)",
+                          static_cast<long long>(i), static_cast<long long>(r[i]),
+                          static_cast<long long>(table_rows));
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  CacheRows(static_cast<const char*>(s.buf), static_cast<char*>(d.buf), r, n, row_bytes,
+            scatter != 0);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
     {"info", Info, METH_NOARGS, "Build facts: vector width, threads, FFI API minor version."},
@@ -343,6 +383,9 @@ PyMethodDef kMethods[] = {
     {"cache_scan", PyCacheScan, METH_VARARGS,
      "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss) -> (hits, n_miss): jaxrec.cache's "
      "plan pass (int32 ids and map, int64 seen and miss)."},
+    {"cache_rows", PyCacheRows, METH_VARARGS,
+     "cache_rows(src, rows, dst, scatter): dst[i] = src[rows[i]], or dst[rows[i]] = src[i] with "
+     "scatter; whole rows of C-contiguous arrays, int64 rows, over threads."},
     {"cache_touch", PyCacheTouch, METH_VARARGS,
      "cache_touch(ids, slot_of_row, last_used, counts, clock, base, out): jaxrec.cache's remap "
      "pass (out = base + slot; stamps; counts when counts is not empty)."},

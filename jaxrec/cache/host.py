@@ -81,3 +81,31 @@ def initial_state(optimizer: SparseOptimizer, rows: int, dim: int) -> dict[str, 
         row = np.asarray(getattr(one, f))
         out[f] = np.repeat(row, rows, axis=0)
     return out
+
+
+def check_host(name, host: HostTable, device, optimizer, readers) -> None:
+    """The host table fits the device's slot table, its optimizer and its features."""
+    hc = host.config
+    if (hc.embedding_dim, hc.dtype) != (device.embedding_dim, device.dtype):
+        raise ValueError(
+            f"host table {name!r} is [{hc.num_embeddings}, {hc.embedding_dim}] {hc.dtype}, its "
+            f"device table has dim {device.embedding_dim} and dtype {device.dtype}"
+        )
+    if tuple(hc.feature_names) != tuple(device.feature_names):
+        raise ValueError(
+            f"host table {name!r} reads features {list(hc.feature_names)}, its device table "
+            f"{list(device.feature_names)}"
+        )
+    want = {"weight", *initial_state(optimizer.for_table(name), 1, hc.embedding_dim)}
+    if set(host.fields) != want:
+        raise ValueError(
+            f"host table {name!r} has fields {sorted(host.fields)}, its optimizer needs "
+            f"{sorted(want)} (build it with HostTable.create / from_arrays and that optimizer)"
+        )
+    for f in tuple(hc.feature_names) or (name,):
+        others = [t for t in readers.get(f, []) if t != name]
+        if others:
+            raise ValueError(
+                f"feature {f!r} of cached table {name!r} is also read by {others}: the cache "
+                "rewrites its ids as slots, so a cached table needs features of its own"
+            )

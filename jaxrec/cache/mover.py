@@ -18,6 +18,7 @@ import numpy as np
 
 from ..checkpoint.layout import Buffer
 from ..embedding.blocks import Block
+from . import native
 
 
 class Columns(NamedTuple):
@@ -61,7 +62,10 @@ class Pending(NamedTuple):
         host_vals = [np.asarray(e) for e in self.evicted]
         for i, host, rows, at, col, cols in self.parts:
             vals = host_vals[i][at : at + len(rows)]
-            if host.ndim == 1:
+            whole = host.ndim == 1 or (col == 0 and cols == host.shape[1] == vals.shape[1])
+            if whole and native.AVAILABLE and _contiguous(host, vals) and rows.dtype == np.int64:
+                native.kernels.cache_rows(vals, rows, host, True)  # over threads
+            elif host.ndim == 1:
                 host[rows] = vals
             elif col == 0 and cols == host.shape[1]:
                 host[rows] = vals[:, :cols] if vals.shape[1] != cols else vals
@@ -170,13 +174,21 @@ class Staged(NamedTuple):
     patches: list  # (buffer, first fill, host field, rows, late mask, Columns)
 
 
+def _contiguous(*arrays: np.ndarray) -> bool:
+    """C-contiguous arrays of a plain numpy dtype (the C++ copy takes their buffers)."""
+    return all(a.flags.c_contiguous and a.dtype.kind in "fiub" for a in arrays)
+
+
 def _columns(src: np.ndarray, rows: np.ndarray, c: Columns) -> np.ndarray:
     return src[rows] if src.ndim == 1 else src[rows, c.col : c.col + c.cols]
 
 
 def _rows_into(out: np.ndarray, src: np.ndarray, rows: np.ndarray, c: Columns) -> None:
     """Host rows ``rows`` (the columns of piece ``c``) into ``out``, one copy."""
-    if src.ndim == 1:
+    whole = src.ndim == 1 or (c.col == 0 and c.cols == src.shape[1] == out.shape[1])
+    if whole and native.AVAILABLE and _contiguous(src, out) and rows.dtype == np.int64:
+        native.kernels.cache_rows(src, rows, out, False)  # over threads
+    elif src.ndim == 1:
         np.take(src, rows, out=out)
     elif c.col == 0 and c.cols == src.shape[1] == out.shape[1]:
         np.take(src, rows, axis=0, out=out)

@@ -31,9 +31,9 @@ from ..checkpoint.paths import components, table_key
 from ..distributed.types import CacheParams
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
-from ..sparse import KeyedJaggedTensor
 from ..train.step import TrainState, merge_model
-from .host import HostTable, initial_state
+from .host import HostTable, check_host
+from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .mover import Mover, Pending, Staged, columns
 from .slots import SlotMap
 
@@ -63,16 +63,6 @@ class CacheStats:
     def row_hit_rate(self) -> float:
         """Distinct rows of a batch found in the cache."""
         return 1.0 - self.misses / self.rows if self.rows else float("nan")
-
-
-class _Table(NamedTuple):
-    name: str
-    key: str  # checkpoint key
-    host: HostTable
-    features: tuple[str, ...]
-    shard_rows: int  # logical rows per row shard (ceil blocks; the last may be smaller)
-    slots: int  # slots per row shard
-    maps: list[SlotMap]
 
 
 class Prepared(NamedTuple):
@@ -120,7 +110,7 @@ class RowCache:
             )
         self.graphdef, self.optimizer = graphdef, optimizer
         layout = table_buffers(graphdef, optimizer, state)
-        self.tables: dict[str, _Table] = {}
+        self.tables: dict[str, CachedTable] = {}
         model = merge_model(graphdef, state)
         found, readers = {}, {}
         for path, module in embedding_collections(model):
@@ -147,7 +137,7 @@ class RowCache:
                     f"table {name!r}: the device table has {device.num_embeddings} slots in "
                     f"{n_shards} row shards; build it with cached_configs"
                 )
-            _check_host(name, host, device, optimizer, readers)
+            check_host(name, host, device, optimizer, readers)
             rows = host.config.num_embeddings
             shard_rows = -(-rows // n_shards)
             maps = [
@@ -155,7 +145,7 @@ class RowCache:
                 for s in range(n_shards)
             ]
             feats = tuple(host.config.feature_names) or (name,)
-            self.tables[name] = _Table(name, key, host, feats, shard_rows, slots, maps)
+            self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._mover = Mover(layout.buffers, {t.key for t in self.tables.values()})
         self._host = {t.key: t.host.fields for t in self.tables.values()}
@@ -174,15 +164,15 @@ class RowCache:
         ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
         shard's cache cannot hold the batch's rows."""
         with self._lock:
-            kjts = [x for x in jax.tree.leaves(batch, is_leaf=_is_kjt) if _is_kjt(x)]
+            kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             values = [np.asarray(k.values()) for k in kjts]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
             for i, kjt in enumerate(kjts):
-                for f, lo, hi in _feature_spans(kjt, self._feature_table):
+                for f, lo, hi in feature_spans(kjt, self._feature_table):
                     spans[self._feature_table[f].name].append((i, lo, hi))
             plans = {}
             for name, t in self.tables.items():  # every shard checked before any change
-                plans[name] = self._plan(t, [values[i][lo:hi] for i, lo, hi in spans[name]])
+                plans[name] = plan_table(t, [values[i][lo:hi] for i, lo, hi in spans[name]])
             moves = {t.key: self._commit(t, *plans[name]) for name, t in self.tables.items()}
             self._prepared += 1
             staged = self._mover.stage(moves, self._host, self._late(moves))
@@ -191,10 +181,10 @@ class RowCache:
             new = [v.copy() for v in values]
             for name, t in self.tables.items():
                 for i, lo, hi in spans[name]:
-                    _touch(t, values[i][lo:hi], new[i][lo:hi])
-            by_id = {id(k): _with_values(k, v) for k, v in zip(kjts, new, strict=True)}
-            out = jax.tree.map(lambda x: by_id[id(x)] if _is_kjt(x) else x, batch,
-                               is_leaf=_is_kjt)  # fmt: skip
+                    touch(t, values[i][lo:hi], new[i][lo:hi])
+            by_id = {id(k): with_values(k, v) for k, v in zip(kjts, new, strict=True)}
+            out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
+                               is_leaf=is_kjt)  # fmt: skip
             return Prepared(out, staged, self._prepared)
 
     def _late(self, moves) -> dict[str, np.ndarray] | None:
@@ -213,22 +203,7 @@ class RowCache:
             self.stats[name].late += int(out[t.key].sum())
         return out
 
-    def _plan(self, t: _Table, parts: list[np.ndarray]):
-        rows = t.host.config.num_embeddings
-        if not all(_in_range(p, rows) for p in parts):
-            parts = [p[(p >= 0) & (p < rows)] for p in parts]
-        n_ids = sum(len(p) for p in parts)
-        if len(t.maps) == 1:
-            return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}")]
-        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        shard = ids // t.shard_rows
-        return n_ids, [
-            m.plan([(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
-                   f"cached table {t.name!r} shard {s}")
-            for s, m in enumerate(t.maps)
-        ]  # fmt: skip
-
-    def _commit(self, t: _Table, n_ids: int, plans):
+    def _commit(self, t: CachedTable, n_ids: int, plans):
         st = self.stats[t.name]
         st.ids += n_ids
         fills, evicts = [], []
@@ -367,76 +342,3 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
         else:
             out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
     return out
-
-
-def _check_host(name, host: HostTable, device, optimizer, readers) -> None:
-    """The host table fits the device's slot table, its optimizer and its features."""
-    hc = host.config
-    if (hc.embedding_dim, hc.dtype) != (device.embedding_dim, device.dtype):
-        raise ValueError(
-            f"host table {name!r} is [{hc.num_embeddings}, {hc.embedding_dim}] {hc.dtype}, its "
-            f"device table has dim {device.embedding_dim} and dtype {device.dtype}"
-        )
-    if tuple(hc.feature_names) != tuple(device.feature_names):
-        raise ValueError(
-            f"host table {name!r} reads features {list(hc.feature_names)}, its device table "
-            f"{list(device.feature_names)}"
-        )
-    want = {"weight", *initial_state(optimizer.for_table(name), 1, hc.embedding_dim)}
-    if set(host.fields) != want:
-        raise ValueError(
-            f"host table {name!r} has fields {sorted(host.fields)}, its optimizer needs "
-            f"{sorted(want)} (build it with HostTable.create / from_arrays and that optimizer)"
-        )
-    for f in tuple(hc.feature_names) or (name,):
-        others = [t for t in readers.get(f, []) if t != name]
-        if others:
-            raise ValueError(
-                f"feature {f!r} of cached table {name!r} is also read by {others}: the cache "
-                "rewrites its ids as slots, so a cached table needs features of its own"
-            )
-
-
-def _touch(t: _Table, ids: np.ndarray, out: np.ndarray) -> None:
-    """``out[:]``: the global slots of ``ids`` (assigned); ids out of range stay out of
-    range (``-1`` / the slot count), for the device's bounds check."""
-    rows = t.host.config.num_embeddings
-    if len(t.maps) == 1 and _in_range(ids, rows):
-        t.maps[0].touch(ids, out, 0)  # the common case, one pass
-        return
-    ok = (ids >= 0) & (ids < rows)
-    out[:] = np.where(ids < 0, -1, t.slots * len(t.maps))
-    good = ids[ok]
-    shard = good // t.shard_rows
-    slots = np.empty(len(good), out.dtype)
-    for s, m in enumerate(t.maps):
-        sel = shard == s
-        part = np.empty(int(sel.sum()), out.dtype)
-        m.touch((good[sel] - s * t.shard_rows).astype(ids.dtype), part, s * t.slots)
-        slots[sel] = part
-    out[ok] = slots
-
-
-def _with_values(kjt: KeyedJaggedTensor, values: np.ndarray) -> KeyedJaggedTensor:
-    children, aux = kjt.tree_flatten()
-    return KeyedJaggedTensor.tree_unflatten(aux, (values, *children[1:]))
-
-
-def _in_range(ids: np.ndarray, rows: int) -> bool:
-    return not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < rows)
-
-
-def _is_kjt(x) -> bool:
-    return isinstance(x, KeyedJaggedTensor)
-
-
-def _feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
-    """``(feature, lo, hi)``: the packed ids of each cached feature in ``values``.
-
-    A per-device KJT stacked by ``shard_batch`` has a leading device axis: not here
-    (``prepare`` takes host batches, before stacking)."""
-    lengths = np.asarray(kjt.lengths()).reshape(len(kjt.keys()), -1)
-    starts = kjt.capacity_offsets()
-    for k, f in enumerate(kjt.keys()):
-        if f in features:
-            yield f, starts[k], starts[k] + int(lengths[k].sum())

@@ -21,13 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..distributed.types import CacheAlgorithm
-
-try:  # the per-id passes; numpy otherwise
-    from ..cpu import _kernels as _native
-except ImportError:
-    _native = None
-
-NATIVE = _native is not None and hasattr(_native, "cache_scan")
+from .native import AVAILABLE as NATIVE
+from .native import kernels as _native
 
 
 class CacheTooSmallError(ValueError):

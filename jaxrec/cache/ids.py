@@ -1,0 +1,87 @@
+"""A batch's ids of cached tables: found in its KJTs, planned, rewritten as slots."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..sparse import KeyedJaggedTensor
+from .host import HostTable
+from .slots import SlotMap
+
+
+class CachedTable(NamedTuple):
+    """A cached table: its host rows, the features it reads, its row shards' slot maps."""
+
+    name: str
+    key: str  # checkpoint key
+    host: HostTable
+    features: tuple[str, ...]
+    shard_rows: int  # logical rows per row shard (ceil blocks; the last may be smaller)
+    slots: int  # slots per row shard
+    maps: list[SlotMap]
+
+
+def plan_table(t: CachedTable, parts: list[np.ndarray]) -> tuple[int, list]:
+    """``(ids in range, a Plan per row shard)`` for a table's ids (``parts``); every
+    shard is checked before any changes."""
+    rows = t.host.config.num_embeddings
+    if not all(in_range(p, rows) for p in parts):
+        parts = [p[(p >= 0) & (p < rows)] for p in parts]
+    n_ids = sum(len(p) for p in parts)
+    if len(t.maps) == 1:
+        return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}")]
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    shard = ids // t.shard_rows
+    return n_ids, [
+        m.plan([(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
+               f"cached table {t.name!r} shard {s}")
+        for s, m in enumerate(t.maps)
+    ]  # fmt: skip
+
+
+def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[:]``: the global slots of ``ids`` (assigned); ids out of range stay out of
+    range (``-1`` / the slot count), for the device's bounds check."""
+    rows = t.host.config.num_embeddings
+    if len(t.maps) == 1 and in_range(ids, rows):
+        t.maps[0].touch(ids, out, 0)  # the common case, one pass
+        return
+    ok = (ids >= 0) & (ids < rows)
+    out[:] = np.where(ids < 0, -1, t.slots * len(t.maps))
+    good = ids[ok]
+    shard = good // t.shard_rows
+    slots = np.empty(len(good), out.dtype)
+    for s, m in enumerate(t.maps):
+        sel = shard == s
+        part = np.empty(int(sel.sum()), out.dtype)
+        m.touch((good[sel] - s * t.shard_rows).astype(ids.dtype), part, s * t.slots)
+        slots[sel] = part
+    out[ok] = slots
+
+
+def with_values(kjt: KeyedJaggedTensor, values: np.ndarray) -> KeyedJaggedTensor:
+    children, aux = kjt.tree_flatten()
+    return KeyedJaggedTensor.tree_unflatten(aux, (values, *children[1:]))
+
+
+def in_range(ids: np.ndarray, rows: int) -> bool:
+    return not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < rows)
+
+
+def is_kjt(x) -> bool:
+    return isinstance(x, KeyedJaggedTensor)
+
+
+def feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
+    """``(feature, lo, hi)``: the packed ids of each cached feature in ``values``.
+
+    A per-device KJT stacked by ``shard_batch`` has a leading device axis: not here
+    (``prepare`` takes host batches, before stacking)."""
+    lengths = np.asarray(kjt.lengths()).reshape(len(kjt.keys()), -1)
+    starts = kjt.capacity_offsets()
+    for k, f in enumerate(kjt.keys()):
+        if f in features:
+            yield f, starts[k], starts[k] + int(lengths[k].sum())
