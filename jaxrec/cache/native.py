@@ -1,8 +1,7 @@
-"""The C++ passes of the cache (``jaxrec.cpu._kernels``), or None without the extension."""
+"""The C++ passes of the cache (``jaxrec.cpu.host_functions``), or None without the
+extension (numpy then does the same work)."""
 
-try:
-    from ..cpu import _kernels as kernels
-except ImportError:  # not built: numpy does the same work
-    kernels = None
+from ..cpu import host_functions
 
-AVAILABLE = kernels is not None and hasattr(kernels, "cache_rows")
+kernels = host_functions()
+AVAILABLE = kernels is not None

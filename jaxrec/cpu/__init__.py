@@ -29,6 +29,9 @@ from .loader import (
     build_info as build_info,
 )
 from .loader import (
+    host_functions as host_functions,
+)
+from .loader import (
     load as load,
 )
 from .loader import (
