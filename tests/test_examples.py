@@ -20,3 +20,14 @@ def test_sharded_train_example_runs():
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     assert "ShardedEmbeddingBagCollection" in out and "row_wise" in out
+
+
+def test_cached_train_example_runs():
+    """A small run: the cache warms (hits), and the restored all-device model predicts
+    what the cached one does (the example exits 1 otherwise)."""
+    out = subprocess.run(
+        [sys.executable, "-W", "error", str(ROOT / "examples" / "cached_train.py"),
+         "--rows", "20000", "--steps", "5", "--batch-size", "128"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    assert "predictions equal: True" in out and "hit rate 0." in out
