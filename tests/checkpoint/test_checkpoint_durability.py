@@ -36,15 +36,26 @@ def _assert_restores(directory, step, k):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("mode, code", [("return", 0), ("raise", 1), ("exit", 3)])
-def test_a_returned_save_survives_the_exit(tmp_path, mode, code):
-    codes, outputs = run_processes(
-        [[sys.executable, WORKER, str(tmp_path), mode]], _env(), TIMEOUT_S
-    )
-    assert codes == [code], outputs[0][-3000:]
-    assert "pending=True" in outputs[0], outputs[0][-3000:]  # the write was still running
-    assert sorted(os.listdir(tmp_path)) == ["1"]
-    _assert_restores(tmp_path, 1, 5)
+EXITS = {"return": 0, "raise": 1, "exit": 3}
+
+
+@pytest.fixture(scope="module")
+def exited(tmp_path_factory):
+    """``mode -> (exit code, output, directory)``: one worker per mode, run at once (each
+    mostly imports JAX and waits on its slowed write, so together they take one's time)."""
+    dirs = {mode: tmp_path_factory.mktemp(mode) for mode in EXITS}
+    cmds = [[sys.executable, WORKER, str(dirs[mode]), mode] for mode in EXITS]
+    codes, outputs = run_processes(cmds, _env(), TIMEOUT_S)
+    return {m: (c, out, dirs[m]) for m, c, out in zip(EXITS, codes, outputs, strict=True)}
+
+
+@pytest.mark.parametrize("mode, code", EXITS.items())
+def test_a_returned_save_survives_the_exit(exited, mode, code):
+    got, output, directory = exited[mode]
+    assert got == code, output[-3000:]
+    assert "pending=True" in output, output[-3000:]  # the write was still running
+    assert sorted(os.listdir(directory)) == ["1"]
+    _assert_restores(directory, 1, 5)
 
 
 def test_a_kill_mid_save_leaves_the_previous_step(tmp_path):

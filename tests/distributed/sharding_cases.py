@@ -56,7 +56,9 @@ def loss_fn(model, batch):
 def batches(rng, world=8, weighted=False, empty_key_on=(2,)):
     """One local batch per device and the same data as one global batch.
 
-    Devices in ``empty_key_on`` have no ids at all for ``f3``.
+    Devices in ``empty_key_on`` have no ids at all for ``f3``. The global batch has
+    one capacity per key (the locals' together), not the bucket its ids fall in: every
+    global batch has one shape, so an unsharded reference step compiles once.
     """
     local, all_bags, all_w, ys = [], {k: [] for k in KEYS}, {k: [] for k in KEYS}, []
     for dev in range(world):
@@ -75,7 +77,8 @@ def batches(rng, world=8, weighted=False, empty_key_on=(2,)):
         y = rng.normal(size=B).astype(np.float32)
         ys.append(y)
         local.append((_kjt(bags, ws if weighted else None, {k: CAP for k in KEYS}), y))
-    glob = (_kjt(all_bags, all_w if weighted else None, None), jnp.asarray(np.concatenate(ys)))
+    caps = {k: world * CAP for k in KEYS}
+    glob = (_kjt(all_bags, all_w if weighted else None, caps), jnp.asarray(np.concatenate(ys)))
     return local, glob
 
 

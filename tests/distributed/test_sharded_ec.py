@@ -79,19 +79,15 @@ def _rows(out, world):
     return res
 
 
-@pytest.mark.parametrize(
-    ("case", "capacity"), [("1d", 1), ("2d", None), ("2d", 1)],
-    ids=["1d-overflow", "2d-statistics", "2d-overflow"],
-)  # fmt: skip
-def test_sequence_training_equals_unsharded(case, capacity):
-    """Forward rows (and ids) per device, losses, tables and dense params after training.
+def _optimizer():
+    return CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
 
-    ``capacity=1`` sends most ids beyond the fast path (extra rounds, several update
-    passes): nothing may be lost. The statistics-sized exchange (no pooling factors:
-    each feature's whole capacity, spread over its rows) runs its fast path."""
-    gens, make_mesh, hosts = PLANS[case]
-    mesh = make_mesh()
-    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+
+@pytest.fixture(scope="module")
+def unsharded():
+    """The batches and unsharded training on them, shared by every case (they all train
+    the same model on the same data): forward rows per device, losses, final model."""
+    opt = _optimizer()
     rng = np.random.default_rng(5)
     data = [batches(rng) for _ in range(STEPS)]
 
@@ -106,7 +102,23 @@ def test_sequence_training_equals_unsharded(case, capacity):
     for _, glob in data:
         ref, loss, _ = ref_step(ref, glob)
         ref_losses.append(float(loss))
+    return data, ref_rows, ref_losses, train.merge_model(ref_def, ref)
 
+
+@pytest.mark.parametrize(
+    ("case", "capacity"), [("1d", 1), ("2d", None), ("2d", 1)],
+    ids=["1d-overflow", "2d-statistics", "2d-overflow"],
+)  # fmt: skip
+def test_sequence_training_equals_unsharded(unsharded, case, capacity):
+    """Forward rows (and ids) per device, losses, tables and dense params after training.
+
+    ``capacity=1`` sends most ids beyond the fast path (extra rounds, several update
+    passes): nothing may be lost. The statistics-sized exchange (no pooling factors:
+    each feature's whole capacity, spread over its rows) runs its fast path."""
+    data, ref_rows, ref_losses, ref_model = unsharded
+    gens, make_mesh, hosts = PLANS[case]
+    mesh = make_mesh()
+    opt = _optimizer()
     model = SeqModel(rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ec, gens, world_size=8, local_size=8 // hosts)
     model = d.DistributedModelParallel(model, d.ShardingPlan({"ec": plan}), mesh, capacity=capacity)
@@ -126,7 +138,7 @@ def test_sequence_training_equals_unsharded(case, capacity):
         state, loss, _ = step(state, batch)
         np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
     assert step.jitted._cache_size() == 1  # placements stable across steps: one compile
-    model, ref_model = train.merge_model(graphdef, state), train.merge_model(ref_def, ref)
+    model = train.merge_model(graphdef, state)
     if capacity == 1:
         assert int(model.ec.overflow_count.get_value().sum()) > 0  # the overflow path ran
     ref_tables = ref_model.ec.state_dict()
