@@ -12,13 +12,14 @@ from ..distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardMetadata,
+    cache_slots,
 )
 
 
 def slots_per_shard(rows: int, shards: int, params: CacheParams) -> int:
-    """Slots of each row shard's cache: ``ceil(load_factor * shard rows)``, at least 1."""
-    shard_rows = -(-rows // shards)
-    return max(1, -(-int(round(params.load_factor * shard_rows * 1e6)) // 1_000_000))
+    """Slots of each row shard's cache (``cache_slots`` of the ceil-sized shard: every
+    shard gets as many, so the slot table splits evenly)."""
+    return cache_slots(-(-rows // shards), params.load_factor)
 
 
 def cached_configs(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from collections.abc import Mapping
 
 
@@ -31,6 +32,13 @@ class CacheAlgorithm(enum.Enum):
 
     LRU = "lru"  # the least recently used
     LFU = "lfu"  # the least frequently used (ids counted since the start)
+
+
+def cache_slots(rows: int, load_factor: float) -> int:
+    """Device cache slots of a shard of ``rows`` rows: ``ceil(load_factor * rows)``, at
+    least 1 (the product rounded to 1e-6 first, so that 0.1 * 200 gives 20, not 21).
+    The planner prices these and ``jaxrec.cache`` builds them."""
+    return max(1, math.ceil(round(load_factor * rows, 6)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -133,3 +133,19 @@ def test_host_tables_checked():
     g3, s3 = build(opt, shared)
     with pytest.raises(ValueError, match=r"feature 'a' of cached table 'big' is also read by"):
         jc.RowCache(g3, opt, s3, {"big": ok}, jc.CacheParams())
+
+
+def test_cache_slots_is_the_exact_ceiling():
+    """One slot count for the planner and the cache: ceil of the exact product (0.1 *
+    200 is 20.000000000000004 in floats), at least 1."""
+    from fractions import Fraction
+
+    from jaxrec.distributed.planner.storage import cache_slots as planner_slots
+
+    for rows in (1, 7, 200, 201, 999_999, 10**9 + 7):
+        for lf in ("0.05", "0.1", "0.2", "0.3", "1"):
+            exact = -(-Fraction(lf) * rows // 1)
+            assert jc.slots_per_shard(rows, 1, jc.CacheParams(load_factor=float(lf))) == max(
+                1, exact
+            )
+            assert planner_slots(rows, float(lf)) == max(1, exact)

@@ -25,7 +25,6 @@ metadata (:func:`cache_host_bytes`); both are padded to the group's fullest rank
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from ... import optim
 from ...configs import DataType
 from ...embedding.optimizer import CombinedOptimizer
 from ...optim import SparseOptimizer
+from ..types import cache_slots as cache_slots
 from .topology import Topology
 
 DTYPE_BYTES = {DataType.FP32: 4, DataType.FP16: 2, DataType.BF16: 2}
@@ -218,11 +218,6 @@ def row_sum_calls(optimizer: SparseOptimizer, cache: dict | None = None) -> int:
     if cache is not None:
         cache[key] = (optimizer, len(calls))
     return len(calls)
-
-
-def cache_slots(rows: int, load_factor: float) -> int:
-    """Device cache slots of a cached shard of ``rows`` rows."""
-    return math.ceil(load_factor * rows)
 
 
 def cache_host_bytes(rows, slots, row_bytes: int):
