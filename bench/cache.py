@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from common import machine
+from common import machine, time_ms
 from flax import nnx
 
 import jaxrec as jr
@@ -101,15 +101,6 @@ def batches(cfg: Config, alpha: float | None, n: int, seed: int = 0):
     return out
 
 
-def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def copy_rates(cfg: Config) -> dict:
     """GB/s of a random-row gather on the host and of copies between host and device
     (64 MiB of rows, medians of 5)."""
@@ -125,11 +116,11 @@ def copy_rates(cfg: Config) -> dict:
         return round(nbytes / (statistics.median(ms) * 1e-3) / 1e9, 2)
 
     return {
-        "host_gather_GBps": gb_s(timed(lambda: table[idx], 5)),
+        "host_gather_GBps": gb_s(time_ms(lambda: table[idx], 5, 0)),
         "host_to_device_GBps": gb_s(
-            timed(lambda: jax.device_put(block, dev).block_until_ready(), 5)
+            time_ms(lambda: jax.device_put(block, dev).block_until_ready(), 5, 0)
         ),  # fmt: skip
-        "device_to_host_GBps": gb_s(timed(lambda: np.asarray(on_device + 0), 5)),
+        "device_to_host_GBps": gb_s(time_ms(lambda: np.asarray(on_device + 0), 5, 0)),
         "copy_MiB": round(nbytes / 2**20, 1),
     }
 
@@ -171,7 +162,7 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
     for _ in range(cfg.warmup):
         one()
     cache.reset_stats()
-    ms = timed(one, cfg.reps)
+    ms = time_ms(one, cfg.reps, 0)
     stats = list(cache.stats.values())
     t0 = time.perf_counter()
     prepared = cache.prepare(data[box["i"] % len(data)])  # host planning alone
@@ -273,8 +264,7 @@ def main(argv=None) -> int:
             box["i"] += 1
             loss.block_until_ready()
 
-        timed(one, 3)
-        device_ms = statistics.median(timed(one, cfg.reps))
+        device_ms = statistics.median(time_ms(one, cfg.reps, 3))
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
         del box
         for lf in cfg.load_factors:

@@ -67,8 +67,6 @@ class Pending(NamedTuple):
                 native.kernels.cache_rows(vals, rows, host, True)  # over threads
             elif host.ndim == 1:
                 host[rows] = vals
-            elif col == 0 and cols == host.shape[1]:
-                host[rows] = vals[:, :cols] if vals.shape[1] != cols else vals
             else:
                 host[rows, col : col + cols] = vals[:, :cols]
 

@@ -132,6 +132,11 @@ class RowCache:
             starts = sorted(set(int(r) for c in blocks[:1] for r in c.rows))
             n_shards = len(starts)
             slots = device.num_embeddings // n_shards
+            if device.num_embeddings > np.iinfo(np.int32).max:  # slots are int32 ids
+                raise ValueError(
+                    f"table {name!r}: {device.num_embeddings} cache slots in all exceed the "
+                    "int32 ids a batch carries; lower CacheParams.load_factor or shard it"
+                )
             if slots * n_shards != device.num_embeddings or host.config.name != name:
                 raise ValueError(
                     f"table {name!r}: the device table has {device.num_embeddings} slots in "
@@ -310,20 +315,24 @@ class RowCache:
 
     def restore(self, manager: Any, target: TrainState, *, step: int | None = None) -> TrainState:
         """Restores a checkpoint (of this model, cached or not, any plan) into the host
-        tables and ``target``; the cache starts empty. A restore that fails leaves the
-        host tables partly written: restore again (``resume`` falls back by itself)."""
-        self.clear()
+        tables and ``target``; the cache starts empty. A restore refused before it
+        reads (no such step, another model) leaves the cache as it was; one that fails
+        while reading leaves the host tables partly written: restore again (``resume``
+        falls back by itself)."""
         state = manager.restore(self.graphdef, self.optimizer, target, step=step,
                                 host_tables=self.host_fields())  # fmt: skip
-        self.clear()
+        self.clear()  # the host tables were replaced: what the slots held is stale
         return state
 
     def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
-        """``CheckpointManager.resume`` into the host tables; the cache starts empty."""
-        self.clear()
-        out = manager.resume(self.graphdef, self.optimizer, state, host_tables=self.host_fields())
-        self.clear()
-        return out
+        """``CheckpointManager.resume`` into the host tables; the cache starts empty when a
+        step was restored (with none, nothing changes)."""
+        state, step = manager.resume(
+            self.graphdef, self.optimizer, state, host_tables=self.host_fields()
+        )
+        if step:
+            self.clear()
+        return state, step
 
     def reset_stats(self) -> None:
         self.stats = {name: CacheStats() for name in self.tables}

@@ -137,3 +137,12 @@ def logical_tables(graphdef, opt, state, cache=None):
 
 def dense(state):
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def assert_tables_equal(got: dict, want: dict) -> None:
+    """Every field of every table (from :func:`logical_tables`) equal, bit for bit."""
+    assert sorted(got) == sorted(want)
+    for t in want:
+        assert sorted(got[t]) == sorted(want[t]), t
+        for f in want[t]:
+            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")

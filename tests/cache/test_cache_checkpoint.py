@@ -5,8 +5,10 @@ all-device-memory model, and training goes on exactly."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from cache_cases import (
     CACHED,
+    assert_tables_equal,
     build,
     cached_twin,
     dense,
@@ -52,9 +54,7 @@ def test_save_restore_cold_cache_and_all_device(tmp_path):
         s3, _, _ = step3(s3, b)
     s3 = cache3.flush(s3)
     got = logical_tables(g3, opt, s3, cache3)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
     for a, b in zip(dense(s2), dense(s3), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -63,9 +63,7 @@ def test_save_restore_cold_cache_and_all_device(tmp_path):
     for b in then:
         s4, _, _ = full(s4, b)
     got = logical_tables(graphdef, opt, s4)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
     mgr.close()
 
 
@@ -84,6 +82,30 @@ def test_all_device_checkpoint_into_cache(tmp_path):
         s2 = cache.restore(mgr, s2)
     want = logical_tables(graphdef, opt, state)
     got = logical_tables(g2, opt, s2, cache)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
+
+
+def test_refused_restore_keeps_the_cache(tmp_path):
+    """A restore refused before reading (no such step) and a resume with nothing to
+    resume leave the cached rows in place: the flushed tables are still the trained ones."""
+    opt = optimizer(optim.sgd(0.3))
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        s2, _, _ = step(s2, local_batch(rng))
+    mgr = ckpt.CheckpointManager(tmp_path, async_save=False)
+    s2, resumed = cache.resume(mgr, s2)
+    assert resumed == 0
+    with pytest.raises(FileNotFoundError):
+        cache.restore(mgr, s2, step=99)
+    s2 = cache.flush(s2)
+    got = logical_tables(g2, opt, s2, cache)
+    full = train.make_train_step(graphdef, opt, loss_fn)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        state, _, _ = full(state, local_batch(rng))
+    want = logical_tables(graphdef, opt, state)
+    assert_tables_equal(got, want)

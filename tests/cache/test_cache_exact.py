@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from cache_cases import (
     CACHED,
+    assert_tables_equal,
     build,
     cached_twin,
     dense,
@@ -64,9 +65,7 @@ def test_unsharded_exact(name, algorithm, numpy_only, monkeypatch):
     (g, s), (g2, s2), cache = run_pair(opt, params, numpy_only=numpy_only)
     want = logical_tables(g, opt, s)
     got = logical_tables(g2, opt, s2, cache)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
     for a, b in zip(dense(s), dense(s2), strict=True):
         np.testing.assert_array_equal(a, b)
     for t in CACHED:  # the cache was too small to hold everything: rows went both ways
@@ -104,9 +103,7 @@ def test_sharded_exact(layout):
         np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss2))
     s2 = cache.flush(s2)
     want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
     assert all(cache.stats[t].evictions > 0 for t in CACHED)
     if layout == "row_wise":
         assert len(cache.tables["big"].maps) == 4  # a cache per row shard

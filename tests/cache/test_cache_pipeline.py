@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from cache_cases import (
     CACHED,
+    assert_tables_equal,
     build,
     cached_twin,
     fused,
@@ -51,9 +52,7 @@ def test_prefetched_equals_unprefetched(depth):
         runs.append((losses, logical_tables(g2, opt, s2, cache), cache.stats))
     (l0, t0, st0), (l1, t1, st1) = runs
     assert l0 == l1
-    for t in t0:
-        for f in t0[t]:
-            np.testing.assert_array_equal(t1[t][f], t0[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(t1, t0)
     for t in CACHED:
         late = st1[t].late
         st0[t].late = st1[t].late = 0
@@ -127,7 +126,5 @@ def test_pinned_host_staging(monkeypatch, sharded):
         np.testing.assert_array_equal(np.asarray(loss2), np.asarray(loss))
     s2 = cache.flush(s2)
     want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
-    for t in want:
-        for f in want[t]:
-            np.testing.assert_array_equal(got[t][f], want[t][f], err_msg=f"{t}.{f}")
+    assert_tables_equal(got, want)
     assert all(cache.stats[t].evictions > 0 for t in CACHED)
