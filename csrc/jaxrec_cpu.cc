@@ -11,8 +11,10 @@
 //   fused with one optimizer step, in place on the (aliased, donated) table and
 //   state: de-duplicate rows, sum each row's gradients out_grad[seg[c]] *
 //   scale[c] in id order, apply the update maths of jaxrec.optim.
+// * jaxrec_cache_move: jaxrec.cache's row moves between a host table and the
+//   cache slots of a (donated) buffer, in place on both.
 //
-// The kernels live in jaxrec_cpu/{common,lookup,update}.h, included below;
+// The kernels live in jaxrec_cpu/{common,lookup,update,cache}.h, included below;
 // this file binds them as FFI handlers and exports them to Python.
 //
 // Floating-point order follows the XLA reference (products rounded before the
@@ -136,6 +138,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtBackwardUpdateAdagrad, KjtStatefulImpl<Op
                                   .Ret<ffi::Buffer<ffi::F32>>() JAXREC_UPDATE_ATTRS);
 
 // ----- Python module: the handlers as capsules, for jax.ffi.register_ffi_target -----
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCacheMove, CacheMoveImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("host")
+                                  .Attr<int64_t>("host_rows")
+                                  .Attr<int64_t>("host_stride")
+                                  .Attr<int64_t>("host_offset")
+                                  .Attr<int64_t>("nbytes"));
+
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
@@ -157,6 +173,7 @@ PyObject* Handlers(PyObject*, PyObject*) {
        reinterpret_cast<void*>(JaxrecKjtBackwardUpdateRowwiseAdagrad)},
       {"jaxrec_kjt_backward_update_adagrad",
        reinterpret_cast<void*>(JaxrecKjtBackwardUpdateAdagrad)},
+      {"jaxrec_cache_move", reinterpret_cast<void*>(JaxrecCacheMove)},
   };
   for (const Entry& e : entries) {
     PyObject* cap = PyCapsule_New(e.fn, nullptr, nullptr);
@@ -283,25 +300,91 @@ bool IdsInRange(const int32_t* ids, int64_t n, int64_t rows, const char* name) {
 }
 
 PyObject* PyCacheScan(PyObject*, PyObject* args) {
-  PyObject *ids, *slot_of_row, *seen, *miss;
-  long long epoch, n_miss;
-  if (!PyArg_ParseTuple(args, "OOOLOL", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss))
+  PyObject *ids, *slot_of_row, *seen, *miss, *out;
+  long long epoch, n_miss, base;
+  if (!PyArg_ParseTuple(args, "OOOLOLOL", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss,
+                        &out, &base))
     return nullptr;
   Buffers b;
   if (!b.Get(ids, 4, false, "cache_scan(ids)") || !b.Get(slot_of_row, 4, true, "slot_of_row") ||
-      !b.Get(seen, 8, true, "seen") || !b.Get(miss, 8, true, "miss"))
+      !b.Get(seen, 8, true, "seen") || !b.Get(miss, 8, true, "miss") ||
+      !b.Get(out, 4, true, "out"))
     return nullptr;
   const int64_t n = b.Len(0);
   if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_scan")) return nullptr;
   if (n_miss < 0 || n_miss + n > b.Len(3))
     return PyErr_Format(PyExc_ValueError, "cache_scan: miss holds %lld, needs up to %lld",
                         static_cast<long long>(b.Len(3)), n_miss + static_cast<long long>(n));
+  if (b.Len(4) != 0 && b.Len(4) != n)
+    return PyErr_Format(PyExc_ValueError, "cache_scan: out and ids differ");
+  int32_t* o = b.Len(4) ? b.At<int32_t>(4) : nullptr;
   int64_t m = n_miss, hits;
   Py_BEGIN_ALLOW_THREADS;
   hits = CacheScan(b.At<int32_t>(0), n, b.At<int32_t>(1), b.At<int64_t>(2), epoch,
-                   b.At<int64_t>(3), &m);
+                   b.At<int64_t>(3), &m, o, base);
   Py_END_ALLOW_THREADS;
   return Py_BuildValue("(LL)", static_cast<long long>(hits), static_cast<long long>(m));
+}
+
+PyObject* PyCacheAssign(PyObject*, PyObject* args) {
+  PyObject *fill_rows, *slot_of_row, *row_of_slot, *last_used, *counts, *seen, *fill_slots,
+      *evict_rows;
+  long long epoch, used, clock;
+  if (!PyArg_ParseTuple(args, "OOOOOOLLLOO", &fill_rows, &slot_of_row, &row_of_slot, &last_used,
+                        &counts, &seen, &epoch, &used, &clock, &fill_slots, &evict_rows))
+    return nullptr;
+  Buffers b;
+  if (!b.Get(fill_rows, 8, false, "cache_assign(fill_rows)") ||
+      !b.Get(slot_of_row, 4, true, "slot_of_row") || !b.Get(row_of_slot, 8, true, "row_of_slot") ||
+      !b.Get(last_used, 8, true, "last_used") || !b.Get(counts, 4, false, "counts") ||
+      !b.Get(seen, 8, true, "seen") || !b.Get(fill_slots, 8, true, "fill_slots") ||
+      !b.Get(evict_rows, 8, true, "evict_rows"))
+    return nullptr;
+  const int64_t m = b.Len(0), rows = b.Len(1), slots = b.Len(2);
+  const int64_t k = m - std::min<int64_t>(m, slots - used);
+  if (used < 0 || used > slots || b.Len(3) != slots || b.Len(5) != slots || b.Len(6) != m ||
+      b.Len(7) != k || (b.Len(4) != 0 && b.Len(4) != rows))
+    return PyErr_Format(PyExc_ValueError, "cache_assign: inconsistent sizes");
+  const int64_t* fr = b.At<int64_t>(0);
+  for (int64_t i = 0; i < m; ++i) {
+    if (fr[i] < 0 || fr[i] >= rows)
+      return PyErr_Format(PyExc_ValueError, "cache_assign: fill row %lld outside [0, %lld)",
+                          static_cast<long long>(fr[i]), static_cast<long long>(rows));
+  }
+  const uint32_t* cnt = b.Len(4) ? b.At<uint32_t>(4) : nullptr;
+  int64_t new_used;
+  Py_BEGIN_ALLOW_THREADS;
+  new_used = CacheAssign(fr, m, b.At<int32_t>(1), b.At<int64_t>(2), slots, b.At<int64_t>(3), cnt,
+                         b.At<int64_t>(5), epoch, used, clock, b.At<int64_t>(6),
+                         b.At<int64_t>(7));
+  Py_END_ALLOW_THREADS;
+  if (new_used < 0)
+    return PyErr_Format(PyExc_ValueError, "cache_assign: fewer than %lld slots to evict",
+                        static_cast<long long>(k));
+  return PyLong_FromLongLong(new_used);
+}
+
+PyObject* PyCacheFix(PyObject*, PyObject* args) {
+  PyObject *ids, *slot_of_row, *out, *counts;
+  long long slots, base;
+  if (!PyArg_ParseTuple(args, "OOLLOO", &ids, &slot_of_row, &slots, &base, &out, &counts))
+    return nullptr;
+  Buffers b;
+  if (!b.Get(ids, 4, false, "cache_fix(ids)") || !b.Get(slot_of_row, 4, false, "slot_of_row") ||
+      !b.Get(out, 4, true, "out") || !b.Get(counts, 4, true, "counts"))
+    return nullptr;
+  const int64_t n = b.Len(0);
+  if (b.Len(2) != n) return PyErr_Format(PyExc_ValueError, "cache_fix: out and ids differ");
+  if (b.Len(3) != 0 && b.Len(3) != b.Len(1))
+    return PyErr_Format(PyExc_ValueError, "cache_fix: counts and slot_of_row differ");
+  if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_fix")) return nullptr;
+  bool ok;
+  Py_BEGIN_ALLOW_THREADS;
+  ok = CacheFix(b.At<int32_t>(0), n, b.At<int32_t>(1), slots, base, b.At<int32_t>(2));
+  if (ok && b.Len(3)) CacheCount(b.At<int32_t>(0), n, b.At<uint32_t>(3));
+  Py_END_ALLOW_THREADS;
+  if (!ok) return PyErr_Format(PyExc_ValueError, "cache_fix: a missed row has no slot");
+  Py_RETURN_NONE;
 }
 
 PyObject* PyCacheTouch(PyObject*, PyObject* args) {
@@ -381,8 +464,16 @@ PyMethodDef kMethods[] = {
      "gather_rows(table, ids, threads, ahead) -> (seconds, column sums): sums rows ids of a "
      "float32 [R, D] table, `ahead` rows prefetched (a ceiling)."},
     {"cache_scan", PyCacheScan, METH_VARARGS,
-     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss) -> (hits, n_miss): jaxrec.cache's "
-     "plan pass (int32 ids and map, int64 seen and miss)."},
+     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base) -> (hits, n_miss): "
+     "jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' base + slot, "
+     "-1 for misses, or empty)."},
+    {"cache_assign", PyCacheAssign, METH_VARARGS,
+     "cache_assign(fill_rows, slot_of_row, row_of_slot, last_used, counts, seen, epoch, used, "
+     "clock, fill_slots, evict_rows) -> used: slots for a batch's missed rows (victims first); "
+     "the batch's slots stamped."},
+    {"cache_fix", PyCacheFix, METH_VARARGS,
+     "cache_fix(ids, slot_of_row, slots, base, out, counts): out[i] = base + slot where out[i] "
+     "< 0 (after cache_scan with out); counts the ids when counts is not empty."},
     {"cache_rows", PyCacheRows, METH_VARARGS,
      "cache_rows(src, rows, dst, scatter): dst[i] = src[rows[i]], or dst[rows[i]] = src[i] with "
      "scatter; whole rows of C-contiguous arrays, int64 rows, over threads."},

@@ -6,15 +6,18 @@
 
 namespace {
 
-// For each id: a cached row's slot is marked seen[slot] = epoch (distinct hits counted); an
+// For each id: a cached row's slot is marked seen[slot] = epoch (distinct hits counted) and,
+// with `out`, out[i] = base + slot (-1 for a miss, set by CacheFix once it has a slot); an
 // uncached row is appended to miss[] once (marked -2 in slot_of_row; the caller resets the
 // marks to -1). Returns the new distinct hits; *n_miss grows. Ids must be in [0, rows).
 inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, int64_t* seen,
-                         int64_t epoch, int64_t* miss, int64_t* n_miss) {
+                         int64_t epoch, int64_t* miss, int64_t* n_miss, int32_t* out,
+                         int64_t base) {
   int64_t hits = 0, m = *n_miss;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t r = ids[i];
     const int32_t s = slot_of_row[r];
+    if (out) out[i] = s >= 0 ? static_cast<int32_t>(base + s) : -1;
     if (s >= 0) {
       if (seen[s] != epoch) {
         seen[s] = epoch;
@@ -27,6 +30,103 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
   }
   *n_miss = m;
   return hits;
+}
+
+// Gives the m missed rows fill_rows slots: first the never-used slots [used, slots), then k
+// victims among the used slots the batch does not use (seen != epoch): the k smallest keys
+// (last_used, or the row's count with counts), ties to the lowest slot. fill_slots[:k] are the
+// victims (ascending), evict_rows their rows. Every fill slot is marked seen, and every seen
+// slot stamped last_used = clock. Returns the new
+// `used`, or -1 (nothing changed) when fewer than k slots may be evicted. The numpy twin
+// is SlotMap._victims / SlotMap.assign.
+inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
+                           int64_t* row_of_slot, int64_t slots, int64_t* last_used,
+                           const uint32_t* counts, int64_t* seen, int64_t epoch, int64_t used,
+                           int64_t clock, int64_t* fill_slots, int64_t* evict_rows) {
+  const int64_t fresh = std::min(m, slots - used), k = m - fresh;
+  if (k > 0) {
+    // keys of the slots the batch does not use (INT64_MAX: used); branch-free passes (a
+    // batch's hits are spread at random over the slots)
+    static thread_local std::vector<int64_t> keys;  // kept: a fresh one page-faults per call
+    keys.resize(used);
+    int64_t lo = INT64_MAX, hi = INT64_MIN, n = 0;
+    for (int64_t s = 0; s < used; ++s) {
+      const bool free = seen[s] != epoch;
+      const int64_t x = counts ? static_cast<int64_t>(counts[row_of_slot[s]]) : last_used[s];
+      keys[s] = free ? x : INT64_MAX;
+      lo = std::min(lo, free ? x : INT64_MAX);
+      hi = std::max(hi, free ? x : INT64_MIN);
+      n += free;
+    }
+    if (n < k) return -1;  // nothing changed
+    // the k-th smallest key t: by a histogram when the keys span a short range (LRU's
+    // stamps: a row not used for long is evicted soon), else by nth_element
+    int64_t t, below = 0;
+    if (hi - lo < 4 * used + 1024) {
+      const int64_t span = hi - lo + 1;
+      std::vector<int64_t> hist(span + 1, 0);  // the last bin: used slots
+      for (int64_t s = 0; s < used; ++s) {
+        ++hist[keys[s] == INT64_MAX ? span : keys[s] - lo];
+      }
+      int64_t v = 0;
+      while (below + hist[v] < k) below += hist[v++];
+      t = lo + v;
+    } else {
+      std::vector<int64_t> sel;
+      sel.reserve(n);
+      for (int64_t s = 0; s < used; ++s) {
+        if (keys[s] != INT64_MAX) sel.push_back(keys[s]);
+      }
+      std::nth_element(sel.begin(), sel.begin() + (k - 1), sel.end());
+      t = sel[k - 1];
+      for (int64_t x : sel) below += x < t;
+    }
+    int64_t at_t = k - below, j = 0;
+    std::vector<int64_t> picked(k + 1);
+    for (int64_t s = 0; s < used && j < k; ++s) {
+      const int64_t x = keys[s];
+      const bool eq = x == t && at_t > 0;
+      const bool take = x < t || eq;
+      at_t -= eq;
+      picked[j] = s;
+      j += take;
+    }
+    std::memcpy(fill_slots, picked.data(), k * sizeof(int64_t));
+    for (int64_t i = 0; i < k; ++i) {
+      evict_rows[i] = row_of_slot[fill_slots[i]];
+      slot_of_row[evict_rows[i]] = -1;
+    }
+  }
+  for (int64_t i = 0; i < fresh; ++i) fill_slots[k + i] = used + i;
+  for (int64_t i = 0; i < m; ++i) {
+    slot_of_row[fill_rows[i]] = static_cast<int32_t>(fill_slots[i]);
+    row_of_slot[fill_slots[i]] = fill_rows[i];
+    seen[fill_slots[i]] = epoch;
+  }
+  for (int64_t s = 0; s < used + fresh; ++s) {  // the batch's slots (hits and fills) used now
+    last_used[s] = seen[s] == epoch ? clock : last_used[s];
+  }
+  return used + fresh;
+}
+
+// After CacheScan with `out` and CacheAssign: out[i] = base + slot of each missed id. Returns
+// false (nothing else changed) if an id's row has no slot.
+inline bool CacheFix(const int32_t* ids, int64_t n, const int32_t* slot_of_row, int64_t slots,
+                     int64_t base, int32_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (out[i] >= 0) continue;
+    const int32_t s = slot_of_row[ids[i]];
+    if (s < 0 || s >= slots) return false;
+    out[i] = static_cast<int32_t>(base + s);
+  }
+  return true;
+}
+
+// LFU: counts each id's row (saturating).
+inline void CacheCount(const int32_t* ids, int64_t n, uint32_t* counts) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (counts[ids[i]] != UINT32_MAX) ++counts[ids[i]];
+  }
 }
 
 // out[i] = base + slot of ids[i] (every id's row is cached); stamps the slot with `clock`
@@ -67,6 +167,75 @@ void CacheRows(const char* src, char* dst, const int64_t* rows, int64_t n, int64
       }
     }
   });
+}
+
+}  // namespace
+
+namespace {
+
+// Copies rows of `nbytes` bytes: dst + dst_at(i) * dst_stride <- src + src_at(i) * src_stride
+// for i in [0, n) where keep(i), split over threads, source rows prefetched a few ahead.
+template <typename SrcAt, typename DstAt, typename Keep>
+void MoveRows(const char* src, int64_t src_stride, char* dst, int64_t dst_stride, int64_t n,
+              int64_t nbytes, const SrcAt& src_at, const DstAt& dst_at, const Keep& keep) {
+  ParallelFor(ThreadsFor(n * nbytes), [&](int t, int nt) {
+    const int64_t i0 = n * t / nt, i1 = n * (t + 1) / nt;
+    constexpr int64_t kAhead = 8;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kAhead < i1 && keep(i + kAhead)) {
+        __builtin_prefetch(src + src_at(i + kAhead) * src_stride, 0, 0);
+      }
+      if (keep(i)) std::memcpy(dst + dst_at(i) * dst_stride, src + src_at(i) * src_stride, nbytes);
+    }
+  });
+}
+
+// One part of a cache move, in place on an (aliased, donated) buffer of cache slots (see
+// jaxrec/cache/mover.py): the buffer rows at evict_pos go to host rows evict_rows, then host
+// rows fill_rows come into buffer rows fill_pos. On the CPU the device's memory is the
+// host's, so the host table is read and written where it lies (`host`: its address in this
+// process; `host_offset` / `nbytes`: the columns of this part) and each row moves once.
+// Positions outside the buffer are padding. Rows are int64 passed as int32 pairs (JAX
+// without x64 has no int64 arrays; a host table may have more than 2^31 rows).
+ffi::Error CacheMoveImpl(ffi::AnyBuffer, ffi::Buffer<ffi::S32> evict_pos,
+                         ffi::Buffer<ffi::S32> evict_rows, ffi::Buffer<ffi::S32> fill_pos,
+                         ffi::Buffer<ffi::S32> fill_rows, ffi::Result<ffi::AnyBuffer> buf,
+                         int64_t host, int64_t host_rows, int64_t host_stride,
+                         int64_t host_offset, int64_t nbytes) {
+  const auto dims = buf->dimensions();
+  const int64_t rows = dims.size() == 0 ? 1 : dims[0];
+  const int64_t row_bytes = rows ? static_cast<int64_t>(buf->size_bytes()) / rows : 0;
+  const int64_t ne = evict_pos.element_count(), nf = fill_pos.element_count();
+  if (static_cast<int64_t>(evict_rows.element_count()) != 2 * ne ||
+      static_cast<int64_t>(fill_rows.element_count()) != 2 * nf) {
+    return ffi::Error::InvalidArgument("jaxrec_cache_move: positions and rows differ in size");
+  }
+  if (nbytes <= 0 || nbytes > row_bytes || host_offset < 0 ||
+      host_offset + nbytes > host_stride) {
+    return ffi::Error::InvalidArgument("jaxrec_cache_move: row bytes outside the rows");
+  }
+  const int32_t* ep = evict_pos.typed_data();
+  const int32_t* fp = fill_pos.typed_data();
+  const int64_t* er = reinterpret_cast<const int64_t*>(evict_rows.typed_data());
+  const int64_t* fr = reinterpret_cast<const int64_t*>(fill_rows.typed_data());
+  auto in_buf = [rows](int32_t p) { return p >= 0 && p < rows; };
+  for (int64_t i = 0; i < ne; ++i) {  // a bad host row would write outside the table
+    if (in_buf(ep[i]) && (er[i] < 0 || er[i] >= host_rows)) {
+      return ffi::Error::InvalidArgument("jaxrec_cache_move: an evicted row outside the table");
+    }
+  }
+  for (int64_t i = 0; i < nf; ++i) {
+    if (in_buf(fp[i]) && (fr[i] < 0 || fr[i] >= host_rows)) {
+      return ffi::Error::InvalidArgument("jaxrec_cache_move: a filled row outside the table");
+    }
+  }
+  char* b = static_cast<char*>(buf->untyped_data());
+  char* h = reinterpret_cast<char*>(host) + host_offset;
+  MoveRows(b, row_bytes, h, host_stride, ne, nbytes, [&](int64_t i) { return ep[i]; },
+           [&](int64_t i) { return er[i]; }, [&](int64_t i) { return in_buf(ep[i]); });
+  MoveRows(h, host_stride, b, row_bytes, nf, nbytes, [&](int64_t i) { return fr[i]; },
+           [&](int64_t i) { return fp[i]; }, [&](int64_t i) { return in_buf(fp[i]); });
+  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -24,15 +24,16 @@ class CachedTable(NamedTuple):
     maps: list[SlotMap]
 
 
-def plan_table(t: CachedTable, parts: list[np.ndarray]) -> tuple[int, list]:
+def plan_table(t: CachedTable, parts: list[np.ndarray], outs: list[np.ndarray]) -> tuple[int, list]:
     """``(ids in range, a Plan per row shard)`` for a table's ids (``parts``); every
-    shard is checked before any changes."""
+    shard is checked before any changes. ``outs``: where :func:`touch` will write the
+    parts' slots (one shard, every id in range: the plan's pass starts them)."""
     rows = t.host.config.num_embeddings
     if not all(in_range(p, rows) for p in parts):
-        parts = [p[(p >= 0) & (p < rows)] for p in parts]
+        parts, outs = [p[(p >= 0) & (p < rows)] for p in parts], None
     n_ids = sum(len(p) for p in parts)
     if len(t.maps) == 1:
-        return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}")]
+        return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}", outs)]
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     shard = ids // t.shard_rows
     return n_ids, [
@@ -42,9 +43,13 @@ def plan_table(t: CachedTable, parts: list[np.ndarray]) -> tuple[int, list]:
     ]  # fmt: skip
 
 
-def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray) -> None:
+def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray, scanned: bool) -> None:
     """``out[:]``: the global slots of ``ids`` (assigned); ids out of range stay out of
-    range (``-1`` / the slot count), for the device's bounds check."""
+    range (``-1`` / the slot count), for the device's bounds check. ``scanned``: the
+    plan's pass wrote the hits' slots already."""
+    if scanned:
+        t.maps[0].finish(ids, out, 0)
+        return
     rows = t.host.config.num_embeddings
     if len(t.maps) == 1 and in_range(ids, rows):
         t.maps[0].touch(ids, out, 0)  # the common case, one pass

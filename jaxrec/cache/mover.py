@@ -5,6 +5,11 @@ state fields hold slot ``s`` where the collection's blocks say (any plan; a
 column-wise table has one block per column piece). A move gathers the slots being
 evicted, then writes the missed rows into their slots in place on the donated
 buffers (sizes padded to powers of two, so a run compiles a few programs).
+
+On the CPU, where a device's memory is the host's, a move is one program of C++
+calls (``jaxrec_cache_move``) that copy each row once between the host table and
+its slot, in place on both: no staging copy, and no rows waiting to be written
+back (a later move reads the host after an earlier one wrote it, in program order).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ class Columns(NamedTuple):
     sizes: np.ndarray
 
     def positions(self, slots: np.ndarray) -> np.ndarray:
+        if len(self.rows) == 1:  # one block (an unsharded table): no search
+            lo, hi = self.rows[0], self.rows[0] + self.sizes[0]
+            if len(slots) and (slots.min() < lo or slots.max() >= hi):
+                raise ValueError("a cache slot is outside its table's blocks")
+            return slots + (self.starts[0] - lo)
         i = np.searchsorted(self.rows, slots, side="right") - 1
         if len(slots) and (np.any(i < 0) or np.any(slots - self.rows[i] >= self.sizes[i])):
             raise ValueError("a cache slot is outside its table's blocks")
@@ -72,14 +82,21 @@ class Pending(NamedTuple):
 
 
 class Mover:
-    """Moves rows of the cached tables ``keys`` (checkpoint keys) for the buffers of a
-    state's layout (``jaxrec.checkpoint.layout.table_buffers``)."""
+    """Moves rows of the cached tables for the buffers of a state's layout
+    (``jaxrec.checkpoint.layout.table_buffers``); ``host[key][field]``: the host arrays
+    of each cached table (by checkpoint key)."""
 
-    def __init__(self, buffers: list[Buffer], keys: set[str]):
+    def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]]):
+        keys = set(host)
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         self.staging = _staging([b.array.sharding for b in self.buffers])
         self._programs: dict = {}
+        # in-place parts: (buffer, key, column piece, evicts: a row-wise field moves once)
+        self.parts = [(i, k, c, len(b.array.shape) == 2 or j == 0)
+                      for i, b in enumerate(self.buffers) for k in sorted(keys)
+                      for j, c in enumerate(self.cols[i][k])]  # fmt: skip
+        self.inplace = self.staging is None and _inplace(self.buffers, self.parts, host)
 
     def stage(
         self,
@@ -91,7 +108,9 @@ class Mover:
         missed rows gathered from ``host`` (a prefetch can do this while a step runs).
         ``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``;
         ``late[key]``: fill rows whose value is still on its way back to the host,
-        copied by :meth:`apply` instead."""
+        copied by :meth:`apply` instead (not on the in-place path)."""
+        if self.inplace:
+            return self._stage_inplace(moves)
         sizes = []
         for cols in self.cols:
             nf = sum(len(m[0]) * len(cols[k]) for k, m in moves.items())
@@ -129,10 +148,48 @@ class Mover:
                          for i, v in enumerate(fill_vals)]  # fmt: skip
         return Staged(fill_pos, fill_vals, evict_pos, parts, patches)
 
-    def apply(self, arrays: list[jax.Array], staged: Staged) -> tuple[list[jax.Array], Pending]:
+    def _stage_inplace(self, moves) -> InPlace | None:
+        n = max([0, *(max(len(moves[k][0]), len(moves[k][2])) for _, k, _, _ in self.parts)])
+        if not n:
+            return None
+        n = _bucket(n)
+        out = InPlace(*(np.full((len(self.parts), n), -1, np.int32) for _ in range(2)),
+                      *(np.zeros((len(self.parts), n), np.int64) for _ in range(2)))  # fmt: skip
+        for j, (_, key, c, evicts) in enumerate(self.parts):
+            fs, fr, es, er = moves[key]
+            out.fill_pos[j, : len(fs)] = c.positions(fs)
+            out.fill_rows[j, : len(fr)] = fr
+            if evicts:
+                out.evict_pos[j, : len(es)] = c.positions(es)
+                out.evict_rows[j, : len(er)] = er
+        return out
+
+    def _apply_inplace(self, arrays, staged: InPlace, host) -> tuple[list[jax.Array], Pending]:
+        attrs = []
+        for i, key, c, _ in self.parts:
+            h = host[key][self.buffers[i].field]
+            wide = h.ndim == 2
+            attrs.append((i, h.ctypes.data, len(h), h.strides[0], c.col * h.itemsize if wide else 0,
+                          (c.cols if wide else 1) * h.itemsize))  # fmt: skip
+        attrs = tuple(attrs)
+        if attrs not in self._programs:  # the host arrays' addresses are in the program
+            self._programs = {attrs: jax.jit(functools.partial(_move_inplace, attrs),
+                                             donate_argnums=0)}  # fmt: skip
+        pos_e, pos_f, rows_e, rows_f = staged  # int64 rows as int32 pairs (no x64 needed)
+        new, done = self._programs[attrs](list(arrays), pos_e, pos_f, rows_e.view(np.int32),
+                                          rows_f.view(np.int32))  # fmt: skip
+        return new, Pending(done, [])
+
+    def apply(self, arrays: list[jax.Array], staged: Staged | InPlace,
+              host: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+              ) -> tuple[list[jax.Array], Pending]:  # fmt: skip
         """Runs a staged move on the buffers ``arrays`` (donated): the evicted rows are
         read, then the missed rows written. Returns the new buffers and the evicted rows
-        (not yet on the host: :meth:`Pending.write_back`)."""
+        (not yet on the host: :meth:`Pending.write_back`; in place: written by the
+        program, whose end ``write_back`` waits for). ``host``: the in-place path's
+        host arrays."""
+        if isinstance(staged, InPlace):
+            return self._apply_inplace(arrays, staged, host)
         for i, at, src, rows, late, c in staged.patches:  # their rows are back on the host now
             where = np.flatnonzero(late)
             fv, vals = staged.fill_vals[i], _columns(src, rows[where], c)
@@ -160,6 +217,15 @@ class Mover:
         evicted = self._programs["gather"](list(arrays), staged.evict_pos)
         new = self._programs["scatter"](list(arrays), staged.fill_pos, fill_vals)
         return new, Pending(evicted, staged.parts)
+
+
+class InPlace(NamedTuple):
+    """An in-place move (see :meth:`Mover.stage`): per part, padded with position -1."""
+
+    evict_pos: np.ndarray  # [parts, n] int32
+    fill_pos: np.ndarray
+    evict_rows: np.ndarray  # [parts, n] int64 (host rows)
+    fill_rows: np.ndarray
 
 
 class Staged(NamedTuple):
@@ -204,6 +270,46 @@ def _scatter(to_device, arrays, fill_pos, fill_vals):
     return [
         a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)
     ]
+
+
+def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
+    arrays = list(arrays)
+    for j, (i, host, rows, stride, offset, nbytes) in enumerate(attrs):
+        a = arrays[i]
+        call = jax.ffi.ffi_call("jaxrec_cache_move", jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                input_output_aliases={0: 0})  # fmt: skip
+        arrays[i] = call(a, evict_pos[j], evict_rows[j], fill_pos[j], fill_rows[j],
+                         host=np.int64(host), host_rows=np.int64(rows),
+                         host_stride=np.int64(stride), host_offset=np.int64(offset),
+                         nbytes=np.int64(nbytes))  # fmt: skip
+    # a few bytes computed after the calls: waiting for them waits for the host writes
+    return arrays, [a.reshape(-1)[:1] for a in arrays]
+
+
+INPLACE = None  # the in-place CPU path: None = where it applies (tests force it off)
+
+
+def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
+    """Whether moves can run in place (``jaxrec_cache_move``): the C++ kernels
+    registered, every buffer on one CPU device, the host arrays contiguous, of the
+    buffer's dtype and row shape."""
+    if INPLACE is False or not buffers:
+        return False
+    from ..cpu import available
+
+    for i, key, c, _ in parts:
+        b = buffers[i]
+        h = host[key][b.field]
+        devs = b.array.sharding.device_set
+        ok = (
+            len(devs) == 1 and next(iter(devs)).platform == "cpu"
+            and h.flags.c_contiguous and h.dtype == b.array.dtype
+            and h.ndim == len(b.array.shape)
+            and (h.ndim == 1 or c.col + c.cols <= h.shape[1] and c.cols <= b.array.shape[1])
+        )  # fmt: skip
+        if not ok:
+            return False
+    return available()
 
 
 PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it on CPU)

@@ -152,8 +152,8 @@ class RowCache:
             feats = tuple(host.config.feature_names) or (name,)
             self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
-        self._mover = Mover(layout.buffers, {t.key for t in self.tables.values()})
         self._host = {t.key: t.host.fields for t in self.tables.values()}
+        self._mover = Mover(layout.buffers, self._host)
         self._pending: tuple[Pending, int] | None = None
         self._unsaved: list = []  # (serial, {key: evicted rows}) not yet back on the host
         self._prepared = 0  # serial numbers: loads must follow prepares in order
@@ -175,18 +175,23 @@ class RowCache:
             for i, kjt in enumerate(kjts):
                 for f, lo, hi in feature_spans(kjt, self._feature_table):
                     spans[self._feature_table[f].name].append((i, lo, hi))
+            new = [v.copy() for v in values]  # the ids as slots
             plans = {}
             for name, t in self.tables.items():  # every shard checked before any change
-                plans[name] = plan_table(t, [values[i][lo:hi] for i, lo, hi in spans[name]])
+                plans[name] = plan_table(t, [values[i][lo:hi] for i, lo, hi in spans[name]],
+                                         [new[i][lo:hi] for i, lo, hi in spans[name]])  # fmt: skip
             moves = {t.key: self._commit(t, *plans[name]) for name, t in self.tables.items()}
             self._prepared += 1
-            staged = self._mover.stage(moves, self._host, self._late(moves))
-            with self._unsaved_lock:
-                self._unsaved.append((self._prepared, {k: m[3] for k, m in moves.items()}))
-            new = [v.copy() for v in values]
+            if self._mover.inplace:  # moves read the host in program order: never late
+                staged = self._mover.stage(moves, self._host)
+            else:
+                staged = self._mover.stage(moves, self._host, self._late(moves))
+                with self._unsaved_lock:
+                    self._unsaved.append((self._prepared, {k: m[3] for k, m in moves.items()}))
             for name, t in self.tables.items():
+                scanned = plans[name][1][0].scanned
                 for i, lo, hi in spans[name]:
-                    touch(t, values[i][lo:hi], new[i][lo:hi])
+                    touch(t, values[i][lo:hi], new[i][lo:hi], scanned)
             by_id = {id(k): with_values(k, v) for k, v in zip(kjts, new, strict=True)}
             out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
                                is_leaf=is_kjt)  # fmt: skip
@@ -242,7 +247,7 @@ class RowCache:
 
     def _apply(self, state, staged, serial):
         wheres = [b.where for b in self._mover.buffers]
-        new, pending = self._mover.apply(_arrays(state, wheres), staged)
+        new, pending = self._mover.apply(_arrays(state, wheres), staged, self._host)
         self._pending = (pending, serial)
         return replace_tables(state, dict(zip(wheres, new, strict=True)), {})
 
@@ -319,6 +324,7 @@ class RowCache:
         reads (no such step, another model) leaves the cache as it was; one that fails
         while reading leaves the host tables partly written: restore again (``resume``
         falls back by itself)."""
+        self.write_back()  # nothing may still write to the host tables
         state = manager.restore(self.graphdef, self.optimizer, target, step=step,
                                 host_tables=self.host_fields())  # fmt: skip
         self.clear()  # the host tables were replaced: what the slots held is stale
@@ -327,6 +333,7 @@ class RowCache:
     def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
         """``CheckpointManager.resume`` into the host tables; the cache starts empty when a
         step was restored (with none, nothing changes)."""
+        self.write_back()
         state, step = manager.resume(
             self.graphdef, self.optimizer, state, host_tables=self.host_fields()
         )

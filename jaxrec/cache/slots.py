@@ -36,6 +36,7 @@ class Plan(NamedTuple):
     fill_rows: np.ndarray  # [M] int64, distinct rows not cached
     hits: int  # distinct cached rows
     epoch: int
+    scanned: bool = False  # the hits' slots are in ``outs`` already (see SlotMap.finish)
 
 
 class Assignment(NamedTuple):
@@ -69,18 +70,27 @@ class SlotMap:
         self.epoch = 0
         self.native = native and NATIVE
 
-    def plan(self, parts: Sequence[np.ndarray], where: str) -> Plan:
+    def plan(self, parts: Sequence[np.ndarray], where: str,
+             outs: Sequence[np.ndarray] | None = None) -> Plan:  # fmt: skip
         """What a batch's shard-local ids (``parts``, in range, repeats allowed) need.
         Raises ``CacheTooSmallError`` when its distinct rows cannot all be cached at
         once (fully associative: any number up to the slot count can); the slot map is
-        then as it was (only the scratch ``seen`` marks differ)."""
+        then as it was (only the scratch ``seen`` marks differ).
+
+        ``outs`` (int32, one per part; the C++ pass only): receive the hits' slots in
+        the same pass, -1 for misses; :meth:`finish` then completes them, in place of
+        :meth:`touch`."""
         self.epoch += 1
-        if self.native and all(p.dtype == np.int32 for p in parts):
+        native = self.native and all(p.dtype == np.int32 for p in parts)
+        scanned = native and outs is not None and all(o.dtype == np.int32 for o in outs)
+        if native:
             miss = np.empty(sum(len(p) for p in parts), np.int64)
             hits = n_miss = 0
-            for p in parts:  # misses are marked -2 in slot_of_row until unmarked below
+            none = np.zeros(0, np.int32)
+            for j, p in enumerate(parts):  # misses are marked -2 in slot_of_row until unmarked
+                out = outs[j] if scanned else none
                 h, n_miss = _native.cache_scan(p, self.slot_of_row, self.seen, self.epoch, miss,
-                                               n_miss)  # fmt: skip
+                                               n_miss, out, 0)  # fmt: skip
                 hits += h
             fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
             self.slot_of_row[fill_rows] = -1
@@ -98,26 +108,48 @@ class SlotMap:
                 f"{self.slots} slots; raise CacheParams.load_factor to at least "
                 f"{n / max(self.rows, 1):.3g} (better 2x that) or use smaller batches"
             )
-        return Plan(fill_rows, hits, self.epoch)
+        return Plan(fill_rows, hits, self.epoch, scanned)
 
     def assign(self, plan: Plan) -> Assignment:
-        """Gives the planned batch's missed rows slots (evicting rows it does not use);
-        nothing else may have been planned since."""
+        """Gives the planned batch's missed rows slots (evicting rows it does not use)
+        and marks the batch's slots used now (LRU); nothing else may have been planned
+        since."""
         if plan.epoch != self.epoch:
             raise ValueError("SlotMap.assign: another batch was planned since this one")
         self.clock += 1
         fill_rows = plan.fill_rows
         fresh = min(len(fill_rows), self.slots - self.used)
-        fill_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
-        self.used += fresh
-        self.seen[fill_slots] = self.epoch  # not victims either
-        evict_slots = self._victims(len(fill_rows) - fresh)
-        evict_rows = self.row_of_slot[evict_slots]
-        self.slot_of_row[evict_rows] = -1
-        fill_slots = np.concatenate([evict_slots, fill_slots])  # ascending
-        self.slot_of_row[fill_rows] = fill_slots
-        self.row_of_slot[fill_slots] = fill_rows
+        k = len(fill_rows) - fresh
+        if self.native and fill_rows.dtype == np.int64:
+            fill_slots, evict_rows = np.empty(len(fill_rows), np.int64), np.empty(k, np.int64)
+            counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
+            # (the batch's slots are stamped in the same call)
+            m = (self.slot_of_row, self.row_of_slot, self.last_used, counts, self.seen)
+            self.used = _native.cache_assign(fill_rows, *m, self.epoch, self.used, self.clock,
+                                             fill_slots, evict_rows)  # fmt: skip
+            evict_slots = fill_slots[:k]
+        else:
+            fresh_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
+            self.used += fresh
+            self.seen[fresh_slots] = self.epoch  # not victims either
+            evict_slots = self._victims(k)
+            evict_rows = self.row_of_slot[evict_slots]
+            self.slot_of_row[evict_rows] = -1
+            fill_slots = np.concatenate([evict_slots, fresh_slots])  # ascending
+            self.slot_of_row[fill_rows] = fill_slots
+            self.row_of_slot[fill_slots] = fill_rows
+            self.seen[fill_slots] = self.epoch
+            # the batch's slots are those seen now (its hits and fills)
+            self.last_used[self.seen == self.epoch] = self.clock
         return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
+
+    def finish(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
+        """After a scanned :meth:`plan` (its ``outs``) and :meth:`assign`: the missed ids'
+        slots into ``out`` (``base +`` slot, as the hits' are), rows counted (LFU)."""
+        counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
+        if base:
+            out[out >= 0] += base
+        _native.cache_fix(ids, self.slot_of_row, self.slots, base, out, counts)
 
     def touch(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
         """``out[:] = base + slot`` of each id (assigned, in range), and marks their rows
@@ -136,7 +168,8 @@ class SlotMap:
         out[:] = slots + base
 
     def _victims(self, k: int) -> np.ndarray:
-        """``k`` occupied slots to empty, none the planned batch uses (sorted)."""
+        """``k`` occupied slots to empty, none the planned batch uses (sorted): the k
+        smallest keys, ties to the lowest slots (as the C++ ``cache_assign``)."""
         if k <= 0:
             return np.zeros(0, np.int64)
         if self.algorithm is CacheAlgorithm.LRU:
@@ -144,7 +177,10 @@ class SlotMap:
         else:
             key = self.counts[self.row_of_slot].astype(np.int64)
         key[self.seen == self.epoch] = np.iinfo(np.int64).max
-        return np.sort(np.argpartition(key, k - 1)[:k]).astype(np.int64)
+        t = np.partition(key, k - 1)[k - 1]
+        below = np.flatnonzero(key < t)
+        at = np.flatnonzero(key == t)[: k - len(below)]
+        return np.sort(np.concatenate([below, at])).astype(np.int64)
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, rows)`` of every occupied slot."""

@@ -19,6 +19,7 @@ TARGETS = (
     "jaxrec_kjt_backward_update_sgd",
     "jaxrec_kjt_backward_update_rowwise_adagrad",
     "jaxrec_kjt_backward_update_adagrad",
+    "jaxrec_cache_move",
 )
 
 _LOCK = threading.Lock()
