@@ -37,6 +37,9 @@ def test_every_example_answers_help_at_once_with_defaults():
         assert r["code"] in (0, None), f"{name}: {r['code']}"
         assert r["help"].startswith("usage:"), f"{name}: {r['help'][:200]!r}"
         assert name in NO_OPTIONS or "(default:" in r["help"], f"{name} shows no defaults"
+    job = " ".join(results["train_dlrm.py"]["help"].split())  # the job's own formatter:
+    assert "(default: None)" not in job and "(default: False)" not in job  # "not given"
+    assert "--seed SEED data, initialisation, shuffling (default: 0)" in job  # 0 is shown
 
 
 def test_intro_example_prints_the_tutorial_numbers():

@@ -35,18 +35,18 @@ class Progress:
 
     def note(self, message: str) -> None:
         """One line, printed above the bar when there is one."""
-        if self.quiet:
-            return
+        if not self.quiet:
+            self._write(message)
+
+    def warn(self, message: str) -> None:
+        """Like :meth:`note`, but shown with ``quiet`` too: something asked for is skipped."""
+        self._write(message)
+
+    def _write(self, message: str) -> None:
         if self._bar is not None:
             self._bar.write(message, file=self.stream)
         else:
             print(message, file=self.stream, flush=True)
-
-    def warn(self, message: str) -> None:
-        """Like :meth:`note`, but shown with ``quiet`` too: something asked for is skipped."""
-        quiet, self.quiet = self.quiet, False
-        self.note(message)
-        self.quiet = quiet
 
     def start(self, total: int, initial: int = 0) -> None:
         """Steps ``initial .. total`` follow (``initial``: resumed from a checkpoint)."""

@@ -66,10 +66,11 @@ SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except the ``None`` and ``False`` that mean "not given"."""
+    """Shows each flag's default, except the ``None`` and ``False`` that mean "not given"
+    (the hook ArgumentDefaultsHelpFormatter itself overrides)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False):
+        if action.default is None or action.default is False:  # not 0: "in" would match it
             return action.help
         return super()._get_help_string(action)
 
