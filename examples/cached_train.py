@@ -59,12 +59,14 @@ def batches(rows: int, n: int, batch: int, ids_per_bag: int, seed: int = 0):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=2_000_000, help="rows of the host table")
     p.add_argument("--load-factor", type=float, default=0.1, help="cached fraction of rows")
-    p.add_argument("--algorithm", choices=["lru", "lfu"], default="lfu")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--algorithm", choices=["lru", "lfu"], default="lfu", help="eviction policy")
+    p.add_argument("--steps", type=int, default=50, help="training steps")
+    p.add_argument("--batch-size", type=int, default=1024, help="samples per step")
     a = p.parse_args(argv)
 
     configs = [

@@ -13,7 +13,7 @@ Run from the repository root (about 40 s on two CPU cores)::
 
 import optax
 from flax import nnx
-from synthetic_clicks import DENSE, table_configs, train_ctr_model
+from synthetic_clicks import DENSE, parse_args, table_configs, train_ctr_model
 
 from jaxrec import EmbeddingBagCollection
 from jaxrec.models import DLRM_DCN
@@ -25,6 +25,7 @@ def bce(model, batch):
 
 
 def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0])
     ebc = EmbeddingBagCollection(table_configs(embedding_dim=16), rngs=nnx.Rngs(0))
     model = DLRM_DCN(
         embedding_bag_collection=ebc,
@@ -35,7 +36,7 @@ def main() -> None:
         dcn_low_rank_dim=16,
         rngs=nnx.Rngs(1),
     )
-    train_ctr_model(model, bce, lambda m, b: m(b[0], b[1])[:, 0])
+    train_ctr_model(model, bce, lambda m, b: m(b[0], b[1])[:, 0], **vars(args))
 
 
 if __name__ == "__main__":

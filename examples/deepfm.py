@@ -15,7 +15,7 @@ Run from the repository root (about 30 s on two CPU cores)::
 
 import jax.numpy as jnp
 from flax import nnx
-from synthetic_clicks import DENSE, table_configs, train_ctr_model
+from synthetic_clicks import DENSE, parse_args, table_configs, train_ctr_model
 
 from jaxrec import EmbeddingBagCollection
 from jaxrec.models import SimpleDeepFMNN
@@ -28,6 +28,7 @@ def bce_on_probabilities(model, batch):
 
 
 def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0])
     ebc = EmbeddingBagCollection(table_configs(embedding_dim=16), rngs=nnx.Rngs(0))
     model = SimpleDeepFMNN(
         num_dense_features=DENSE,
@@ -36,7 +37,7 @@ def main() -> None:
         deep_fm_dimension=16,
         rngs=nnx.Rngs(1),
     )
-    train_ctr_model(model, bce_on_probabilities, lambda m, b: m(b[0], b[1])[:, 0])
+    train_ctr_model(model, bce_on_probabilities, lambda m, b: m(b[0], b[1])[:, 0], **vars(args))
 
 
 if __name__ == "__main__":

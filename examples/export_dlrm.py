@@ -29,21 +29,21 @@ from jaxrec.metrics import roc_auc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("run_dir", help="the --run-dir of a train_dlrm run (with checkpoints)")
     p.add_argument("artifact", help="output directory")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=int, help="checkpoint step; None: the latest")
     p.add_argument("--platforms", default="cpu", help="comma-separated, e.g. cpu,cuda")
-    p.add_argument(
-        "--max-ids", type=int, help="ids per sample and feature (default: the run's data)"
-    )
+    p.add_argument("--max-ids", type=int, help="ids per sample and feature; None: the run's data")
     p.add_argument(
         "--quantize",
         default="none",
         choices=("none", "int8", "int4", "fp16", "bf16"),
         help="row-wise quantize the tables first (jaxrec.inference.quantize_inference_model)",
     )
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     p.add_argument(
         "--eval", action="store_true", help="AUC of the loaded artifact on the run's eval set"
     )

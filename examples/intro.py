@@ -17,6 +17,8 @@ Run it from the repository root (CPU is enough), with jaxrec installed
     python examples/intro.py
 """
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,8 @@ from jaxrec import (
 )
 from jaxrec.ops import pooled_lookup, sequence_lookup
 
+# No options; parsed first so that --help answers before the walk-through runs.
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
 np.set_printoptions(precision=4, suppress=True)
 
 

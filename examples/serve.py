@@ -26,9 +26,11 @@ from jaxrec.inference import PredictionServer, load, predict_file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("artifact", help="directory written by jaxrec.inference.export")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--max-instances", type=int, default=256, help="per request")
     p.add_argument("--workers", type=int, default=8, help="threads answering requests")

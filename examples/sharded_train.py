@@ -25,6 +25,7 @@ it takes about 15 s on two CPU cores::
     python examples/sharded_train.py
 """
 
+import argparse
 import os
 
 # 8 fake CPU devices; both must happen before JAX starts its backend.
@@ -107,7 +108,16 @@ def local_batch(rng: np.random.Generator, truth: dict) -> tuple:
     return kjt, y
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=STEPS, help="training steps in section 6")
+    return p.parse_args(argv)
+
+
 def main() -> None:
+    args = parse_args()
     section("1. Devices and mesh")
     mesh = jax.make_mesh((WORLD,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     print(f"{len(jax.devices())} devices: {jax.devices()}")
@@ -177,13 +187,13 @@ def main() -> None:
     opt = CombinedOptimizer(optax.adam(1e-2), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
-    for i in range(STEPS):
+    for i in range(args.steps):
         batch = d.shard_batch([local_batch(rng, truth) for _ in range(WORLD)], mesh)
         state, loss, _ = step(state, batch)
         print(f"step {i}: loss {float(loss):.4f}")
     trained = train.merge_model(graphdef, state)
     beyond = int(trained.ebc.overflow_count.get_value().sum())
-    print(f"ids sent in extra exchange rounds over {STEPS} steps: {beyond} (none dropped)")
+    print(f"ids sent in extra exchange rounds over {args.steps} steps: {beyond} (none dropped)")
     tables = trained.ebc.state_dict()  # logical tables, gathered from the shards
     for key, w in tables.items():
         print(f"{key}: {w.shape}")

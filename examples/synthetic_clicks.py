@@ -15,6 +15,7 @@ capacities, so a train step compiles once.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -112,6 +113,20 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     pos = labels > 0.5
     n_pos, n_neg = pos.sum(), (~pos).sum()
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """The flags of the model examples: ``train_ctr_model``'s keyword arguments."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+    p.add_argument("--batch-size", type=int, default=1024, help="impressions per step")
+    p.add_argument("--num-train", type=int, default=409_600, help="training impressions")
+    p.add_argument("--num-test", type=int, default=20_480, help="held-out impressions")
+    p.add_argument("--dense-lr", type=float, default=1e-3, help="Adam, for the MLPs")
+    p.add_argument("--sparse-lr", type=float, default=0.05, help="row-wise Adagrad, for tables")
+    return p.parse_args(argv)
 
 
 def train_ctr_model(

@@ -9,7 +9,10 @@ in the summary).
     python examples/train_dlrm.py --devices 8            # tables sharded over 8 CPU devices
     python examples/train_dlrm.py --dataset movielens --epochs 3 --batch-size 256 \\
         --sparse-lr 0.02                                 # real ml-100k (fetched once)
-    python examples/train_dlrm.py --resume               # continue runs/dlrm
+    python examples/train_dlrm.py --run-dir runs/a --max-steps 100   # a named run ...
+    python examples/train_dlrm.py --run-dir runs/a --resume          # ... continued
+
+Each run without ``--run-dir`` writes a new ``runs/dlrm-<date>-<time>``.
 """
 
 from jaxrec.jobs.train_dlrm import main

@@ -21,6 +21,7 @@ it takes about 15 s on two CPU cores::
     python examples/train_ebc.py
 """
 
+import argparse
 import time
 
 import jax
@@ -135,8 +136,18 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--epochs", type=int, default=EPOCHS, help="passes over the training set")
+    p.add_argument("--seed", type=int, default=0, help="data and shuffling")
+    return p.parse_args(argv)
+
+
 def main() -> None:
-    rng = np.random.default_rng(0)
+    args = parse_args()
+    rng = np.random.default_rng(args.seed)
     truth = {
         "user_bias": rng.normal(0, 0.8, USERS),
         "item_bias": rng.normal(0, 0.8, ITEMS),
@@ -162,7 +173,7 @@ def main() -> None:
     print(f"hidden-model AUC on test (the ceiling): {auc(test['label'], test['logit']):.4f}")
     print(f"epoch 0: test AUC {evaluate(state):.4f}")
     start = time.perf_counter()
-    for epoch in range(1, EPOCHS + 1):
+    for epoch in range(1, args.epochs + 1):
         losses = []
         for batch in batches(train, rng):
             state, loss, _ = step(state, batch)

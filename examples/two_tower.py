@@ -20,6 +20,7 @@ Run from the repository root (about 30 s on two CPU cores)::
     python examples/two_tower.py
 """
 
+import argparse
 import time
 
 import jax.numpy as jnp
@@ -74,8 +75,18 @@ def recall_at_k(top, items):
     return float(np.mean([item in row for row, item in zip(top, items, strict=True)]))
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--epochs", type=int, default=EPOCHS, help="passes over the interactions")
+    p.add_argument("--seed", type=int, default=0, help="data and shuffling")
+    return p.parse_args(argv)
+
+
 def main() -> None:
-    rng = np.random.default_rng(0)
+    args = parse_args()
+    rng = np.random.default_rng(args.seed)
     scores, probs = make_world(rng)
     train_users, train_items = interactions(409_600, probs, rng)
     test_users, test_items = interactions(4096, probs, rng)
@@ -118,7 +129,7 @@ def main() -> None:
     )
     print(f"epoch 0: recall@{K} {evaluate(state):.4f}")
     start = time.perf_counter()
-    for epoch in range(1, EPOCHS + 1):
+    for epoch in range(1, args.epochs + 1):
         order = rng.permutation(len(train_users))
         losses = []
         for lo in range(0, len(order) - BATCH + 1, BATCH):

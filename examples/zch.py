@@ -56,16 +56,18 @@ TABLES = ("user", "item")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=256)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=600, help="training steps")
+    p.add_argument("--batch", type=int, default=256, help="samples per step")
     p.add_argument("--zch-size", type=int, default=2048, help="rows per table (slots)")
     p.add_argument("--window", type=int, default=3000, help="ids active at any time")
     p.add_argument("--drift", type=int, default=4, help="ids the window slides per step")
     p.add_argument("--interval", type=int, default=10, help="eviction interval (steps)")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="lfu")
-    p.add_argument("--report-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", choices=sorted(POLICIES), default="lfu", help="eviction policy")
+    p.add_argument("--report-every", type=int, default=50, help="steps per printed row")
+    p.add_argument("--seed", type=int, default=0, help="data and initialisation")
     return p.parse_args(argv)
 
 

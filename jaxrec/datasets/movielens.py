@@ -203,7 +203,11 @@ def _pip_download(dest: str) -> None:
         "--dest",
         dest,
     ]
-    subprocess.run(cmd, check=True)
+    # pip's own output is captured (kept off the caller's stdout) and shown on failure.
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise OSError(f"pip download recbole=={RECBOLE_VERSION} failed:\n{tail}")
 
 
 def fetch_movielens_100k(

@@ -27,8 +27,31 @@ EBC_PATH = "sparse_arch.embedding_bag_collection"
 
 
 # ----- data -----
+# Where the data comes from, for the error when it is missing.
+CRITEO_SOURCE = (
+    "Criteo's click logs are not downloaded for you: get Kaggle's Display Advertising "
+    "Challenge train.txt or the Criteo 1TB Click Logs (day_0 .. day_23) and pass their "
+    "folder as --data-dir (python -m jaxrec.datasets.criteo preprocess converts TSV to npy)"
+)
+
+
 def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``."""
+    """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``.
+
+    Missing or unreadable data ends the job with a one-line ``SystemExit`` that
+    says what was wrong and where the data comes from.
+    """
+    try:
+        return _load_data(args)
+    except (OSError, ValueError) as e:  # FileNotFoundError, CriteoParseError, a failed fetch
+        source = CRITEO_SOURCE if args.dataset == "criteo" else ""  # MovieLens's errors say it
+        text = " / ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        missing = isinstance(e, FileNotFoundError) and source
+        hint = f"; {source}" if missing else ""
+        raise SystemExit(f"--dataset {args.dataset}: {text}{hint}") from None
+
+
+def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     sizes = _multi_hot_sizes(args.multi_hot)
     if args.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
@@ -39,7 +62,9 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.data_dir is None:
         if args.dataset == "movielens":
             return datasets.movielens_split(datasets.fetch_movielens_100k(), seed=args.seed)
-        raise SystemExit("--dataset criteo needs --data-dir (TSV day files or npy files)")
+        raise SystemExit(
+            f"--dataset criteo needs --data-dir (TSV day files or npy files); {CRITEO_SOURCE}"
+        )
     if args.dataset == "criteo":
         n = args.num_embeddings
         multi = None if sizes is None else datasets.MultiHot(sizes, [n] * len(sizes), method="hash")
@@ -155,6 +180,15 @@ def shard(args: argparse.Namespace, model: nnx.Module):
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
     )
     return mesh, model, ",".join(kinds)
+
+
+def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(table, sharding type, ranks)`` of a sharded model's embedding tables."""
+    plan = model.sparse_arch.embedding_bag_collection.plan
+    return [
+        (name, str(getattr(p.sharding_type, "value", p.sharding_type)), tuple(p.ranks))
+        for name, p in plan.items()
+    ]
 
 
 def fit_capacities(model: nnx.Module, data: Any, args: argparse.Namespace, batches: int = 8):

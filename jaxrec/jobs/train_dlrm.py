@@ -20,9 +20,13 @@ Steps whose loss or gradients are not finite (a NaN label or feature) are
 skipped and counted (``skipped`` on the progress line, ``skipped_steps`` in
 the summary; see ``make_train_step(skip_nonfinite=True)``).
 
-The run directory gets ``summary.json`` (also printed as the last line),
-``metrics.jsonl`` (one line per evaluation), checkpoints (``--checkpoint-every``),
-TensorBoard scalars (``--tensorboard``) and ``curves.svg`` (``--plot``).
+Each run writes into a new ``runs/dlrm-<date>-<time>`` unless ``--run-dir``
+names one (``--resume`` continues a named run, ``--overwrite`` starts it again).
+The run directory gets ``summary.json`` (also printed as the last line, the
+only one on stdout), ``metrics.jsonl`` (one line per evaluation), checkpoints
+(``--checkpoint-every``), TensorBoard scalars (``--tensorboard``, tensorboardX)
+and ``curves.png`` (``--plot``, matplotlib). Progress, with an ETA, goes to
+stderr: a bar on a terminal, plain lines otherwise.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from ..checkpoint import CheckpointManager
+from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks
 from ..train import TrainPipeline
 from .dlrm_parts import (
@@ -48,19 +54,40 @@ from .dlrm_parts import (
     fit_capacities,
     load_data,
     make_steps,
+    plan_rows,
     shard,
 )
-from .run_log import Progress, ScalarWriter, svg_plot
+from .progress import Progress, plan_table
+from .run_dir import clear_outputs, new_run_dir, resume_needs_run_dir
+from .run_log import ScalarWriter, missing, plot_curves
 from .shards import rank_batches
 
 SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except the ``None`` and ``False`` that mean "not given"
+    (the hook ArgumentDefaultsHelpFormatter itself overrides)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:  # not 0: "in" would match it
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="jaxrec-train-dlrm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="jaxrec-train-dlrm",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=_HelpFormatter,
+    )
     data = p.add_argument_group("data")
     data.add_argument(
-        "--dataset", default="synthetic", choices=("synthetic", "criteo", "movielens")
+        "--dataset",
+        default="synthetic",
+        choices=("synthetic", "criteo", "movielens"),
+        help="synthetic: Criteo-like with a planted model; criteo: --data-dir needed; "
+        "movielens: ml-100k, fetched once (or --data-dir)",
     )
     data.add_argument(
         "--data-dir", help="criteo: TSV day files or npy files; movielens: the folder"
@@ -76,19 +103,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     data.add_argument("--skip-malformed", action="store_true", help="criteo TSV: skip bad lines")
     model = p.add_argument_group("model")
-    model.add_argument("--model", default="dlrm", choices=("dlrm", "dcn"))
-    model.add_argument("--embedding-dim", type=int, default=16)
+    model.add_argument("--model", default="dlrm", choices=("dlrm", "dcn"), help="DLRM or DLRM-DCN")
+    model.add_argument("--embedding-dim", type=int, default=16, help="every table's width")
     model.add_argument("--dense-arch", default="64,16", help="layer sizes; the last = emb dim")
-    model.add_argument("--over-arch", default="64,32,1")
-    model.add_argument("--dcn-layers", type=int, default=2)
-    model.add_argument("--dcn-rank", type=int, default=16)
+    model.add_argument("--over-arch", default="64,32,1", help="layer sizes; the last = 1")
+    model.add_argument("--dcn-layers", type=int, default=2, help="dcn: cross layers")
+    model.add_argument("--dcn-rank", type=int, default=16, help="dcn: low-rank dim")
     train = p.add_argument_group("training")
-    train.add_argument("--batch-size", type=int, default=1024, help="per device")
-    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument(
+        "--batch-size",
+        type=int,
+        default=1024,
+        help="samples PER DEVICE: a step trains on --batch-size x --devices samples "
+        "(divide it by N with --devices N to keep the global batch, and the AUC)",
+    )
+    train.add_argument("--epochs", type=int, default=1, help="passes over the training set")
     train.add_argument("--max-steps", type=int, help="stop after this many steps")
-    train.add_argument("--dense-lr", type=float, default=1e-3)
-    train.add_argument("--sparse-lr", type=float, default=0.05)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--dense-lr", type=float, default=1e-3, help="Adam, for the MLPs")
+    train.add_argument(
+        "--sparse-lr", type=float, default=0.05, help="fused row-wise Adagrad, for the tables"
+    )
+    train.add_argument("--seed", type=int, default=0, help="data, initialisation, shuffling")
     train.add_argument("--eval-every", type=int, default=0, help="steps; 0: after each epoch")
     dist = p.add_argument_group("devices")
     dist.add_argument(
@@ -98,7 +133,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="shard tables over N devices (all processes together; several processes: "
         "default every device)",
     )
-    dist.add_argument("--sharding", default="planner", choices=SHARDINGS)
+    dist.add_argument(
+        "--sharding", default="planner", choices=SHARDINGS, help="planner: the planner's plan"
+    )
     dist.add_argument(
         "--qcomms",
         default="fp32",
@@ -114,19 +151,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "auto: always let JAX detect the cluster; off: one process",
     )
     procs.add_argument("--coordinator-address", help="host:port of process 0")
-    procs.add_argument("--num-processes", type=int)
+    procs.add_argument("--num-processes", type=int, help="processes in the job")
     procs.add_argument("--process-id", type=int, help="this process, 0 .. num-processes - 1")
     out = p.add_argument_group("outputs")
-    out.add_argument("--run-dir", default="runs/dlrm")
-    out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
-    out.add_argument("--keep-checkpoints", type=int, default=2)
-    out.add_argument("--no-checkpoint", action="store_true")
     out.add_argument(
-        "--resume", action="store_true", help="continue from the newest intact checkpoint"
+        "--run-dir",
+        help="where the run writes; default: a new runs/dlrm-<date>-<time> per run "
+        "(needed with --resume and with several processes)",
     )
-    out.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
-    out.add_argument("--plot", action="store_true", help="write curves.svg")
-    out.add_argument("--quiet", action="store_true", help="no progress line")
+    out.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start --run-dir again, removing an earlier run's checkpoints and reports",
+    )
+    out.add_argument(
+        "--resume", action="store_true", help="continue --run-dir from its newest intact checkpoint"
+    )
+    out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
+    out.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
+    out.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
+    out.add_argument(
+        "--tensorboard", action="store_true", help="write TensorBoard scalars (tensorboardX)"
+    )
+    out.add_argument("--plot", action="store_true", help="write curves.png (matplotlib)")
+    out.add_argument("--quiet", action="store_true", help="print only the summary line")
     return p.parse_args(argv)
 
 
@@ -136,15 +184,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.process_count() > 1 and args.devices == 1:
         args.devices = jax.device_count()
     lead = jax.process_index() == 0  # the one process that writes reports
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    log = Progress(quiet=args.quiet or not lead)
+    _check_run_dir_flags(args)
+    # Optional libraries: a run without them says once what it skips.
+    tensorboard = (
+        args.tensorboard
+        and lead
+        and _available("tensorboardX", "tensorboard", "--tensorboard", log)
+    )
+    plot = args.plot and lead and _available("matplotlib", "plots", "--plot", log)
+    if args.dataset == "movielens" and args.data_dir is None and not _movielens_cached():
+        log.note("fetching MovieLens-100k (pip download recbole; once, into the cache)...")
+    log.note(f"preparing {args.dataset} data...")
     train_data, eval_data = load_data(args)
+    run_dir = _make_run_dir(args, lead)  # after the data: a run that cannot start leaves none
+    args.run_dir = str(run_dir)  # args.json records where the run is
+    log.note(f"run directory: {run_dir}")
     if lead:
         _save_args(run_dir, args, train_data)
     model = build_model(args, train_data)
     mesh, model, plan_text = shard(args, model)
     ranks = process_ranks(mesh) if mesh is not None else [0]  # the devices this process feeds
     if mesh is not None:
+        log.note(f"sharding plan over {args.devices} devices ({args.sharding}):")
+        log.note(plan_table(plan_rows(model)))
         fit_capacities(model, train_data, args)
     optimizer = build_optimizer(args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
@@ -153,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.resume and ckpt is not None and ckpt.latest_step() is not None:
         raise SystemExit(
             f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}): "
-            "pass --resume to continue that run, or a new --run-dir"
+            "pass --resume to continue that run, --overwrite to start it again, "
+            "or leave out --run-dir for a new one"
         )
     if not args.resume and lead:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -161,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ckpt is None or ckpt.latest_step() is None:
             raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
         state, start_step = ckpt.resume(graphdef, optimizer, state)  # the newest intact step
-        if lead:
-            print(f"resumed from step {start_step}", flush=True)
+        log.note(f"resumed from step {start_step}")
 
     world = args.devices
     per_epoch = train_data.num_batches(args.batch_size * world, process_index=0, process_count=1)
@@ -174,9 +237,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
-    writer = ScalarWriter(run_dir / "tb") if args.tensorboard and lead else None
-    quiet = args.quiet or not lead
-    progress = None if quiet else Progress(total - start_step)
+    finished = _finished_summary(run_dir, start_step) if args.resume else None
+    if finished is not None and start_step >= total:  # nothing left: keep its summary
+        log.note(f"{run_dir} finished at step {start_step}: its summary is kept")
+        if ckpt:
+            ckpt.close()
+        if lead:
+            print(json.dumps(finished), flush=True)
+        return 0
+    writer = ScalarWriter(run_dir / "tb") if tensorboard else None
     curves: dict[str, list] = {"train_loss": [], "eval_auc": [], "eval_ne": []}
     history = []
     eval_every = args.eval_every or per_epoch
@@ -184,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipeline = TrainPipeline(step, state, mesh=mesh)
     step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
     train_time = 0.0
+    if step_i < total:
+        log.note(f"training steps {step_i + 1}..{total}; the first compiles the step...")
+    log.start(total, initial=start_step)
     for epoch in itertools.count(start_step // per_epoch):
         if step_i >= total:
             break
@@ -197,10 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_i += 1
             samples += args.batch_size * world
             losses.append(loss)
-            if progress and (step_i % 10 == 0 or step_i == total):
+            if step_i % 10 == 0 or step_i == total or step_i == start_step + 1:
                 skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
                 shown = {"skipped": skipped} if skipped else {}
-                progress.update(step_i - start_step, samples, loss=float(loss), **shown)
+                log.update(step_i, samples, loss=float(loss), **shown)
             if step_i % 50 == 0 or step_i == total:
                 mean_loss = float(sum(float(x) for x in losses) / len(losses))
                 curves["train_loss"].append((step_i, mean_loss))
@@ -212,24 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 train_time += time.perf_counter() - t0
                 metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
                 history.append({"step": step_i, "epoch": epoch, **metrics})
-                if lead:
-                    with open(run_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(history[-1]) + "\n")
-                curves["eval_auc"].append((step_i, metrics["auc"]))
-                curves["eval_ne"].append((step_i, metrics["ne"]))
-                if writer:
-                    writer.add_scalars({f"eval/{k}": v for k, v in metrics.items()}, step_i)
-                if not quiet:
-                    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                    print(f"\nstep {step_i}: eval {shown}", flush=True)
+                _record_eval(run_dir, history[-1], curves, writer, lead)
+                log.note(
+                    f"step {step_i}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                )
                 t0 = time.perf_counter()
             if ckpt and args.checkpoint_every and step_i % args.checkpoint_every == 0:
                 ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
         pipeline.close()
     jax.block_until_ready(pipeline.state)
     train_time += time.perf_counter() - t0
-    if progress:
-        progress.close()
+    log.close()
+    if not history:  # resumed at the last step, with no summary left: evaluate it now
+        metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
+        history.append({"step": step_i, "epoch": max(step_i - 1, 0) // per_epoch, **metrics})
+        _record_eval(run_dir, history[-1], curves, writer, lead)
     if ckpt:
         if ckpt.latest_step() != step_i:
             ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
@@ -237,10 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt.close()
     if writer:
         writer.close()
-    if args.plot and lead:
-        (run_dir / "curves.svg").write_text(
-            svg_plot({k: v for k, v in curves.items() if v}, f"{args.model} on {args.dataset}")
-        )
+    if plot:
+        title = f"{args.model} on {args.dataset} ({run_dir.name})"
+        plot_curves(curves, title, run_dir / "curves.png")
     summary = {
         "model": args.model,
         "dataset": args.dataset,
@@ -252,13 +320,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         "samples_per_s": round(samples / max(train_time, 1e-9), 1),
         "train_seconds": round(train_time, 2),
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
-        **({"eval": history[-1]} if history else {}),
+        "eval": history[-1],
         **train_data.reference_metrics(eval_data),
     }
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _check_run_dir_flags(args: argparse.Namespace) -> None:
+    """Fails early (before any data is read) on ``--run-dir`` flags that cannot work."""
+    if args.resume and args.overwrite:
+        raise SystemExit("--resume continues a run and --overwrite starts it again: pass one")
+    if args.run_dir is None:
+        if args.resume:
+            raise SystemExit(resume_needs_run_dir())
+        if args.overwrite:
+            raise SystemExit("--overwrite needs --run-dir (without one each run gets a new one)")
+        if jax.process_count() > 1:  # each process would make its own directory
+            raise SystemExit("several processes write one run: pass --run-dir, a directory "
+                             "every process sees")  # fmt: skip
+
+
+def _make_run_dir(args: argparse.Namespace, lead: bool) -> Path:
+    """The run's directory, created: ``--run-dir`` (cleared first with ``--overwrite``)
+    or a new ``runs/dlrm-<date>-<time>``."""
+    if args.run_dir is None:
+        return new_run_dir()
+    run_dir = Path(args.run_dir)
+    if args.overwrite and lead:
+        clear_outputs(run_dir)
+    if args.overwrite and jax.process_count() > 1:  # no process reads it before it is cleared
+        multihost_utils.sync_global_devices("jaxrec-train-dlrm --overwrite")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _available(module: str, extra: str, flag: str, log: Progress) -> bool:
+    why = missing(module, extra, flag)
+    if why:
+        log.warn(why)
+    return why is None
+
+
+def _movielens_cached() -> bool:
+    return all((default_cache_dir() / "ml-100k" / f).exists() for f in ML100K_FILES)
+
+
+def _finished_summary(run_dir: Path, step: int) -> dict | None:
+    """The summary a finished run left, if it ended at ``step`` with an evaluation."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("steps") == step and "eval" in summary else None
+
+
+def _record_eval(run_dir: Path, entry: dict, curves: dict, writer, lead: bool) -> None:
+    """One evaluation into metrics.jsonl, the plot's curves and TensorBoard."""
+    if lead:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    curves["eval_auc"].append((entry["step"], entry["auc"]))
+    curves["eval_ne"].append((entry["step"], entry["ne"]))
+    if writer:
+        scalars = {f"eval/{k}": v for k, v in entry.items() if k not in ("step", "epoch")}
+        writer.add_scalars(scalars, entry["step"])
 
 
 def _start_processes(args: argparse.Namespace) -> None:

@@ -83,7 +83,7 @@ def test_two_processes_equal_one_process(tmp_path):
     # Only process 0 reports: one summary line, one metrics line per evaluation.
     assert '"processes": 2' in out0 and '"processes"' not in out1
     assert len((two / "metrics.jsonl").read_text().splitlines()) == 1
-    assert len(list((two / "tb").iterdir())) == 1 and (two / "curves.svg").is_file()
+    assert len(list((two / "tb").iterdir())) == 1 and (two / "curves.png").is_file()
     assert [p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
     # Same batches per device, so the same steps: every parameter and table is equal.
     tables = 0

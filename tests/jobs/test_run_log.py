@@ -1,65 +1,74 @@
-"""Run-directory outputs: TensorBoard event files decoded by protobuf itself, the SVG plot."""
+"""Run-directory outputs and what the job prints: TensorBoard events read back with
+tensorboardX's own protocol buffers, the PNG plot, the progress lines, the plan table."""
 
 import io
-import struct
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+import numpy as np
+from PIL import Image
+from tensorboard_events import read_scalars
 
-from jaxrec.jobs.run_log import Progress, ScalarWriter, crc32c, svg_plot
-
-
-def _event_classes():
-    """tensorflow's Event / Summary messages (the fields used), built with protobuf
-
-    (installed with orbax-checkpoint): an independent decoder of the format."""
-
-    f = descriptor_pb2.FileDescriptorProto(name="ev.proto", package="tensorflow")
-    value = f.message_type.add(name="Value")
-    value.field.add(name="tag", number=1, type=9, label=1)
-    value.field.add(name="simple_value", number=2, type=2, label=1)
-    summary = f.message_type.add(name="Summary")
-    summary.field.add(name="value", number=1, type=11, label=3, type_name=".tensorflow.Value")
-    event = f.message_type.add(name="Event")
-    event.field.add(name="wall_time", number=1, type=1, label=1)
-    event.field.add(name="step", number=2, type=3, label=1)
-    event.field.add(name="file_version", number=3, type=9, label=1)
-    event.field.add(name="summary", number=5, type=11, label=1, type_name=".tensorflow.Summary")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.Event"))
+from jaxrec.jobs.progress import Progress, plan_table
+from jaxrec.jobs.run_log import ScalarWriter, missing, plot_curves
 
 
-def _records(data: bytes):
-    out, i = [], 0
-    while i < len(data):
-        (n,) = struct.unpack("<Q", data[i : i + 8])
-        out.append(data[i + 12 : i + 12 + n])
-        i += 12 + n + 4
-    return out
-
-
-def test_crc32c_known_vector():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-
-
-def test_scalar_events_decode_with_protobuf(tmp_path):
-    event_cls = _event_classes()
+def test_scalars_read_back(tmp_path):
     w = ScalarWriter(tmp_path)
     w.add_scalars({"train/loss": 0.5, "eval/auc": 0.75}, step=3)
     w.add_scalars({"train/loss": 0.25}, step=2**40)  # int64 steps
     w.close()
-    events = [event_cls.FromString(r) for r in _records(w.path.read_bytes())]
-    assert events[0].file_version == "brain.Event:2"
-    got = [(e.step, v.tag, v.simple_value) for e in events[1:] for v in e.summary.value]
+    got = read_scalars(tmp_path)
     assert got == [(3, "train/loss", 0.5), (3, "eval/auc", 0.75), (2**40, "train/loss", 0.25)]
 
 
-def test_svg_plot_and_progress():
-    svg = svg_plot({"loss": [(1, 0.7), (2, 0.6), (3, 0.55)], "auc": [(2, 0.7)]}, "run")
-    assert svg.startswith("<svg") and svg.count("<polyline") == 2
-    stream = io.StringIO()
-    p = Progress(4, every=2, stream=stream)
-    for step in range(1, 5):
+def test_plot_is_a_png_with_every_point(tmp_path):
+    path = plot_curves(
+        {"train_loss": [(50, 0.7), (100, 0.6)], "eval_auc": [(100, 0.71)], "eval_ne": []},
+        "dlrm on synthetic",
+        tmp_path / "curves.png",
+    )
+    image = np.asarray(Image.open(path).convert("RGB"))
+    assert image.shape == (480, 640, 3)  # two panels (the empty series is left out), 100 dpi
+    # The lone evaluation is a marker: matplotlib's default blue appears in the lower panel.
+    blue = np.all(np.abs(image.astype(int) - (31, 119, 180)) < 30, axis=-1)
+    assert blue[240:].sum() > 20 and blue[:240].sum() > 20
+
+
+def test_missing_library_names_the_extra():
+    assert missing("json", "plots", "--plot") is None
+    why = missing("no_such_module", "plots", "--plot")
+    assert why == "--plot: no_such_module is not installed (pip install 'jaxrec[plots]'); skipped"
+
+
+def test_plain_progress_lines_with_eta():
+    stream = io.StringIO()  # not a terminal: plain lines every 2 steps and at the end
+    p = Progress(every=2, stream=stream)
+    p.note("preparing synthetic data...")
+    p.start(5)
+    for step in range(1, 6):
         p.update(step, step * 8, loss=0.5)
+    p.close()
     lines = stream.getvalue().splitlines()
-    assert [ln.split()[1] for ln in lines] == ["2/4", "4/4"] and "samples/s" in lines[-1]
+    assert lines[0] == "preparing synthetic data..."
+    assert [ln.split()[1] for ln in lines[1:]] == ["1/5", "2/5", "4/5", "5/5"]
+    assert "samples/s" in lines[-1] and "eta 0:00:00" in lines[-1] and "loss 0.5000" in lines[-1]
+
+
+def test_quiet_progress_prints_only_warnings():
+    stream = io.StringIO()
+    p = Progress(quiet=True, stream=stream)
+    p.note("hidden")
+    p.start(2)
+    p.update(2, 16, loss=0.5)
+    p.warn("--plot: skipped")
+    assert stream.getvalue() == "--plot: skipped\n"
+
+
+def test_plan_table():
+    rows = [("t_cat_0", "row_wise", (0, 1, 2, 3)), ("t_cat_1", "table_wise", (5,))]
+    rows.append(("t_cat_2", "column_wise", (0, 1)))
+    assert plan_table(rows).splitlines() == [
+        "table    sharding     ranks",
+        "t_cat_0  row_wise     0-3",
+        "t_cat_1  table_wise   5",
+        "t_cat_2  column_wise  0,1",
+    ]

@@ -1,22 +1,25 @@
 """The main job (`jaxrec-train-dlrm`): outputs, evaluation over every sample, exact resume."""
 
 import json
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 from numpy_reference import rank_auc
+from tensorboard_events import read_scalars
 
 from jaxrec.checkpoint import CheckpointWarning
-from jaxrec.jobs import dlrm_parts
+from jaxrec.jobs import dlrm_parts, run_dir
 from jaxrec.jobs.train_dlrm import main, parse_args
 
-TINY = ["--num-train", "3072", "--num-eval", "1000", "--batch-size", "128", "--quiet"]
+TINY = ["--num-train", "3072", "--num-eval", "1000", "--batch-size", "128"]
 
 
-def _run(tmp_path, name, *extra):
+def _run(tmp_path, name, *extra, quiet=True):
     run_dir = tmp_path / name
-    assert main([*TINY, "--run-dir", str(run_dir), *extra]) == 0
+    quiet = ["--quiet"] if quiet else []
+    assert main([*TINY, *quiet, "--run-dir", str(run_dir), *extra]) == 0
     return run_dir, json.loads((run_dir / "summary.json").read_text())
 
 
@@ -50,7 +53,7 @@ def test_evaluate_covers_every_sample(devices):
     np.testing.assert_allclose(got["ctr"], want["ctr"], rtol=1e-6)
 
 
-def test_run_writes_summary_metrics_tensorboard_and_plot(tmp_path):
+def test_run_writes_summary_metrics_tensorboard_and_plot(tmp_path, capsys):
     run_dir, summary = _run(tmp_path, "a", "--epochs", "2", "--tensorboard", "--plot")
     assert summary["steps"] == 2 * (3072 // 128) and summary["samples"] == 2 * 3072
     assert summary["samples_per_s"] > 0 and 0.5 < summary["eval"]["auc"] <= 1
@@ -58,11 +61,60 @@ def test_run_writes_summary_metrics_tensorboard_and_plot(tmp_path):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [24, 48]  # one evaluation per epoch
     assert {"auc", "ne", "logloss", "calibration", "ctr"} <= set(lines[-1])
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
-    assert "<svg" in (run_dir / "curves.svg").read_text()
+    scalars = read_scalars(run_dir / "tb")
+    assert [s for s, tag, _ in scalars if tag == "eval/auc"] == [24, 48]
+    assert [v for s, tag, v in scalars if tag == "eval/auc"][-1] == pytest.approx(
+        summary["eval"]["auc"], rel=1e-6
+    )  # float32 in the event file
+    assert [s for s, tag, _ in scalars if tag == "train/loss"] == [48]  # every 50 steps, the end
+    assert (run_dir / "curves.png").read_bytes().startswith(b"\x89PNG")
     assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == ["48"]
     with pytest.raises(SystemExit, match="--resume"):  # never overwrite a run by accident
         main([*TINY, "--run-dir", str(run_dir)])
+    # --resume on the finished run trains nothing and keeps its summary (eval block included).
+    capsys.readouterr()
+    kept = (run_dir / "summary.json").read_text()
+    assert main([*TINY, "--quiet", "--run-dir", str(run_dir), "--epochs", "2", "--resume"]) == 0
+    assert (run_dir / "summary.json").read_text() == kept
+    assert json.loads(capsys.readouterr().out) == summary
+
+
+def test_fresh_run_directory_per_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    clock = 1_800_000_000.0
+    first = run_dir.new_run_dir(now=clock)
+    names = [run_dir.new_run_dir(now=clock).name for _ in range(10)]  # the same second
+    assert names == [f"{first.name}-{i}" for i in range(2, 12)]
+    assert first.parent == pathlib.Path("runs")
+    with pytest.raises(SystemExit, match=rf"--resume needs --run-dir.*--run-dir runs/{names[-1]}"):
+        main([*TINY, "--resume"])
+    with pytest.raises(SystemExit, match="--overwrite needs --run-dir"):
+        main([*TINY, "--overwrite"])
+
+
+def test_overwrite_removes_only_the_jobs_outputs(tmp_path):
+    for name in ("checkpoints/48", "tb"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("summary.json", "metrics.jsonl", "curves.png", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    run_dir.clear_outputs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset", "criteo"], "needs --data-dir .*Criteo 1TB Click Logs"),
+        (["--dataset", "criteo", "--data-dir", "nowhere"], "not a directory; Criteo's click logs"),
+        (["--dataset", "movielens", "--data-dir", "."], "no MovieLens files in"),
+    ],
+)
+def test_missing_data_is_one_line_with_where_to_get_it(flags, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=message) as e:
+        main(flags)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "runs").exists()  # a run that cannot start leaves no directory
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -88,12 +140,19 @@ def test_resume_continues_exactly(tmp_path):
         assert resumed["eval"][key] == whole["eval"][key], key
 
 
-def test_sharded_run_matches_unsharded(tmp_path):
+def test_sharded_run_matches_unsharded(tmp_path, capsys):
     # Same global batch (8 x 16 = 128): the planner's plan changes only the
     # order of float sums, so the metrics agree closely.
     _, one = _run(tmp_path, "one", "--no-checkpoint")
     args = ["--no-checkpoint", "--devices", "8", "--batch-size", "16"]
-    _, eight = _run(tmp_path, "eight", *args)
+    capsys.readouterr()
+    _, eight = _run(tmp_path, "eight", *args, quiet=False)
+    err = capsys.readouterr().err.splitlines()  # not a terminal: plain lines
+    head = next(i for i, line in enumerate(err) if line.split() == ["table", "sharding", "ranks"])
+    plan = [line.split() for line in err[head + 1 : head + 27]]  # the 26 tables, planned
+    assert [t for t, _, _ in plan] == [f"t_cat_{i}" for i in range(26)], plan
+    steps = [ln for ln in err if ln.startswith("step ") and "eta" in ln]
+    assert steps[-1].startswith("step 24/24") and "samples/s" in steps[-1]
     assert eight["devices"] == 8 and eight["steps"] == one["steps"]
     assert abs(eight["eval"]["auc"] - one["eval"]["auc"]) < 1e-3
     assert abs(eight["eval"]["ne"] - one["eval"]["ne"]) < 1e-3
@@ -109,12 +168,17 @@ def _criteo_tsv(path, n, seed=0):
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_criteo_tsv_multi_hot_run(tmp_path):
+def test_criteo_tsv_multi_hot_run(tmp_path, monkeypatch):
     # Kaggle layout (one train.txt: the last 1/7 evaluates), MLPerf multi-hot bags.
     data = tmp_path / "criteo"
     data.mkdir()
     _criteo_tsv(data / "train.txt", 700)
     flags = ["--dataset", "criteo", "--data-dir", str(data), "--num-embeddings", "500"]
-    _, summary = _run(tmp_path, "c", *flags, "--multi-hot", "mlperf", "--batch-size", "64")
+    monkeypatch.chdir(tmp_path)  # no --run-dir: a new runs/dlrm-<date>-<time>
+    assert main([*flags, "--quiet", "--multi-hot", "mlperf", "--batch-size", "64"]) == 0
+    (run,) = pathlib.Path("runs").iterdir()
+    assert run.name.startswith("dlrm-")
+    summary = json.loads((run / "summary.json").read_text())
+    assert json.loads((run / "args.json").read_text())["args"]["run_dir"] == str(run)
     assert summary["steps"] == 600 // 64 and "oracle_auc" not in summary
     assert 0 <= summary["eval"]["auc"] <= 1 and summary["eval"]["ctr"] > 0
