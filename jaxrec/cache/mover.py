@@ -67,6 +67,7 @@ class Pending(NamedTuple):
 
     evicted: list[jax.Array]  # per buffer
     parts: list[tuple[int, np.ndarray, np.ndarray, int, int, int]]  # buf, host, rows, at, col, cols
+    keep: tuple = ()  # in place: the host arrays the program writes, alive until it ends
 
     def write_back(self) -> None:
         host_vals = [np.asarray(e) for e in self.evicted]
@@ -165,9 +166,10 @@ class Mover:
         return out
 
     def _apply_inplace(self, arrays, staged: InPlace, host) -> tuple[list[jax.Array], Pending]:
-        attrs = []
+        attrs, keep = [], []
         for i, key, c, _ in self.parts:
             h = host[key][self.buffers[i].field]
+            keep.append(h)
             wide = h.ndim == 2
             attrs.append((i, h.ctypes.data, len(h), h.strides[0], c.col * h.itemsize if wide else 0,
                           (c.cols if wide else 1) * h.itemsize))  # fmt: skip
@@ -178,7 +180,7 @@ class Mover:
         pos_e, pos_f, rows_e, rows_f = staged  # int64 rows as int32 pairs (no x64 needed)
         new, done = self._programs[attrs](list(arrays), pos_e, pos_f, rows_e.view(np.int32),
                                           rows_f.view(np.int32))  # fmt: skip
-        return new, Pending(done, [])
+        return new, Pending(done, [], tuple(keep))
 
     def apply(self, arrays: list[jax.Array], staged: Staged | InPlace,
               host: Mapping[str, Mapping[str, np.ndarray]] | None = None,
