@@ -2,12 +2,7 @@
 
 import os
 
-# LLVM's backend optimisation off: the suite is dominated by compiling many small
-# programs (a sharded EBC test file took 28% less CPU time); HLO passes, and so the
-# programs' numerics and buffers, are unchanged. Subprocess tests set their own flags.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Without a GPU, the CUDA plugin (installed for tests/gpu_compile) would log a
 # failed initialisation at every JAX start; with JAX_PLATFORMS=cpu it only
 # registers its compile-only topologies. Subprocesses inherit the setting.
