@@ -34,9 +34,11 @@ def state_spec(
     ``host``: tables kept in host memory, by key (their rows are the host arrays').
 
     Returns:
-        ``{"tables": {key: {"shape", "dtype", "optimizer", "state": {field:
-        {"shape", "dtype"}}}}, "params" | "rest" | "dense_opt": {"a/b/c":
-        {"shape", "dtype"}}}``; the same under every sharding plan.
+        The same dict under every sharding plan, of the form::
+
+            {"tables": {key: {"shape", "dtype", "optimizer",
+                              "state": {field: {"shape", "dtype"}}}},
+             "params" | "rest" | "dense_opt": {"a/b/c": {"shape", "dtype"}}}
     """
     model = merge_model(graphdef, state)
     tables = {}

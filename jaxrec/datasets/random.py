@@ -110,8 +110,8 @@ class RandomRecDataset(TableDataset):
         model_seed: seed of the planted model (default ``manual_seed``); two
             datasets with one ``model_seed`` and different ``data_stream`` are a
             train/test pair.
-        interactions, latent_dim, bias_scale, dense_scale, latent_scale,
-            intercept: the planted model (see the module docstring).
+        interactions, latent_dim, bias_scale, dense_scale, latent_scale, intercept:
+            the planted model (see the module docstring).
 
     Example:
         >>> data = RandomRecDataset(["a", "b"], 1000, hash_sizes=[50, 80], ids_per_features=[1, 3],

@@ -102,7 +102,7 @@ class Metric:
         return self.output_names
 
     def key_prefix(self) -> str:
-        """TorchRec's `MetricPrefix` of the results: "lifetime_" or "window_"."""
+        """TorchRec's ``MetricPrefix`` of the results: ``"lifetime_"`` or ``"window_"``."""
         return "lifetime_"
 
     def init(self) -> State:

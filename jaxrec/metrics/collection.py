@@ -35,8 +35,8 @@ class MetricCollection:
         `[T]` arrays with `num_tasks`;
       - `key_format="torchrec"`: TorchRec's `"{name}-{task}|{prefix}{output}"`,
         e.g. "ne-DefaultTask|lifetime_ne", one scalar per task; the prefix is
-        "window_" for buffered AUC/AUPRC with `on_overflow="window"` (TorchRec's
-        windowed AUC), "lifetime_" otherwise.
+        ``"window_"`` for buffered AUC/AUPRC with `on_overflow="window"` (TorchRec's
+        windowed AUC), ``"lifetime_"`` otherwise.
 
     Example:
       >>> metrics = MetricCollection([NEMetric(), AUCMetric(capacity=1 << 16)])

@@ -294,7 +294,8 @@ class DLRM_DCN(DLRM):  # TorchRec's name
     Args:
         dcn_num_layers: cross layers.
         dcn_low_rank_dim: rank of each layer's ``W V`` factorisation.
-        (the rest as :class:`DLRM`)
+
+    The other arguments are :class:`DLRM`'s.
     """
 
     def __init__(
@@ -338,7 +339,8 @@ class DLRM_Projection(DLRM):  # TorchRec's name
             ``F1 * D``.
         interaction_branch2_layer_sizes: branch 2 DenseArch sizes; the last is
             ``F2 * D``. The OverArch input is ``D + F1 * F2``.
-        (the rest as :class:`DLRM`)
+
+    The other arguments are :class:`DLRM`'s.
     """
 
     def __init__(
