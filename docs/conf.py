@@ -37,8 +37,10 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = "jaxrec"
 
-# The doctest builder runs the {testcode} blocks of the pages with JAX on the CPU.
-doctest_global_setup = ""
+# The doctest builder runs the pages' {testcode}/{testoutput} and {doctest} blocks, with
+# JAX on the CPU. The docstrings' ">>>" examples are illustrations (most use names from
+# the surrounding text), so plain doctest blocks are not run.
+doctest_test_doctest_blocks = ""
 
 # Attributes sections as fields of their class, not as attribute entries that would
 # collide with autodoc's entries for the same NamedTuple fields.
