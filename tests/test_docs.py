@@ -44,4 +44,3 @@ def test_docs_build_without_warnings_and_samples_run(tmp_path):
     ran = int(re.search(r"^\s*(\d+) tests?$", report, re.M).group(1))
     assert ran >= 4, report  # getting started, concepts, training, the mapping
     assert re.search(r"^\s*0 failures in tests$", report, re.M), report
-
