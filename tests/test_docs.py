@@ -3,7 +3,7 @@
 Two builds share one parsed environment: HTML with warnings as errors (broken cross-page
 links, docstrings that are not valid reStructuredText, duplicate API entries all fail),
 then the doctest builder, which runs every ``{testcode}`` sample and compares its
-``{testoutput}``.
+``{testoutput}``. The README links only to files in the repository, and its sample runs.
 """
 
 import os
@@ -44,3 +44,28 @@ def test_docs_build_without_warnings_and_samples_run(tmp_path):
     ran = int(re.search(r"^\s*(\d+) tests?$", report, re.M).group(1))
     assert ran >= 4, report  # getting started, concepts, training, the mapping
     assert re.search(r"^\s*0 failures in tests$", report, re.M), report
+
+
+def test_readme_links_stay_inside_the_repository():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 300
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert local, "the README links into docs/"
+    for link in local:
+        assert (ROOT / link).exists(), link
+    for page in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        assert "DESIGN.md" not in page.read_text(), page
+
+
+def test_readme_python_sample_runs():
+    text = (ROOT / "README.md").read_text()
+    samples = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    assert samples, "the README shows the mapping in code"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for code in samples:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
