@@ -16,17 +16,20 @@ reported. Phases:
   number of steps from the same weights; touched rows must then agree.
 
 The roofline: in the same run, the machine's own ceilings for this access
-pattern (``jaxrec.cpu.read_bandwidth`` / ``gather_rows``, small C++ loops that
-sum what they read in registers): a sequential read of the table (up to 1 GiB)
-and a gather of the forward's rows (the same ids, rows and row size from
-jaxrec's table), each with 1 thread and with ``n``. The gathers are timed in
-the forward's interleaved turns (after the frameworks, so the protocol's cache
-state is theirs: they never warm jaxrec's next call), at the prefetch distance
-that was fastest for them. Every phase is reported as a fraction of the
-faster gather (1 or ``n`` threads; small calls may gain nothing from a second
-thread) and of the faster read: the forward's ``gather ms / phase ms``; a train step's
-traffic is modeled as the forward's rows plus each unique row read and written
-back once (and row-wise Adagrad's one float of state per row).
+pattern (``jaxrec.cpu.read_bandwidth`` / ``gather_rows`` / ``gather_pool_rows``,
+small C++ loops): a sequential read of the table (up to 1 GiB), a gather of
+the forward's rows (the same ids, rows and row size from jaxrec's table,
+summed in registers), and ``gather_pool``, that gather writing the forward's
+output too (each bag's sum, in order, into a reused buffer: at L=1 a lookup
+writes as much as it reads, which ``gather`` does not count); each with 1
+thread and with ``n``. The gathers are timed in the forward's interleaved
+turns (after the frameworks, so the protocol's cache state is theirs: they
+never warm jaxrec's next call), at the prefetch distance that was fastest for
+the plain gather. Every phase is reported as a fraction of the faster of each
+(1 or ``n`` threads; small calls may gain nothing from a second thread): the
+forward's ``ceiling ms / phase ms``; a train step's traffic is modeled as the
+forward's rows plus each unique row read and written back once (and row-wise
+Adagrad's one float of state per row).
 
 Prints one JSON line per (configuration, phase, framework), one per ceiling,
 and one ``ratio`` line per (configuration, phase): ``torchrec median_ms /
@@ -140,12 +143,16 @@ def fractions(name, times, bytes_moved) -> dict:
     ceil = CEILINGS.get(name)
     if not ceil or not bytes_moved:
         return {}
-    out = {"gather_gbps": round(ceil["gather"], 3), "read_gbps": round(ceil["read"], 3)}
+    out = {
+        "gather_gbps": round(ceil["gather"], 3),
+        "gather_pool_gbps": round(ceil["gather_pool"], 3),
+        "read_gbps": round(ceil["read"], 3),
+    }
     for fw in ("jaxrec", "torchrec"):
         gbps = bytes_moved / (statistics.median(times[fw]) * 1e-3) / 1e9
         out[f"{fw}_gbps"] = round(gbps, 3)
-        out[f"{fw}_fraction_of_gather"] = round(gbps / ceil["gather"], 3)
-        out[f"{fw}_fraction_of_read"] = round(gbps / ceil["read"], 3)
+        for c in ("gather", "gather_pool", "read"):
+            out[f"{fw}_fraction_of_{c}"] = round(gbps / ceil[c], 3)
     return out
 
 
@@ -209,13 +216,22 @@ def read_gbps(table, n, reps=5) -> float:
 
 
 def gather_fns(spec, inputs, table) -> tuple[dict, dict]:
-    """``{"gather_1t", "gather_<n>t"}`` timed calls over the forward's rows, and their settings."""
+    """``{"gather_1t", "gather_<n>t", "gather_pool_1t", "gather_pool_<n>t"}`` timed calls over
+    the forward's rows, and their settings. ``gather_pool`` also writes the forward's output
+    (each bag's sum, in order, into one reused buffer): at L=1 that doubles the traffic."""
     ids = forward_ids(spec, inputs)
+    out = np.zeros((spec.T * spec.B, spec.D), np.float32)
     fns, settings = {}, {}
     for n in sorted({1, threads()}):
         ahead = best_ahead(table, ids, n)
         fns[f"gather_{n}t"] = lambda n=n, ahead=ahead: cpu.gather_rows(table, ids, n, ahead)[0]
-        settings[f"gather_{n}t"] = {"threads": n, "prefetch_ahead": ahead}
+        fns[f"gather_pool_{n}t"] = lambda n=n, ahead=ahead: cpu.gather_pool_rows(
+            table, ids, out, n, ahead
+        )
+        settings[f"gather_{n}t"] = settings[f"gather_pool_{n}t"] = {
+            "threads": n,
+            "prefetch_ahead": ahead,
+        }
     return fns, settings
 
 
@@ -289,7 +305,13 @@ def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
                 **{**settings, **read_settings}[k],
             }
         )
-    CEILINGS[name] = {"gather": max(ceil.values()), "read": max(seq.values()), **ceil, **seq}
+    CEILINGS[name] = {
+        "gather": max(v for k, v in ceil.items() if not k.startswith("gather_pool")),
+        "gather_pool": max(v for k, v in ceil.items() if k.startswith("gather_pool")),
+        "read": max(seq.values()),
+        **ceil,
+        **seq,
+    }
     return _records(
         name,
         spec,

@@ -1,7 +1,8 @@
 // The machine's ceilings for the pooled lookup's access pattern, measured by
 // bench/compare_torchrec.py beside the kernels: a sequential read of a buffer
 // and a gather of rows by id, each summed in registers (nothing written but
-// one row of sums per thread). Not used by the FFI targets.
+// one row of sums per thread), or summed per bag into written rows (the
+// forward's own traffic). Not used by the FFI targets.
 // Part of jaxrec_cpu.cc (one translation unit: included once, in order).
 #pragma once
 
@@ -104,6 +105,37 @@ double GatherRows(const float* w, int64_t d, const int32_t* ids, int64_t n, int 
     sums[j] = x;
   }
   return s;
+}
+
+// The forward's minimal traffic: rows ids[0, n) read, each run of `per`
+// consecutive ids summed into one row of out ([n / per, d], written once, in
+// order), `threads` threads over whole runs, `ahead` rows prefetched. At one
+// id per bag a pooled lookup writes as much as it reads; GatherRows, which
+// writes nothing, then understates its ceiling. Returns the seconds taken.
+double GatherPoolRows(const float* w, int64_t d, const int32_t* ids, int64_t n, int64_t per,
+                      int threads, int64_t ahead, float* out) {
+  const int64_t groups = per > 0 ? n / per : 0;
+  const auto t0 = Clock::now();
+  ParallelFor(threads, [&](int t, int nt) {
+    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    const int64_t c_end = g1 * per, row_bytes = d * 4;
+    int64_t c = g0 * per;
+    for (int64_t g = g0; g < g1; ++g) {
+      float* dst = out + g * d;
+      std::memset(dst, 0, row_bytes);
+      for (const int64_t e = c + per; c < e; ++c) {
+        if (ahead > 0 && c + ahead < c_end) {
+          const char* q = reinterpret_cast<const char*>(w + ids[c + ahead] * d);
+          for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(q + o, 0, 3);
+        }
+        const float* p = w + ids[c] * d;
+        int64_t j = 0;
+        for (; j + kVL <= d; j += kVL) StoreV(dst + j, LoadV(dst + j) + LoadV(p + j));
+        for (; j < d; ++j) dst[j] += p[j];
+      }
+    }
+  });
+  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 }  // namespace

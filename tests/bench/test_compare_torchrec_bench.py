@@ -22,11 +22,15 @@ def test_tiny_preset_runs_and_agrees(capsys):
         assert r["agree"] and r["ratio_jaxrec_over_torchrec"] > 0 and r["goal"] in (1.2, 1.3)
         # the roofline: each framework as a fraction of this run's ceilings
         assert r["gather_gbps"] > 0 and r["jaxrec_fraction_of_gather"] > 0
+        assert r["gather_pool_gbps"] > 0 and r["jaxrec_fraction_of_gather_pool"] > 0
         assert r["torchrec_fraction_of_read"] >= 0  # tiny calls: rounds to 0
     ceilings = {(r["config"], r["ceiling"]) for r in lines if r["impl"] == "ceiling"}
     n = compare_torchrec.threads()
     assert ceilings == {
-        (c, f"{k}_{t}t") for c in ("tiny", "tiny_zipf") for k in ("gather", "read") for t in {1, n}
+        (c, f"{k}_{t}t")
+        for c in ("tiny", "tiny_zipf")
+        for k in ("gather", "gather_pool", "read")
+        for t in {1, n}
     }
     assert all(r["machine"]["cores"] >= 1 and "loadavg_1m" in r for r in lines)
     runs = [r for r in lines if r["impl"] in ("jaxrec", "torchrec")]
