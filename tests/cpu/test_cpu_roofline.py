@@ -42,7 +42,7 @@ def test_gather_rows_empty_and_bad_ids():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("d", "per"), [(1, 1), (16, 1), (64, 20), (37, 3)])
+@pytest.mark.parametrize(("d", "per"), [(1, 1), (16, 1), (64, 20), (37, 3), (300, 2)])
 def test_gather_pool_rows_sums_each_run(d, per, threads):
     rng = np.random.default_rng(d + per)
     table = rng.standard_normal((300, d)).astype(np.float32)
