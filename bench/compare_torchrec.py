@@ -87,6 +87,10 @@ CONFIGS: dict[str, LookupSpec] = {
 }
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
 IDLE_S = 0.05  # pause before each timed call (not timed); --idle-ms
+# Bytes of an unrelated buffer read before each turn (not timed), so that no
+# call finds the rows of the one before it in the caches; --evict-mb (0: off).
+EVICT_BYTES = 0
+_SCRATCH: list[np.ndarray] = []
 BLOCK = 1  # calls per turn; with > 1 the first of each turn is untimed; --block
 GOALS = {"forward": 1.3, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
@@ -114,10 +118,11 @@ def calls_per_fn(reps: int, warmup: int) -> int:
 def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict:
     """Wall times (ms) of each ``fn()``, turns interleaved across ``fns``.
 
-    A turn idles ``IDLE_S`` (the other framework's worker threads: torch's
-    OpenMP pool spins after each op and must not eat the cores of the next
-    call), then calls ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts
-    cold (idle cores, caches filled by the other framework). ``BLOCK > 1``: the
+    A turn reads ``EVICT_BYTES`` of an unrelated buffer (``evict``), idles
+    ``IDLE_S`` (the other framework's worker threads: torch's OpenMP pool spins
+    after each op and must not eat the cores of the next call), then calls
+    ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts cold (idle cores,
+    caches holding none of the rows). ``BLOCK > 1``: the
     first call of a turn is untimed and the rest run back to back, as in a
     training loop. A ``fn`` that returns a number gives its own time (seconds).
     """
@@ -128,6 +133,7 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     for i in range(reps):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))
         for k in order:
+            evict()
             time.sleep(IDLE_S)
             for j in range(BLOCK):
                 start = time.perf_counter()
@@ -136,6 +142,24 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
                 if BLOCK == 1 or j > 0:
                     times[k].append(took * 1e3)
     return times
+
+
+def cache_bytes() -> int:
+    """The largest cache's size (the L3 here), from the machine's line; 0 if unknown."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = [int(v[:-1]) * units[v[-1]] for v in MACHINE["caches"].values() if v[-1:] in units]
+    return max(sizes, default=0)
+
+
+def evict() -> None:
+    """Reads ``EVICT_BYTES`` of a buffer no call uses: what the previous call left in the
+    caches (the same rows, for the gathers and jaxrec's own next call; TorchRec reads its
+    own copy of the table) is gone, so every call of the cold protocol starts alike."""
+    if not EVICT_BYTES:
+        return
+    if not _SCRATCH:
+        _SCRATCH.append(np.ones(EVICT_BYTES // 4, np.float32))
+    cpu.read_bandwidth(_SCRATCH[0], threads())
 
 
 def fractions(name, times, bytes_moved) -> dict:
@@ -169,6 +193,7 @@ def ratio_line(name, spec, phase, times, impl, bytes_moved=None, **extra) -> dic
         "threads": threads(),
         "block": BLOCK,
         "idle_ms": IDLE_S * 1e3,
+        "evict_mb": EVICT_BYTES >> 20,
         "ratio_jaxrec_over_torchrec": round(ratio, 3),
         "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
         "goal": goal,
@@ -427,13 +452,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--block", type=int, default=BLOCK, help="calls per turn (> 1: back to back, first untimed)"
     )
+    p.add_argument(
+        "--evict-mb",
+        type=int,
+        default=None,
+        help="MiB read before each turn to empty the caches (default: twice the L3; 0: off)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global IDLE_S, BLOCK
+    global IDLE_S, BLOCK, EVICT_BYTES
     args = parse_args(argv)
     IDLE_S = args.idle_ms / 1e3
+    EVICT_BYTES = 2 * cache_bytes() if args.evict_mb is None else args.evict_mb << 20
     BLOCK = max(1, args.block)
     if not torchrec_available():
         emit({"bench": BENCH, "skipped": "torchrec is not importable"})

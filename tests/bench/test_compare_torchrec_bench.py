@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:fbgemm_gpu.*")
 def test_tiny_preset_runs_and_agrees(capsys):
     pytest.importorskip("torchrec")
-    argv = ["--preset", "tiny", "--reps", "2", "--warmup", "1"]
+    argv = ["--preset", "tiny", "--reps", "2", "--warmup", "1", "--evict-mb", "4"]
     assert compare_torchrec.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ratios = [r for r in lines if r["impl"] == "ratio"]
@@ -23,6 +23,7 @@ def test_tiny_preset_runs_and_agrees(capsys):
         # the roofline: each framework as a fraction of this run's ceilings
         assert r["gather_gbps"] > 0 and r["jaxrec_fraction_of_gather"] > 0
         assert r["gather_pool_gbps"] > 0 and r["jaxrec_fraction_of_gather_pool"] > 0
+        assert r["evict_mb"] == 4
         assert r["torchrec_fraction_of_read"] >= 0  # tiny calls: rounds to 0
     ceilings = {(r["config"], r["ceiling"]) for r in lines if r["impl"] == "ceiling"}
     n = compare_torchrec.threads()
