@@ -137,7 +137,7 @@ def _kjt_xla(weights, features, static, xla_fn):
     return xla_fn(weights, features)
 
 
-# The kernel also returns what it found wrong (``_report``): no gradient.
+# The kernel also returns what it found wrong (bad ids, bags, weights): no gradient.
 _kjt_bag = with_xla_vjp(
     lambda weights, features, static, xla_fn: _kjt_call(weights, features, static),
     _kjt_xla,
