@@ -16,17 +16,20 @@ reported. Phases:
   number of steps from the same weights; touched rows must then agree.
 
 The roofline: in the same run, the machine's own ceilings for this access
-pattern (``jaxrec.cpu.read_bandwidth`` / ``gather_rows``, small C++ loops that
-sum what they read in registers): a sequential read of the table (up to 1 GiB)
-and a gather of the forward's rows (the same ids, rows and row size from
-jaxrec's table), each with 1 thread and with ``n``. The gathers are timed in
-the forward's interleaved turns (after the frameworks, so the protocol's cache
-state is theirs: they never warm jaxrec's next call), at the prefetch distance
-that was fastest for them. Every phase is reported as a fraction of the
-faster gather (1 or ``n`` threads; small calls may gain nothing from a second
-thread) and of the faster read: the forward's ``gather ms / phase ms``; a train step's
-traffic is modeled as the forward's rows plus each unique row read and written
-back once (and row-wise Adagrad's one float of state per row).
+pattern (``jaxrec.cpu.read_bandwidth`` / ``gather_rows`` / ``gather_pool_rows``,
+small C++ loops): a sequential read of the table (up to 1 GiB), a gather of
+the forward's rows (the same ids, rows and row size from jaxrec's table,
+summed in registers), and ``gather_pool``, that gather writing the forward's
+output too (each bag's sum, in order, into a reused buffer: at L=1 a lookup
+writes as much as it reads, which ``gather`` does not count); each with 1
+thread and with ``n``. The gathers are timed in the forward's interleaved
+turns (after the frameworks, so the protocol's cache state is theirs: they
+never warm jaxrec's next call), at the prefetch distance that was fastest for
+the plain gather. Every phase is reported as a fraction of the faster of each
+(1 or ``n`` threads; small calls may gain nothing from a second thread): the
+forward's ``ceiling ms / phase ms``; a train step's traffic is modeled as the
+forward's rows plus each unique row read and written back once (and row-wise
+Adagrad's one float of state per row).
 
 Prints one JSON line per (configuration, phase, framework), one per ceiling,
 and one ``ratio`` line per (configuration, phase): ``torchrec median_ms /
@@ -84,6 +87,10 @@ CONFIGS: dict[str, LookupSpec] = {
 }
 PRESETS = {"tiny": ("tiny", "tiny_zipf"), "issue": ("default", "criteo", "zipf")}
 IDLE_S = 0.05  # pause before each timed call (not timed); --idle-ms
+# Bytes of an unrelated buffer read before each turn (not timed), so that no
+# call finds the rows of the one before it in the caches; --evict-mb (0: off).
+EVICT_BYTES = 0
+_SCRATCH: list[np.ndarray] = []
 BLOCK = 1  # calls per turn; with > 1 the first of each turn is untimed; --block
 GOALS = {"forward": 1.3, "train": 1.2}  # the issue's ratios: TorchRec time / jaxrec time
 OPT_EPS = 1e-8
@@ -111,10 +118,11 @@ def calls_per_fn(reps: int, warmup: int) -> int:
 def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict:
     """Wall times (ms) of each ``fn()``, turns interleaved across ``fns``.
 
-    A turn idles ``IDLE_S`` (the other framework's worker threads: torch's
-    OpenMP pool spins after each op and must not eat the cores of the next
-    call), then calls ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts
-    cold (idle cores, caches filled by the other framework). ``BLOCK > 1``: the
+    A turn reads ``EVICT_BYTES`` of an unrelated buffer (``evict``), idles
+    ``IDLE_S`` (the other framework's worker threads: torch's OpenMP pool spins
+    after each op and must not eat the cores of the next call), then calls
+    ``fn`` ``BLOCK`` times. ``BLOCK == 1``: every call starts cold (idle cores,
+    caches holding none of the rows). ``BLOCK > 1``: the
     first call of a turn is untimed and the rest run back to back, as in a
     training loop. A ``fn`` that returns a number gives its own time (seconds).
     """
@@ -125,6 +133,7 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     for i in range(reps):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))
         for k in order:
+            evict()
             time.sleep(IDLE_S)
             for j in range(BLOCK):
                 start = time.perf_counter()
@@ -135,17 +144,39 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
     return times
 
 
+def cache_bytes() -> int:
+    """The largest cache's size (the L3 here), from the machine's line; 0 if unknown."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = [int(v[:-1]) * units[v[-1]] for v in MACHINE["caches"].values() if v[-1:] in units]
+    return max(sizes, default=0)
+
+
+def evict() -> None:
+    """Reads ``EVICT_BYTES`` of a buffer no call uses: what the previous call left in the
+    caches (the same rows, for the gathers and jaxrec's own next call; TorchRec reads its
+    own copy of the table) is gone, so every call of the cold protocol starts alike."""
+    if not EVICT_BYTES:
+        return
+    if not _SCRATCH:
+        _SCRATCH.append(np.ones(EVICT_BYTES // 4, np.float32))
+    cpu.read_bandwidth(_SCRATCH[0], threads())
+
+
 def fractions(name, times, bytes_moved) -> dict:
     """Each framework's bandwidth over this run's ceilings for ``name`` (1.0: at the ceiling)."""
     ceil = CEILINGS.get(name)
     if not ceil or not bytes_moved:
         return {}
-    out = {"gather_gbps": round(ceil["gather"], 3), "read_gbps": round(ceil["read"], 3)}
+    out = {
+        "gather_gbps": round(ceil["gather"], 3),
+        "gather_pool_gbps": round(ceil["gather_pool"], 3),
+        "read_gbps": round(ceil["read"], 3),
+    }
     for fw in ("jaxrec", "torchrec"):
         gbps = bytes_moved / (statistics.median(times[fw]) * 1e-3) / 1e9
         out[f"{fw}_gbps"] = round(gbps, 3)
-        out[f"{fw}_fraction_of_gather"] = round(gbps / ceil["gather"], 3)
-        out[f"{fw}_fraction_of_read"] = round(gbps / ceil["read"], 3)
+        for c in ("gather", "gather_pool", "read"):
+            out[f"{fw}_fraction_of_{c}"] = round(gbps / ceil[c], 3)
     return out
 
 
@@ -162,6 +193,7 @@ def ratio_line(name, spec, phase, times, impl, bytes_moved=None, **extra) -> dic
         "threads": threads(),
         "block": BLOCK,
         "idle_ms": IDLE_S * 1e3,
+        "evict_mb": EVICT_BYTES >> 20,
         "ratio_jaxrec_over_torchrec": round(ratio, 3),
         "ratio_meaning": "torchrec median_ms / jaxrec median_ms; > 1 means jaxrec is faster",
         "goal": goal,
@@ -209,13 +241,22 @@ def read_gbps(table, n, reps=5) -> float:
 
 
 def gather_fns(spec, inputs, table) -> tuple[dict, dict]:
-    """``{"gather_1t", "gather_<n>t"}`` timed calls over the forward's rows, and their settings."""
+    """``{"gather_1t", "gather_<n>t", "gather_pool_1t", "gather_pool_<n>t"}`` timed calls over
+    the forward's rows, and their settings. ``gather_pool`` also writes the forward's output
+    (each bag's sum, in order, into one reused buffer): at L=1 that doubles the traffic."""
     ids = forward_ids(spec, inputs)
+    out = np.zeros((spec.T * spec.B, spec.D), np.float32)
     fns, settings = {}, {}
     for n in sorted({1, threads()}):
         ahead = best_ahead(table, ids, n)
         fns[f"gather_{n}t"] = lambda n=n, ahead=ahead: cpu.gather_rows(table, ids, n, ahead)[0]
-        settings[f"gather_{n}t"] = {"threads": n, "prefetch_ahead": ahead}
+        fns[f"gather_pool_{n}t"] = lambda n=n, ahead=ahead: cpu.gather_pool_rows(
+            table, ids, out, n, ahead
+        )
+        settings[f"gather_{n}t"] = settings[f"gather_pool_{n}t"] = {
+            "threads": n,
+            "prefetch_ahead": ahead,
+        }
     return fns, settings
 
 
@@ -289,7 +330,13 @@ def run_forward(name, spec, inputs, impl, reps, warmup, seed) -> list[dict]:
                 **{**settings, **read_settings}[k],
             }
         )
-    CEILINGS[name] = {"gather": max(ceil.values()), "read": max(seq.values()), **ceil, **seq}
+    CEILINGS[name] = {
+        "gather": max(v for k, v in ceil.items() if not k.startswith("gather_pool")),
+        "gather_pool": max(v for k, v in ceil.items() if k.startswith("gather_pool")),
+        "read": max(seq.values()),
+        **ceil,
+        **seq,
+    }
     return _records(
         name,
         spec,
@@ -405,13 +452,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--block", type=int, default=BLOCK, help="calls per turn (> 1: back to back, first untimed)"
     )
+    p.add_argument(
+        "--evict-mb",
+        type=int,
+        default=None,
+        help="MiB read before each turn to empty the caches (default: twice the L3; 0: off)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global IDLE_S, BLOCK
+    global IDLE_S, BLOCK, EVICT_BYTES
     args = parse_args(argv)
     IDLE_S = args.idle_ms / 1e3
+    EVICT_BYTES = 2 * cache_bytes() if args.evict_mb is None else args.evict_mb << 20
     BLOCK = max(1, args.block)
     if not torchrec_available():
         emit({"bench": BENCH, "skipped": "torchrec is not importable"})

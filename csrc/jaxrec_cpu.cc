@@ -257,6 +257,51 @@ PyObject* PyGatherRows(PyObject*, PyObject* args) {
   return Py_BuildValue("(dN)", s, list);
 }
 
+PyObject* PyGatherPoolRows(PyObject*, PyObject* args) {
+  PyObject *tobj, *iobj, *oobj;
+  int threads;
+  long long per, ahead;
+  if (!PyArg_ParseTuple(args, "OOLOiL", &tobj, &iobj, &per, &oobj, &threads, &ahead))
+    return nullptr;
+  Py_buffer table, ids, out;
+  if (!GetBuffer(tobj, &table, 'f', 2, "gather_pool_rows(table)")) return nullptr;
+  if (!GetBuffer(iobj, &ids, 'i', 1, "gather_pool_rows(ids)")) {
+    PyBuffer_Release(&table);
+    return nullptr;
+  }
+  if (PyObject_GetBuffer(oobj, &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&ids);
+    return nullptr;
+  }
+  struct Release {
+    Py_buffer *a, *b, *c;
+    ~Release() {
+      PyBuffer_Release(a);
+      PyBuffer_Release(b);
+      PyBuffer_Release(c);
+    }
+  } release{&table, &ids, &out};
+  const int64_t r = table.shape[0], d = table.shape[1], n = ids.len / 4;
+  if (per < 1 || n % per != 0 || out.ndim != 2 || out.itemsize != 4 || out.shape[0] != n / per ||
+      out.shape[1] != d)
+    return PyErr_Format(PyExc_ValueError, "gather_pool_rows: out must be float32 [%lld, %lld] "
+                        "(ids in runs of per=%lld)", static_cast<long long>(per > 0 ? n / per : 0),
+                        static_cast<long long>(d), per);
+  const int32_t* id = static_cast<const int32_t*>(ids.buf);
+  for (int64_t c = 0; c < n; ++c) {
+    if (id[c] < 0 || id[c] >= r)
+      return PyErr_Format(PyExc_ValueError, "gather_pool_rows: ids[%lld]=%d outside [0, %lld)",
+                          static_cast<long long>(c), id[c], static_cast<long long>(r));
+  }
+  double s;
+  Py_BEGIN_ALLOW_THREADS;
+  s = GatherPoolRows(static_cast<const float*>(table.buf), d, id, n, per, std::max(1, threads),
+                     ahead, static_cast<float*>(out.buf));
+  Py_END_ALLOW_THREADS;
+  return PyFloat_FromDouble(s);
+}
+
 // A writable (or read-only) C-contiguous 1-d buffer of `itemsize`-byte items, or an error.
 bool GetVector(PyObject* obj, Py_buffer* view, Py_ssize_t itemsize, bool writable,
                const char* name) {
@@ -463,6 +508,9 @@ PyMethodDef kMethods[] = {
     {"gather_rows", PyGatherRows, METH_VARARGS,
      "gather_rows(table, ids, threads, ahead) -> (seconds, column sums): sums rows ids of a "
      "float32 [R, D] table, `ahead` rows prefetched (a ceiling)."},
+    {"gather_pool_rows", PyGatherPoolRows, METH_VARARGS,
+     "gather_pool_rows(table, ids, per, out, threads, ahead) -> seconds: out[g] = the sum of "
+     "rows ids[g * per : (g + 1) * per] of a float32 [R, D] table (a ceiling)."},
     {"cache_scan", PyCacheScan, METH_VARARGS,
      "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base) -> (hits, n_miss): "
      "jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' base + slot, "

@@ -101,6 +101,41 @@ void ParallelFor(int n, const F& f) {  // f(t, n) for t in [0, n)
   for (auto& th : pool) th.join();
 }
 
+// ----- bag layout (jaxrec.sparse.bags' rule, read from the raw lengths) -----
+// o[i] = start of bag i of a key whose ids are [start, end), i in [0, b]:
+// bag i's ids are [o[i], o[i + 1]). A bag with a negative length, or whose
+// ids run past `end` (and so every later non-empty bag), is invalid: it is
+// empty here and moves no later bag. Returns how many bags were invalid.
+inline int64_t BagOffsets(const int32_t* lengths, int64_t b, int64_t start, int64_t end,
+                          int32_t* o) {
+  int64_t pos = start, bad = 0, total = 0;
+  int32_t lowest = 0;
+  for (int64_t i = 0; i < b; ++i) {  // the common case, in one vector pass: all valid
+    total += lengths[i];
+    lowest = std::min(lowest, lengths[i]);
+  }
+  o[0] = static_cast<int32_t>(pos);
+  if (lowest >= 0 && total <= end - start) {
+    for (int64_t i = 0; i < b; ++i) o[i + 1] = o[i] + lengths[i];
+    return 0;
+  }
+  bool past = false;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = lengths[i];
+    if (n < 0 || (n > 0 && (past || n > end - pos))) {
+      ++bad;
+      past |= n > 0;
+    } else {
+      pos += n;
+    }
+    o[i + 1] = static_cast<int32_t>(pos);
+  }
+  return bad;
+}
+
+// A per-sample weight as the lookups use it: NaN and inf count as zero.
+inline float FiniteOrZero(float x) { return std::isfinite(x) ? x : 0.0f; }
+
 // ----- native-width vectors -----
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64;

@@ -71,14 +71,29 @@ ffi::Error EmbeddingBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> rows,
 // ----- table-batched pooled lookup straight from a KeyedJaggedTensor -----
 // One slot's bags [lo, hi), read by one thread.
 struct KjtSlot {
-  const int32_t* values;   // the KJT's ids
-  const float* pvw;        // per-sample weights, or nullptr
-  const int32_t* o;        // bag i's ids are [o[i], o[i + 1]), contiguous across bags
-  const int32_t* lengths;  // MEAN: the bags' lengths (divisors); nullptr for SUM
+  const int32_t* values;  // the KJT's ids
+  const float* pvw;       // per-sample weights, or nullptr
+  const int32_t* o;       // bag i's ids are [o[i], o[i + 1]), contiguous across bags
+  bool mean;              // MEAN: sums divided by the bag's length
+  bool count_weights;     // count non-finite weights (the first slot reading its key)
   int64_t lo, hi, row_offset, num, ahead;
   float* out;  // bag lo's output; bag i's is out + (i - lo) * out_stride
   int64_t out_stride;
   int64_t bad_base;  // slot * values count: orders bad ids as the XLA path reports them
+};
+
+// What a thread found wrong: out-of-range ids (ordered by bad_base + position)
+// and non-finite weights (by position).
+struct KjtBad {
+  int64_t ids = 0, first_id = INT64_MAX, weights = 0, first_weight = INT64_MAX;
+  void Id(int64_t at) {
+    ++ids;
+    first_id = std::min(first_id, at);
+  }
+  void Weight(int64_t at) {
+    ++weights;
+    first_weight = std::min(first_weight, at);
+  }
 };
 
 // KjtSlot's bags when D = NV native vectors (the common dims): the row `ahead`
@@ -88,12 +103,12 @@ struct KjtSlot {
 // into lines prefetched for writing kOutAhead bags before.
 // kDrop: ids outside [0, num) add nothing and are counted (their prefetch is
 // of some address outside the table: prefetches do not fault); else rows are
-// clamped to [0, r). The same float order as Pool: products rounded, then the
-// sums in id order.
+// clamped to [0, r). Non-finite weights count as zero. The same float order
+// as Pool: products rounded, then the sums in id order.
 constexpr int64_t kOutAhead = 4;
 
 template <typename T, int NV, bool kDrop, bool kScaled>
-void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t* first_bad) {
+void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, KjtBad* bad) {
   constexpr int64_t d = NV * kVL;
   constexpr int64_t kRowBytes = d * sizeof(T);
   const int32_t* values = a.values;
@@ -115,11 +130,18 @@ void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t
         const char* q = reinterpret_cast<const char*>(base + static_cast<uintptr_t>(next * kRowBytes));
         for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(q + b, 0, 3);
       }
+      float sc = 1.0f;
+      if constexpr (kScaled) {
+        sc = a.pvw[c];
+        if (!std::isfinite(sc)) {
+          sc = 0.0f;
+          if (a.count_weights) bad->Weight(c);
+        }
+      }
       int64_t row = values[c];
       if constexpr (kDrop) {
         if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(a.num)) {
-          ++*count;
-          *first_bad = std::min(*first_bad, a.bad_base + c);
+          bad->Id(a.bad_base + c);
           continue;
         }
         row += row_offset;
@@ -128,7 +150,6 @@ void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t
       }
       const T* p = w + row * d;
       if constexpr (kScaled) {
-        const float sc = a.pvw[c];
         for (int v = 0; v < NV; ++v) {
           VF x = LoadV(p + v * kVL) * sc;
           acc[v] += x;
@@ -137,8 +158,8 @@ void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t
         for (int v = 0; v < NV; ++v) acc[v] += LoadV(p + v * kVL);
       }
     }
-    if (a.lengths) {
-      const float inv = 1.0f / static_cast<float>(std::max(a.lengths[i], 1));
+    if (a.mean) {
+      const float inv = 1.0f / static_cast<float>(std::max(a.o[i + 1] - a.o[i], 1));
       for (int v = 0; v < NV; ++v) acc[v] = acc[v] * inv;
     }
     for (int v = 0; v < NV; ++v) StoreV(out + v * kVL, acc[v]);
@@ -147,22 +168,20 @@ void KjtSlotVec(const T* w, int64_t r, const KjtSlot& a, int64_t* count, int64_t
 
 // KjtSlotVec for nv = D / kVL in [1, NV]; false (nothing done) for other nv.
 template <typename T, int NV, bool kDrop, bool kScaled>
-bool KjtSlotVecN(int nv, const T* w, int64_t r, const KjtSlot& a, int64_t* count,
-                 int64_t* first_bad) {
+bool KjtSlotVecN(int nv, const T* w, int64_t r, const KjtSlot& a, KjtBad* bad) {
   if constexpr (NV > 0) {
     if (nv == NV) {
-      KjtSlotVec<T, NV, kDrop, kScaled>(w, r, a, count, first_bad);
+      KjtSlotVec<T, NV, kDrop, kScaled>(w, r, a, bad);
       return true;
     }
-    return KjtSlotVecN<T, NV - 1, kDrop, kScaled>(nv, w, r, a, count, first_bad);
+    return KjtSlotVecN<T, NV - 1, kDrop, kScaled>(nv, w, r, a, bad);
   }
   return false;
 }
 
 // Any D: Pool over each bag, with the general prefetcher.
 template <typename T>
-void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, int64_t* count,
-                int64_t* first_bad) {
+void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, KjtBad* bad) {
   const int32_t* values = a.values;
   auto row_of = [&](int64_t c) -> const T* {
     const int64_t id = values[c];
@@ -172,15 +191,11 @@ void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, i
     }
     return w + std::min<int64_t>(std::max<int64_t>(id + a.row_offset, 0), r - 1) * d;
   };
-  auto scale_of = [&](int64_t c) { return a.pvw[c]; };
-  if (drop) {
-    for (int64_t c = a.o[a.lo]; c < a.o[a.hi]; ++c) {
-      const int64_t id = values[c];
-      if (id < 0 || id >= a.num) {
-        ++*count;
-        *first_bad = std::min(*first_bad, a.bad_base + c);
-      }
-    }
+  auto scale_of = [&](int64_t c) { return FiniteOrZero(a.pvw[c]); };
+  for (int64_t c = a.o[a.lo]; c < a.o[a.hi]; ++c) {
+    const int64_t id = values[c];
+    if (drop && (id < 0 || id >= a.num)) bad->Id(a.bad_base + c);
+    if (a.pvw && a.count_weights && !std::isfinite(a.pvw[c])) bad->Weight(c);
   }
   const int32_t range[2] = {a.o[a.lo], a.o[a.hi]};
   Prefetcher<T, decltype(row_of)> pf{range, 1, row_of, d * static_cast<int64_t>(sizeof(T))};
@@ -192,8 +207,8 @@ void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, i
     } else {
       Pool<T, false, true>(d, a.o[i], a.o[i + 1], row_of, scale_of, dst, &pf);
     }
-    if (a.lengths) {
-      const float inv = 1.0f / static_cast<float>(std::max(a.lengths[i], 1));
+    if (a.mean) {
+      const float inv = 1.0f / static_cast<float>(std::max(a.o[i + 1] - a.o[i], 1));
       for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * inv;
     }
   }
@@ -201,48 +216,59 @@ void KjtSlotAny(const T* w, int64_t r, int64_t d, bool drop, const KjtSlot& a, i
 
 // slots[s] = (key, row_offset, num_embeddings, is_mean). Output [B, S, D]:
 // out[b, s] pools key `key`'s bag b (its ids id -> row row_offset + id).
-// drop != 0: ids outside [0, num_embeddings) contribute nothing and are
-// counted (bad = [count, first such id]); drop == 0: rows are clamped to the
-// buffer (the XLA path's BoundsCheckMode.NONE). Threads split the bags.
+// Bags follow jaxrec.sparse.bags' rule (BagOffsets: invalid bags are empty)
+// and weights count as zero where not finite. drop != 0: ids outside
+// [0, num_embeddings) contribute nothing; drop == 0: rows are clamped to the
+// buffer (the XLA path's BoundsCheckMode.NONE). bad = [out-of-range ids, the
+// first one, invalid bags of the keys read, the first slot whose key has one,
+// non-finite weights of valid bags' ids, the first one's position]; each key
+// counted once however many slots read it. Threads split the bags.
 template <typename T>
 void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const int32_t* lengths,
                  const float* pvw, const int32_t* slots, int64_t n_slots, const int32_t* starts,
                  int64_t n_keys, int64_t b, int64_t v_total, bool drop, float* out,
                  int32_t* bad) {
   AdviseHugePages(w, r * d * static_cast<int64_t>(sizeof(T)));
-  // Global start of every (key, bag): starts[k] + cumsum of the key's lengths.
-  std::vector<int32_t> off(n_keys * (b + 1));
-  for (int64_t k = 0; k < n_keys; ++k) {
-    int64_t pos = starts[k];
-    int32_t* o = off.data() + k * (b + 1);
-    o[0] = static_cast<int32_t>(pos);
-    for (int64_t i = 0; i < b; ++i) {
-      pos = std::min<int64_t>(pos + std::max(lengths[k * b + i], 0), starts[k + 1]);
-      o[i + 1] = static_cast<int32_t>(pos);
-    }
-  }
-  int64_t ids = 0;
+  // Bag offsets of every key a slot reads: the layout rule in the same walk.
+  // Kept across calls (no zeroing per call); workers read it through `offsets`:
+  // a thread_local named in the lambda would be each worker's own, empty one.
+  thread_local std::vector<int32_t> off;
+  if (off.size() < static_cast<size_t>(n_keys * (b + 1))) off.resize(n_keys * (b + 1));
+  const int32_t* offsets = off.data();
+  std::vector<int64_t> bad_bags(n_keys, -1);  // -1: key not read (yet)
+  std::vector<char> first_reader(n_slots, 0);
+  int64_t bags = 0, first_slot = -1, ids = 0;
   for (int64_t s = 0; s < n_slots; ++s) {
-    const int32_t* o = off.data() + slots[4 * s] * (b + 1);
+    const int64_t k = slots[4 * s];
+    if (bad_bags[k] >= 0) continue;
+    int32_t* o = off.data() + k * (b + 1);
+    bad_bags[k] = BagOffsets(lengths + k * b, b, starts[k], starts[k + 1], o);
+    first_reader[s] = 1;
+    bags += bad_bags[k];
+    if (bad_bags[k] > 0 && first_slot < 0) first_slot = s;
+  }
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const int32_t* o = offsets + slots[4 * s] * (b + 1);
     ids += o[b] - o[0];
   }
   int n = ThreadsFor(ids * d * static_cast<int64_t>(sizeof(T)));
   n = static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(b, 1)));
-  std::vector<int64_t> counts(n, 0), first(n, INT64_MAX);
+  std::vector<KjtBad> found(n);
   ParallelFor(n, [&](int t, int nt) {
     const int64_t lo = b * t / nt, hi = b * (t + 1) / nt;
     if (r == 0) {
       std::memset(out + lo * n_slots * d, 0, sizeof(float) * (hi - lo) * n_slots * d);
       return;
     }
-    int64_t count = 0, first_bad = INT64_MAX;
+    KjtBad mine;
     const int nv = d % kVL == 0 ? static_cast<int>(d / kVL) : 0;
     for (int64_t s = 0; s < n_slots; ++s) {
       const int32_t* sl = slots + 4 * s;
       const KjtSlot a{values,
                       pvw,
-                      off.data() + sl[0] * (b + 1),
-                      sl[3] != 0 ? lengths + sl[0] * b : nullptr,
+                      offsets + sl[0] * (b + 1),
+                      sl[3] != 0,
+                      first_reader[s] != 0,
                       lo,
                       hi,
                       sl[1],
@@ -253,24 +279,30 @@ void KjtBagTyped(const T* w, int64_t r, int64_t d, const int32_t* values, const 
                       s * v_total};
       bool done;
       if (drop) {
-        done = pvw ? KjtSlotVecN<T, 16, true, true>(nv, w, r, a, &count, &first_bad)
-                   : KjtSlotVecN<T, 16, true, false>(nv, w, r, a, &count, &first_bad);
+        done = pvw ? KjtSlotVecN<T, 16, true, true>(nv, w, r, a, &mine)
+                   : KjtSlotVecN<T, 16, true, false>(nv, w, r, a, &mine);
       } else {
-        done = pvw ? KjtSlotVecN<T, 16, false, true>(nv, w, r, a, &count, &first_bad)
-                   : KjtSlotVecN<T, 16, false, false>(nv, w, r, a, &count, &first_bad);
+        done = pvw ? KjtSlotVecN<T, 16, false, true>(nv, w, r, a, &mine)
+                   : KjtSlotVecN<T, 16, false, false>(nv, w, r, a, &mine);
       }
-      if (!done) KjtSlotAny(w, r, d, drop, a, &count, &first_bad);
+      if (!done) KjtSlotAny(w, r, d, drop, a, &mine);
     }
-    counts[t] = count;
-    first[t] = first_bad;
+    found[t] = mine;
   });
-  int64_t count = 0, first_bad = INT64_MAX;
-  for (int t = 0; t < n; ++t) {
-    count += counts[t];
-    first_bad = std::min(first_bad, first[t]);
+  KjtBad all;
+  for (const KjtBad& f : found) {
+    all.ids += f.ids;
+    all.first_id = std::min(all.first_id, f.first_id);
+    all.weights += f.weights;
+    all.first_weight = std::min(all.first_weight, f.first_weight);
   }
-  bad[0] = static_cast<int32_t>(std::min<int64_t>(count, INT32_MAX));
-  bad[1] = count ? values[first_bad % v_total] : 0;
+  auto clip = [](int64_t x) { return static_cast<int32_t>(std::min<int64_t>(x, INT32_MAX)); };
+  bad[0] = clip(all.ids);
+  bad[1] = all.ids ? values[all.first_id % v_total] : 0;
+  bad[2] = clip(bags);
+  bad[3] = static_cast<int32_t>(std::max<int64_t>(first_slot, 0));
+  bad[4] = clip(all.weights);
+  bad[5] = all.weights ? static_cast<int32_t>(all.first_weight) : 0;
 }
 
 ffi::Error KjtBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> values,
@@ -284,14 +316,19 @@ ffi::Error KjtBagImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> values,
   const int64_t n_keys = static_cast<int64_t>(starts.element_count()) - 1;
   if (wd.size() != 2 || od.size() != 3 || od[2] != wd[1] || sd.size() != 2 || sd[1] != 4 ||
       od[1] != sd[0] || n_keys < 0 ||
-      static_cast<int64_t>(lengths.element_count()) != n_keys * od[0]) {
+      static_cast<int64_t>(lengths.element_count()) != n_keys * od[0] ||
+      bad->element_count() != 6) {
     return ffi::Error::InvalidArgument(
         "jaxrec_kjt_embedding_bag: weights [R, D], lengths [F * B], slots [S, 4], "
-        "starts [F + 1], out [B, S, D]");
+        "starts [F + 1], out [B, S, D], bad [6]");
   }
   const int64_t v = static_cast<int64_t>(values.element_count());
   const int32_t* st = starts.typed_data();
-  if (st[n_keys] > v) return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: starts");
+  for (int64_t k = 0; k < n_keys; ++k) {
+    if (st[0] < 0 || st[k] > st[k + 1] || st[n_keys] > v) {
+      return ffi::Error::InvalidArgument("jaxrec_kjt_embedding_bag: starts");
+    }
+  }
   const int64_t n_slots = sd[0];
   for (int64_t s = 0; s < n_slots; ++s) {
     const int32_t* sl = slots.typed_data() + 4 * s;

@@ -369,7 +369,8 @@ ffi::Error BackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::Buff
 // collection's pooled output, every group's columns side by side). Each id of
 // the slot's key becomes (row, gradient offset, scale) in slot order, as
 // jaxrec.ops.backward.pooled_grad_sources lists them (out-of-range ids are
-// skipped, as BoundsCheckMode.IGNORE); then the fused update above runs. No
+// skipped, as BoundsCheckMode.IGNORE; invalid bags are empty, by BagOffsets,
+// and non-finite weights count as zero); then the fused update above runs. No
 // per-id arrays cross into XLA, and the [B, W] gradient is read in place.
 struct KjtIds {
   std::vector<int32_t> rows;
@@ -389,27 +390,25 @@ int64_t KjtIdList(const int32_t* values, const int32_t* lengths, const float* pv
   out.goff.resize(total);
   out.scale.resize(total);
   int64_t n = 0;
+  std::vector<int32_t> o(b + 1);
   for (int64_t s = 0; s < n_slots; ++s) {
     const int32_t* sl = slots + 5 * s;
     const int64_t k = sl[0], row_offset = sl[1], num = sl[2], col = sl[4];
     const bool mean = sl[3] != 0;
-    int64_t pos = starts[k];
+    BagOffsets(lengths + k * b, b, starts[k], starts[k + 1], o.data());  // invalid bags: empty
     for (int64_t i = 0; i < b; ++i) {
-      const int32_t len = std::max(lengths[k * b + i], 0);
-      const int64_t end = std::min<int64_t>(pos + len, starts[k + 1]);
-      const float inv = mean ? 1.0f / static_cast<float>(std::max(len, 1)) : 1.0f;
+      const float inv = mean ? 1.0f / static_cast<float>(std::max(o[i + 1] - o[i], 1)) : 1.0f;
       const int64_t go = i * w_cols + col;
-      for (int64_t c = pos; c < end; ++c) {
+      for (int64_t c = o[i]; c < o[i + 1]; ++c) {
         const int64_t id = values[c];
         const bool ok = id >= 0 && id < num;
         out.rows[n] = ok ? static_cast<int32_t>(id + row_offset) : static_cast<int32_t>(r);
         out.goff[n] = go;
         float sc = ok ? 1.0f : 0.0f;
-        if (pvw) sc = sc * pvw[c];
+        if (pvw) sc = sc * FiniteOrZero(pvw[c]);
         out.scale[n] = mean ? sc * inv : sc;
         ++n;
       }
-      pos = end;
     }
   }
   return n;
@@ -434,7 +433,11 @@ ffi::Error KjtBackwardUpdate(ffi::Result<ffi::AnyBuffer> table, float* m, ffi::B
   const int64_t r = td[0], d = td[1], b = gd[0], w_cols = gd[1], n_slots = sd[0];
   const int64_t v = static_cast<int64_t>(values.element_count());
   const int32_t* st = starts.typed_data();
-  if (st[n_keys] > v) return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: starts");
+  for (int64_t k = 0; k < n_keys; ++k) {
+    if (st[0] < 0 || st[k] > st[k + 1] || st[n_keys] > v) {
+      return ffi::Error::InvalidArgument("jaxrec_kjt_backward_update: starts");
+    }
+  }
   for (int64_t s = 0; s < n_slots; ++s) {
     const int32_t* sl = slots.typed_data() + 5 * s;
     if (sl[0] < 0 || sl[0] >= n_keys || sl[4] < 0 || sl[4] + d > w_cols) {

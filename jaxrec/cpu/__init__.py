@@ -38,6 +38,9 @@ from .loader import (
     unavailable_reason as unavailable_reason,
 )
 from .roofline import (
+    gather_pool_rows as gather_pool_rows,
+)
+from .roofline import (
     gather_rows as gather_rows,
 )
 from .roofline import (

@@ -17,8 +17,8 @@ from ..configs import PoolingType
 from ..optim import AdagradParams, EmbOptimType, SgdParams, WeightDecayMode
 from ..optim.base import lr_at, row_fields
 from ..sparse import KeyedJaggedTensor
-from ..sparse.bags import checked_lengths, finite_weights
 from ..xla.bounds import BoundsCheckMode, report_out_of_range
+from ..xla.layout import report_bad_bags, report_bad_weights
 from ..xla.lookup import embedding_bag_xla
 from ..xla.vjp import with_xla_vjp
 from .loader import load
@@ -44,19 +44,25 @@ def _fits_int32(dtype) -> bool:
 
 
 def _kernel_lengths(features) -> jax.Array:
-    """int32 lengths with invalid bags emptied (``jaxrec.sparse.bags``): the kernels then
-    read exactly the bags the XLA path reads (no valid bag moves)."""
+    """int32 lengths, as they are: the kernels apply ``jaxrec.sparse.bags``' rule
+    themselves while walking them (invalid bags read nothing). Wider lengths
+    saturate, so a bad length stays bad (negative, or past any capacity)."""
     lengths = features.lengths()
-    return checked_lengths(lengths, features.capacity_per_key(), features.stride()).astype(
-        jnp.int32
-    )
+    if lengths.dtype == jnp.int32:
+        return lengths
+    info = jnp.iinfo(lengths.dtype)
+    if info.max > np.iinfo(np.int32).max:
+        lengths = jnp.minimum(lengths, np.array(np.iinfo(np.int32).max, lengths.dtype))
+    if info.min < -1:
+        lengths = jnp.maximum(lengths, np.array(-1, lengths.dtype))
+    return lengths.astype(jnp.int32)
 
 
 def _kernel_weights(weights) -> jax.Array:
-    """float32 per-sample weights, NaN / inf zeroed as on the XLA path; ``[0]`` for none."""
+    """float32 per-sample weights (the kernels count NaN / inf as zero); ``[0]`` for none."""
     if weights is None:
         return jnp.zeros((0,), jnp.float32)
-    return finite_weights(weights.astype(jnp.float32))
+    return weights.astype(jnp.float32)
 
 
 def _require_kernels() -> None:
@@ -112,7 +118,7 @@ def _kjt_call(weights, features, static):
     starts = np.asarray(features.capacity_offsets(), np.int32)
     shapes = (
         jax.ShapeDtypeStruct((b, len(slots), weights.shape[1]), jnp.float32),
-        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((6,), jnp.int32),
     )
     call = jax.ffi.ffi_call("jaxrec_kjt_embedding_bag", shapes, vmap_method="sequential")
     return call(
@@ -131,7 +137,7 @@ def _kjt_xla(weights, features, static, xla_fn):
     return xla_fn(weights, features)
 
 
-# The kernel also returns the bad-id count and first bad id: no gradient.
+# The kernel also returns what it found wrong (bad ids, bags, weights): no gradient.
 _kjt_bag = with_xla_vjp(
     lambda weights, features, static, xla_fn: _kjt_call(weights, features, static),
     _kjt_xla,
@@ -146,10 +152,12 @@ def grouped_pooled_lookup_cpu(
     """``jaxrec.ops.grouped_pooled_lookup`` in one C++ call: ``[B, S, D]`` float32.
 
     The kernel reads the KJT's values and lengths directly (no segment ids,
-    masks or row arrays are formed), drops out-of-range ids (or clamps them
-    under ``BoundsCheckMode.NONE``, as XLA does), applies per-sample weights and
-    MEAN, and returns how many ids were out of range with the first one, which
-    feed the same WARNING / FATAL reporting as the XLA path. ``xla_fn(weights,
+    masks or row arrays are formed), empties invalid bags (``jaxrec.sparse.bags``),
+    drops out-of-range ids (or clamps them under ``BoundsCheckMode.NONE``, as
+    XLA does), applies per-sample weights (non-finite ones as zero) and MEAN,
+    and counts the invalid bags, non-finite weights and out-of-range ids with
+    the first of each, which feed the same WARNING / FATAL reporting as the XLA
+    path (``jaxrec.ops.layout``, ``jaxrec.xla.bounds``). ``xla_fn(weights,
     features)`` is the XLA lookup, whose autodiff is the backward.
     """
     _require_kernels()
@@ -180,6 +188,10 @@ def grouped_pooled_lookup_cpu(
             stride=features.stride(),
         )
     out, bad = _kjt_bag(weights, features, static, xla_fn)
+    # In the XLA path's order (``jaxrec.ops.grouped``): bags, weights, ids.
+    report_bad_bags(bad[2], bad[3], mode, where, [sl.key for sl in slots])
+    if is_weighted:
+        report_bad_weights(bad[4], bad[5], mode, where, keys, features.capacity_offsets())
     report_out_of_range(bad[0], bad[1], mode, where)
     return out
 

@@ -2,8 +2,10 @@
 
 Benchmarks report each kernel's time as a fraction of these: a sequential
 read of a buffer and a gather of table rows by id, each summed in registers
-(nothing written but one row of sums per thread), timed inside C++ with the
-GIL released. Neither is used by the lookups themselves.
+(nothing written but one row of sums per thread), and the gather summed per
+bag into written rows (a pooled lookup's own traffic: at one id per bag it
+writes as much as it reads). Timed inside C++ with the GIL released; none is
+used by the lookups themselves.
 """
 
 from __future__ import annotations
@@ -70,3 +72,38 @@ def gather_rows(
     ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
     seconds, sums = _kernels().gather_rows(table, ids, int(threads), int(ahead))
     return seconds, np.asarray(sums, np.float32)
+
+
+def gather_pool_rows(
+    table: np.ndarray, ids: np.ndarray, out: np.ndarray, threads: int, ahead: int = 16
+) -> float:
+    """Sums each run of ``per = N // G`` consecutive ids' rows into a row of ``out``.
+
+    :func:`gather_rows` with the forward's output: ``out[g] = table[ids[g * per :
+    (g + 1) * per]].sum(0)``, each row of ``out`` written once, in order, runs
+    split over ``threads`` threads; rows prefetched ``ahead`` ids before. Pass
+    the same ``out`` to every timed call, as a lookup's output buffer is
+    reused: a fresh one would time its page faults.
+
+    Args:
+        table: a C-contiguous ``[R, D]`` float32 array.
+        ids: ``[N]`` int32 row ids in ``[0, R)``.
+        out: a C-contiguous, writable ``[G, D]`` float32 array, ``N`` a multiple of ``G``.
+        threads: threads to split the runs over.
+        ahead: rows prefetched ahead of the one being summed.
+
+    Returns:
+        The seconds taken; ``out`` holds the sums (in id order).
+
+    Raises:
+        ValueError: an id outside ``[0, R)``, or ``out`` of another shape.
+    """
+    if table.ndim != 2 or out.ndim != 2 or out.shape[0] == 0 or ids.size % out.shape[0]:
+        raise ValueError(
+            f"table must be [R, D] and out [G, D] with G dividing the ids, got "
+            f"{table.shape=} {out.shape=} {ids.size=}"
+        )
+    table = np.ascontiguousarray(table, np.float32)
+    ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
+    per = ids.size // out.shape[0]
+    return _kernels().gather_pool_rows(table, ids, per, out, int(threads), int(ahead))

@@ -58,9 +58,6 @@ def grouped_pooled_lookup(
         )
     where = f"pooled lookup of {[sl.key for sl in slots]}"
     check_keys(features, slots)
-    report_layout(
-        features, [sl.key for sl in slots], bounds_check_mode, where, weighted=is_weighted
-    )
     xla_fn = functools.partial(
         _grouped_pooled_xla,
         slots=tuple(slots),
@@ -69,10 +66,18 @@ def grouped_pooled_lookup(
         where=where,
         implementation=implementation,
     )
+
+    def xla_path():
+        report_layout(
+            features, [sl.key for sl in slots], bounds_check_mode, where, weighted=is_weighted
+        )
+        return xla_fn(weights, features)
+
+    # The C++ kernel checks the layout in its own walk of the lengths.
     return try_cpu(
         "grouped_pooled_lookup",
         implementation,
-        lambda: xla_fn(weights, features),
+        xla_path,
         weights,
         features,
         slots,

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..sparse import KeyedJaggedTensor
 from ..sparse.bags import valid_bags
-from ..xla.bounds import BoundsCheckMode, report_check
+from ..xla.bounds import BoundsCheckMode
+from ..xla.layout import report_bad_bags, report_bad_weights
 
 
 def report_layout(
@@ -63,16 +64,7 @@ def report_bags(
     """``bad``: ``[K, B]`` invalid bags of ``K`` keys (``keys=None``: one unnamed key)."""
     per_key = jnp.sum(bad, axis=1, dtype=jnp.int32)
     first = jnp.argmax(per_key > 0) if keys else jnp.argmax(bad[0]) if bad.size else 0
-
-    def message(count: int, example: int) -> str:
-        at = f"key {keys[example]!r}" if keys else f"bag {example}"
-        return (
-            f"{count} bags of {where} have a negative length or run past their key's "
-            f"capacity (the first in {at}); lengths must be >= 0 and each key's lengths "
-            "must sum to at most its capacity: fix them or raise capacities="
-        )
-
-    report_check(jnp.sum(per_key), first, mode, f"bag lengths of {where}", message)
+    report_bad_bags(jnp.sum(per_key), first, mode, where, keys)
 
 
 def report_weights(
@@ -89,15 +81,4 @@ def report_weights(
     first = jnp.int32(0)
     if bad.size:
         first = jax.lax.cond(count > 0, lambda: jnp.argmax(bad).astype(jnp.int32), lambda: first)
-
-    def message(count: int, example: int) -> str:
-        if keys:
-            at = f"key {keys[int(np.searchsorted(starts, example, side='right')) - 1]!r}"
-        else:
-            at = f"position {example}"
-        return (
-            f"{count} per-sample weights of {where} are NaN or infinite (the first in {at}); "
-            "their ids contribute zero: fix the weights where the batch is built"
-        )
-
-    report_check(count, first, mode, f"weights of {where}", message)
+    report_bad_weights(count, first, mode, where, keys, starts)

@@ -39,3 +39,20 @@ def test_gather_rows_empty_and_bad_ids():
         cpu.gather_rows(table, np.array([0, 4], np.int32), 1)
     with pytest.raises(ValueError, match="table must be"):
         cpu.gather_rows(np.ones(4, np.float32), np.zeros(1, np.int32), 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("d", "per"), [(1, 1), (16, 1), (64, 20), (37, 3), (300, 2)])
+def test_gather_pool_rows_sums_each_run(d, per, threads):
+    rng = np.random.default_rng(d + per)
+    table = rng.standard_normal((300, d)).astype(np.float32)
+    ids = rng.integers(0, 300, 40 * per).astype(np.int32)
+    out = np.full((40, d), np.nan, np.float32)
+    seconds = cpu.gather_pool_rows(table, ids, out, threads)
+    assert seconds >= 0
+    want = table[ids].reshape(40, per, d).sum(1, dtype=np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        cpu.gather_pool_rows(table, np.full(40 * per, 300, np.int32), out, threads)
+    with pytest.raises(ValueError, match="G dividing"):
+        cpu.gather_pool_rows(table, ids[:-1], out, threads)

@@ -132,6 +132,49 @@ def test_reports_follow_bounds_check_mode(impl, caplog):
         jax.block_until_ready(lookup(impl, "FATAL", False)(table, neg))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_key_read_twice_is_reported_once(impl, caplog):
+    rng = np.random.default_rng(5)
+    lengths = LAYOUTS["overflow"]  # a: bags 1, 2 invalid; c: bag 1
+    kjt, values, w = make_kjt(lengths, rng, weighted=True)
+    w[[1, 2]] = np.nan  # key a: position 1 is in valid bag 0; position 2 is read by no bag
+    kjt = jr.KeyedJaggedTensor(
+        KEYS, jnp.asarray(values), jnp.asarray(w), lengths=kjt.lengths(), capacities=CAPS
+    )
+    slots = (SLOTS[0], FeatureSlot(key="a", row_offset=ROWS, num_embeddings=ROWS), SLOTS[1])
+    table = jnp.asarray(rng.standard_normal((2 * ROWS, 4)), jnp.float32)
+    f = jax.jit(
+        lambda t, x: grouped_pooled_lookup(
+            t, x, slots, is_weighted=True, bounds_check_mode="WARNING", implementation=impl
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="jaxrec"):
+        got = jax.block_until_ready(f(table, kjt))
+    w[[1, 2]] = 0.0
+    want = pooled_reference(np.asarray(table, np.float64), values, w, lengths, slots)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert "3 bags of" in caplog.text and "first in key 'a'" in caplog.text
+    assert "1 per-sample weights of" in caplog.text
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wide_lengths_stay_invalid(impl):
+    # 2**31 + 1 as uint32 runs past the capacity; narrowed without care it would
+    # wrap to a negative length, which leaves the later bag valid.
+    kjt = jr.KeyedJaggedTensor(
+        ["a"], jnp.arange(4, dtype=jnp.int32), lengths=jnp.asarray([1, 2**31 + 1, 1], jnp.uint32),
+        capacities=[4],
+    )  # fmt: skip
+    table = jnp.arange(20.0).reshape(10, 2)
+    slot = [FeatureSlot(key="a", row_offset=0, num_embeddings=10)]
+    got = jax.jit(
+        lambda t, x: grouped_pooled_lookup(
+            t, x, slot, bounds_check_mode="IGNORE", implementation=impl
+        )
+    )(table, kjt)
+    np.testing.assert_array_equal(got[:, 0], [[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+
+
 def test_only_keys_the_lookup_reads_are_reported():
     rng = np.random.default_rng(1)
     kjt, _, _ = make_kjt(LAYOUTS["overflow"], rng)  # keys a and c overflow, b does not
