@@ -169,6 +169,10 @@ class Mover:
         attrs, keep = [], []
         for i, key, c, _ in self.parts:
             h = host[key][self.buffers[i].field]
+            if not h.flags.c_contiguous:  # the kernel reads whole rows at h's address
+                field = self.buffers[i].field
+                raise ValueError(f"host table {key!r} field {field!r} was replaced by a "
+                                 "non-contiguous array; fill it in place")  # fmt: skip
             keep.append(h)
             wide = h.ndim == 2
             attrs.append((i, h.ctypes.data, len(h), h.strides[0], c.col * h.itemsize if wide else 0,
