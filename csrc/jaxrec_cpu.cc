@@ -432,34 +432,6 @@ PyObject* PyCacheFix(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* PyCacheTouch(PyObject*, PyObject* args) {
-  PyObject *ids, *slot_of_row, *last_used, *counts, *out;
-  long long clock, base;
-  if (!PyArg_ParseTuple(args, "OOOOLLO", &ids, &slot_of_row, &last_used, &counts, &clock, &base,
-                        &out))
-    return nullptr;
-  Buffers b;
-  if (!b.Get(ids, 4, false, "cache_touch(ids)") || !b.Get(slot_of_row, 4, false, "slot_of_row") ||
-      !b.Get(last_used, 8, true, "last_used") || !b.Get(counts, 4, true, "counts") ||
-      !b.Get(out, 4, true, "out"))
-    return nullptr;
-  const int64_t n = b.Len(0);
-  if (b.Len(4) != n) return PyErr_Format(PyExc_ValueError, "cache_touch: out and ids differ");
-  if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_touch")) return nullptr;
-  const int32_t* ids_p = b.At<int32_t>(0);
-  const int32_t* sor = b.At<int32_t>(1);
-  const int64_t slots = b.Len(2);
-  for (int64_t i = 0; i < n; ++i) {
-    if (sor[ids_p[i]] < 0 || sor[ids_p[i]] >= slots)
-      return PyErr_Format(PyExc_ValueError, "cache_touch: row %d has no slot", ids_p[i]);
-  }
-  uint32_t* cnt = b.Len(3) ? b.At<uint32_t>(3) : nullptr;
-  Py_BEGIN_ALLOW_THREADS;
-  CacheTouch(ids_p, n, sor, b.At<int64_t>(2), cnt, clock, base, b.At<int32_t>(4));
-  Py_END_ALLOW_THREADS;
-  Py_RETURN_NONE;
-}
-
 PyObject* PyCacheRows(PyObject*, PyObject* args) {
   PyObject *src, *rows, *dst;
   int scatter;
@@ -525,9 +497,6 @@ PyMethodDef kMethods[] = {
     {"cache_rows", PyCacheRows, METH_VARARGS,
      "cache_rows(src, rows, dst, scatter): dst[i] = src[rows[i]], or dst[rows[i]] = src[i] with "
      "scatter; whole rows of C-contiguous arrays, int64 rows, over threads."},
-    {"cache_touch", PyCacheTouch, METH_VARARGS,
-     "cache_touch(ids, slot_of_row, last_used, counts, clock, base, out): jaxrec.cache's remap "
-     "pass (out = base + slot; stamps; counts when counts is not empty)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

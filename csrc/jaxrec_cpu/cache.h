@@ -109,8 +109,9 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
   return used + fresh;
 }
 
-// After CacheScan with `out` and CacheAssign: out[i] = base + slot of each missed id. Returns
-// false (nothing else changed) if an id's row has no slot.
+// out[i] = base + slot of ids[i] where out[i] < 0: the missed ids after CacheScan with `out`
+// and CacheAssign, or every id (out filled with -1). Returns false (nothing else changed) if
+// such an id's row has no slot.
 inline bool CacheFix(const int32_t* ids, int64_t n, const int32_t* slot_of_row, int64_t slots,
                      int64_t base, int32_t* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -126,20 +127,6 @@ inline bool CacheFix(const int32_t* ids, int64_t n, const int32_t* slot_of_row, 
 inline void CacheCount(const int32_t* ids, int64_t n, uint32_t* counts) {
   for (int64_t i = 0; i < n; ++i) {
     if (counts[ids[i]] != UINT32_MAX) ++counts[ids[i]];
-  }
-}
-
-// out[i] = base + slot of ids[i] (every id's row is cached); stamps the slot with `clock`
-// and, with counts, counts the row's ids (saturating).
-inline void CacheTouch(const int32_t* ids, int64_t n, const int32_t* slot_of_row,
-                       int64_t* last_used, uint32_t* counts, int64_t clock, int64_t base,
-                       int32_t* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t r = ids[i];
-    const int32_t s = slot_of_row[r];
-    last_used[s] = clock;
-    if (counts && counts[r] != UINT32_MAX) ++counts[r];
-    out[i] = static_cast<int32_t>(base + s);
   }
 }
 

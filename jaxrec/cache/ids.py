@@ -48,7 +48,7 @@ def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray, scanned: bool) -> No
     range (``-1`` / the slot count), for the device's bounds check. ``scanned``: the
     plan's pass wrote the hits' slots already."""
     if scanned:
-        t.maps[0].finish(ids, out, 0)
+        t.maps[0].finish(ids, out)
         return
     rows = t.host.config.num_embeddings
     if len(t.maps) == 1 and in_range(ids, rows):

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ..checkpoint.layout import Buffer
+from ..cpu import available
 from ..embedding.blocks import Block
 from . import native
 
@@ -301,8 +302,6 @@ def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
     buffer's dtype and row shape."""
     if INPLACE is False or not buffers:
         return False
-    from ..cpu import available
-
     for i, key, c, _ in parts:
         b = buffers[i]
         h = host[key][b.field]
@@ -315,7 +314,7 @@ def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
         )  # fmt: skip
         if not ok:
             return False
-    return available()
+    return available()  # the FFI target registered (the CPU backend, the extension)
 
 
 PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it on CPU)

@@ -8,8 +8,9 @@ survive eviction, as FBGEMM's ``lfu_state`` does).
 
 A batch goes through :meth:`SlotMap.plan` (what it needs; nothing changes, so a
 batch that does not fit leaves the cache as it was), :meth:`SlotMap.assign` (slots
-for its missed rows) and :meth:`SlotMap.touch` (its ids as slots; stamps and counts
-its rows). The per-id passes run in C++ when the extension is built (``jaxrec.cpu``),
+for its missed rows, its slots stamped used now) and :meth:`SlotMap.touch` (its ids
+as slots, its rows counted; :meth:`SlotMap.finish` after a plan that wrote the
+hits' slots). The passes run in C++ when the extension is built (``jaxrec.cpu``),
 else in numpy; both give the same slots.
 """
 
@@ -143,29 +144,26 @@ class SlotMap:
             self.last_used[self.seen == self.epoch] = self.clock
         return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
 
-    def finish(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
+    def finish(self, ids: np.ndarray, out: np.ndarray) -> None:
         """After a scanned :meth:`plan` (its ``outs``) and :meth:`assign`: the missed ids'
-        slots into ``out`` (``base +`` slot, as the hits' are), rows counted (LFU)."""
-        counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
-        if base:
-            out[out >= 0] += base
-        _native.cache_fix(ids, self.slot_of_row, self.slots, base, out, counts)
+        slots into ``out`` (the hits' are there already), rows counted (LFU)."""
+        _native.cache_fix(ids, self.slot_of_row, self.slots, 0, out, self._counts())
 
     def touch(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
-        """``out[:] = base + slot`` of each id (assigned, in range), and marks their rows
-        used now (LRU) or counts them (LFU)."""
+        """``out[:] = base + slot`` of each id (assigned, in range), rows counted (LFU).
+        (The batch's slots were stamped by :meth:`assign`.)"""
         if self.native and ids.dtype == out.dtype == np.int32:
-            counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
-            _native.cache_touch(ids, self.slot_of_row, self.last_used, counts, self.clock,
-                                base, out)  # fmt: skip
+            out.fill(-1)  # every id is remapped
+            _native.cache_fix(ids, self.slot_of_row, self.slots, base, out, self._counts())
             return
-        slots = self.slot_of_row[ids]
-        self.last_used[slots] = self.clock
         if self.counts is not None:  # saturating, as the C++ pass
             rows, n = np.unique(ids, return_counts=True)
             total = self.counts[rows].astype(np.int64) + n
             self.counts[rows] = np.minimum(total, np.iinfo(np.uint32).max)
-        out[:] = slots + base
+        out[:] = self.slot_of_row[ids] + base
+
+    def _counts(self) -> np.ndarray:
+        return self.counts if self.counts is not None else np.zeros(0, np.uint32)
 
     def _victims(self, k: int) -> np.ndarray:
         """``k`` occupied slots to empty, none the planned batch uses (sorted): the k

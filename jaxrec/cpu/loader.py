@@ -94,12 +94,12 @@ def warn_unavailable(explicit: bool) -> None:
 
 
 def host_functions():
-    """The extension's plain host functions (``cache_scan``, ``cache_touch``,
-    ``cache_rows``: ``jaxrec.cache``'s per-id passes and row copies), or None when it
+    """The extension's plain host functions (``cache_scan``, ``cache_assign``,
+    ``cache_fix``, ``cache_rows``: ``jaxrec.cache``'s passes and row copies), or None when it
     is not built. Unlike the FFI kernels these need no CPU backend (a GPU job's host
     runs them too)."""
     try:
         from . import _kernels
     except ImportError:
         return None
-    return _kernels if hasattr(_kernels, "cache_rows") else None
+    return _kernels if hasattr(_kernels, "cache_assign") else None  # a current build

@@ -19,7 +19,7 @@ def run(m: SlotMap, ids: np.ndarray, scan: bool = True):
     plan = m.plan([ids], "t", [out] if scan else None)
     a = m.assign(plan)
     if plan.scanned:
-        m.finish(ids, out, 0)
+        m.finish(ids, out)
     else:
         m.touch(ids, out, 0)
     return a, out
