@@ -163,7 +163,7 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
         one()
     cache.reset_stats()
     ms = time_ms(one, cfg.reps, 0)
-    stats = list(cache.stats.values())
+    stats = [dataclasses.replace(s) for s in cache.stats.values()]  # the timed steps' alone
     t0 = time.perf_counter()
     prepared = cache.prepare(data[box["i"] % len(data)])  # host planning alone
     prep = (time.perf_counter() - t0) * 1e3

@@ -188,8 +188,9 @@ PyObject* Handlers(PyObject*, PyObject*) {
 }
 
 PyObject* Info(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads", MaxThreads(),
-                       "ffi_api_minor", XLA_FFI_API_MINOR);
+  // cache_api: the signatures of the cache_* host functions (jaxrec.cpu.host_functions)
+  return Py_BuildValue("{s:i,s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads",
+                       MaxThreads(), "ffi_api_minor", XLA_FFI_API_MINOR, "cache_api", 2);
 }
 
 // A C-contiguous buffer of 4-byte items of kind `kind` ('f' float, 'i' int32), or an error.
@@ -345,15 +346,15 @@ bool IdsInRange(const int32_t* ids, int64_t n, int64_t rows, const char* name) {
 }
 
 PyObject* PyCacheScan(PyObject*, PyObject* args) {
-  PyObject *ids, *slot_of_row, *seen, *miss, *out;
+  PyObject *ids, *slot_of_row, *seen, *miss, *out, *marks;
   long long epoch, n_miss, base;
-  if (!PyArg_ParseTuple(args, "OOOLOLOL", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss,
-                        &out, &base))
+  if (!PyArg_ParseTuple(args, "OOOLOLOLO", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss,
+                        &out, &base, &marks))
     return nullptr;
   Buffers b;
   if (!b.Get(ids, 4, false, "cache_scan(ids)") || !b.Get(slot_of_row, 4, true, "slot_of_row") ||
       !b.Get(seen, 8, true, "seen") || !b.Get(miss, 8, true, "miss") ||
-      !b.Get(out, 4, true, "out"))
+      !b.Get(out, 4, true, "out") || !b.Get(marks, 8, true, "marks"))
     return nullptr;
   const int64_t n = b.Len(0);
   if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_scan")) return nullptr;
@@ -362,34 +363,47 @@ PyObject* PyCacheScan(PyObject*, PyObject* args) {
                         static_cast<long long>(b.Len(3)), n_miss + static_cast<long long>(n));
   if (b.Len(4) != 0 && b.Len(4) != n)
     return PyErr_Format(PyExc_ValueError, "cache_scan: out and ids differ");
+  if (b.Len(5) != (b.Len(2) + 63) / 64)
+    return PyErr_Format(PyExc_ValueError, "cache_scan: marks need a bit per slot");
   int32_t* o = b.Len(4) ? b.At<int32_t>(4) : nullptr;
   int64_t m = n_miss, hits;
   Py_BEGIN_ALLOW_THREADS;
   hits = CacheScan(b.At<int32_t>(0), n, b.At<int32_t>(1), b.At<int64_t>(2), epoch,
-                   b.At<int64_t>(3), &m, o, base);
+                   b.At<int64_t>(3), &m, o, base, b.At<uint64_t>(5));
   Py_END_ALLOW_THREADS;
   return Py_BuildValue("(LL)", static_cast<long long>(hits), static_cast<long long>(m));
 }
 
 PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   PyObject *fill_rows, *slot_of_row, *row_of_slot, *last_used, *counts, *seen, *fill_slots,
-      *evict_rows;
+      *evict_rows, *marks, *log, *pos, *ends;
   long long epoch, used, clock;
-  if (!PyArg_ParseTuple(args, "OOOOOOLLLOO", &fill_rows, &slot_of_row, &row_of_slot, &last_used,
-                        &counts, &seen, &epoch, &used, &clock, &fill_slots, &evict_rows))
+  if (!PyArg_ParseTuple(args, "OOOOOOLLLOOOOOO", &fill_rows, &slot_of_row, &row_of_slot,
+                        &last_used, &counts, &seen, &epoch, &used, &clock, &fill_slots,
+                        &evict_rows, &marks, &log, &pos, &ends))
     return nullptr;
   Buffers b;
   if (!b.Get(fill_rows, 8, false, "cache_assign(fill_rows)") ||
       !b.Get(slot_of_row, 4, true, "slot_of_row") || !b.Get(row_of_slot, 8, true, "row_of_slot") ||
       !b.Get(last_used, 8, true, "last_used") || !b.Get(counts, 4, false, "counts") ||
       !b.Get(seen, 8, true, "seen") || !b.Get(fill_slots, 8, true, "fill_slots") ||
-      !b.Get(evict_rows, 8, true, "evict_rows"))
+      !b.Get(evict_rows, 8, true, "evict_rows") || !b.Get(marks, 8, true, "marks") ||
+      !b.Get(log, 4, true, "log") || !b.Get(pos, 8, true, "pos") || !b.Get(ends, 8, true, "ends"))
     return nullptr;
   const int64_t m = b.Len(0), rows = b.Len(1), slots = b.Len(2);
   const int64_t k = m - std::min<int64_t>(m, slots - used);
   if (used < 0 || used > slots || b.Len(3) != slots || b.Len(5) != slots || b.Len(6) != m ||
-      b.Len(7) != k || (b.Len(4) != 0 && b.Len(4) != rows))
+      b.Len(7) != k || (b.Len(4) != 0 && b.Len(4) != rows) || b.Len(8) != (slots + 63) / 64)
     return PyErr_Format(PyExc_ValueError, "cache_assign: inconsistent sizes");
+  LruLog q{b.At<int32_t>(9), b.Len(9), b.At<int64_t>(10), b.At<int64_t>(11)};
+  const bool lru = b.Len(9) > 0;  // else victims by their keys (LFU)
+  if (lru) {
+    const int64_t head = q.ends[0], tail = q.ends[1];
+    if (q.cap < 2 * slots || b.Len(10) != slots || b.Len(11) != 2 ||
+        (tail >= 0 && (head < 0 || head > tail || tail > q.cap)))
+      return PyErr_Format(PyExc_ValueError, "cache_assign: a bad LRU log (2 * slots entries, a "
+                          "position per slot, 0 <= head <= tail <= entries)");
+  }
   const int64_t* fr = b.At<int64_t>(0);
   for (int64_t i = 0; i < m; ++i) {
     if (fr[i] < 0 || fr[i] >= rows)
@@ -400,8 +414,8 @@ PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   int64_t new_used;
   Py_BEGIN_ALLOW_THREADS;
   new_used = CacheAssign(fr, m, b.At<int32_t>(1), b.At<int64_t>(2), slots, b.At<int64_t>(3), cnt,
-                         b.At<int64_t>(5), epoch, used, clock, b.At<int64_t>(6),
-                         b.At<int64_t>(7));
+                         b.At<int64_t>(5), epoch, used, clock, b.At<uint64_t>(8),
+                         lru ? &q : nullptr, b.At<int64_t>(6), b.At<int64_t>(7));
   Py_END_ALLOW_THREADS;
   if (new_used < 0)
     return PyErr_Format(PyExc_ValueError, "cache_assign: fewer than %lld slots to evict",
@@ -484,13 +498,14 @@ PyMethodDef kMethods[] = {
      "gather_pool_rows(table, ids, per, out, threads, ahead) -> seconds: out[g] = the sum of "
      "rows ids[g * per : (g + 1) * per] of a float32 [R, D] table (a ceiling)."},
     {"cache_scan", PyCacheScan, METH_VARARGS,
-     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base) -> (hits, n_miss): "
-     "jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' base + slot, "
-     "-1 for misses, or empty)."},
+     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base, marks) -> (hits, "
+     "n_miss): jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' "
+     "base + slot, -1 for misses, or empty; marks: uint64, a bit per slot, set for hits)."},
     {"cache_assign", PyCacheAssign, METH_VARARGS,
      "cache_assign(fill_rows, slot_of_row, row_of_slot, last_used, counts, seen, epoch, used, "
-     "clock, fill_slots, evict_rows) -> used: slots for a batch's missed rows (victims first); "
-     "the batch's slots stamped."},
+     "clock, fill_slots, evict_rows, marks, log, pos, ends) -> used: slots for a batch's missed "
+     "rows (victims first); the batch's (marked) slots stamped; LRU victims from the log "
+     "(empty: by keys)."},
     {"cache_fix", PyCacheFix, METH_VARARGS,
      "cache_fix(ids, slot_of_row, slots, base, out, counts): out[i] = base + slot where out[i] "
      "< 0 (after cache_scan with out); counts the ids when counts is not empty."},

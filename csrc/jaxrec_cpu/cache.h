@@ -2,25 +2,45 @@
 // batch's rows are cached, and its ids rewritten as slots. One pass each, no sorting.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
-// For each id: a cached row's slot is marked seen[slot] = epoch (distinct hits counted) and,
-// with `out`, out[i] = base + slot (-1 for a miss, set by CacheFix once it has a slot); an
-// uncached row is appended to miss[] once (marked -2 in slot_of_row; the caller resets the
-// marks to -1). Returns the new distinct hits; *n_miss grows. Ids must be in [0, rows).
+// A bitmap of slots (bit s of word s / 64): a batch's slots, ascending when read back.
+inline void MarkSlot(uint64_t* marks, int64_t s) { marks[s >> 6] |= uint64_t{1} << (s & 63); }
+
+// f(s) for each marked slot, ascending; the marks are cleared.
+template <typename F>
+inline void TakeMarks(uint64_t* marks, int64_t words, const F& f) {
+  for (int64_t w = 0; w < words; ++w) {
+    uint64_t x = marks[w];
+    if (!x) continue;
+    marks[w] = 0;
+    for (; x; x &= x - 1) f(w * 64 + __builtin_ctzll(x));
+  }
+}
+
+// For each id: a cached row's slot is marked seen[slot] = epoch (and in `marks`; distinct
+// hits counted) and, with `out`, out[i] = base + slot (-1 for a miss, set by CacheFix once it
+// has a slot); an uncached row is appended to miss[] once (marked -2 in slot_of_row; the caller
+// resets the marks to -1). Returns the new distinct hits; *n_miss grows. Ids must be in
+// [0, rows).
 inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, int64_t* seen,
                          int64_t epoch, int64_t* miss, int64_t* n_miss, int32_t* out,
-                         int64_t base) {
+                         int64_t base, uint64_t* marks) {
   int64_t hits = 0, m = *n_miss;
+  constexpr int64_t kAhead = 16;  // the map is larger than L2: its lines are fetched early
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(slot_of_row + ids[i + kAhead], 1, 1);
     const int32_t r = ids[i];
     const int32_t s = slot_of_row[r];
     if (out) out[i] = s >= 0 ? static_cast<int32_t>(base + s) : -1;
     if (s >= 0) {
       if (seen[s] != epoch) {
         seen[s] = epoch;
+        MarkSlot(marks, s);
         ++hits;
       }
     } else if (s == -1) {
@@ -32,19 +52,64 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
   return hits;
 }
 
-// Gives the m missed rows fill_rows slots: first the never-used slots [used, slots), then k
-// victims among the used slots the batch does not use (seen != epoch): the k smallest keys
-// (last_used, or the row's count with counts), ties to the lowest slot. fill_slots[:k] are the
-// victims (ascending), evict_rows their rows. Every fill slot is marked seen, and every seen
-// slot stamped last_used = clock. Returns the new
-// `used`, or -1 (nothing changed) when fewer than k slots may be evicted. The numpy twin
-// is SlotMap._victims / SlotMap.assign.
-inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
-                           int64_t* row_of_slot, int64_t slots, int64_t* last_used,
-                           const uint32_t* counts, int64_t* seen, int64_t epoch, int64_t used,
-                           int64_t clock, int64_t* fill_slots, int64_t* evict_rows) {
-  const int64_t fresh = std::min(m, slots - used), k = m - fresh;
-  if (k > 0) {
+// The LRU order of a slot map's used slots, so that victims cost O(victims), not O(slots):
+// log[head, tail) holds slots in the order they were last stamped (each batch's ascending), so
+// its live entries are the used slots sorted by (last_used, slot). An entry is live iff
+// pos[slot] is its index (a slot stamped again has a newer one). tail < 0: the order is
+// unknown (another pass stamped the slots) and is rebuilt from last_used. cap >= 2 * slots.
+struct LruLog {
+  int32_t* log;
+  int64_t cap;
+  int64_t* pos;
+  int64_t* ends;  // head, tail
+};
+
+inline void LogRebuild(const LruLog& q, const int64_t* last_used, int64_t used) {
+  std::vector<int32_t> order(used);
+  for (int64_t s = 0; s < used; ++s) order[s] = static_cast<int32_t>(s);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return last_used[a] < last_used[b]; });
+  for (int64_t p = 0; p < used; ++p) {
+    q.log[p] = order[p];
+    q.pos[order[p]] = p;
+  }
+  q.ends[0] = 0;
+  q.ends[1] = used;
+}
+
+inline void LogCompact(const LruLog& q) {  // the live entries moved to the front, in order
+  int64_t j = 0;
+  for (int64_t p = q.ends[0]; p < q.ends[1]; ++p) {
+    const int32_t s = q.log[p];
+    if (q.pos[s] != p) continue;
+    q.log[j] = s;
+    q.pos[s] = j++;
+  }
+  q.ends[0] = 0;
+  q.ends[1] = j;
+}
+
+// k victims into victims[] (ascending): the used slots the batch does not use with the k
+// smallest keys (last_used, or the row's count with counts), ties to the lowest slot. With
+// `lru`: the first k such live entries of the log (popped). Returns false (nothing changed)
+// when fewer than k slots may be evicted.
+inline bool CacheVictims(int64_t k, const int64_t* row_of_slot, const int64_t* last_used,
+                         const uint32_t* counts, const int64_t* seen, int64_t epoch,
+                         int64_t used, const LruLog* lru, int64_t* victims) {
+  static thread_local std::vector<uint64_t> picked;  // a bitmap: the victims come out sorted
+  picked.assign((used + 63) / 64, 0);
+  if (lru) {
+    int64_t p = lru->ends[0], j = 0;
+    const int64_t tail = lru->ends[1];
+    for (; p < tail && j < k; ++p) {
+      const int32_t s = lru->log[p];
+      if (lru->pos[s] != p || seen[s] == epoch) continue;  // stale, or the batch's (re-logged)
+      MarkSlot(picked.data(), s);
+      ++j;
+    }
+    if (j < k) return false;
+    lru->ends[0] = p;
+  } else {
     // keys of the slots the batch does not use (INT64_MAX: used); branch-free passes (a
     // batch's hits are spread at random over the slots)
     static thread_local std::vector<int64_t> keys;  // kept: a fresh one page-faults per call
@@ -58,9 +123,9 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
       hi = std::max(hi, free ? x : INT64_MIN);
       n += free;
     }
-    if (n < k) return -1;  // nothing changed
-    // the k-th smallest key t: by a histogram when the keys span a short range (LRU's
-    // stamps: a row not used for long is evicted soon), else by nth_element
+    if (n < k) return false;
+    // the k-th smallest key t: by a histogram when the keys span a short range, else by
+    // nth_element
     int64_t t, below = 0;
     if (hi - lo < 4 * used + 1024) {
       const int64_t span = hi - lo + 1;
@@ -81,17 +146,37 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
       t = sel[k - 1];
       for (int64_t x : sel) below += x < t;
     }
-    int64_t at_t = k - below, j = 0;
-    std::vector<int64_t> picked(k + 1);
-    for (int64_t s = 0; s < used && j < k; ++s) {
+    int64_t at_t = k - below;
+    for (int64_t s = 0; s < used; ++s) {
       const int64_t x = keys[s];
       const bool eq = x == t && at_t > 0;
-      const bool take = x < t || eq;
+      if (x < t || eq) MarkSlot(picked.data(), s);
       at_t -= eq;
-      picked[j] = s;
-      j += take;
     }
-    std::memcpy(fill_slots, picked.data(), k * sizeof(int64_t));
+  }
+  int64_t j = 0;
+  TakeMarks(picked.data(), static_cast<int64_t>(picked.size()),
+            [&](int64_t s) { victims[j++] = s; });
+  return true;
+}
+
+// Gives the m missed rows fill_rows slots: first the never-used slots [used, slots), then k
+// victims (CacheVictims). fill_slots[:k] are the victims (ascending), evict_rows their rows.
+// The batch's slots, its hits (marked by CacheScan) and its fills, are marked seen, stamped
+// last_used = clock and (LRU) logged; the marks are cleared. Returns the new `used`, or -1
+// (nothing changed) when fewer than k slots may be evicted. The numpy twin is
+// SlotMap._victims / SlotMap.assign.
+inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
+                           int64_t* row_of_slot, int64_t slots, int64_t* last_used,
+                           const uint32_t* counts, int64_t* seen, int64_t epoch, int64_t used,
+                           int64_t clock, uint64_t* marks, const LruLog* lru,
+                           int64_t* fill_slots, int64_t* evict_rows) {
+  const int64_t fresh = std::min(m, slots - used), k = m - fresh;
+  if (lru && lru->ends[1] < 0) LogRebuild(*lru, last_used, used);
+  if (k > 0) {
+    if (!CacheVictims(k, row_of_slot, last_used, counts, seen, epoch, used, lru, fill_slots)) {
+      return -1;
+    }
     for (int64_t i = 0; i < k; ++i) {
       evict_rows[i] = row_of_slot[fill_slots[i]];
       slot_of_row[evict_rows[i]] = -1;
@@ -102,9 +187,22 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
     slot_of_row[fill_rows[i]] = static_cast<int32_t>(fill_slots[i]);
     row_of_slot[fill_slots[i]] = fill_rows[i];
     seen[fill_slots[i]] = epoch;
+    MarkSlot(marks, fill_slots[i]);
   }
-  for (int64_t s = 0; s < used + fresh; ++s) {  // the batch's slots (hits and fills) used now
-    last_used[s] = seen[s] == epoch ? clock : last_used[s];
+  const int64_t words = (slots + 63) / 64;
+  if (lru) {
+    int64_t stamped = 0;
+    for (int64_t w = 0; w < words; ++w) stamped += __builtin_popcountll(marks[w]);
+    if (lru->ends[1] + stamped > lru->cap) LogCompact(*lru);  // live <= slots <= cap / 2
+    int64_t tail = lru->ends[1];
+    TakeMarks(marks, words, [&](int64_t s) {
+      last_used[s] = clock;
+      lru->log[tail] = static_cast<int32_t>(s);
+      lru->pos[s] = tail++;
+    });
+    lru->ends[1] = tail;
+  } else {
+    TakeMarks(marks, words, [&](int64_t s) { last_used[s] = clock; });
   }
   return used + fresh;
 }
@@ -161,7 +259,9 @@ void CacheRows(const char* src, char* dst, const int64_t* rows, int64_t n, int64
 namespace {
 
 // Copies rows of `nbytes` bytes: dst + dst_at(i) * dst_stride <- src + src_at(i) * src_stride
-// for i in [0, n) where keep(i), split over threads, source rows prefetched a few ahead.
+// for i in [0, n) where keep(i), split over threads, source and destination rows prefetched a
+// few ahead (both are random rows, the host's mostly cold: a store to a cold line stalls on
+// its read as a load does).
 template <typename SrcAt, typename DstAt, typename Keep>
 void MoveRows(const char* src, int64_t src_stride, char* dst, int64_t dst_stride, int64_t n,
               int64_t nbytes, const SrcAt& src_at, const DstAt& dst_at, const Keep& keep) {
@@ -170,7 +270,12 @@ void MoveRows(const char* src, int64_t src_stride, char* dst, int64_t dst_stride
     constexpr int64_t kAhead = 8;
     for (int64_t i = i0; i < i1; ++i) {
       if (i + kAhead < i1 && keep(i + kAhead)) {
-        __builtin_prefetch(src + src_at(i + kAhead) * src_stride, 0, 0);
+        const char* s = src + src_at(i + kAhead) * src_stride;
+        char* d = dst + dst_at(i + kAhead) * dst_stride;
+        for (int64_t b = 0; b < nbytes; b += 64) {
+          __builtin_prefetch(s + b, 0, 0);
+          __builtin_prefetch(d + b, 1, 0);
+        }
       }
       if (keep(i)) std::memcpy(dst + dst_at(i) * dst_stride, src + src_at(i) * src_stride, nbytes);
     }

@@ -54,7 +54,8 @@ class SlotMap:
     """The cache state of one shard: ``rows`` table rows, ``slots`` device slots.
 
     Memory: 4 bytes per row (its slot) + 24 per slot (its row, its last use, a
-    scratch mark), and 4 more per row for LFU (the counts).
+    scratch mark); LRU 24 more per slot (its order: victims cost O(victims), not
+    O(slots)), LFU 4 more per row (the counts).
     """
 
     def __init__(self, rows: int, slots: int, algorithm: CacheAlgorithm, native: bool = NATIVE):
@@ -66,6 +67,14 @@ class SlotMap:
         self.last_used = np.zeros(slots, np.int64)
         self.counts = np.zeros(rows, np.uint32) if self.algorithm is CacheAlgorithm.LFU else None
         self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses
+        self.marks = np.zeros((slots + 63) // 64, np.uint64)  # the same as bits, for the C++ pass
+        self._marked = False  # marks set by a plan not assigned
+        if self.algorithm is CacheAlgorithm.LRU:  # the C++ pass's LRU order (cache.h, LruLog)
+            self.lru_log = np.zeros(4 * slots, np.int32)
+            self.lru_pos = np.zeros(slots, np.int64)
+        else:
+            self.lru_log, self.lru_pos = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        self.lru_ends = np.zeros(2, np.int64)  # head, tail (tail -1: rebuilt from last_used)
         self.used = 0  # slots [0, used) have held a row
         self.clock = 0
         self.epoch = 0
@@ -82,6 +91,9 @@ class SlotMap:
         the same pass, -1 for misses; :meth:`finish` then completes them, in place of
         :meth:`touch`."""
         self.epoch += 1
+        if self._marked:  # a plan not assigned (a later table's too small)
+            self.marks.fill(0)
+        self._marked = True
         native = self.native and all(p.dtype == np.int32 for p in parts)
         scanned = native and outs is not None and all(o.dtype == np.int32 for o in outs)
         if native:
@@ -91,7 +103,7 @@ class SlotMap:
             for j, p in enumerate(parts):  # misses are marked -2 in slot_of_row until unmarked
                 out = outs[j] if scanned else none
                 h, n_miss = _native.cache_scan(p, self.slot_of_row, self.seen, self.epoch, miss,
-                                               n_miss, out, 0)  # fmt: skip
+                                               n_miss, out, 0, self.marks)  # fmt: skip
                 hits += h
             fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
             self.slot_of_row[fill_rows] = -1
@@ -101,7 +113,11 @@ class SlotMap:
             miss = slots < 0
             fill_rows = np.unique(ids[miss]).astype(np.int64)
             self.seen[slots[~miss]] = self.epoch
-            hits = int(np.count_nonzero(self.seen[: self.used] == self.epoch))
+            hit = self.seen == self.epoch
+            hits = int(np.count_nonzero(hit[: self.used]))
+            if self.native:  # the C++ assign stamps the marked slots
+                bits = np.packbits(hit, bitorder="little")
+                self.marks.view(np.uint8)[: len(bits)] = bits
         if hits + len(fill_rows) > self.slots:
             n = hits + len(fill_rows)
             raise CacheTooSmallError(
@@ -126,8 +142,9 @@ class SlotMap:
             counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
             # (the batch's slots are stamped in the same call)
             m = (self.slot_of_row, self.row_of_slot, self.last_used, counts, self.seen)
+            lru = (self.lru_log, self.lru_pos, self.lru_ends)
             self.used = _native.cache_assign(fill_rows, *m, self.epoch, self.used, self.clock,
-                                             fill_slots, evict_rows)  # fmt: skip
+                                             fill_slots, evict_rows, self.marks, *lru)  # fmt: skip
             evict_slots = fill_slots[:k]
         else:
             fresh_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
@@ -142,6 +159,9 @@ class SlotMap:
             self.seen[fill_slots] = self.epoch
             # the batch's slots are those seen now (its hits and fills)
             self.last_used[self.seen == self.epoch] = self.clock
+            self.marks.fill(0)
+            self.lru_ends[1] = -1  # the C++ LRU order is stale: rebuilt when next used
+        self._marked = False
         return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
 
     def finish(self, ids: np.ndarray, out: np.ndarray) -> None:
@@ -191,4 +211,6 @@ class SlotMap:
         self.row_of_slot.fill(-1)
         self.last_used.fill(0)
         self.seen.fill(0)
+        self.marks.fill(0)
+        self.lru_ends[:] = 0
         self.used = 0

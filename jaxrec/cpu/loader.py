@@ -93,6 +93,9 @@ def warn_unavailable(explicit: bool) -> None:
         logger.warning(msg)
 
 
+CACHE_API = 2  # csrc/jaxrec_cpu.cc's Info(): the cache_* functions' signatures
+
+
 def host_functions():
     """The extension's plain host functions (``cache_scan``, ``cache_assign``,
     ``cache_fix``, ``cache_rows``: ``jaxrec.cache``'s passes and row copies), or None when it
@@ -102,4 +105,5 @@ def host_functions():
         from . import _kernels
     except ImportError:
         return None
-    return _kernels if hasattr(_kernels, "cache_assign") else None  # a current build
+    current = _kernels.info().get("cache_api") == CACHE_API  # a stale build has other signatures
+    return _kernels if current else None

@@ -82,6 +82,32 @@ def test_native_passes_equal_numpy(algorithm):
             np.testing.assert_array_equal(getattr(m, f), getattr(maps[2], f))
 
 
+@pytest.mark.skipif(not NATIVE, reason="the C++ extension (jaxrec.cpu._kernels) is not built")
+def test_native_lru_order_survives_other_passes():
+    """The C++ LRU order (its log) after batches planned in numpy (int64 ids: the plan's
+    marks from numpy), whole batches in numpy (the order rebuilt from the stamps), a
+    plan that was never assigned, and ``clear``: still the numpy map's slots and stamps.
+    Small slots make the log compact often."""
+    rng = np.random.default_rng(2)
+    a, b = SlotMap(3000, 300, jc.CacheAlgorithm.LRU), SlotMap(3000, 300, jc.CacheAlgorithm.LRU,
+                                                               native=False)  # fmt: skip
+    for i in range(120):
+        ids = np.minimum(rng.zipf(1.1, 400) - 1, 2999).astype(np.int32)
+        if i == 60:
+            a.clear(), b.clear()
+        if i % 7 == 3:
+            other = np.flatnonzero(a.slot_of_row >= 0)[::3].astype(np.int32)
+            a.plan([other], "t")  # never assigned: its marks must not stamp the next batch
+        a.native = i % 5 != 1  # a batch wholly in numpy
+        xa, oa = run(a, ids.astype(np.int64) if i % 5 == 2 else ids)
+        xb, ob = run(b, ids)
+        np.testing.assert_array_equal(oa, ob)
+        for f in ("fill_slots", "evict_slots", "evict_rows"):
+            np.testing.assert_array_equal(getattr(xa, f), getattr(xb, f))
+        np.testing.assert_array_equal(a.last_used, b.last_used)
+    assert a.lru_ends[1] > 0  # the log was in use at the end
+
+
 def test_cache_too_small_leaves_state_valid():
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
