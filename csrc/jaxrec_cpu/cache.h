@@ -177,13 +177,15 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
     if (!CacheVictims(k, row_of_slot, last_used, counts, seen, epoch, used, lru, fill_slots)) {
       return -1;
     }
-    for (int64_t i = 0; i < k; ++i) {
-      evict_rows[i] = row_of_slot[fill_slots[i]];
+    for (int64_t i = 0; i < k; ++i) evict_rows[i] = row_of_slot[fill_slots[i]];
+    for (int64_t i = 0; i < k; ++i) {  // random rows of a map larger than L2: fetched early
+      if (i + 16 < k) __builtin_prefetch(slot_of_row + evict_rows[i + 16], 1, 1);
       slot_of_row[evict_rows[i]] = -1;
     }
   }
   for (int64_t i = 0; i < fresh; ++i) fill_slots[k + i] = used + i;
   for (int64_t i = 0; i < m; ++i) {
+    if (i + 16 < m) __builtin_prefetch(slot_of_row + fill_rows[i + 16], 1, 1);
     slot_of_row[fill_rows[i]] = static_cast<int32_t>(fill_slots[i]);
     row_of_slot[fill_slots[i]] = fill_rows[i];
     seen[fill_slots[i]] = epoch;
