@@ -38,6 +38,7 @@ import jaxrec as jr
 from jaxrec import cache as jc
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
+from jaxrec.cache import native
 from jaxrec.datasets.random import zipf_ids
 from jaxrec.embedding import CombinedOptimizer
 
@@ -170,6 +171,7 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
     box["s"] = cache.load(box["s"], prepared)  # loads follow prepares in order
     pipelined = pipelined_ms(step, box["s"], data, cfg.reps, jc.prefetching(cache))
     ids = sum(s.ids for s in stats)
+    floor = move_floor_ms(hosts, sum(s.misses for s in stats) // (cfg.reps * cfg.T))
     return {
         "load_factor": lf,
         "slots_per_table": cache.tables["t0"].slots,
@@ -181,7 +183,32 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
         "cached_step_ms": round(statistics.median(ms), 2),
         "pipelined_step_ms": round(pipelined, 2),
         "prepare_ms": round(prep, 2),
+        "move_floor_ms": floor,
     }
+
+
+def move_floor_ms(hosts, rows: int) -> float | None:
+    """Median ms of the raw copies a step's moves make, without the cache: ``rows``
+    random rows of each host table (every field) copied out and back (a miss's row
+    comes in, an evicted one goes out) by the C++ row copy the moves use. Copying at
+    the machine's speed, the cached step can be no faster than the all-device step
+    plus this. None without the extension."""
+    if not native.AVAILABLE or rows <= 0:
+        return None
+    rng = np.random.default_rng(2)
+    work = []
+    for h in hosts.values():
+        r = np.sort(rng.choice(h.config.num_embeddings, rows, replace=False)).astype(np.int64)
+        for f in h.fields.values():
+            work.append((f, r, np.empty((rows, *f.shape[1:]), f.dtype)))
+
+    def run():
+        for f, r, tmp in work:
+            native.kernels.cache_rows(f, r, tmp, False)
+        for f, r, tmp in work:
+            native.kernels.cache_rows(tmp, r, f, True)  # the same rows: the tables unchanged
+
+    return round(statistics.median(time_ms(run, 7, 1)), 2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -190,38 +217,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
-    p.add_argument("--policy-rows", type=int, default=0,
-                   help="also the policies' hit rates alone, one table this large")  # fmt: skip
+    p.add_argument(
+        "--policy-rows",
+        type=int,
+        default=0,
+        help="also the policies' hit rates alone, one table this large",
+    )
+    p.add_argument(
+        "--policy-batches",
+        type=int,
+        default=60,
+        help="batches per policy run (the last third counted)",
+    )
+    p.add_argument("--policy-algorithms", default="lru,lfu")
+    p.add_argument("--policy-only", action="store_true",
+                   help="only the policies' hit rates (no training)")  # fmt: skip
     return p.parse_args(argv)
 
 
-def policy_hit_rates(rows: int, cfg: Config, base: dict) -> None:
+def policy_hit_rates(rows: int, cfg: Config, base: dict, batches: int = 60,
+                     algorithms: tuple[str, ...] = ("lru", "lfu")) -> None:  # fmt: skip
     """Steady-state hit rates of the replacement policies alone (``SlotMap``, the
-    cache's own bookkeeping, no tables) on one table of ``rows`` rows: batches of at
-    least a fifth of the slots, 40 to warm the cache, 20 counted (a big cache warms
-    slowly: at the bench's batch size it would take thousands of steps)."""
+    cache's own bookkeeping, no tables) on one table of ``rows`` rows: ``batches``
+    batches of at least a fifth of the slots, the last third counted (a big cache
+    warms slowly: at the bench's batch size it would take thousands of steps). Beside
+    each, the law's own figures (``cache_model``): Che's approximation of LRU and the
+    hit rate of the most frequent rows (where LFU's counts converge). Ranks are not
+    scattered over the rows: a fully associative cache does not see where rows lie.
+    Batches are drawn as they run, so 10^9 rows take ~10 GB (the map and the slots)."""
+    from cache_model import lru_hit_rate, top_rows_hit_rate
+
     from jaxrec.cache.slots import SlotMap
 
-    rng = np.random.default_rng(1)
-    perm = rng.permutation(rows).astype(np.int32)
     for alpha in [a for a in cfg.alphas if a]:
-        cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -alpha)
         for lf in [x for x in cfg.load_factors if x < 1]:
             slots = max(1, int(lf * rows))
             n = max(cfg.B * cfg.L, slots // 5)
-            data = [perm[np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1]), rows - 1)]
-                    for _ in range(60)]  # fmt: skip
-            for algorithm in ("lru", "lfu"):
+            model = {"lru_che": round(lru_hit_rate(rows, slots, alpha), 4),
+                     "top_rows": round(top_rows_hit_rate(rows, slots, alpha), 4)}  # fmt: skip
+            for algorithm in algorithms:
+                rng = np.random.default_rng(1)  # the same ids for each policy
                 m = SlotMap(rows, slots, jc.CacheAlgorithm(algorithm))
                 ids = misses = 0
-                for i, v in enumerate(data):
+                t0 = time.perf_counter()
+                for i in range(batches):
+                    v = zipf_ids(rng, rows, n, alpha).astype(np.int32)
                     a = m.assign(m.plan([v], "policy"))
                     m.touch(v, np.empty_like(v), 0)
-                    if i >= 40:
+                    if i >= batches - batches // 3:
                         ids, misses = ids + len(v), misses + len(a.fill_rows)
+                del m
                 print(json.dumps({**base, "policy_only": True, "rows": rows, "alpha": alpha,
                                   "algorithm": algorithm, "load_factor": lf, "ids_per_batch": n,
-                                  "hit_rate": round(1 - misses / ids, 4)}), flush=True)  # fmt: skip
+                                  "batches": batches, "hit_rate": round(1 - misses / ids, 4),
+                                  **model, "seconds": round(time.perf_counter() - t0, 1)}),
+                      flush=True)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -247,7 +297,10 @@ def main(argv=None) -> int:
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
     if a.policy_rows:
-        policy_hit_rates(a.policy_rows, cfg, base)
+        policy_hit_rates(a.policy_rows, cfg, base, a.policy_batches,
+                         tuple(a.policy_algorithms.split(",")))  # fmt: skip
+    if a.policy_only:
+        return 0
     opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
     graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
     state0 = jax.tree.map(jnp.copy, state)

@@ -21,3 +21,36 @@ def test_tiny_preset_records(capsys):
     policy = [r for r in lines if r.get("policy_only")]
     assert {r["algorithm"] for r in policy} == {"lru", "lfu"}
     assert all(0.0 < r["hit_rate"] < 1.0 for r in policy)
+    # LRU as Che's approximation predicts; no policy above the most frequent rows held
+    lru = next(r for r in policy if r["algorithm"] == "lru")
+    assert abs(lru["hit_rate"] - lru["lru_che"]) < 0.01, lru
+    assert all(r["hit_rate"] <= r["top_rows"] + 0.01 for r in policy)
+
+
+def test_cache_model_against_simulation():
+    """bench/cache_model.py's figures against a direct count on a small law: the most
+    frequent rows' share summed rank by rank, and Che's LRU against a per-request LRU
+    simulated over independent draws (its stated accuracy)."""
+    from collections import OrderedDict
+
+    import numpy as np
+    from cache_model import lru_hit_rate, top_rows_hit_rate
+
+    rows, slots, alpha = 2000, 200, 1.05
+    p = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
+    p /= p.sum()
+    assert abs(top_rows_hit_rate(rows, slots, alpha) - p[:slots].sum()) < 1e-12
+    rng = np.random.default_rng(0)
+    lru, hits, n = OrderedDict(), 0, 300_000
+    for i, r in enumerate(rng.choice(rows, size=n, p=p)):
+        if r in lru:
+            lru.move_to_end(r)
+            hits += i >= n // 3
+        else:
+            lru[r] = True
+            if len(lru) > slots:
+                lru.popitem(last=False)
+    assert abs(hits / (n - n // 3) - lru_hit_rate(rows, slots, alpha)) < 0.005
+    big = np.arange(1, 10_000_001, dtype=np.float64) ** -alpha  # past the exact ranks: bins
+    exact = big[:2_000_000].sum() / big.sum()
+    assert abs(top_rows_hit_rate(len(big), 2_000_000, alpha) - exact) < 1e-4
