@@ -50,10 +50,11 @@ class Config:
     D: int = 64
     B: int = 2048
     L: int = 20
-    warmup: int = 40  # steps before the timed ones (the cache fills)
+    warmup: int = 40  # steps before the timed ones (the cache fills; LFU converges slowly)
     reps: int = 10
     load_factors: tuple[float, ...] = (0.05, 0.1, 0.2, 0.5, 1.0)
     alphas: tuple[float | None, ...] = (None, 0.8, 1.05, 1.2)  # None: uniform
+    algorithm: str = "lru"
 
 
 PRESETS = {
@@ -87,19 +88,22 @@ def configs(cfg: Config):
     ]  # fmt: skip
 
 
-def batches(cfg: Config, alpha: float | None, n: int, seed: int = 0):
-    """``n`` host batches: ``L`` ids per bag, Zipf ranks scattered over the rows."""
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(cfg.E)
+def batches(cfg: Config, alpha: float | None, n: int, seed: int = 0) -> list:
+    return list(stream(cfg, alpha, n, seed))
+
+
+def stream(cfg: Config, alpha: float | None, n: int, seed: int = 0):
+    """``n`` host batches, drawn as they are used: ``L`` ids per bag, Zipf ranks
+    scattered over the rows (the same rows are hot whatever the seed)."""
+    perm = np.random.default_rng(0).permutation(cfg.E)
+    rng = np.random.default_rng(seed + 1)
     keys = [f"f{i}" for i in range(cfg.T)]
-    out = []
     for _ in range(n):
         values = perm[zipf_ids(rng, cfg.E, cfg.T * cfg.B * cfg.L, alpha)]
         lengths = np.full(cfg.T * cfg.B, cfg.L, np.int32)
         kjt = jr.KeyedJaggedTensor(keys, values.astype(np.int32), lengths=lengths,
                                    capacities=[cfg.B * cfg.L] * cfg.T)  # fmt: skip
-        out.append((kjt, rng.normal(size=cfg.B).astype(np.float32)))
-    return out
+        yield kjt, rng.normal(size=cfg.B).astype(np.float32)
 
 
 def copy_rates(cfg: Config) -> dict:
@@ -142,8 +146,11 @@ def pipelined_ms(step, state, data, reps: int, to_device) -> float:
     return (time.perf_counter() - t0) * 1e3 / max(n, 1)
 
 
-def run_case(cfg, opt, weights, data, lf) -> dict:
-    params = {f"t{i}": jc.CacheParams(load_factor=lf) for i in range(cfg.T)}
+def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
+    """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
+    timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
+    params = {f"t{i}": jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
+              for i in range(cfg.T)}  # fmt: skip
     g2, s2 = train.init_train_state(
         Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
     )
@@ -155,23 +162,25 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
     step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
     box = {"s": s2, "i": 0}
 
-    def one():
-        box["s"], loss, _ = step(box["s"], data[box["i"] % len(data)])
-        box["i"] += 1
+    def one(batch=None):
+        box["s"], loss, _ = step(box["s"], data[box["i"]] if batch is None else batch)
+        box["i"] += batch is None
         loss.block_until_ready()
 
-    for _ in range(cfg.warmup):
-        one()
+    for batch in stream(cfg, alpha, cfg.warmup, seed=1):
+        one(batch)
     cache.reset_stats()
     ms = time_ms(one, cfg.reps, 0)
     stats = [dataclasses.replace(s) for s in cache.stats.values()]  # the timed steps' alone
     t0 = time.perf_counter()
-    prepared = cache.prepare(data[box["i"] % len(data)])  # host planning alone
+    prepared = cache.prepare(data[box["i"]])  # host planning alone
     prep = (time.perf_counter() - t0) * 1e3
     box["s"] = cache.load(box["s"], prepared)  # loads follow prepares in order
-    pipelined = pipelined_ms(step, box["s"], data, cfg.reps, jc.prefetching(cache))
+    pipelined = pipelined_ms(step, box["s"], data[cfg.reps + 1 :], cfg.reps,
+                             jc.prefetching(cache))  # fmt: skip
     ids = sum(s.ids for s in stats)
-    floor = move_floor_ms(hosts, sum(s.misses for s in stats) // (cfg.reps * cfg.T))
+    floor = move_floor_ms(hosts, cache.tables["t0"].slots,
+                          sum(s.misses for s in stats) // (cfg.reps * cfg.T))  # fmt: skip
     return {
         "load_factor": lf,
         "slots_per_table": cache.tables["t0"].slots,
@@ -187,27 +196,31 @@ def run_case(cfg, opt, weights, data, lf) -> dict:
     }
 
 
-def move_floor_ms(hosts, rows: int) -> float | None:
-    """Median ms of the raw copies a step's moves make, without the cache: ``rows``
-    random rows of each host table (every field) copied out and back (a miss's row
-    comes in, an evicted one goes out) by the C++ row copy the moves use. Copying at
-    the machine's speed, the cached step can be no faster than the all-device step
-    plus this. None without the extension."""
+def move_floor_ms(hosts, slots: int, rows: int) -> float | None:
+    """Median ms of the raw copies a step's moves make, without the cache: per host
+    table and field, ``rows`` random rows in (host -> random slots of a slot table)
+    and ``rows`` out (random slots -> host), by the C++ row copy the moves use, through
+    an L2-sized buffer. Copying at the machine's speed, the cached step can be no
+    faster than the all-device step plus this. None without the extension."""
     if not native.AVAILABLE or rows <= 0:
         return None
     rng = np.random.default_rng(2)
     work = []
     for h in hosts.values():
         r = np.sort(rng.choice(h.config.num_embeddings, rows, replace=False)).astype(np.int64)
+        s = np.sort(rng.choice(slots, rows, replace=False)).astype(np.int64)
         for f in h.fields.values():
-            work.append((f, r, np.empty((rows, *f.shape[1:]), f.dtype)))
+            table = np.ones((slots, *f.shape[1:]), f.dtype)  # touched: no page faults timed
+            work.append((f, r, table, s, np.empty((rows, *f.shape[1:]), f.dtype)))
 
     def run():
-        for f, r, tmp in work:
-            native.kernels.cache_rows(f, r, tmp, False)
-        for f, r, tmp in work:
-            native.kernels.cache_rows(tmp, r, f, True)  # the same rows: the tables unchanged
+        for f, r, table, s, tmp in work:
+            native.kernels.cache_rows(table, s, tmp, False)  # evicted rows out
+            native.kernels.cache_rows(tmp, r, f, True)  # (back to the rows they came from)
+            native.kernels.cache_rows(f, r, tmp, False)  # missed rows in
+            native.kernels.cache_rows(tmp, s, table, True)
 
+    run()
     return round(statistics.median(time_ms(run, 7, 1)), 2)
 
 
@@ -215,6 +228,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="cached steps before the timed ones (default: preset)",
+    )
+    p.add_argument("--algorithm", choices=["lru", "lfu"], default=None,
+                   help="the cache's replacement policy (default: preset, lru)")  # fmt: skip
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
     p.add_argument(
@@ -279,6 +300,10 @@ def main(argv=None) -> int:
     cfg = PRESETS[a.preset]
     if a.reps:
         cfg = dataclasses.replace(cfg, reps=a.reps)
+    if a.warmup is not None:
+        cfg = dataclasses.replace(cfg, warmup=a.warmup)
+    if a.algorithm:
+        cfg = dataclasses.replace(cfg, algorithm=a.algorithm)
     if a.alphas:
         cfg = dataclasses.replace(
             cfg, alphas=tuple(None if float(x) == 0 else float(x) for x in a.alphas.split(","))
@@ -309,7 +334,7 @@ def main(argv=None) -> int:
     del logical
     full = train.make_train_step(graphdef, opt, loss_fn)
     for alpha in cfg.alphas:
-        data = batches(cfg, alpha, cfg.warmup + cfg.reps)
+        data = batches(cfg, alpha, 2 * cfg.reps + 3)
         box = {"s": jax.tree.map(jnp.copy, state0), "i": 0}
 
         def one(box=box, data=data):
@@ -321,7 +346,7 @@ def main(argv=None) -> int:
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
         del box
         for lf in cfg.load_factors:
-            r = run_case(cfg, opt, weights, data, lf)
+            r = run_case(cfg, opt, weights, data, alpha, lf)
             r.update(
                 alpha=alpha or "uniform",
                 device_step_ms=round(device_ms, 2),
