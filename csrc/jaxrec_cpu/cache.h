@@ -112,7 +112,7 @@ inline bool CacheVictims(int64_t k, const int64_t* row_of_slot, const int64_t* l
   } else {
     // keys of the slots the batch does not use (INT64_MAX: used); branch-free passes (a
     // batch's hits are spread at random over the slots)
-    static thread_local std::vector<int64_t> keys;  // kept: a fresh one page-faults per call
+    static thread_local std::vector<int64_t> keys, hist;  // kept: fresh ones page-fault
     keys.resize(used);
     int64_t lo = INT64_MAX, hi = INT64_MIN, n = 0;
     for (int64_t s = 0; s < used; ++s) {
@@ -124,26 +124,30 @@ inline bool CacheVictims(int64_t k, const int64_t* row_of_slot, const int64_t* l
       n += free;
     }
     if (n < k) return false;
-    // the k-th smallest key t: by a histogram when the keys span a short range, else by
-    // nth_element
-    int64_t t, below = 0;
-    if (hi - lo < 4 * used + 1024) {
-      const int64_t span = hi - lo + 1;
-      std::vector<int64_t> hist(span + 1, 0);  // the last bin: used slots
-      for (int64_t s = 0; s < used; ++s) {
-        ++hist[keys[s] == INT64_MAX ? span : keys[s] - lo];
+    // the k-th smallest key t: by a histogram of the lowest keys (victims' keys are low:
+    // LRU's old stamps, LFU's rare rows), by nth_element past it (LFU's counts span a
+    // wide range, but its victims seldom lie there)
+    const int64_t bins = std::min<int64_t>(hi - lo + 1, 1 << 16);
+    hist.assign(bins + 1, 0);  // the last bin: keys past the others, and used slots
+    for (int64_t s = 0; s < used; ++s) {
+      const int64_t d = keys[s] == INT64_MAX ? bins : keys[s] - lo;
+      ++hist[std::min(d, bins)];
+    }
+    int64_t t = INT64_MAX, below = 0;
+    for (int64_t v = 0; v < bins; below += hist[v++]) {
+      if (below + hist[v] >= k) {
+        t = lo + v;
+        break;
       }
-      int64_t v = 0;
-      while (below + hist[v] < k) below += hist[v++];
-      t = lo + v;
-    } else {
+    }
+    if (t == INT64_MAX) {  // among the keys past the bins
       std::vector<int64_t> sel;
-      sel.reserve(n);
+      sel.reserve(hist[bins]);
       for (int64_t s = 0; s < used; ++s) {
-        if (keys[s] != INT64_MAX) sel.push_back(keys[s]);
+        if (keys[s] != INT64_MAX && keys[s] >= lo + bins) sel.push_back(keys[s]);
       }
-      std::nth_element(sel.begin(), sel.begin() + (k - 1), sel.end());
-      t = sel[k - 1];
+      std::nth_element(sel.begin(), sel.begin() + (k - below - 1), sel.end());
+      t = sel[k - below - 1];
       for (int64_t x : sel) below += x < t;
     }
     int64_t at_t = k - below;

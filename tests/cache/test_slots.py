@@ -83,6 +83,24 @@ def test_native_passes_equal_numpy(algorithm):
 
 
 @pytest.mark.skipif(not NATIVE, reason="the C++ extension (jaxrec.cpu._kernels) is not built")
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+def test_native_victims_with_keys_far_apart(algorithm):
+    """Victims whose keys lie far past the smallest (LFU: one rare row among rows looked
+    up thousands of times; LRU: stamps far apart), where the C++ pass leaves its
+    histogram for nth_element: the numpy map's slots still."""
+    maps = [SlotMap(400, 100, jc.CacheAlgorithm(algorithm), native=n) for n in (True, False)]
+    hot = np.repeat(np.arange(99, dtype=np.int32), 1700)  # counts past the C++ histogram
+    batches = [hot] * 40 + [np.array([99], np.int32)]  # row 99: count 1, last used
+    batches += [np.arange(100 + 50 * i, 150 + 50 * i, dtype=np.int32) for i in range(5)]
+    for ids in batches:
+        (xa, oa), (xb, ob) = (run(m, ids) for m in maps)
+        np.testing.assert_array_equal(oa, ob)
+        for f in ("fill_slots", "evict_slots", "evict_rows"):
+            np.testing.assert_array_equal(getattr(xa, f), getattr(xb, f))
+    assert maps[0].counts is None or maps[0].counts[:99].min() > 1 << 16
+
+
+@pytest.mark.skipif(not NATIVE, reason="the C++ extension (jaxrec.cpu._kernels) is not built")
 def test_native_lru_order_survives_other_passes():
     """The C++ LRU order (its log) after batches planned in numpy (int64 ids: the plan's
     marks from numpy), whole batches in numpy (the order rebuilt from the stamps), a
