@@ -7,13 +7,16 @@ the hit rate over the timed steps (ids served from the cache), rows moved per st
 the median step time of the cached step (prepare + load + train step, waited for),
 of the pipelined one (``TrainPipeline`` with ``prefetching``: the next batch is
 planned while a step runs) and of the all-device step (waited for, and in a
-``TrainPipeline``), and their ratios (pipelined over pipelined). A first
-line gives the machine and the copy rates that bound a miss: host gather
-(numpy), host -> device and device -> host.
+``TrainPipeline``), and their ratios (pipelined over pipelined), and the raw
+copies of the step's moved rows (``move_floor_ms``: no cached step beats the
+all-device step plus that). A first line gives the machine and the copy rates
+that bound a miss: host gather (numpy), host -> device and device -> host.
 
     python bench/cache.py --preset tiny            # seconds, a check that it runs
     python bench/cache.py                          # CPU figures (~5 min on 2 cores)
     python bench/cache.py --policy-rows 20000000   # + LRU / LFU steady-state hit rates
+    python bench/cache.py --policy-rows 1000000000 --policy-only --policy-algorithms lru
+    python bench/cache.py --alphas 1.05 --load-factors 0.1 --warmup 1000 --algorithm lfu
     python bench/cache.py --preset gpu             # on a GPU machine
 """
 
