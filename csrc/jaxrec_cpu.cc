@@ -190,7 +190,7 @@ PyObject* Handlers(PyObject*, PyObject*) {
 PyObject* Info(PyObject*, PyObject*) {
   // cache_api: the signatures of the cache_* host functions (jaxrec.cpu.host_functions)
   return Py_BuildValue("{s:i,s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads",
-                       MaxThreads(), "ffi_api_minor", XLA_FFI_API_MINOR, "cache_api", 2);
+                       MaxThreads(), "ffi_api_minor", XLA_FFI_API_MINOR, "cache_api", 3);
 }
 
 // A C-contiguous buffer of 4-byte items of kind `kind` ('f' float, 'i' int32), or an error.
@@ -374,13 +374,30 @@ PyObject* PyCacheScan(PyObject*, PyObject* args) {
   return Py_BuildValue("(LL)", static_cast<long long>(hits), static_cast<long long>(m));
 }
 
+constexpr const char* kLfuName = "jaxrec.cache.LfuOrder";
+
+void FreeLfuOrder(PyObject* cap) {
+  delete static_cast<LfuOrder*>(PyCapsule_GetPointer(cap, kLfuName));
+}
+
+PyObject* PyLfuOrder(PyObject*, PyObject*) {
+  return PyCapsule_New(new LfuOrder, kLfuName, FreeLfuOrder);
+}
+
+PyObject* PyLfuReset(PyObject*, PyObject* cap) {
+  auto* q = static_cast<LfuOrder*>(PyCapsule_GetPointer(cap, kLfuName));
+  if (!q) return nullptr;
+  q->valid = false;  // rebuilt from the counts and stamps at the next assign
+  Py_RETURN_NONE;
+}
+
 PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   PyObject *fill_rows, *slot_of_row, *row_of_slot, *last_used, *counts, *seen, *fill_slots,
-      *evict_rows, *marks, *log, *pos, *ends;
+      *evict_rows, *marks, *log, *pos, *ends, *order;
   long long epoch, used, clock;
-  if (!PyArg_ParseTuple(args, "OOOOOOLLLOOOOOO", &fill_rows, &slot_of_row, &row_of_slot,
+  if (!PyArg_ParseTuple(args, "OOOOOOLLLOOOOOOO", &fill_rows, &slot_of_row, &row_of_slot,
                         &last_used, &counts, &seen, &epoch, &used, &clock, &fill_slots,
-                        &evict_rows, &marks, &log, &pos, &ends))
+                        &evict_rows, &marks, &log, &pos, &ends, &order))
     return nullptr;
   Buffers b;
   if (!b.Get(fill_rows, 8, false, "cache_assign(fill_rows)") ||
@@ -395,9 +412,12 @@ PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   if (used < 0 || used > slots || b.Len(3) != slots || b.Len(5) != slots || b.Len(6) != m ||
       b.Len(7) != k || (b.Len(4) != 0 && b.Len(4) != rows) || b.Len(8) != (slots + 63) / 64)
     return PyErr_Format(PyExc_ValueError, "cache_assign: inconsistent sizes");
+  LfuOrder* lfu = nullptr;
   LruLog q{b.At<int32_t>(9), b.Len(9), b.At<int64_t>(10), b.At<int64_t>(11)};
-  const bool lru = b.Len(9) > 0;  // else victims by their keys (LFU)
-  if (lru) {
+  if (b.Len(4)) {  // LFU: its order
+    lfu = static_cast<LfuOrder*>(PyCapsule_GetPointer(order, kLfuName));
+    if (!lfu) return nullptr;
+  } else {
     const int64_t head = q.ends[0], tail = q.ends[1];
     if (q.cap < 2 * slots || b.Len(10) != slots || b.Len(11) != 2 ||
         (tail >= 0 && (head < 0 || head > tail || tail > q.cap)))
@@ -415,7 +435,7 @@ PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS;
   new_used = CacheAssign(fr, m, b.At<int32_t>(1), b.At<int64_t>(2), slots, b.At<int64_t>(3), cnt,
                          b.At<int64_t>(5), epoch, used, clock, b.At<uint64_t>(8),
-                         lru ? &q : nullptr, b.At<int64_t>(6), b.At<int64_t>(7));
+                         lfu ? nullptr : &q, lfu, b.At<int64_t>(6), b.At<int64_t>(7));
   Py_END_ALLOW_THREADS;
   if (new_used < 0)
     return PyErr_Format(PyExc_ValueError, "cache_assign: fewer than %lld slots to evict",
@@ -501,11 +521,15 @@ PyMethodDef kMethods[] = {
      "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base, marks) -> (hits, "
      "n_miss): jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' "
      "base + slot, -1 for misses, or empty; marks: uint64, a bit per slot, set for hits)."},
+    {"lfu_order", PyLfuOrder, METH_NOARGS,
+     "lfu_order() -> capsule: the C++ LFU order of a slot map (cache_assign's last argument)."},
+    {"lfu_reset", PyLfuReset, METH_O,
+     "lfu_reset(order): the order is rebuilt from the counts and stamps at the next assign."},
     {"cache_assign", PyCacheAssign, METH_VARARGS,
      "cache_assign(fill_rows, slot_of_row, row_of_slot, last_used, counts, seen, epoch, used, "
-     "clock, fill_slots, evict_rows, marks, log, pos, ends) -> used: slots for a batch's missed "
-     "rows (victims first); the batch's (marked) slots stamped; LRU victims from the log "
-     "(empty: by keys)."},
+     "clock, fill_slots, evict_rows, marks, log, pos, ends, order) -> used: slots for a "
+     "batch's missed rows (victims first); the batch's (marked) slots stamped; victims from "
+     "the LRU log, or with counts the LFU order (lfu_order())."},
     {"cache_fix", PyCacheFix, METH_VARARGS,
      "cache_fix(ids, slot_of_row, slots, base, out, counts): out[i] = base + slot where out[i] "
      "< 0 (after cache_scan with out); counts the ids when counts is not empty."},

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -89,97 +91,176 @@ inline void LogCompact(const LruLog& q) {  // the live entries moved to the fron
   q.ends[1] = j;
 }
 
+// LFU's order of a slot map's used slots, so that victims cost O(victims), not O(slots): a
+// log per count value below `limit`, each holding the slots whose row reached that count in
+// the order they did (each batch's ascending), so its live entries are sorted by (last_used,
+// slot): counts only grow, and only for rows a batch looks up, whose slots it stamps. Slots
+// with larger counts (hot rows, victims seldom) wait unordered in `over`; a batch that needs
+// victims past the logs rebuilds the order with a larger limit. An entry is live iff its seq
+// is its slot's. A batch's slots are logged at the next assign (`pending`), once their rows'
+// counts are final. Not valid: rebuilt from the counts and stamps.
+struct LfuOrder {
+  using Entry = std::pair<int32_t, int64_t>;  // (slot, seq)
+  struct Log {
+    std::vector<Entry> entries;
+    size_t head = 0;
+  };
+  std::vector<Log> logs;  // by count, below limit
+  std::vector<Entry> over;  // counts >= limit, unordered
+  uint32_t limit = 1024, lowest = 0;  // logs below lowest are empty
+  std::vector<int64_t> seq_of_slot;  // its live entry's seq, -1: none
+  std::vector<int32_t> pending;  // the last batch's slots, ascending
+  int64_t next_seq = 0, entries = 0;
+  bool valid = false;
+
+  void Add(int32_t s, uint32_t count) {
+    if (count < limit) {
+      logs[count].entries.emplace_back(s, next_seq);
+      lowest = std::min(lowest, count);
+    } else {
+      over.emplace_back(s, next_seq);
+    }
+    seq_of_slot[s] = next_seq++;
+    ++entries;
+  }
+
+  // From the counts and stamps. With `victims`: also the k victims (ascending, left out of
+  // the order), and the limit raised past their counts (up to 2^16 logs) so that the next
+  // batches find theirs in the logs.
+  void Rebuild(const int64_t* row_of_slot, const uint32_t* counts, const int64_t* last_used,
+               const int64_t* seen, int64_t epoch, int64_t used, int64_t slots, int64_t k,
+               int64_t* victims) {
+    std::vector<int32_t> order(used);
+    for (int64_t s = 0; s < used; ++s) order[s] = static_cast<int32_t>(s);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      const uint32_t ca = counts[row_of_slot[a]], cb = counts[row_of_slot[b]];
+      if (ca != cb) return ca < cb;
+      return last_used[a] != last_used[b] ? last_used[a] < last_used[b] : a < b;
+    });
+    std::vector<uint8_t> taken(used, 0);
+    if (victims) {
+      int64_t j = 0;
+      for (size_t i = 0; i < order.size() && j < k; ++i) {
+        const int32_t s = order[i];
+        if (seen[s] == epoch) continue;
+        taken[s] = 1;
+        victims[j++] = s;
+        if (j == k) {
+          const uint64_t c = counts[row_of_slot[s]];
+          const uint64_t want = std::max<uint64_t>(limit, 2 * c + 64);
+          limit = static_cast<uint32_t>(std::min<uint64_t>(1 << 16, want));
+        }
+      }
+      std::sort(victims, victims + k);
+    }
+    logs.assign(limit, Log{});
+    over.clear();
+    pending.clear();
+    seq_of_slot.assign(slots, -1);
+    entries = 0;
+    lowest = limit;
+    for (int32_t s : order) {
+      if (!taken[s]) Add(s, counts[row_of_slot[s]]);
+    }
+    valid = true;
+  }
+
+  void Compact() {  // drops the dead entries (a hot row leaves one per batch it is in)
+    auto keep = [&](std::vector<Entry>& e, size_t from) {
+      size_t j = 0;
+      for (size_t i = from; i < e.size(); ++i) {
+        if (seq_of_slot[e[i].first] == e[i].second) e[j++] = e[i];
+      }
+      e.resize(j);
+      return static_cast<int64_t>(j);
+    };
+    entries = keep(over, 0);
+    for (uint32_t c = lowest; c < limit; ++c) {
+      entries += keep(logs[c].entries, logs[c].head);
+      logs[c].head = 0;
+    }
+  }
+};
+
 // k victims into victims[] (ascending): the used slots the batch does not use with the k
-// smallest keys (last_used, or the row's count with counts), ties to the lowest slot. With
-// `lru`: the first k such live entries of the log (popped). Returns false (nothing changed)
-// when fewer than k slots may be evicted.
-inline bool CacheVictims(int64_t k, const int64_t* row_of_slot, const int64_t* last_used,
-                         const uint32_t* counts, const int64_t* seen, int64_t epoch,
-                         int64_t used, const LruLog* lru, int64_t* victims) {
+// smallest keys: LRU (`lru`) the last use, then the slot; LFU (`lfu`) the row's count, then
+// the last use, then the slot. Each is the first k such live entries of its order (popped).
+// The caller checked that k slots may be evicted; false: LFU's lie past its logs (rebuild
+// it). The numpy twin is SlotMap._victims.
+inline bool CacheVictims(int64_t k, const int64_t* seen, int64_t epoch, int64_t used,
+                         const LruLog* lru, LfuOrder* lfu, int64_t* victims) {
   static thread_local std::vector<uint64_t> picked;  // a bitmap: the victims come out sorted
   picked.assign((used + 63) / 64, 0);
-  if (lru) {
-    int64_t p = lru->ends[0], j = 0;
-    const int64_t tail = lru->ends[1];
-    for (; p < tail && j < k; ++p) {
+  int64_t j = 0;
+  if (lfu) {
+    for (; lfu->lowest < lfu->limit && j < k; ++lfu->lowest) {
+      auto& log = lfu->logs[lfu->lowest];
+      for (; log.head < log.entries.size() && j < k; ++log.head) {
+        const auto [s, q] = log.entries[log.head];
+        --lfu->entries;
+        if (lfu->seq_of_slot[s] != q) continue;  // dead
+        lfu->seq_of_slot[s] = -1;  // a victim, or the batch's (logged again after it)
+        if (seen[s] == epoch) continue;
+        MarkSlot(picked.data(), s);
+        ++j;
+      }
+      if (j == k) break;  // (this log may hold more)
+      log.entries.clear();
+      log.head = 0;
+    }
+    if (j < k) return false;  // the rest lie past the logs
+  } else {
+    int64_t p = lru->ends[0];
+    for (; p < lru->ends[1] && j < k; ++p) {
       const int32_t s = lru->log[p];
-      if (lru->pos[s] != p || seen[s] == epoch) continue;  // stale, or the batch's (re-logged)
+      if (lru->pos[s] != p || seen[s] == epoch) continue;  // dead, or the batch's (re-logged)
       MarkSlot(picked.data(), s);
       ++j;
     }
-    if (j < k) return false;
     lru->ends[0] = p;
-  } else {
-    // keys of the slots the batch does not use (INT64_MAX: used); branch-free passes (a
-    // batch's hits are spread at random over the slots)
-    static thread_local std::vector<int64_t> keys, hist;  // kept: fresh ones page-fault
-    keys.resize(used);
-    int64_t lo = INT64_MAX, hi = INT64_MIN, n = 0;
-    for (int64_t s = 0; s < used; ++s) {
-      const bool free = seen[s] != epoch;
-      const int64_t x = counts ? static_cast<int64_t>(counts[row_of_slot[s]]) : last_used[s];
-      keys[s] = free ? x : INT64_MAX;
-      lo = std::min(lo, free ? x : INT64_MAX);
-      hi = std::max(hi, free ? x : INT64_MIN);
-      n += free;
-    }
-    if (n < k) return false;
-    // the k-th smallest key t: by a histogram of the lowest keys (victims' keys are low:
-    // LRU's old stamps, LFU's rare rows), by nth_element past it (LFU's counts span a
-    // wide range, but its victims seldom lie there)
-    const int64_t bins = std::min<int64_t>(hi - lo + 1, 1 << 16);
-    hist.assign(bins + 1, 0);  // the last bin: keys past the others, and used slots
-    for (int64_t s = 0; s < used; ++s) {
-      const int64_t d = keys[s] == INT64_MAX ? bins : keys[s] - lo;
-      ++hist[std::min(d, bins)];
-    }
-    int64_t t = INT64_MAX, below = 0;
-    for (int64_t v = 0; v < bins; below += hist[v++]) {
-      if (below + hist[v] >= k) {
-        t = lo + v;
-        break;
-      }
-    }
-    if (t == INT64_MAX) {  // among the keys past the bins
-      std::vector<int64_t> sel;
-      sel.reserve(hist[bins]);
-      for (int64_t s = 0; s < used; ++s) {
-        if (keys[s] != INT64_MAX && keys[s] >= lo + bins) sel.push_back(keys[s]);
-      }
-      std::nth_element(sel.begin(), sel.begin() + (k - below - 1), sel.end());
-      t = sel[k - below - 1];
-      for (int64_t x : sel) below += x < t;
-    }
-    int64_t at_t = k - below;
-    for (int64_t s = 0; s < used; ++s) {
-      const int64_t x = keys[s];
-      const bool eq = x == t && at_t > 0;
-      if (x < t || eq) MarkSlot(picked.data(), s);
-      at_t -= eq;
-    }
   }
-  int64_t j = 0;
+  j = 0;
   TakeMarks(picked.data(), static_cast<int64_t>(picked.size()),
             [&](int64_t s) { victims[j++] = s; });
   return true;
 }
 
 // Gives the m missed rows fill_rows slots: first the never-used slots [used, slots), then k
-// victims (CacheVictims). fill_slots[:k] are the victims (ascending), evict_rows their rows.
-// The batch's slots, its hits (marked by CacheScan) and its fills, are marked seen, stamped
-// last_used = clock and (LRU) logged; the marks are cleared. Returns the new `used`, or -1
+// victims (CacheVictims; LFU: `lfu` with `counts`, else LRU: `lru`). fill_slots[:k] are the
+// victims (ascending), evict_rows their rows. The batch's slots, its hits (marked by
+// CacheScan) and its fills, are marked seen, stamped last_used = clock and logged (LRU now,
+// LFU at the next call); the marks are cleared. Returns the new `used`, or -1
 // (nothing changed) when fewer than k slots may be evicted. The numpy twin is
 // SlotMap._victims / SlotMap.assign.
 inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
                            int64_t* row_of_slot, int64_t slots, int64_t* last_used,
                            const uint32_t* counts, int64_t* seen, int64_t epoch, int64_t used,
-                           int64_t clock, uint64_t* marks, const LruLog* lru,
+                           int64_t clock, uint64_t* marks, const LruLog* lru, LfuOrder* lfu,
                            int64_t* fill_slots, int64_t* evict_rows) {
   const int64_t fresh = std::min(m, slots - used), k = m - fresh;
-  if (lru && lru->ends[1] < 0) LogRebuild(*lru, last_used, used);
+  const int64_t words = (slots + 63) / 64;
+  if (k > 0) {  // the marks are the batch's hits: the others may be evicted
+    int64_t hits = 0;
+    for (int64_t w = 0; w < words; ++w) hits += __builtin_popcountll(marks[w]);
+    if (used - hits < k) return -1;  // nothing changed
+  }
+  if (lfu) {
+    if (!lfu->valid || static_cast<int64_t>(lfu->seq_of_slot.size()) != slots) {
+      lfu->Rebuild(row_of_slot, counts, last_used, seen, epoch, used, slots, 0, nullptr);
+    }
+    const auto& pend = lfu->pending;  // their counts are final now
+    for (size_t i = 0; i < pend.size(); ++i) {
+      if (i + 16 < pend.size()) __builtin_prefetch(counts + row_of_slot[pend[i + 16]], 0, 1);
+      lfu->Add(pend[i], counts[row_of_slot[pend[i]]]);
+    }
+    lfu->pending.clear();
+    if (lfu->entries > 2 * slots + 1024) lfu->Compact();
+  } else if (lru->ends[1] < 0) {
+    LogRebuild(*lru, last_used, used);
+  }
   if (k > 0) {
-    if (!CacheVictims(k, row_of_slot, last_used, counts, seen, epoch, used, lru, fill_slots)) {
-      return -1;
+    if (!CacheVictims(k, seen, epoch, used, lru, lfu, fill_slots)) {  // past LFU's logs
+      lfu->Rebuild(row_of_slot, counts, last_used, seen, epoch, used, slots, k, fill_slots);
     }
     for (int64_t i = 0; i < k; ++i) evict_rows[i] = row_of_slot[fill_slots[i]];
     for (int64_t i = 0; i < k; ++i) {  // random rows of a map larger than L2: fetched early
@@ -195,8 +276,12 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
     seen[fill_slots[i]] = epoch;
     MarkSlot(marks, fill_slots[i]);
   }
-  const int64_t words = (slots + 63) / 64;
-  if (lru) {
+  if (lfu) {
+    TakeMarks(marks, words, [&](int64_t s) {
+      last_used[s] = clock;
+      lfu->pending.push_back(static_cast<int32_t>(s));
+    });
+  } else {
     int64_t stamped = 0;
     for (int64_t w = 0; w < words; ++w) stamped += __builtin_popcountll(marks[w]);
     if (lru->ends[1] + stamped > lru->cap) LogCompact(*lru);  // live <= slots <= cap / 2
@@ -207,8 +292,6 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
       lru->pos[s] = tail++;
     });
     lru->ends[1] = tail;
-  } else {
-    TakeMarks(marks, words, [&](int64_t s) { last_used[s] = clock; });
   }
   return used + fresh;
 }

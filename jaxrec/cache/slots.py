@@ -4,7 +4,8 @@ Host-side bookkeeping of one shard's device cache (FBGEMM keeps the same state i
 ``lxu_cache_state`` / ``lru_state`` / ``lfu_state`` on the device). Fully
 associative: a miss may take any slot that the batch does not use. LRU evicts the
 slots used longest ago; LFU the rows looked up least often since the start (counts
-survive eviction, as FBGEMM's ``lfu_state`` does).
+survive eviction, as FBGEMM's ``lfu_state`` does; ties: the slot used longest ago).
+Ties left: the lowest slot.
 
 A batch goes through :meth:`SlotMap.plan` (what it needs; nothing changes, so a
 batch that does not fit leaves the cache as it was), :meth:`SlotMap.assign` (slots
@@ -54,8 +55,8 @@ class SlotMap:
     """The cache state of one shard: ``rows`` table rows, ``slots`` device slots.
 
     Memory: 4 bytes per row (its slot) + 24 per slot (its row, its last use, a
-    scratch mark); LRU 24 more per slot (its order: victims cost O(victims), not
-    O(slots)), LFU 4 more per row (the counts).
+    scratch mark); LRU 24 more per slot, LFU ~40 more per slot (the C++ victims'
+    order: they cost O(victims), not O(slots)) and 4 per row (the counts).
     """
 
     def __init__(self, rows: int, slots: int, algorithm: CacheAlgorithm, native: bool = NATIVE):
@@ -75,6 +76,8 @@ class SlotMap:
         else:
             self.lru_log, self.lru_pos = np.zeros(0, np.int32), np.zeros(0, np.int64)
         self.lru_ends = np.zeros(2, np.int64)  # head, tail (tail -1: rebuilt from last_used)
+        lfu = self.algorithm is CacheAlgorithm.LFU and NATIVE
+        self.lfu_order = _native.lfu_order() if lfu else None  # the C++ pass's (cache.h)
         self.used = 0  # slots [0, used) have held a row
         self.clock = 0
         self.epoch = 0
@@ -142,9 +145,9 @@ class SlotMap:
             counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
             # (the batch's slots are stamped in the same call)
             m = (self.slot_of_row, self.row_of_slot, self.last_used, counts, self.seen)
-            lru = (self.lru_log, self.lru_pos, self.lru_ends)
-            self.used = _native.cache_assign(fill_rows, *m, self.epoch, self.used, self.clock,
-                                             fill_slots, evict_rows, self.marks, *lru)  # fmt: skip
+            m += (self.epoch, self.used, self.clock, fill_slots, evict_rows, self.marks)
+            m += (self.lru_log, self.lru_pos, self.lru_ends, self.lfu_order)  # victims' orders
+            self.used = _native.cache_assign(fill_rows, *m)
             evict_slots = fill_slots[:k]
         else:
             fresh_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
@@ -160,7 +163,7 @@ class SlotMap:
             # the batch's slots are those seen now (its hits and fills)
             self.last_used[self.seen == self.epoch] = self.clock
             self.marks.fill(0)
-            self.lru_ends[1] = -1  # the C++ LRU order is stale: rebuilt when next used
+            self._orders_stale()
         self._marked = False
         return Assignment(fill_slots, fill_rows, evict_slots, evict_rows, plan.hits)
 
@@ -182,23 +185,28 @@ class SlotMap:
             self.counts[rows] = np.minimum(total, np.iinfo(np.uint32).max)
         out[:] = self.slot_of_row[ids] + base
 
+    def _orders_stale(self) -> None:
+        """The C++ victim orders are rebuilt from the stamps and counts when next used."""
+        self.lru_ends[1] = -1
+        if self.lfu_order is not None:
+            _native.lfu_reset(self.lfu_order)
+
     def _counts(self) -> np.ndarray:
         return self.counts if self.counts is not None else np.zeros(0, np.uint32)
 
     def _victims(self, k: int) -> np.ndarray:
         """``k`` occupied slots to empty, none the planned batch uses (sorted): the k
-        smallest keys, ties to the lowest slots (as the C++ ``cache_assign``)."""
+        smallest keys, as the C++ ``cache_assign``: LRU (last use, slot), LFU (the
+        row's count, last use, slot)."""
         if k <= 0:
             return np.zeros(0, np.int64)
+        free = np.flatnonzero(self.seen[: self.used] != self.epoch)
         if self.algorithm is CacheAlgorithm.LRU:
-            key = self.last_used.copy()
+            order = np.lexsort((free, self.last_used[free]))
         else:
-            key = self.counts[self.row_of_slot].astype(np.int64)
-        key[self.seen == self.epoch] = np.iinfo(np.int64).max
-        t = np.partition(key, k - 1)[k - 1]
-        below = np.flatnonzero(key < t)
-        at = np.flatnonzero(key == t)[: k - len(below)]
-        return np.sort(np.concatenate([below, at])).astype(np.int64)
+            count = self.counts[self.row_of_slot[free]]
+            order = np.lexsort((free, self.last_used[free], count))
+        return np.sort(free[order[:k]]).astype(np.int64)
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, rows)`` of every occupied slot."""
@@ -212,5 +220,5 @@ class SlotMap:
         self.last_used.fill(0)
         self.seen.fill(0)
         self.marks.fill(0)
-        self.lru_ends[:] = 0
+        self._orders_stale()
         self.used = 0

@@ -93,7 +93,7 @@ def warn_unavailable(explicit: bool) -> None:
         logger.warning(msg)
 
 
-CACHE_API = 2  # csrc/jaxrec_cpu.cc's Info(): the cache_* functions' signatures
+CACHE_API = 3  # csrc/jaxrec_cpu.cc's Info(): the cache_* functions' signatures
 
 
 def host_functions():
