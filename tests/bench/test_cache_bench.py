@@ -4,6 +4,8 @@ import json
 
 import cache
 
+from jaxrec.cache import native
+
 
 def test_tiny_preset_records(capsys):
     assert cache.main(["--preset", "tiny", "--reps", "2", "--policy-rows", "20000"]) == 0
@@ -25,6 +27,19 @@ def test_tiny_preset_records(capsys):
     lru = next(r for r in policy if r["algorithm"] == "lru")
     assert abs(lru["hit_rate"] - lru["lru_che"]) < 0.01, lru
     assert all(r["hit_rate"] <= r["top_rows"] + 0.01 for r in policy)
+
+
+def test_steady_state_flags(capsys):
+    """``--algorithm lfu --warmup N``: the cases run LFU after N fresh warm-up steps,
+    and the raw copies of the moved rows are timed beside them."""
+    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
+            "--algorithm", "lfu", "--warmup", "6"]  # fmt: skip
+    assert cache.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (case,) = [r for r in lines if "cached_step_ms" in r]
+    assert case["config"]["algorithm"] == "lfu" and case["config"]["warmup"] == 6
+    assert case["rows_in_per_step"] > 0
+    assert case["move_floor_ms"] > 0 if native.AVAILABLE else case["move_floor_ms"] is None
 
 
 def test_cache_model_against_simulation():
