@@ -105,5 +105,12 @@ def host_functions():
         from . import _kernels
     except ImportError:
         return None
-    current = _kernels.info().get("cache_api") == CACHE_API  # a stale build has other signatures
-    return _kernels if current else None
+    built = _kernels.info().get("cache_api")
+    if built != CACHE_API:  # a stale build: its cache_* functions take other arguments
+        logger.warning(
+            "jaxrec's C++ extension is stale (cache_api %s, this jaxrec needs %s): jaxrec.cache "
+            "runs its numpy passes (the same slots, slower); rebuild it: pip install -e .",
+            built, CACHE_API,
+        )  # fmt: skip
+        return None
+    return _kernels
