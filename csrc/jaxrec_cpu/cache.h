@@ -1,10 +1,10 @@
 // The per-id passes of jaxrec.cache's slot maps (see jaxrec/cache/slots.py): which of a
-// batch's rows are cached, and its ids rewritten as slots. One pass each, no sorting.
+// batch's rows are cached, the victims, and its ids rewritten as slots. One pass each over
+// the batch (a victim order is sorted only when it is rebuilt).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -239,11 +239,9 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
                            int64_t* fill_slots, int64_t* evict_rows) {
   const int64_t fresh = std::min(m, slots - used), k = m - fresh;
   const int64_t words = (slots + 63) / 64;
-  if (k > 0) {  // the marks are the batch's hits: the others may be evicted
-    int64_t hits = 0;
-    for (int64_t w = 0; w < words; ++w) hits += __builtin_popcountll(marks[w]);
-    if (used - hits < k) return -1;  // nothing changed
-  }
+  int64_t hits = 0;  // the marks are the batch's hits: the other used slots may be evicted
+  for (int64_t w = 0; w < words; ++w) hits += __builtin_popcountll(marks[w]);
+  if (used - hits < k) return -1;  // nothing changed
   if (lfu) {
     if (!lfu->valid || static_cast<int64_t>(lfu->seq_of_slot.size()) != slots) {
       lfu->Rebuild(row_of_slot, counts, last_used, seen, epoch, used, slots, 0, nullptr);
@@ -282,9 +280,8 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
       lfu->pending.push_back(static_cast<int32_t>(s));
     });
   } else {
-    int64_t stamped = 0;
-    for (int64_t w = 0; w < words; ++w) stamped += __builtin_popcountll(marks[w]);
-    if (lru->ends[1] + stamped > lru->cap) LogCompact(*lru);  // live <= slots <= cap / 2
+    // a batch stamps at most `slots`; live entries are at most `slots` <= cap / 2
+    if (lru->ends[1] + slots > lru->cap) LogCompact(*lru);
     int64_t tail = lru->ends[1];
     TakeMarks(marks, words, [&](int64_t s) {
       last_used[s] = clock;

@@ -70,7 +70,7 @@ class SlotMap:
         self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses
         self.marks = np.zeros((slots + 63) // 64, np.uint64)  # the same as bits, for the C++ pass
         self._marked = False  # marks set by a plan not assigned
-        if self.algorithm is CacheAlgorithm.LRU:  # the C++ pass's LRU order (cache.h, LruLog)
+        if self.algorithm is CacheAlgorithm.LRU and NATIVE:  # the C++ pass's order (LruLog)
             self.lru_log = np.zeros(4 * slots, np.int32)
             self.lru_pos = np.zeros(slots, np.int64)
         else:
