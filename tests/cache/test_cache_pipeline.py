@@ -20,7 +20,7 @@ from cache_cases import (
 from jaxrec import cache as jc
 from jaxrec import distributed as d
 from jaxrec import optim, train
-from jaxrec.cache import mover
+from jaxrec.cache import mover, row_cache
 
 
 @pytest.mark.parametrize("depth,inplace", [(1, False), (3, False), (3, True)])
@@ -133,3 +133,94 @@ def test_pinned_host_staging(monkeypatch, sharded):
     want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
     assert_tables_equal(got, want)
     assert all(cache.stats[t].evictions > 0 for t in CACHED)
+
+
+def _inflight_reference(cache):
+    """Per table, how many unsaved batches evict each row, from the unsaved list."""
+    out = {k: np.zeros_like(v, np.int64) for k, v in cache._inflight.items()}
+    for _, evicted in cache._unsaved:
+        for k, rows in evicted.items():
+            np.add.at(out[k], rows, 1)
+    return out
+
+
+def test_inflight_counts_follow_unsaved_batches(monkeypatch):
+    """Staged path: the per-row counts that find late fills equal the unsaved batches'
+    evictions after every prepare, load and write-back, and are all zero once flushed."""
+    monkeypatch.setattr(mover, "INPLACE", False)
+    opt = optimizer(optim.sgd(0.1))
+    graphdef, state = build(opt)
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    rng = np.random.default_rng(4)
+    queue = []
+
+    def check():
+        ref = _inflight_reference(cache)
+        for k, v in cache._inflight.items():
+            np.testing.assert_array_equal(v, ref[k])
+
+    for _ in range(9):
+        queue.append(cache.prepare(local_batch(rng)))
+        check()
+        if len(queue) == 3:  # three batches ahead, as a depth-3 pipeline
+            s2 = cache.load(s2, queue.pop(0))
+            check()
+    assert max(int(v.max()) for v in cache._inflight.values()) >= 1
+    for p in queue:
+        s2 = cache.load(s2, p)
+    s2 = cache.flush(s2)
+    assert all(not v.any() for v in cache._inflight.values()) and not cache._unsaved
+
+
+def test_too_many_unloaded_batches_are_refused(monkeypatch):
+    """The staged path counts unsaved evictions in a byte per row: the 256th prepared
+    batch not loaded is refused, before anything changes, and loading goes on."""
+    monkeypatch.setattr(mover, "INPLACE", False)
+    opt = optimizer(optim.sgd(0.1))
+    graphdef, state = build(opt)
+    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    rng = np.random.default_rng(5)
+    one = local_batch(rng, 1)
+    prepared = [cache.prepare(one) for _ in range(255)]
+    with pytest.raises(ValueError, match="255 prepared batches are not loaded"):
+        cache.prepare(one)
+    for p in prepared[:2]:
+        s2 = cache.load(s2, p)
+    cache.write_back()
+    prepared.append(cache.prepare(one))  # room again
+    assert prepared[-1].serial == 256
+
+
+def test_planning_threads_give_the_same_batches(monkeypatch):
+    """Tables planned on threads (the default for large batches) or one after another:
+    the same slots, moves and states."""
+    monkeypatch.setattr(row_cache, "_THREAD_IDS", 0)  # threads for these small batches
+    calls = []
+    each = row_cache.RowCache._each
+    monkeypatch.setattr(row_cache.RowCache, "_each",
+                        lambda self, fn, n: calls.append(n) or each(self, fn, n))  # fmt: skip
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    rng = np.random.default_rng(8)
+    batches = [local_batch(rng) for _ in range(6)]
+    runs = []
+    for threads in (1, 4):
+        g2, s2, cache = cached_twin(opt, graphdef, state, params)
+        cache = jc.RowCache(g2, opt, s2, {t.name: t.host for t in cache.tables.values()},
+                            params, threads=threads)  # fmt: skip
+        assert cache._threads == (1 if threads == 1 else len(CACHED))
+        step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
+        ids = []
+        for b in batches:
+            p = cache.prepare(b)
+            ids.append(np.asarray(jax.tree.leaves(p.batch[0])[0]))
+            s2, _, _ = step(s2, p)
+        runs.append((ids, logical_tables(g2, opt, cache.flush(s2), cache)))
+    assert set(calls) == {1, len(CACHED)}
+    (i0, t0), (i1, t1) = runs
+    for a, b in zip(i0, i1, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert_tables_equal(t1, t0)
