@@ -24,6 +24,7 @@ import numpy as np
 from ..checkpoint.layout import Buffer
 from ..cpu import available
 from ..embedding.blocks import Block
+from ..sparse import bucket_capacity
 from . import native
 
 
@@ -338,7 +339,8 @@ def _staging(shardings: list) -> list | None:
     return out
 
 
-@functools.cache
 def _bucket(n: int) -> int:
-    """Padded move sizes, powers of two from 256, so a run compiles a few programs."""
-    return max(256, 1 << max(0, n - 1).bit_length())
+    """Padded move sizes, so a run compiles a few programs: powers of two and 1.5x
+    powers of two from 256 (a staged move copies its padding across: at most a third
+    of it, where powers of two alone padded up to half)."""
+    return bucket_capacity(n, minimum=256)
