@@ -392,16 +392,18 @@ class RowCache:
 # (4 tables, 2 cores: 41k ids each 6.2 -> 6.5 ms; 164k ids each 37 -> 30 ms)
 _THREAD_IDS = 1 << 16
 _MAX_UNSAVED = 255  # batches whose evicted rows are not back yet: the uint8 counts' bound
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
-    """A shared pool of ``n`` planning threads (idle ones cost nothing)."""
+    """A shared pool of ``n`` planning threads (idle ones cost nothing); per process: a
+    forked child has none of its parent's threads."""
+    key = (os.getpid(), n)
     with _POOLS_LOCK:
-        if n not in _POOLS:
-            _POOLS[n] = ThreadPoolExecutor(n, thread_name_prefix="jaxrec-cache")
-        return _POOLS[n]
+        if key not in _POOLS:
+            _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="jaxrec-cache")
+        return _POOLS[key]
 
 
 def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:

@@ -224,3 +224,21 @@ def test_planning_threads_give_the_same_batches(monkeypatch):
     for a, b in zip(i0, i1, strict=True):
         np.testing.assert_array_equal(a, b)
     assert_tables_equal(t1, t0)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's: this child runs no JAX
+def test_planning_threads_work_in_a_forked_child():
+    """A child forked after the parent started planning threads (a data loader's worker)
+    gets a pool of its own: the parent's threads do not exist there."""
+    import os
+
+    assert row_cache._pool(2).submit(lambda: 1).result(timeout=30) == 1
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the pool runs a task, and never return
+        code = 1
+        try:
+            code = 0 if row_cache._pool(2).submit(lambda: 2).result(timeout=20) == 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
