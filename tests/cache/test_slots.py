@@ -9,6 +9,7 @@ from cache_cases import CACHED, build, cached_twin, configs, local_batch, loss_f
 import jaxrec as jr
 from jaxrec import cache as jc
 from jaxrec import optim, train
+from jaxrec.cache import row_cache
 from jaxrec.cache.slots import NATIVE, SlotMap
 
 
@@ -127,7 +128,11 @@ def test_native_victim_order_survives_other_passes(algorithm):
     assert a.lru_ends[1] > 0 or algorithm == "lfu"  # the log was in use at the end
 
 
-def test_cache_too_small_leaves_state_valid():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_cache_too_small_leaves_state_valid(monkeypatch, threaded):
+    """Planned one table after another or on threads (every table's plan ends before
+    the error is raised): no map changes."""
+    monkeypatch.setattr(row_cache, "_THREAD_IDS", 0 if threaded else 1 << 40)
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
