@@ -18,6 +18,7 @@ that bound a miss: host gather (numpy), host -> device and device -> host.
     python bench/cache.py --policy-rows 1000000000 --policy-only --policy-algorithms lru
     python bench/cache.py --alphas 1.05 --load-factors 0.1 --warmup 1000 --algorithm lfu
     python bench/cache.py --preset gpu             # on a GPU machine
+    python bench/cache.py --preset gpu --staged --alphas 1.05  # its host side, on the CPU
 """
 
 from __future__ import annotations
@@ -254,6 +255,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="batches per policy run (the last third counted)",
     )
     p.add_argument("--policy-algorithms", default="lru,lfu")
+    p.add_argument("--staged", action="store_true",
+                   help="moves staged in pinned host memory, as off the CPU (the GPU "
+                        "path's host side, timed on the CPU)")  # fmt: skip
     p.add_argument("--policy-only", action="store_true",
                    help="only the policies' hit rates (no training)")  # fmt: skip
     return p.parse_args(argv)
@@ -313,6 +317,8 @@ def main(argv=None) -> int:
         )
     if a.load_factors:
         cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
+    if a.staged:
+        jc.mover.INPLACE, jc.mover.PINNED = False, True
     dev = jax.devices()[0]
     base = {
         "bench": "cache",
@@ -322,6 +328,7 @@ def main(argv=None) -> int:
         "platform": dev.platform,
         **machine(),
         "config": dataclasses.asdict(cfg),
+        "staged": a.staged,
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
     if a.policy_rows:

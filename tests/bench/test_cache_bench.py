@@ -4,7 +4,7 @@ import json
 
 import cache
 
-from jaxrec.cache import native
+from jaxrec.cache import mover, native
 
 
 def test_tiny_preset_records(capsys):
@@ -40,6 +40,19 @@ def test_steady_state_flags(capsys):
     assert case["config"]["algorithm"] == "lfu" and case["config"]["warmup"] == 6
     assert case["rows_in_per_step"] > 0
     assert case["move_floor_ms"] > 0 if native.AVAILABLE else case["move_floor_ms"] is None
+
+
+def test_staged_flag(capsys, monkeypatch):
+    """``--staged``: the moves go through pinned host staging, as off the CPU."""
+    monkeypatch.setattr(mover, "INPLACE", mover.INPLACE)  # restored after the test
+    monkeypatch.setattr(mover, "PINNED", mover.PINNED)
+    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
+            "--staged"]  # fmt: skip
+    assert cache.main(argv) == 0
+    assert mover.INPLACE is False and mover.PINNED is True
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (case,) = [r for r in lines if "cached_step_ms" in r]
+    assert case["staged"] is True and case["rows_in_per_step"] > 0
 
 
 def test_cache_model_against_simulation():
