@@ -160,6 +160,13 @@ class RowCache:
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         self._mover = Mover(layout.buffers, self._host)
+        # what each host field must stay (moves address it): filled in place, not replaced
+        self._host_shapes = {
+            (t.name, t.key, f): (a.shape, a.dtype)
+            for t in self.tables.values()
+            for f, a in t.host.fields.items()
+        }
+        self._held: Prepared | None = None  # a batch whose load failed before it moved rows
         self._pending: tuple[Pending, int] | None = None
         self._unsaved: list = []  # (serial, {key: evicted rows}) not yet back on the host
         # per table, how many unsaved batches evict each row (a uint8 per row: O(fills)
@@ -182,6 +189,7 @@ class RowCache:
         ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
         shard's cache cannot hold the batch's rows."""
         with self._lock:
+            self._check_host()  # before anything changes
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             values = [np.asarray(k.values()) for k in kjts]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
@@ -268,18 +276,53 @@ class RowCache:
     # ----- device: apply a prepared batch -----
     def load(self, state: TrainState, prepared: Prepared) -> TrainState:
         """``state`` with the prepared batch's missed rows in their slots (the evicted
-        rows go back to host memory: the previous load's are written back first)."""
+        rows go back to host memory: the previous load's are written back first).
+
+        A load refused before it moves anything (a host field replaced since) changes
+        nothing: fix the cause and load the same batch again, or go on with the next
+        one, whose load then loads the refused batch's rows first (they are the cache's
+        now; that batch itself is simply not trained on)."""
+        held = self._held
+        if held is not None and prepared.serial > held.serial:
+            state = self._load(state, held)
+        return self._load(state, prepared)
+
+    def _load(self, state: TrainState, prepared: Prepared) -> TrainState:
         if prepared.serial != self._loaded + 1:
             raise ValueError(
                 f"prepared batches must be loaded in the order they were prepared: this is "
                 f"number {prepared.serial}, the next to load is {self._loaded + 1}"
             )
-        self.write_back()
+        try:
+            self._check_host()
+            self.write_back()
+            if prepared.staged is not None:
+                state = self._apply(state, prepared.staged, prepared.serial)
+        except Exception:
+            self._held = prepared  # nothing moved: loaded again before any later batch
+            raise
+        self._held = None
         self._loaded += 1
         if prepared.staged is None:
             self._written(prepared.serial)
-            return state
-        return self._apply(state, prepared.staged, prepared.serial)
+        return state
+
+    def _check_host(self) -> None:
+        """Every host field as the cache found it (the moves address its rows)."""
+        for (name, key, field), (shape, dtype) in self._host_shapes.items():
+            a = self._host[key].get(field)
+            if a is None or a.shape != shape or a.dtype != dtype:
+                got = "missing" if a is None else f"{a.dtype}{list(a.shape)}"
+                raise ValueError(
+                    f"host table {name!r} field {field!r} is {got}, not {dtype}{list(shape)}: "
+                    "write new values into the cache's host arrays in place (fields[...][:] = "
+                    "values), then RowCache.clear() if rows are cached"
+                )
+            if self._mover.inplace and not a.flags.c_contiguous:
+                raise ValueError(
+                    f"host table {name!r} field {field!r} was replaced by a non-contiguous "
+                    "array; fill it in place"
+                )
 
     def _apply(self, state, staged, serial):
         wheres = [b.where for b in self._mover.buffers]
@@ -295,10 +338,12 @@ class RowCache:
         return self.load(state, prepared), prepared.batch
 
     def write_back(self) -> None:
-        """Waits for the last load's evicted rows and writes them to host memory."""
-        pending, self._pending = self._pending, None
+        """Waits for the last load's evicted rows and writes them to host memory (kept
+        for another try if that fails)."""
+        pending = self._pending
         if pending is not None:
             pending[0].write_back()
+            self._pending = None
             self._written(pending[1])
 
     def _written(self, serial: int) -> None:
@@ -314,6 +359,8 @@ class RowCache:
         tables are the model's current tables (before a checkpoint or an export). The
         rows stay cached. Every prepared batch must have been loaded (a pipeline's
         prefetched batches would be cached in the maps but not yet on the device)."""
+        if self._held is not None:  # a refused load: its rows are the cache's now
+            state = self.load(state, self._held)
         if self._prepared != self._loaded:
             raise ValueError(
                 f"flush with {self._prepared - self._loaded} prepared batches not loaded: "
@@ -337,7 +384,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Forgets what is cached (after the host tables were replaced, e.g. restored)."""
-        self._pending = None
+        self._pending = self._held = None
         self._unsaved = []
         for inflight in self._inflight.values():
             inflight.fill(0)

@@ -116,3 +116,48 @@ def test_model_parallel_refuses_a_cached_plan():
     plan = logical_plan(SHARDED["row_wise"][0], mesh, params)
     with pytest.raises(ValueError, match=r"\['ebc.big'\].*jaxrec.cache.device_plan"):
         build(optimizer(optim.sgd(0.1)), plan=plan, mesh=mesh)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_refused_host_field_leaves_the_cache_valid(monkeypatch, inplace):
+    """A host field replaced rather than filled in place (another shape; in place, a
+    non-contiguous copy) is refused with its name, before anything changes:
+    - when a batch is prepared: put it back and the same step trains exactly;
+    - when a prefetched batch is loaded: put it back and load it again (exact), or go
+      on with the next batch, whose load loads the refused one's rows first (that
+      batch is then not trained on, here nor in the all-device model)."""
+    from jaxrec.cache import mover
+
+    monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    assert cache._mover.inplace == inplace
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    rng = np.random.default_rng(3)
+    fields = cache.tables["big"].host.fields
+    good = fields["weight"]
+    bad = np.asfortranarray(good) if inplace else good[:, :-1].copy()
+    for i in range(10):
+        b = raw = local_batch(rng)
+        if i == 3:  # refused when prepared
+            fields["weight"] = bad
+            with pytest.raises(ValueError, match="'big' field 'weight'"):
+                cstep(s2, b)
+            fields["weight"] = good
+        if i in (5, 7):  # refused when loaded (prefetched before the swap)
+            p = cache.prepare(b)
+            fields["weight"] = bad
+            with pytest.raises(ValueError, match="'big' field 'weight'"):
+                cstep(s2, p)
+            fields["weight"] = good
+            if i == 7:  # go on without it: its rows are loaded by the next step
+                continue
+            b = p
+        state, loss, _ = step(state, raw)
+        s2, loss2, _ = cstep(s2, b)
+        np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss2))
+    s2 = cache.flush(s2)
+    assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
