@@ -15,6 +15,7 @@ back (a later move reads the host after an earlier one wrote it, in program orde
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -94,6 +95,8 @@ class Mover:
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         self.staging = _staging([b.array.sharding for b in self.buffers])
+        # staged rows are split over each buffer's devices: their counts divide the rows
+        self.split = math.lcm(*(len(x.device_set) for x in self.staging or ()))
         self._programs: dict = {}
         # in-place parts: (buffer, key, column piece, evicts: a row-wise field moves once)
         self.parts = [(i, k, c, len(b.array.shape) == 2 or j == 0)
@@ -121,7 +124,7 @@ class Mover:
             sizes.append(max(nf, ne))
         if not max(sizes, default=0):
             return None
-        n = _bucket(max(sizes))
+        n = -(-_bucket(max(sizes)) // self.split) * self.split
         fill_pos, fill_vals, evict_pos, parts, patches = [], [], [], [], []
         for i, (buf, cols) in enumerate(zip(self.buffers, self.cols, strict=True)):
             shape, dtype = buf.array.shape, buf.array.dtype
@@ -322,8 +325,11 @@ PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it
 
 
 def _staging(shardings: list) -> list | None:
-    """Pinned-host shardings for the moves' rows (replicated), or None (the CPU, where
-    host and device memory are one, or a backend without pinned host memory)."""
+    """Pinned-host shardings for the moves' rows, or None (the CPU, where host and
+    device memory are one, or a backend without pinned host memory). The rows are split
+    over a buffer's devices, not replicated: each device copies its part across and the
+    program spreads them over the devices' own links; replicated, every device would
+    copy every row, and the host would stage a copy per device."""
     if not shardings:
         return None
     dev = next(iter(shardings[0].device_set))
@@ -333,7 +339,8 @@ def _staging(shardings: list) -> list | None:
     out = []
     for s in shardings:
         if isinstance(s, jax.sharding.NamedSharding):
-            out.append(jax.sharding.NamedSharding(s.mesh, jax.P(), memory_kind="pinned_host"))
+            rows = jax.P(tuple(s.mesh.axis_names))  # over every device of the mesh
+            out.append(jax.sharding.NamedSharding(s.mesh, rows, memory_kind="pinned_host"))
         else:
             out.append(s.with_memory_kind("pinned_host"))
     return out

@@ -129,9 +129,25 @@ def test_pinned_host_staging(monkeypatch, sharded):
             p = p._replace(batch=d.shard_batch(p.batch, mesh))
         s2, loss2, _ = cstep(s2, p)
         np.testing.assert_array_equal(np.asarray(loss2), np.asarray(loss))
+    if sharded:  # staged rows split over the devices: each copies half of them across
+        m = cache._mover
+        assert m.split == 2
+        p = cache.prepare(local_batch(rng, 4))
+        s2 = cache.load(s2, p)
+        for v, staging in zip(p.staged.fill_vals, m.staging, strict=True):
+            assert staging.memory_kind == "pinned_host"
+            assert staging.shard_shape(v.shape)[0] == len(v) // 2
+        # the compiled gather of evicted rows: each device outputs its half, not all rows
+        arrays = [b.array for b in m.buffers]
+        pos = [np.zeros(len(p.staged.evict_pos[0]), np.int32)] * len(arrays)
+        out = jax.jit(mover._gather, out_shardings=m.staging).lower(arrays, pos).compile()
+        rows = sum(len(q) * a.dtype.itemsize * int(np.prod(a.shape[1:]))
+                   for q, a in zip(pos, arrays, strict=True))  # fmt: skip
+        got = out.memory_analysis().output_size_in_bytes  # (+ the output tuple's pointers)
+        assert rows // 2 <= got <= rows // 2 + 16 * len(arrays), (got, rows)
     s2 = cache.flush(s2)
     want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
-    assert_tables_equal(got, want)
+    assert_tables_equal(got, want)  # (a batch loaded and not trained on changes no row)
     assert all(cache.stats[t].evictions > 0 for t in CACHED)
 
 
