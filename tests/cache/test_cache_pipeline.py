@@ -160,14 +160,20 @@ def _inflight_reference(cache):
     return out
 
 
-def test_inflight_counts_follow_unsaved_batches(monkeypatch):
-    """Staged path: the per-row counts that find late fills equal the unsaved batches'
-    evictions after every prepare, load and write-back, and are all zero once flushed."""
+def _staged_sgd_cache(monkeypatch, load_factor):
+    """``(state, RowCache)`` of the cached twin on the staged path, SGD."""
     monkeypatch.setattr(mover, "INPLACE", False)
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
-    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    params = {t: jc.CacheParams(load_factor=load_factor) for t in CACHED}
+    _, s2, cache = cached_twin(opt, graphdef, state, params)
+    return s2, cache
+
+
+def test_inflight_counts_follow_unsaved_batches(monkeypatch):
+    """Staged path: the per-row counts that find late fills equal the unsaved batches'
+    evictions after every prepare, load and write-back, and are all zero once flushed."""
+    s2, cache = _staged_sgd_cache(monkeypatch, 0.3)
     rng = np.random.default_rng(4)
     queue = []
 
@@ -192,11 +198,7 @@ def test_inflight_counts_follow_unsaved_batches(monkeypatch):
 def test_too_many_unloaded_batches_are_refused(monkeypatch):
     """The staged path counts unsaved evictions in a byte per row: the 256th prepared
     batch not loaded is refused, before anything changes, and loading goes on."""
-    monkeypatch.setattr(mover, "INPLACE", False)
-    opt = optimizer(optim.sgd(0.1))
-    graphdef, state = build(opt)
-    params = {t: jc.CacheParams(load_factor=0.5) for t in CACHED}
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    s2, cache = _staged_sgd_cache(monkeypatch, 0.5)
     rng = np.random.default_rng(5)
     one = local_batch(rng, 1)
     prepared = [cache.prepare(one) for _ in range(255)]
