@@ -88,10 +88,12 @@ class Pending(NamedTuple):
 class Mover:
     """Moves rows of the cached tables for the buffers of a state's layout
     (``jaxrec.checkpoint.layout.table_buffers``); ``host[key][field]``: the host arrays
-    of each cached table (by checkpoint key)."""
+    of each cached table (by checkpoint key); ``names``: their table names."""
 
-    def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]]):
+    def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]],
+                 names: Mapping[str, str] | None = None):  # fmt: skip
         keys = set(host)
+        self.names = dict(names or {})  # checkpoint key -> table name, for messages
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         self.staging = _staging([b.array.sharding for b in self.buffers])
@@ -170,14 +172,21 @@ class Mover:
                 out.evict_rows[j, : len(er)] = er
         return out
 
+    def check_host(self, host: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """In place, the kernel reads whole rows at each host array's address: every
+        one must still be contiguous (a field replaced rather than filled may not be)."""
+        for i, key, _, _ in self.parts if self.inplace else ():
+            field = self.buffers[i].field
+            if not host[key][field].flags.c_contiguous:
+                name = self.names.get(key, key)
+                raise ValueError(f"host table {name!r} field {field!r} was replaced by a "
+                                 "non-contiguous array; fill it in place")  # fmt: skip
+
     def _apply_inplace(self, arrays, staged: InPlace, host) -> tuple[list[jax.Array], Pending]:
+        self.check_host(host)
         attrs, keep = [], []
         for i, key, c, _ in self.parts:
             h = host[key][self.buffers[i].field]
-            if not h.flags.c_contiguous:  # the kernel reads whole rows at h's address
-                field = self.buffers[i].field
-                raise ValueError(f"host table {key!r} field {field!r} was replaced by a "
-                                 "non-contiguous array; fill it in place")  # fmt: skip
             keep.append(h)
             wide = h.ndim == 2
             attrs.append((i, h.ctypes.data, len(h), h.strides[0], c.col * h.itemsize if wide else 0,

@@ -159,7 +159,8 @@ class RowCache:
             self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
-        self._mover = Mover(layout.buffers, self._host)
+        names = {t.key: t.name for t in self.tables.values()}
+        self._mover = Mover(layout.buffers, self._host, names)
         # what each host field must stay (moves address it): filled in place, not replaced
         self._host_shapes = {
             (t.name, t.key, f): (a.shape, a.dtype)
@@ -318,11 +319,7 @@ class RowCache:
                     "write new values into the cache's host arrays in place (fields[...][:] = "
                     "values), then RowCache.clear() if rows are cached"
                 )
-            if self._mover.inplace and not a.flags.c_contiguous:
-                raise ValueError(
-                    f"host table {name!r} field {field!r} was replaced by a non-contiguous "
-                    "array; fill it in place"
-                )
+        self._mover.check_host(self._host)
 
     def _apply(self, state, staged, serial):
         wheres = [b.where for b in self._mover.buffers]
