@@ -66,16 +66,20 @@ def columns(blocks: tuple[Block, ...], table: str) -> list[Columns]:
 
 class Pending(NamedTuple):
     """Evicted rows on their way to host memory: ``host[rows, col:col+cols] =
-    evicted[at:at+len(rows), :cols]`` for each part."""
+    evicted[i]``'s rows ``at:at+len(rows)`` on ``device``, for each part."""
 
-    evicted: list[jax.Array]  # per buffer
-    parts: list[tuple[int, np.ndarray, np.ndarray, int, int, int]]  # buf, host, rows, at, col, cols
+    evicted: list[jax.Array]  # per buffer: each lane's rows on its device
+    parts: list[tuple]  # (buffer, device, host, rows, at, col, cols)
     keep: tuple = ()  # in place: the host arrays the program writes, alive until it ends
 
     def write_back(self) -> None:
-        host_vals = [np.asarray(e) for e in self.evicted]
-        for i, host, rows, at, col, cols in self.parts:
-            vals = host_vals[i][at : at + len(rows)]
+        jax.block_until_ready(self.evicted)  # in place: the program's end
+        lanes = {}
+        for i, device, host, rows, at, col, cols in self.parts:
+            if (i, device) not in lanes:  # this process's lanes only
+                data = [s.data for s in self.evicted[i].addressable_shards if s.device == device]
+                lanes[i, device] = np.asarray(data[0])
+            vals = lanes[i, device][at : at + len(rows)]
             whole = host.ndim == 1 or (col == 0 and cols == host.shape[1] == vals.shape[1])
             if whole and native.AVAILABLE and _contiguous(host, vals) and rows.dtype == np.int64:
                 native.kernels.cache_rows(vals, rows, host, True)  # over threads
@@ -85,76 +89,135 @@ class Pending(NamedTuple):
                 host[rows, col : col + cols] = vals[:, :cols]
 
 
+class Lane(NamedTuple):
+    """A device's share of a buffer's moves: it holds buffer rows ``[lo, hi)``."""
+
+    device: jax.Device
+    lo: int
+    hi: int
+    first: int  # the first lane holding these rows: it reads them back (replicas only fill)
+    local: bool  # a device of this process: its rows are in this process's host arrays
+
+
 class Mover:
     """Moves rows of the cached tables for the buffers of a state's layout
     (``jaxrec.checkpoint.layout.table_buffers``); ``host[key][field]``: the host arrays
     of each cached table (by checkpoint key); ``names``: their table names."""
 
     def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]],
-                 names: Mapping[str, str] | None = None):  # fmt: skip
+                 names: Mapping[str, str] | None = None,
+                 offsets: Mapping[str, int] | None = None):  # fmt: skip
         keys = set(host)
         self.names = dict(names or {})  # checkpoint key -> table name, for messages
+        self.offsets = dict(offsets or {})  # checkpoint key -> first logical row held here
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
-        self.staging = _staging([b.array.sharding for b in self.buffers])
-        # staged rows are split over each buffer's devices: their counts divide the rows
-        self.split = math.lcm(*(len(x.device_set) for x in self.staging or ()))
+        # each device moves the rows of its own buffer rows: no copies between devices
+        lanes = [_lanes(b.array.sharding, b.array.shape) for b in self.buffers]
+        self.lanes = [x[0] for x in lanes]
+        self.chunks = [x[1] for x in lanes]  # each lane's entries on its device
+        self.specs = [x[2] for x in lanes]  # (mesh, buffer spec, lane spec), or None
+        self.staging = _staging(self.chunks)
         self._programs: dict = {}
         # in-place parts: (buffer, key, column piece, evicts: a row-wise field moves once)
         self.parts = [(i, k, c, len(b.array.shape) == 2 or j == 0)
                       for i, b in enumerate(self.buffers) for k in sorted(keys)
                       for j, c in enumerate(self.cols[i][k])]  # fmt: skip
-        self.inplace = self.staging is None and _inplace(self.buffers, self.parts, host)
+        self.inplace = (self.staging is None and not any(self.offsets.values())
+                        and _inplace(self.buffers, self.parts, host))  # fmt: skip
 
     def stage(
         self,
         moves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
         host: Mapping[str, Mapping[str, np.ndarray]],
         late: Mapping[str, np.ndarray] | None = None,
-    ) -> Staged | None:
+    ) -> Staged | InPlace | None:
         """The host side of a move (``None`` when nothing moves): positions, and the
         missed rows gathered from ``host`` (a prefetch can do this while a step runs).
-        ``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``;
-        ``late[key]``: fill rows whose value is still on its way back to the host,
-        copied by :meth:`apply` instead (not on the in-place path)."""
+        ``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``, every
+        device's (with several processes, each stages its own devices' lanes from its
+        own host rows); ``late[key]``: fill rows whose value is still on its way back
+        to the host, copied by :meth:`apply` instead (not on the in-place path)."""
         if self.inplace:
             return self._stage_inplace(moves)
-        sizes = []
-        for cols in self.cols:
-            nf = sum(len(m[0]) * len(cols[k]) for k, m in moves.items())
-            ne = sum(len(m[2]) * len(cols[k]) for k, m in moves.items())
-            sizes.append(max(nf, ne))
-        if not max(sizes, default=0):
-            return None
-        n = -(-_bucket(max(sizes)) // self.split) * self.split
-        fill_pos, fill_vals, evict_pos, parts, patches = [], [], [], [], []
-        for i, (buf, cols) in enumerate(zip(self.buffers, self.cols, strict=True)):
-            shape, dtype = buf.array.shape, buf.array.dtype
-            fp = np.full(n, shape[0], np.int32)  # padding: out of range (dropped / zeros)
-            ep = np.full(n, shape[0], np.int32)
-            fv = np.zeros((n, *shape[1:]), dtype)
-            f_at = e_at = 0
+        # per buffer, per lane: (key, column piece, fill index, evict index) of its moves
+        split, n = [], 0
+        for buf, cols, lanes in zip(self.buffers, self.cols, self.lanes, strict=True):
+            parts = [[] for _ in lanes]
+            row_wise = len(buf.array.shape) == 1
             for key, (fs, fr, es, er) in moves.items():
-                src = host[key][buf.field]
                 for k, c in enumerate(cols[key]):
-                    if len(fs):
-                        fp[f_at : f_at + len(fs)] = c.positions(fs)
-                        _rows_into(fv[f_at : f_at + len(fs)], src, fr, c)
-                        if late is not None and late[key].any():
-                            patches.append((i, f_at, src, fr, late[key], c))
-                        f_at += len(fs)
-                    if len(es) and (len(shape) == 2 or k == 0):  # a row-wise field: one copy
-                        ep[e_at : e_at + len(es)] = c.positions(es)
-                        parts.append((i, src, er, e_at, c.col, c.cols))
-                        e_at += len(es)
+                    fl = _lane_of(lanes, c.positions(fs))  # the first lane holding each
+                    el = _lane_of(lanes, c.positions(es))
+                    for j, lane in enumerate(lanes):  # replicas fill alike; one reads
+                        f = np.flatnonzero(fl == lane.first)
+                        reads = lane.first == j and (not row_wise or k == 0)  # one copy
+                        e = np.flatnonzero(el == j) if reads else np.zeros(0, np.int64)
+                        parts[j].append((key, c, f, e))
+            for ps in parts:
+                n = max(n, sum(len(f) for *_, f, _ in ps), sum(len(e) for *_, e in ps))
+            split.append(parts)
+        if not n:
+            return None
+        n = _bucket(n)
+        fill_pos, fill_vals, evict_pos, parts_out, patches = [], [], [], [], []
+        for i, (buf, lanes, per_lane) in enumerate(zip(self.buffers, self.lanes, split,
+                                                       strict=True)):  # fmt: skip
+            shape, dtype = buf.array.shape, buf.array.dtype
+            fp, fv, ep = {}, {}, {}
+            for j, (lane, items) in enumerate(zip(lanes, per_lane, strict=True)):
+                if not lane.local:
+                    continue
+                pad = lane.hi - lane.lo  # out of the device's rows: dropped / zeros
+                fp[j], ep[j] = np.full(n, pad, np.int32), np.full(n, pad, np.int32)
+                fv[j] = np.zeros((n, *shape[1:]), dtype)
+                f_at = e_at = 0
+                for key, c, f, e in items:
+                    fs, fr, es, er = moves[key]
+                    src, off = host[key][buf.field], self.offsets.get(key, 0)
+                    if len(f):
+                        rows = self._local(key, fr[f], off, len(src))
+                        fp[j][f_at : f_at + len(f)] = c.positions(fs[f]) - lane.lo
+                        _rows_into(fv[j][f_at : f_at + len(f)], src, rows, c)
+                        if late is not None and late[key][f].any():
+                            patches.append((i, j, f_at, src, rows, late[key][f], c))
+                        f_at += len(f)
+                    if len(e):
+                        ep[j][e_at : e_at + len(e)] = c.positions(es[e]) - lane.lo
+                        rows = self._local(key, er[e], off, len(src))
+                        parts_out.append((i, lane.device, src, rows, e_at, c.col, c.cols))
+                        e_at += len(e)
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
         patched = {p[0] for p in patches}
         if self.staging is not None:  # to pinned host memory now (a prefetch's thread)
-            fill_vals = [v if i in patched else jax.device_put(v, self.staging[i])
+            fill_vals = [v if i in patched else self._global(i, v, n, self.staging[i])
                          for i, v in enumerate(fill_vals)]  # fmt: skip
-        return Staged(fill_pos, fill_vals, evict_pos, parts, patches)
+        return Staged(n, fill_pos, fill_vals, evict_pos, parts_out, patches)
+
+    def _local(self, key: str, rows: np.ndarray, offset: int, held: int) -> np.ndarray:
+        """Logical rows as rows of this process's host arrays (which hold rows
+        ``[offset, offset + held)``)."""
+        local = rows - offset
+        if len(local) and (local.min() < 0 or local.max() >= held):
+            name = self.names.get(key, key)
+            raise ValueError(
+                f"host table {name!r} holds rows [{offset}, {offset + held}) in this process, "
+                f"and this process's devices cache rows outside them "
+                f"({int(rows.min())}..{int(rows.max())}): give it the rows of its devices' "
+                "shards (jaxrec.cache.host_rows)"
+            )
+        return local
+
+    def _global(self, i: int, chunks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Array:
+        """One array of every lane's ``n`` entries from this process's lanes' chunks."""
+        lanes = self.lanes[i]
+        shape = (n * len(lanes), *next(iter(chunks.values())).shape[1:])
+        kind = sharding.memory_kind
+        arrays = [jax.device_put(chunks[j], jax.sharding.SingleDeviceSharding(
+            lanes[j].device, memory_kind=kind)) for j in sorted(chunks)]  # fmt: skip
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def _stage_inplace(self, moves) -> InPlace | None:
         n = max([0, *(max(len(moves[k][0]), len(moves[k][2])) for _, k, _, _ in self.parts)])
@@ -210,32 +273,34 @@ class Mover:
         host arrays."""
         if isinstance(staged, InPlace):
             return self._apply_inplace(arrays, staged, host)
-        for i, at, src, rows, late, c in staged.patches:  # their rows are back on the host now
+        fill_vals = list(staged.fill_vals)
+        for i, j, at, src, rows, late, c in staged.patches:  # their rows are back on the host
             where = np.flatnonzero(late)
-            fv, vals = staged.fill_vals[i], _columns(src, rows[where], c)
+            fv, vals = fill_vals[i][j], _columns(src, rows[where], c)
             if fv.ndim == 1:
                 fv[at + where] = vals
             else:
                 fv[at + where, : c.cols] = vals
-        fill_vals = staged.fill_vals
-        if self.staging is not None:
-            fill_vals = [jax.device_put(v, h) if isinstance(v, np.ndarray) else v
-                         for v, h in zip(fill_vals, self.staging, strict=True)]  # fmt: skip
+        kinds = self.staging or self.chunks
+        fill_vals = [v if isinstance(v, jax.Array) else self._global(i, v, staged.n, kinds[i])
+                     for i, v in enumerate(fill_vals)]  # fmt: skip
+        fill_pos, evict_pos = ([self._global(i, p, staged.n, self.chunks[i])
+                                for i, p in enumerate(pos)]
+                               for pos in (staged.fill_pos, staged.evict_pos))  # fmt: skip
         if not self._programs:
-            shardings = [a.sharding for a in arrays]
-            to_device = None if self.staging is None else shardings
+            specs = tuple(self.specs)
             self._programs = {
-                "gather": jax.jit(_gather, out_shardings=self.staging),
+                "gather": jax.jit(functools.partial(_gather, specs), out_shardings=kinds),
                 "scatter": jax.jit(
-                    functools.partial(_scatter, to_device),
+                    functools.partial(_scatter, specs, self.staging and self.chunks),
                     donate_argnums=0,
-                    out_shardings=shardings,
+                    out_shardings=[a.sharding for a in arrays],
                 ),  # fmt: skip
             }
         # two programs: in one, XLA copies each whole buffer to scatter in place after
         # the gather read it; the runtime orders the donation after the read instead
-        evicted = self._programs["gather"](list(arrays), staged.evict_pos)
-        new = self._programs["scatter"](list(arrays), staged.fill_pos, fill_vals)
+        evicted = self._programs["gather"](list(arrays), evict_pos)
+        new = self._programs["scatter"](list(arrays), fill_pos, fill_vals)
         return new, Pending(evicted, staged.parts)
 
 
@@ -249,13 +314,15 @@ class InPlace(NamedTuple):
 
 
 class Staged(NamedTuple):
-    """A move ready to run (see :meth:`Mover.stage`); per buffer, padded to one size."""
+    """A move ready to run (see :meth:`Mover.stage`): per buffer, ``n`` entries a lane,
+    this process's lanes by lane index (numpy, or one array once staged)."""
 
-    fill_pos: list[np.ndarray]
-    fill_vals: list[np.ndarray]
-    evict_pos: list[np.ndarray]
+    n: int
+    fill_pos: list[dict[int, np.ndarray]]  # lane positions: rows of its device's block
+    fill_vals: list  # dict[int, np.ndarray] or jax.Array
+    evict_pos: list[dict[int, np.ndarray]]
     parts: list  # as Pending.parts
-    patches: list  # (buffer, first fill, host field, rows, late mask, Columns)
+    patches: list  # (buffer, lane, first fill, host field, rows, late mask, Columns)
 
 
 def _contiguous(*arrays: np.ndarray) -> bool:
@@ -280,16 +347,67 @@ def _rows_into(out: np.ndarray, src: np.ndarray, rows: np.ndarray, c: Columns) -
         out[:, : c.cols] = _columns(src, rows, c)
 
 
-def _gather(arrays, evict_pos):
-    return [a.at[e].get(mode="fill", fill_value=0) for a, e in zip(arrays, evict_pos, strict=True)]
+def _gather(specs, arrays, evict_pos):
+    def read(a, e):
+        return a.at[e].get(mode="fill", fill_value=0)
+
+    return [_on_lanes(s, read, 1)(a, e) for s, a, e in zip(specs, arrays, evict_pos, strict=True)]
 
 
-def _scatter(to_device, arrays, fill_pos, fill_vals):
+def _scatter(specs, to_device, arrays, fill_pos, fill_vals):
     if to_device is not None:  # staged in pinned host memory: copied in by the program
         fill_vals = [jax.device_put(v, s) for v, s in zip(fill_vals, to_device, strict=True)]
-    return [
-        a.at[p].set(v, mode="drop") for a, p, v in zip(arrays, fill_pos, fill_vals, strict=True)
-    ]
+
+    def write(a, p, v):
+        return a.at[p].set(v, mode="drop")
+
+    return [_on_lanes(s, write, 2, out=0)(a, p, v)
+            for s, a, p, v in zip(specs, arrays, fill_pos, fill_vals, strict=True)]  # fmt: skip
+
+
+def _on_lanes(spec, fn, lane_args: int, out: int | None = None):
+    """``fn(buffer block, *lane entries)`` on each device (its own rows: nothing crosses
+    between devices); ``out=0``: it returns the block, else lane entries."""
+    if spec is None:  # one device
+        return fn
+    mesh, buffer, lane = spec
+    return jax.shard_map(fn, mesh=mesh, in_specs=(buffer, *[lane] * lane_args),
+                         out_specs=buffer if out == 0 else lane, check_vma=False)  # fmt: skip
+
+
+def _lanes(sharding, shape: tuple) -> tuple[list[Lane], jax.sharding.Sharding, tuple | None]:
+    """A buffer's lanes (its devices, in the order of their moves' entries), the sharding
+    that gives each lane's entries to its device, and the ``shard_map`` specs."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        chunk = jax.sharding.NamedSharding(mesh, jax.P(tuple(mesh.axis_names)))
+        at = chunk.devices_indices_map((mesh.size,))
+        devices = sorted(at, key=lambda d: at[d][0].start)
+        spec = (mesh, sharding.spec, chunk.spec)
+    elif len(sharding.device_set) == 1:
+        devices, spec = list(sharding.device_set), None
+        chunk = jax.sharding.SingleDeviceSharding(devices[0])
+    else:
+        raise ValueError(f"a cached table's buffer has sharding {sharding}: expected a "
+                         "NamedSharding (a plan over a mesh) or one device")  # fmt: skip
+    index = sharding.devices_indices_map(shape)
+    lanes, first, me = [], {}, jax.process_index()
+    for j, dev in enumerate(devices):
+        rows, *rest = index[dev]
+        if any(s != slice(None) for s in rest):
+            raise ValueError("a cached table's buffer is split by columns across devices")
+        lo, hi, _ = rows.indices(shape[0])
+        lanes.append(Lane(dev, lo, hi, first.setdefault((lo, hi), j), dev.process_index == me))
+    return lanes, chunk, spec
+
+
+def _lane_of(lanes: list[Lane], positions: np.ndarray) -> np.ndarray:
+    """The first lane holding each buffer row in ``positions``."""
+    firsts = sorted({x.first for x in lanes}, key=lambda j: lanes[j].lo)
+    if len(firsts) == 1:
+        return np.full(len(positions), firsts[0], np.int64)
+    los = np.array([lanes[j].lo for j in firsts])
+    return np.array(firsts)[np.searchsorted(los, positions, side="right") - 1]
 
 
 def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
@@ -313,7 +431,7 @@ def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
     """Whether moves can run in place (``jaxrec_cache_move``): the C++ kernels
     registered, every buffer on one CPU device, the host arrays contiguous, of the
     buffer's dtype and row shape."""
-    if INPLACE is False or not buffers:
+    if INPLACE is False or not buffers or jax.process_count() > 1:
         return False
     for i, key, c, _ in parts:
         b = buffers[i]
@@ -333,26 +451,18 @@ def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
 PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it on CPU)
 
 
-def _staging(shardings: list) -> list | None:
+def _staging(chunks: list) -> list | None:
     """Pinned-host shardings for the moves' rows, or None (the CPU, where host and
-    device memory are one, or a backend without pinned host memory). The rows are split
-    over a buffer's devices, not replicated: each device copies its part across and the
-    program spreads them over the devices' own links; replicated, every device would
-    copy every row, and the host would stage a copy per device."""
-    if not shardings:
+    device memory are one, or a backend without pinned host memory). Each device's
+    rows are its own lane (``_lanes``): it copies them across over its own link, and
+    the host stages one copy of each row."""
+    if not chunks:
         return None
-    dev = next(iter(shardings[0].device_set))
+    dev = next(iter(chunks[0].device_set))
     use = PINNED if PINNED is not None else dev.platform != "cpu"
     if not use or "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
         return None
-    out = []
-    for s in shardings:
-        if isinstance(s, jax.sharding.NamedSharding):
-            rows = jax.P(tuple(s.mesh.axis_names))  # over every device of the mesh
-            out.append(jax.sharding.NamedSharding(s.mesh, rows, memory_kind="pinned_host"))
-        else:
-            out.append(s.with_memory_kind("pinned_host"))
-    return out
+    return [s.with_memory_kind("pinned_host") for s in chunks]
 
 
 def _bucket(n: int) -> int:

@@ -1,6 +1,8 @@
 """Prefetching (the pipeline plans batch i + depth while step i runs) gives the same
 states and losses as preparing each batch right before its step."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from jaxrec import cache as jc
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.cache import mover, row_cache
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 
 @pytest.mark.parametrize("depth,inplace", [(1, False), (3, False), (3, True)])
@@ -129,22 +133,24 @@ def test_pinned_host_staging(monkeypatch, sharded):
             p = p._replace(batch=d.shard_batch(p.batch, mesh))
         s2, loss2, _ = cstep(s2, p)
         np.testing.assert_array_equal(np.asarray(loss2), np.asarray(loss))
-    if sharded:  # staged rows split over the devices: each copies half of them across
+    if sharded:  # each device stages and moves its own rows: nothing crosses devices
         m = cache._mover
-        assert m.split == 2
         p = cache.prepare(local_batch(rng, 4))
         s2 = cache.load(s2, p)
-        for v, staging in zip(p.staged.fill_vals, m.staging, strict=True):
+        n = p.staged.n
+        for i, staging in enumerate(m.staging):  # a lane of n rows per device
             assert staging.memory_kind == "pinned_host"
-            assert staging.shard_shape(v.shape)[0] == len(v) // 2
-        # the compiled gather of evicted rows: each device outputs its half, not all rows
+            assert staging.shard_shape((2 * n,)) == (n,) and sorted(p.staged.fill_pos[i]) == [0, 1]
+        # the compiled gather of evicted rows: n rows out of each device, no collectives
         arrays = [b.array for b in m.buffers]
-        pos = [np.zeros(len(p.staged.evict_pos[0]), np.int32)] * len(arrays)
-        out = jax.jit(mover._gather, out_shardings=m.staging).lower(arrays, pos).compile()
-        rows = sum(len(q) * a.dtype.itemsize * int(np.prod(a.shape[1:]))
-                   for q, a in zip(pos, arrays, strict=True))  # fmt: skip
+        pos = [m._global(i, {j: np.zeros(n, np.int32) for j in range(2)}, n, m.chunks[i])
+               for i in range(len(arrays))]  # fmt: skip
+        gather = functools.partial(mover._gather, tuple(m.specs))
+        out = jax.jit(gather, out_shardings=m.staging).lower(arrays, pos).compile()
+        assert not any(c in out.as_text() for c in COLLECTIVES)
+        rows = sum(n * a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
         got = out.memory_analysis().output_size_in_bytes  # (+ the output tuple's pointers)
-        assert rows // 2 <= got <= rows // 2 + 16 * len(arrays), (got, rows)
+        assert rows <= got <= rows + 16 * len(arrays), (got, rows)
     s2 = cache.flush(s2)
     want, got = logical_tables(graphdef, opt, state), logical_tables(g2, opt, s2, cache)
     assert_tables_equal(got, want)  # (a batch loaded and not trained on changes no row)
