@@ -15,7 +15,6 @@ back (a later move reads the host after an earlier one wrote it, in program orde
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -145,7 +144,7 @@ class Mover:
         for buf, cols, lanes in zip(self.buffers, self.cols, self.lanes, strict=True):
             parts = [[] for _ in lanes]
             row_wise = len(buf.array.shape) == 1
-            for key, (fs, fr, es, er) in moves.items():
+            for key, (fs, _, es, _) in moves.items():
                 for k, c in enumerate(cols[key]):
                     fl = _lane_of(lanes, c.positions(fs))  # the first lane holding each
                     el = _lane_of(lanes, c.positions(es))
