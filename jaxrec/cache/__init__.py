@@ -9,6 +9,7 @@ from .host import HostTable as HostTable
 from .row_cache import CacheStats as CacheStats
 from .row_cache import Prepared as Prepared
 from .row_cache import RowCache as RowCache
+from .row_cache import host_rows as host_rows
 from .slots import CacheTooSmallError as CacheTooSmallError
 from .step import CachedTrainStep as CachedTrainStep
 from .step import prefetching as prefetching

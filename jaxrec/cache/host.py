@@ -14,22 +14,30 @@ INIT_CHUNK_ROWS = 1 << 20
 
 
 class HostTable:
-    """``fields["weight"]`` ``[num_embeddings, dim]`` and each optimizer row field
-    (``[num_embeddings]`` or ``[num_embeddings, dim]``) as numpy arrays.
+    """``fields["weight"]`` ``[rows, dim]`` and each optimizer row field (``[rows]`` or
+    ``[rows, dim]``) as numpy arrays, for logical rows ``rows = (lo, hi)`` of the table
+    (default: all ``num_embeddings``; with several processes, each holds the rows of its
+    own devices' shards: :func:`jaxrec.cache.host_rows`).
 
     Build with :meth:`create` (initialised on the host, a chunk of rows at a time) or
     :meth:`from_arrays` (e.g. a table trained or restored elsewhere).
     """
 
-    def __init__(self, config: BaseEmbeddingConfig, fields: Mapping[str, np.ndarray]):
+    def __init__(
+        self,
+        config: BaseEmbeddingConfig,
+        fields: Mapping[str, np.ndarray],
+        rows: tuple[int, int] | None = None,
+    ):
         self.config = config
         self.fields = dict(fields)
-        rows = config.num_embeddings
+        self.rows = _rows(config, rows)
+        n = self.rows[1] - self.rows[0]
         for name, a in self.fields.items():
-            if a.shape[0] != rows or a.ndim not in (1, 2):
+            if a.shape[0] != n or a.ndim not in (1, 2):
                 raise ValueError(
                     f"host table {config.name!r} field {name!r}: shape {a.shape}, expected "
-                    f"[{rows}] or [{rows}, {config.embedding_dim}]"
+                    f"[{n}] or [{n}, {config.embedding_dim}] (rows {list(self.rows)})"
                 )
 
     @property
@@ -37,24 +45,34 @@ class HostTable:
         return sum(a.nbytes for a in self.fields.values())
 
     @staticmethod
-    def create(config: BaseEmbeddingConfig, optimizer: SparseOptimizer, seed: int = 0) -> HostTable:
+    def create(
+        config: BaseEmbeddingConfig,
+        optimizer: SparseOptimizer,
+        seed: int = 0,
+        rows: tuple[int, int] | None = None,
+    ) -> HostTable:
         """Weights drawn as the table's initialiser draws them (uniform in
         ``[-sqrt(1/num_embeddings), sqrt(1/num_embeddings)]`` unless ``init_fn``), a
         chunk of rows at a time (other values than a device-built table of the same
-        seed); optimizer rows at their initial values."""
-        rows, dim = config.num_embeddings, config.embedding_dim
-        weight = np.empty((rows, dim), np.dtype(config.dtype))
+        seed; the same rows whatever ``rows`` holds); optimizer rows at their initial
+        values."""
+        lo, hi = _rows(config, rows)
+        dim = config.embedding_dim
+        weight = np.empty((hi - lo, dim), np.dtype(config.dtype))
         key = jax.random.key(seed)
-        lo, hi = config.get_weight_init_min(), config.get_weight_init_max()
-        for i, r0 in enumerate(range(0, rows, INIT_CHUNK_ROWS)):
-            n = min(INIT_CHUNK_ROWS, rows - r0)
+        low, high = config.get_weight_init_min(), config.get_weight_init_max()
+        for i in range(lo // INIT_CHUNK_ROWS, -(-hi // INIT_CHUNK_ROWS)):
+            r0 = i * INIT_CHUNK_ROWS
+            n = min(INIT_CHUNK_ROWS, config.num_embeddings - r0)
             k = jax.random.fold_in(key, i)
             if config.init_fn is not None:
                 chunk = config.init_fn(k, (n, dim), config.dtype)
             else:
-                chunk = jax.random.uniform(k, (n, dim), np.float32, lo, hi)
-            weight[r0 : r0 + n] = np.asarray(chunk).astype(weight.dtype)
-        return HostTable(config, {"weight": weight, **initial_state(optimizer, rows, dim)})
+                chunk = jax.random.uniform(k, (n, dim), np.float32, low, high)
+            a, b = max(lo, r0), min(hi, r0 + n)  # the chunk's rows held here
+            weight[a - lo : b - lo] = np.asarray(chunk)[a - r0 : b - r0].astype(weight.dtype)
+        state = initial_state(optimizer, hi - lo, dim)
+        return HostTable(config, {"weight": weight, **state}, (lo, hi))
 
     @staticmethod
     def from_arrays(
@@ -62,14 +80,29 @@ class HostTable:
         optimizer: SparseOptimizer,
         weight: np.ndarray,
         state: Mapping[str, np.ndarray] | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> HostTable:
-        """From given weights (copied) and optimizer rows (default: initial values)."""
-        rows, dim = config.num_embeddings, config.embedding_dim
+        """From given weights (copied) and optimizer rows (default: initial values) of
+        logical rows ``rows`` (default: all)."""
+        lo, hi = _rows(config, rows)
+        dim = config.embedding_dim
         fields = {"weight": np.array(weight, np.dtype(config.dtype))}
-        init = initial_state(optimizer, rows, dim)
+        init = initial_state(optimizer, hi - lo, dim)
         for f, a in init.items():
             fields[f] = a if state is None else np.array(state[f], a.dtype).reshape(a.shape)
-        return HostTable(config, fields)
+        return HostTable(config, fields, (lo, hi))
+
+
+def _rows(config: BaseEmbeddingConfig, rows: tuple[int, int] | None) -> tuple[int, int]:
+    if rows is None:
+        return 0, config.num_embeddings
+    lo, hi = (int(r) for r in rows)
+    if not 0 <= lo <= hi <= config.num_embeddings:
+        raise ValueError(
+            f"host table {config.name!r}: rows {[lo, hi]} are not a range of its "
+            f"{config.num_embeddings} rows"
+        )
+    return lo, hi
 
 
 def initial_state(optimizer: SparseOptimizer, rows: int, dim: int) -> dict[str, np.ndarray]:

@@ -73,12 +73,12 @@ class Pending(NamedTuple):
 
     def write_back(self) -> None:
         jax.block_until_ready(self.evicted)  # in place: the program's end
-        lanes = {}
+        got = {}
         for i, device, host, rows, at, col, cols in self.parts:
-            if (i, device) not in lanes:  # this process's lanes only
+            if (i, device) not in got:  # this process's lanes only
                 data = [s.data for s in self.evicted[i].addressable_shards if s.device == device]
-                lanes[i, device] = np.asarray(data[0])
-            vals = lanes[i, device][at : at + len(rows)]
+                got[i, device] = np.asarray(data[0])
+            vals = got[i, device][at : at + len(rows)]
             whole = host.ndim == 1 or (col == 0 and cols == host.shape[1] == vals.shape[1])
             if whole and native.AVAILABLE and _contiguous(host, vals) and rows.dtype == np.int64:
                 native.kernels.cache_rows(vals, rows, host, True)  # over threads
@@ -112,10 +112,10 @@ class Mover:
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         # each device moves the rows of its own buffer rows: no copies between devices
-        lanes = [_lanes(b.array.sharding, b.array.shape) for b in self.buffers]
-        self.lanes = [x[0] for x in lanes]
-        self.chunks = [x[1] for x in lanes]  # each lane's entries on its device
-        self.specs = [x[2] for x in lanes]  # (mesh, buffer spec, lane spec), or None
+        per_buffer = [lanes(b.array.sharding, b.array.shape) for b in self.buffers]
+        self.lanes = [x[0] for x in per_buffer]
+        self.chunks = [x[1] for x in per_buffer]  # each lane's entries on its device
+        self.specs = [x[2] for x in per_buffer]  # (mesh, buffer spec, lane spec), or None
         self.staging = _staging(self.chunks)
         self._programs: dict = {}
         # in-place parts: (buffer, key, column piece, evicts: a row-wise field moves once)
@@ -374,7 +374,7 @@ def _on_lanes(spec, fn, lane_args: int, out: int | None = None):
                          out_specs=buffer if out == 0 else lane, check_vma=False)  # fmt: skip
 
 
-def _lanes(sharding, shape: tuple) -> tuple[list[Lane], jax.sharding.Sharding, tuple | None]:
+def lanes(sharding, shape: tuple) -> tuple[list[Lane], jax.sharding.Sharding, tuple | None]:
     """A buffer's lanes (its devices, in the order of their moves' entries), the sharding
     that gives each lane's entries to its device, and the ``shard_map`` specs."""
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -453,7 +453,7 @@ PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it
 def _staging(chunks: list) -> list | None:
     """Pinned-host shardings for the moves' rows, or None (the CPU, where host and
     device memory are one, or a backend without pinned host memory). Each device's
-    rows are its own lane (``_lanes``): it copies them across over its own link, and
+    rows are its own lane (``lanes``): it copies them across over its own link, and
     the host stages one copy of each row."""
     if not chunks:
         return None

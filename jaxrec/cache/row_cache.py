@@ -18,7 +18,9 @@ one load is back on the host before a later load reads it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import pickle
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -34,9 +36,10 @@ from ..distributed.types import CacheParams
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
+from . import exchange
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
-from .mover import Mover, Pending, Staged, columns
+from .mover import Mover, Pending, Staged, columns, lanes
 from .slots import SlotMap
 
 
@@ -90,8 +93,13 @@ class RowCache:
             the GIL); default: one per table, up to the machine's cores.
 
     A model-parallel state is supported for any sharding type but data parallel;
-    row shards keep their own caches. One process only: a multi-process job would
-    need each process to hold its shards' host rows (not built).
+    row shards keep their own caches. With several processes, each holds the host rows
+    of its own devices' shards (:func:`host_rows`) and moves only those; every process
+    plans every shard (replicated planning: the maps of all shards on each process, the
+    batch's cached ids sent to every process at each ``prepare``), so each process must
+    build its ``RowCache`` objects in the same order and prepare the same batches, each
+    passing its own devices' part. ``timeout_s``: how long a ``prepare`` waits for the
+    other processes' ids.
 
     Example:
         >>> cache = RowCache(graphdef, optimizer, state, {"t": host}, CacheParams())
@@ -108,36 +116,17 @@ class RowCache:
         params: CacheParams | Mapping[str, CacheParams],
         *,
         threads: int | None = None,
+        timeout_s: float = 600.0,
     ):
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "RowCache runs in one process: a multi-process job would need each process "
-                "to hold its shards' host rows"
-            )
         self.graphdef, self.optimizer = graphdef, optimizer
         layout = table_buffers(graphdef, optimizer, state)
         self.tables: dict[str, CachedTable] = {}
-        model = merge_model(graphdef, state)
-        found, readers = {}, {}
-        for path, module in embedding_collections(model):
-            for t in module.table_configs:
-                for f in tuple(t.feature_names) or (t.name,):
-                    readers.setdefault(f, []).append(t.name)
-                if t.name in host_tables:
-                    if t.name in found:
-                        raise ValueError(f"two collections have a table named {t.name!r}")
-                    found[t.name] = (table_key(path, module, t.name), t)
-        missing = sorted(set(host_tables) - set(found))
-        if missing:
-            raise ValueError(f"host_tables names tables the model does not have: {missing}")
+        found, readers = _find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
         for name, host in host_tables.items():
             key, device = found[name]
             p = params if isinstance(params, CacheParams) else params[name]
-            blocks = [c for b in weights for c in columns(b.blocks, key)]
-            starts = sorted(set(int(r) for c in blocks[:1] for r in c.rows))
-            n_shards = len(starts)
-            slots = device.num_embeddings // n_shards
+            n_shards, slots = _slot_shards(weights, key, device)
             if device.num_embeddings > np.iinfo(np.int32).max:  # slots are int32 ids
                 raise ValueError(
                     f"table {name!r}: {device.num_embeddings} cache slots in all exceed the "
@@ -151,6 +140,12 @@ class RowCache:
             check_host(name, host, device, optimizer, readers)
             rows = host.config.num_embeddings
             shard_rows = -(-rows // n_shards)
+            held = _held_rows(weights, key, slots, shard_rows, rows)
+            if host.rows != held:
+                raise ValueError(
+                    f"host table {name!r} holds rows {list(host.rows)}, and this process's "
+                    f"devices cache rows {list(held)}: build it with rows=host_rows(...)"
+                )
             maps = [
                 SlotMap(max(0, min(shard_rows, rows - s * shard_rows)), slots, p.algorithm)
                 for s in range(n_shards)
@@ -160,7 +155,11 @@ class RowCache:
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         names = {t.key: t.name for t in self.tables.values()}
-        self._mover = Mover(layout.buffers, self._host, names)
+        offsets = {t.key: t.host.rows[0] for t in self.tables.values()}
+        self._mover = Mover(layout.buffers, self._host, names, offsets)
+        self._tag = f"jaxrec-cache-{next(_CACHES)}"  # the same on every process (same order)
+        self._rounds = itertools.count()
+        self._timeout_s = timeout_s
         # what each host field must stay (moves address it): filled in place, not replaced
         self._host_shapes = {
             (t.name, t.key, f): (a.shape, a.dtype)
@@ -190,7 +189,6 @@ class RowCache:
         ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
         shard's cache cannot hold the batch's rows."""
         with self._lock:
-            self._check_host()  # before anything changes
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             values = [np.asarray(k.values()) for k in kjts]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
@@ -198,18 +196,28 @@ class RowCache:
                 for f, lo, hi in feature_spans(kjt, self._feature_table):
                     spans[self._feature_table[f].name].append((i, lo, hi))
             new = [v.copy() for v in values]  # the ids as slots
-            if len(self._unsaved) >= _MAX_UNSAVED:
-                raise ValueError(
-                    f"{len(self._unsaved)} prepared batches are not loaded yet: load some "
-                    f"first (at most {_MAX_UNSAVED} may wait)"
-                )
+            # each table's id parts, and where their slots go: every process's, in order
+            parts = {n: [values[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
+            outs = {n: [new[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
+            error = None
+            try:  # before anything changes
+                self._check_host()
+                if len(self._unsaved) >= _MAX_UNSAVED:
+                    raise ValueError(
+                        f"{len(self._unsaved)} prepared batches are not loaded yet: load "
+                        f"some first (at most {_MAX_UNSAVED} may wait)"
+                    )
+            except ValueError as e:
+                error = e
+            if jax.process_count() > 1:  # every process refuses the batch, or none
+                parts, outs = self._everyone(parts, outs, error)
+            elif error is not None:
+                raise error
 
             def plan(name):  # reads the maps' scratch marks only: every shard checked first
-                t = self.tables[name]
-                return plan_table(t, [values[i][lo:hi] for i, lo, hi in spans[name]],
-                                  [new[i][lo:hi] for i, lo, hi in spans[name]])  # fmt: skip
+                return plan_table(self.tables[name], parts[name], outs[name])
 
-            ids = sum(hi - lo for parts in spans.values() for _, lo, hi in parts)
+            ids = sum(len(p) for ps in parts.values() for p in ps)
             threads = self._threads if ids >= _THREAD_IDS * len(self.tables) else 1
             plans = dict(zip(self.tables, self._each(plan, threads), strict=True))
 
@@ -217,8 +225,8 @@ class RowCache:
                 t = self.tables[name]
                 move = self._commit(t, *plans[name])
                 scanned = plans[name][1][0].scanned
-                for i, lo, hi in spans[name]:
-                    touch(t, values[i][lo:hi], new[i][lo:hi], scanned)
+                for ids, out in zip(parts[name], outs[name], strict=True):
+                    touch(t, ids, out, scanned)
                 return t.key, move
 
             moves = dict(self._each(commit, threads))
@@ -236,6 +244,27 @@ class RowCache:
             out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
                                is_leaf=is_kjt)  # fmt: skip
             return Prepared(out, staged, self._prepared)
+
+    def _everyone(self, parts, outs, error):
+        """Every process's id parts and slot outputs (scratch for other processes'), in
+        process order; raises on every process when one refused the batch."""
+        mine = {"error": None if error is None else str(error),
+                "parts": [parts[n] for n in self.tables]}  # fmt: skip
+        got = exchange.allgather(self._tag, next(self._rounds), pickle.dumps(mine, 5),
+                                 self._timeout_s)  # fmt: skip
+        got = [mine if q == jax.process_index() else pickle.loads(b) for q, b in enumerate(got)]
+        if error is not None:
+            raise error
+        for q, g in enumerate(got):
+            if g["error"] is not None:
+                raise ValueError(f"process {q} refused this batch: {g['error']}")
+        all_parts = {n: [] for n in self.tables}
+        all_outs = {n: [] for n in self.tables}
+        for g in got:
+            for n, ps in zip(self.tables, g["parts"], strict=True):
+                all_parts[n] += ps
+                all_outs[n] += outs[n] if g is mine else [np.empty_like(p) for p in ps]
+        return all_parts, all_outs
 
     def _each(self, fn, threads: int) -> list:
         """``fn(name)`` for each cached table, in order; on ``threads`` threads when
@@ -392,13 +421,20 @@ class RowCache:
 
     def host_fields(self) -> dict[str, dict[str, np.ndarray]]:
         """``{checkpoint key: {field: host array}}``: what a checkpoint saves for the
-        cached tables (call :meth:`flush` first)."""
+        cached tables (call :meth:`flush` first). One process only (see :meth:`save`)."""
+        _one_process("checkpoints of cached tables")
         return {t.key: t.host.fields for t in self.tables.values()}
 
     def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
         """Flushes the cache and saves the state with the host tables in place of the
         device caches (``CheckpointManager.save``; synchronous). Returns the state
-        (its buffers were donated to the flush)."""
+        (its buffers were donated to the flush).
+
+        One process only, for now: with several, each holds only its devices' host rows
+        and the checkpoint writer takes a host table whole from one process (refused
+        before anything is written; ``flush`` and each process's ``HostTable.fields`` /
+        ``rows`` hold the tables meanwhile)."""
+        _one_process("RowCache.save")
         state = self.flush(state)
         manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
                      **kwargs)  # fmt: skip
@@ -410,6 +446,7 @@ class RowCache:
         reads (no such step, another model) leaves the cache as it was; one that fails
         while reading leaves the host tables partly written: restore again (``resume``
         falls back by itself)."""
+        _one_process("RowCache.restore")
         self.write_back()  # nothing may still write to the host tables
         state = manager.restore(self.graphdef, self.optimizer, target, step=step,
                                 host_tables=self.host_fields())  # fmt: skip
@@ -419,6 +456,7 @@ class RowCache:
     def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
         """``CheckpointManager.resume`` into the host tables; the cache starts empty when a
         step was restored (with none, nothing changes)."""
+        _one_process("RowCache.resume")
         self.write_back()
         state, step = manager.resume(
             self.graphdef, self.optimizer, state, host_tables=self.host_fields()
@@ -436,6 +474,7 @@ class RowCache:
 # (4 tables, 2 cores: 41k ids each 6.2 -> 6.5 ms; 164k ids each 37 -> 30 ms)
 _THREAD_IDS = 1 << 16
 _MAX_UNSAVED = 255  # batches whose evicted rows are not back yet: the uint8 counts' bound
+_CACHES = itertools.count()  # RowCache objects made in this process: their exchange tags
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -463,3 +502,73 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
         else:
             out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
     return out
+
+
+def _one_process(what: str) -> None:
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"{what} with several processes is not built: each process holds only its "
+            "devices' host rows, and a checkpoint takes each host table whole from one "
+            "process. Meanwhile RowCache.flush puts the current rows in each process's "
+            "HostTable.fields (rows HostTable.rows)"
+        )
+
+
+def _find_tables(graphdef, state, names) -> tuple[dict, dict]:
+    """``({table: (checkpoint key, device config)}, {feature: [tables reading it]})`` for
+    the cached tables ``names``."""
+    found, readers = {}, {}
+    for path, module in embedding_collections(merge_model(graphdef, state)):
+        for t in module.table_configs:
+            for f in tuple(t.feature_names) or (t.name,):
+                readers.setdefault(f, []).append(t.name)
+            if t.name in names:
+                if t.name in found:
+                    raise ValueError(f"two collections have a table named {t.name!r}")
+                found[t.name] = (table_key(path, module, t.name), t)
+    missing = sorted(set(names) - set(found))
+    if missing:
+        raise ValueError(f"host_tables names tables the model does not have: {missing}")
+    return found, readers
+
+
+def _slot_shards(weights, key: str, device) -> tuple[int, int]:
+    """``(row shards, slots per shard)`` of a cached table's device table."""
+    blocks = [c for b in weights for c in columns(b.blocks, key)]
+    n_shards = len(set(int(r) for c in blocks[:1] for r in c.rows))
+    return n_shards, device.num_embeddings // n_shards
+
+
+def _held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tuple[int, int]:
+    """The logical rows whose slots lie on this process's devices: ``(lo, hi)``."""
+    shards = set()
+    for b in weights:
+        held = [x for x in lanes(b.array.sharding, b.array.shape)[0] if x.local]
+        for c in columns(b.blocks, key):
+            for r, start, size in zip(c.rows, c.starts, c.sizes, strict=True):
+                if any(x.lo < start + size and start < x.hi for x in held):
+                    shards.update(range(int(r) // slots, -(-int(r + size) // slots)))
+    if not shards:
+        return 0, 0
+    lo, hi = min(shards), max(shards) + 1
+    if len(shards) != hi - lo:
+        raise ValueError(
+            f"table {key!r}: this process's devices hold row shards {sorted(shards)}, not a "
+            "range: give each process's devices consecutive ranks"
+        )
+    return lo * shard_rows, min(rows, hi * shard_rows)
+
+
+def host_rows(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState,
+              config) -> tuple[int, int]:  # fmt: skip
+    """The logical rows ``(lo, hi)`` of cached table ``config`` (its logical config)
+    whose slots lie on this process's devices: what its ``HostTable`` holds here
+    (``HostTable.create(config, optimizer, rows=host_rows(...))``); all rows in one
+    process."""
+    found, _ = _find_tables(graphdef, state, [config.name])
+    key, device = found[config.name]
+    weights = [b for b in table_buffers(graphdef, optimizer, state).buffers
+               if b.field == "weight"]  # fmt: skip
+    n_shards, slots = _slot_shards(weights, key, device)
+    rows = config.num_embeddings
+    return _held_rows(weights, key, slots, -(-rows // n_shards), rows)

@@ -1,0 +1,154 @@
+"""One process of the two-process cache test (see ``test_cache_multiprocess.py``).
+
+Run as ``python cache_multiprocess_worker.py <process_id> <port>`` in two processes on
+one machine: each owns 2 CPU devices (gloo collectives), the 4 form one mesh ``("x",)``.
+``big`` is row-wise over all 4 (two shards per process), ``mean`` table-wise on rank 2
+(process 1), both cached; each process holds only its own shards' host rows. Every
+process trains, side by side on the same batches (each passing its own devices' part):
+
+1. the model with every table in device memory (the reference),
+2. the cached model, each batch prepared right before its step,
+3. the cached model in a ``TrainPipeline`` that prepares two batches ahead,
+
+and checks: the losses equal the reference's at every step; after a flush, each
+process's host rows equal the reference's tables at those rows; a host field replaced
+on process 1 refuses the next batch on both processes, after which training goes on
+exactly; ``RowCache.save`` is refused. Prints one JSON line; exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+
+import numpy as np  # noqa: E402
+from cache_cases import (  # noqa: E402
+    CACHED,
+    build,
+    configs,
+    fused,
+    local_batch,
+    logical_plan,
+    loss_fn,
+    optimizer,
+)
+from jax.experimental import multihost_utils  # noqa: E402
+
+from jaxrec import cache as jc  # noqa: E402
+from jaxrec import distributed as d  # noqa: E402
+from jaxrec import optim, train  # noqa: E402
+
+WORLD, LOCAL = 4, 2
+STEPS = 8
+GLOO_UNAVAILABLE = 77
+GENS = {"big": d.row_wise(), "mean": d.table_wise(2), "small": d.table_wise(0)}
+
+
+def tables(graphdef, state) -> dict[str, np.ndarray]:
+    ebc = train.merge_model(graphdef, state).ebc
+    return {k.split(".")[-2]: np.asarray(v) for k, v in ebc.state_dict().items()}
+
+
+def main(process_id: int, port: int) -> int:
+    try:
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                                   local_device_ids=list(range(LOCAL)))  # fmt: skip
+    except Exception as e:
+        if "gloo" in str(e).lower():
+            print(f"gloo CPU collectives unavailable: {e}", flush=True)
+            return GLOO_UNAVAILABLE
+        raise
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    mine = [i for i, dev in enumerate(mesh.devices.flat) if dev.process_index == process_id]
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.6) for t in CACHED}
+    plan = logical_plan(GENS, mesh, params)
+    graphdef, state = build(opt, plan=fused(plan), mesh=mesh)
+    start = tables(graphdef, state)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+
+    def cached():
+        slot_configs, slot_plan = jc.device_plan(configs(), plan)
+        g2, s2 = build(opt, slot_configs, slot_plan, mesh)
+        for name, w in tables(g2, s2).items():  # what is not cached starts alike
+            if name not in CACHED:
+                assert np.array_equal(w, start[name]), name
+        hosts = {}
+        for c in configs():
+            if c.name in CACHED:
+                lo, hi = jc.host_rows(g2, opt, s2, c)
+                w = start[c.name][lo:hi]
+                hosts[c.name] = jc.HostTable.from_arrays(c, opt.for_table(c.name), w, rows=(lo, hi))
+        cache = jc.RowCache(g2, opt, s2, hosts, params, timeout_s=60)
+        cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+        return s2, cache, cstep
+
+    s_a, cache_a, step_a = cached()
+    s_b, cache_b, step_b = cached()
+    rng = np.random.default_rng(1)
+    batches = [[local_batch(rng, 3) for _ in range(WORLD)] for _ in range(STEPS)]
+    ref, got_a = [], []
+    for local in batches:
+        state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
+        ref.append(float(loss))
+        p = cache_a.prepare([local[i] for i in mine])
+        s_a, loss, _ = step_a(s_a, p._replace(batch=d.shard_batch(p.batch, mesh)))
+        got_a.append(float(loss))
+    pipe = train.TrainPipeline(step_b, s_b, depth=2, to_device=jc.prefetching(
+        cache_b, lambda b: d.shard_batch(b, mesh)))  # fmt: skip
+    it = iter([[local[i] for i in mine] for local in batches])
+    got_b = [float(pipe.progress(it)[0]) for _ in batches]
+    s_b = pipe.state
+    want_b = tables(graphdef, state)  # after the same batches
+
+    # a host field replaced on process 1: both refuse the batch, nothing changes
+    refused = []
+    local = [local_batch(rng, 3) for _ in range(WORLD)]
+    held = cache_a.tables["big"].host.fields["weight"]
+    if process_id == 1:
+        cache_a.tables["big"].host.fields["weight"] = held[:, :4].copy()
+    try:
+        cache_a.prepare([local[i] for i in mine])
+    except ValueError as e:
+        refused.append(str(e)[:200])
+    cache_a.tables["big"].host.fields["weight"] = held
+    state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
+    ref.append(float(loss))
+    p = cache_a.prepare([local[i] for i in mine])
+    s_a, loss, _ = step_a(s_a, p._replace(batch=d.shard_batch(p.batch, mesh)))
+    got_a.append(float(loss))
+    try:
+        cache_a.save(None, 0, s_a)
+        save_refused = False
+    except NotImplementedError:
+        save_refused = True
+
+    diffs = {}
+    for run, cache, s, want in (("a", cache_a, s_a, tables(graphdef, state)),
+                                ("b", cache_b, s_b, want_b)):  # fmt: skip
+        cache.flush(s)
+        for name in CACHED:
+            host = cache.tables[name].host
+            lo, hi = host.rows
+            diffs[f"{run}.{name}[{lo}:{hi}]"] = float(np.max(np.abs(
+                host.fields["weight"] - want[name][lo:hi]), initial=0))  # fmt: skip
+    stats = {t: [cache_a.stats[t].misses, cache_a.stats[t].evictions] for t in CACHED}
+    ok = (got_a == ref and got_b == ref[:STEPS] and all(v == 0 for v in diffs.values())
+          and len(refused) == 1 and save_refused
+          and all(m > 0 and e > 0 for m, e in stats.values()))  # fmt: skip
+    rows = {t: list(cache_a.tables[t].host.rows) for t in CACHED}
+    report = {"process": process_id, "ok": ok, "losses": ref, "prepared": got_a,
+              "pipelined": got_b, "max_abs_diff": diffs, "refused": refused,
+              "save_refused": save_refused, "stats": stats, "rows": rows}  # fmt: skip
+    print(json.dumps(report), flush=True)
+    multihost_utils.sync_global_devices("done")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,36 @@
+"""Cached tables across two processes (2 CPU devices each, gloo collectives): each
+process holds its own shards' host rows, plans every shard, and trains exactly as the
+all-device model does (``cache_multiprocess_worker.py``)."""
+
+import json
+import os
+import sys
+
+import pytest
+from processes import free_port, gloo_available, run_processes
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_multiprocess_worker.py")
+TIMEOUT_S = 300
+GLOO_UNAVAILABLE = 77
+
+
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_two_processes_train_like_all_device():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
+    port = free_port()
+    codes, outputs = run_processes([[sys.executable, WORKER, str(i), str(port)] for i in range(2)],
+                                   env, TIMEOUT_S)  # fmt: skip
+    if all(c == GLOO_UNAVAILABLE for c in codes):
+        pytest.skip("gloo CPU collectives are unavailable: " + outputs[0].strip()[-300:])
+    reports = []
+    for i, (code, out) in enumerate(zip(codes, outputs, strict=True)):
+        assert code == 0, f"process {i} exited {code}:\n{out[-4000:]}"
+        reports.append(json.loads(next(ln for ln in out.splitlines() if ln.startswith('{"proc'))))
+    a, b = reports
+    assert a["ok"] and b["ok"], reports
+    # each holds its own rows: big's two shards each, mean (rank 2) on process 1 only
+    assert a["rows"] == {"big": [0, 100], "mean": [0, 0]}
+    assert b["rows"] == {"big": [100, 200], "mean": [0, 120]}
+    assert a["stats"] == b["stats"]  # one plan, made on both
+    assert "process 1 refused this batch" in a["refused"][0]
+    assert "host table 'big' field 'weight'" in b["refused"][0]
