@@ -139,22 +139,23 @@ class Mover:
         to the host, copied by :meth:`apply` instead (not on the in-place path)."""
         if self.inplace:
             return self._stage_inplace(moves)
-        # per buffer, per lane: (key, column piece, fill index, evict index) of its moves
+        # per buffer, per lane: (key, column piece, fills, their positions, evicts, theirs),
+        # fills and evicts as indices into the key's moves (a slice: views, no copies)
         split, n = [], 0
         for buf, cols, lanes in zip(self.buffers, self.cols, self.lanes, strict=True):
             parts = [[] for _ in lanes]
             row_wise = len(buf.array.shape) == 1
             for key, (fs, _, es, _) in moves.items():
                 for k, c in enumerate(cols[key]):
-                    fl = _lane_of(lanes, c.positions(fs))  # the first lane holding each
-                    el = _lane_of(lanes, c.positions(es))
+                    pf, pe = c.positions(fs), c.positions(es)
+                    fl, el = _lane_of(lanes, pf), _lane_of(lanes, pe)  # the first holder
                     for j, lane in enumerate(lanes):  # replicas fill alike; one reads
-                        f = np.flatnonzero(fl == lane.first)
+                        f = _where(fl, lane.first)
                         reads = lane.first == j and (not row_wise or k == 0)  # one copy
-                        e = np.flatnonzero(el == j) if reads else np.zeros(0, np.int64)
-                        parts[j].append((key, c, f, e))
+                        e = _where(el, j) if reads else slice(0, 0)
+                        parts[j].append((key, c, f, pf[f], e, pe[e]))
             for ps in parts:
-                n = max(n, sum(len(f) for *_, f, _ in ps), sum(len(e) for *_, e in ps))
+                n = max(n, sum(len(x[3]) for x in ps), sum(len(x[5]) for x in ps))
             split.append(parts)
         if not n:
             return None
@@ -171,21 +172,21 @@ class Mover:
                 fp[j], ep[j] = np.full(n, pad, np.int32), np.full(n, pad, np.int32)
                 fv[j] = np.zeros((n, *shape[1:]), dtype)
                 f_at = e_at = 0
-                for key, c, f, e in items:
-                    fs, fr, es, er = moves[key]
+                for key, c, f, pf, e, pe in items:
+                    _, fr, _, er = moves[key]
                     src, off = host[key][buf.field], self.offsets.get(key, 0)
-                    if len(f):
+                    if len(pf):
                         rows = self._local(key, fr[f], off, len(src))
-                        fp[j][f_at : f_at + len(f)] = c.positions(fs[f]) - lane.lo
-                        _rows_into(fv[j][f_at : f_at + len(f)], src, rows, c)
+                        fp[j][f_at : f_at + len(pf)] = pf - lane.lo
+                        _rows_into(fv[j][f_at : f_at + len(pf)], src, rows, c)
                         if late is not None and late[key][f].any():
                             patches.append((i, j, f_at, src, rows, late[key][f], c))
-                        f_at += len(f)
-                    if len(e):
-                        ep[j][e_at : e_at + len(e)] = c.positions(es[e]) - lane.lo
+                        f_at += len(pf)
+                    if len(pe):
+                        ep[j][e_at : e_at + len(pe)] = pe - lane.lo
                         rows = self._local(key, er[e], off, len(src))
                         parts_out.append((i, lane.device, src, rows, e_at, c.col, c.cols))
-                        e_at += len(e)
+                        e_at += len(pe)
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
@@ -198,7 +199,7 @@ class Mover:
     def _local(self, key: str, rows: np.ndarray, offset: int, held: int) -> np.ndarray:
         """Logical rows as rows of this process's host arrays (which hold rows
         ``[offset, offset + held)``)."""
-        local = rows - offset
+        local = rows - offset if offset else rows
         if len(local) and (local.min() < 0 or local.max() >= held):
             name = self.names.get(key, key)
             raise ValueError(
@@ -400,11 +401,18 @@ def lanes(sharding, shape: tuple) -> tuple[list[Lane], jax.sharding.Sharding, tu
     return lanes, chunk, spec
 
 
-def _lane_of(lanes: list[Lane], positions: np.ndarray) -> np.ndarray:
-    """The first lane holding each buffer row in ``positions``."""
+def _where(lane_of: np.ndarray | int, j: int) -> slice | np.ndarray:
+    """The entries of lane ``j``: a slice when every entry is (one lane)."""
+    if isinstance(lane_of, int):
+        return slice(None) if lane_of == j else slice(0, 0)
+    return np.flatnonzero(lane_of == j)
+
+
+def _lane_of(lanes: list[Lane], positions: np.ndarray) -> np.ndarray | int:
+    """The first lane holding each buffer row in ``positions`` (an int: all in one)."""
     firsts = sorted({x.first for x in lanes}, key=lambda j: lanes[j].lo)
     if len(firsts) == 1:
-        return np.full(len(positions), firsts[0], np.int64)
+        return firsts[0]
     los = np.array([lanes[j].lo for j in firsts])
     return np.array(firsts)[np.searchsorted(los, positions, side="right") - 1]
 

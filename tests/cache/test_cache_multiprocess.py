@@ -9,7 +9,9 @@ import sys
 import pytest
 from processes import free_port, gloo_available, run_processes
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_multiprocess_worker.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "cache_multiprocess_worker.py")
+REPO = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT_S = 300
 GLOO_UNAVAILABLE = 77
 
@@ -17,6 +19,7 @@ GLOO_UNAVAILABLE = 77
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_processes_train_like_all_device():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     port = free_port()
     codes, outputs = run_processes([[sys.executable, WORKER, str(i), str(port)] for i in range(2)],
                                    env, TIMEOUT_S)  # fmt: skip
