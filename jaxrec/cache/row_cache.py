@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..checkpoint.layout import replace_tables, table_buffers
+from ..checkpoint.layout import HostRows, replace_tables, table_buffers
 from ..checkpoint.paths import components, table_key
 from ..distributed.types import CacheParams
 from ..embedding.collection import embedding_collections
@@ -420,21 +420,16 @@ class RowCache:
                 m.clear()
 
     def host_fields(self) -> dict[str, dict[str, np.ndarray]]:
-        """``{checkpoint key: {field: host array}}``: what a checkpoint saves for the
-        cached tables (call :meth:`flush` first). One process only (see :meth:`save`)."""
-        _one_process("checkpoints of cached tables")
-        return {t.key: t.host.fields for t in self.tables.values()}
+        """``{checkpoint key: HostRows}``: what a checkpoint saves for the cached tables,
+        this process's rows of each (call :meth:`flush` first)."""
+        return {t.key: HostRows(t.host.fields, t.host.rows[0], t.host.config.num_embeddings)
+                for t in self.tables.values()}  # fmt: skip
 
     def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
         """Flushes the cache and saves the state with the host tables in place of the
         device caches (``CheckpointManager.save``; synchronous). Returns the state
-        (its buffers were donated to the flush).
-
-        One process only, for now: with several, each holds only its devices' host rows
-        and the checkpoint writer takes a host table whole from one process (refused
-        before anything is written; ``flush`` and each process's ``HostTable.fields`` /
-        ``rows`` hold the tables meanwhile)."""
-        _one_process("RowCache.save")
+        (its buffers were donated to the flush). With several processes, each writes
+        its own host rows."""
         state = self.flush(state)
         manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
                      **kwargs)  # fmt: skip
@@ -446,7 +441,6 @@ class RowCache:
         reads (no such step, another model) leaves the cache as it was; one that fails
         while reading leaves the host tables partly written: restore again (``resume``
         falls back by itself)."""
-        _one_process("RowCache.restore")
         self.write_back()  # nothing may still write to the host tables
         state = manager.restore(self.graphdef, self.optimizer, target, step=step,
                                 host_tables=self.host_fields())  # fmt: skip
@@ -456,7 +450,6 @@ class RowCache:
     def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
         """``CheckpointManager.resume`` into the host tables; the cache starts empty when a
         step was restored (with none, nothing changes)."""
-        _one_process("RowCache.resume")
         self.write_back()
         state, step = manager.resume(
             self.graphdef, self.optimizer, state, host_tables=self.host_fields()
@@ -502,16 +495,6 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
         else:
             out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
     return out
-
-
-def _one_process(what: str) -> None:
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"{what} with several processes is not built: each process holds only its "
-            "devices' host rows, and a checkpoint takes each host table whole from one "
-            "process. Meanwhile RowCache.flush puts the current rows in each process's "
-            "HostTable.fields (rows HostTable.rows)"
-        )
 
 
 def _find_tables(graphdef, state, names) -> tuple[dict, dict]:

@@ -1,5 +1,6 @@
 """Checkpoints in the logical layout: save under one sharding plan, restore under any other."""
 
+from .layout import HostRows as HostRows
 from .logical import LogicalState as LogicalState
 from .logical import logical_state as logical_state
 from .logical import place_state as place_state

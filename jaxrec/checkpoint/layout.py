@@ -41,6 +41,41 @@ class Tables(NamedTuple):
     shared_counts: dict[str, list[str]]  # state key -> the table keys sharing its count
 
 
+class HostRows(Mapping):
+    """A host table's fields (``jaxrec.cache``) holding its logical rows ``[lo, lo + n)``
+    of ``total``: with several processes each holds its own devices' rows and writes
+    them to a checkpoint. ``whole``: every process holds the whole table (a plain
+    mapping of fields), and process 0 writes it."""
+
+    def __init__(self, fields: Mapping[str, np.ndarray], lo: int, total: int,
+                 whole: bool = False):  # fmt: skip
+        self.fields, self.lo, self.total, self.whole = dict(fields), int(lo), int(total), whole
+
+    def __getitem__(self, field: str) -> np.ndarray:
+        return self.fields[field]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes these rows to a checkpoint."""
+        if self.whole:
+            return jax.process_index() == 0
+        return self.fields["weight"].shape[0] > 0
+
+
+def host_rows(fields: Mapping[str, np.ndarray]) -> HostRows:
+    """``fields`` as :class:`HostRows` (a plain mapping: the whole table)."""
+    if isinstance(fields, HostRows):
+        return fields
+    rows = fields["weight"].shape[0]
+    return HostRows(fields, 0, rows, whole=True)
+
+
 HostTables = Mapping[str, Mapping[str, np.ndarray]]  # table key -> field -> host rows
 
 
@@ -53,7 +88,8 @@ def table_buffers(
     """Every table buffer of ``state`` (any plan) with its blocks.
 
     ``host``: tables kept in host memory (``jaxrec.cache``), by checkpoint key: their
-    fields are buffers of their own (``where = ("host", key, field)``), and the
+    fields are buffers of their own (``where = ("host", key, field, whether this
+    process writes them)``; :class:`HostRows` for a part of the table), and the
     state's buffers of those tables (device caches) are left out.
     """
     tables = _device_buffers(graphdef, optimizer, state)
@@ -65,9 +101,11 @@ def table_buffers(
         if blocks:
             buffers.append(buf._replace(blocks=blocks))
     for key, fields in host.items():
-        for f, a in fields.items():
-            block = Block(key, 0, a.shape[0], 0, a.shape[1] if a.ndim == 2 else 0, 0)
-            buffers.append(Buffer(f, a, (block,), ("host", key, f)))
+        part = host_rows(fields)
+        writes = part.writes
+        for f, a in part.items():
+            block = Block(key, part.lo, a.shape[0], 0, a.shape[1] if a.ndim == 2 else 0, 0)
+            buffers.append(Buffer(f, a, (block,), ("host", key, f, writes)))
     return Tables(buffers, tables.shared_counts)
 
 

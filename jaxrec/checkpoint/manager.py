@@ -126,7 +126,8 @@ class CheckpointManager:
             force: save even where ``save_interval_steps`` would skip the step.
             host_tables: tables kept in host memory (``RowCache.host_fields()``,
                 after ``RowCache.flush``): saved as their tables, in place of their
-                device caches. Such a save is synchronous (training writes the host
+                device caches (a :class:`HostRows` part: each process writes its
+                own rows). Such a save is synchronous (training writes the host
                 rows in place), whatever ``async_save`` says.
 
         Raises:

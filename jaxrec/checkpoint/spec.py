@@ -19,6 +19,7 @@ from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..optim.base import row_fields
 from ..train.step import TrainState, merge_model
+from .layout import host_rows
 from .paths import dense_leaves, flatten, table_key
 
 DENSE_PARTS = ("params", "rest", "dense_opt")
@@ -51,8 +52,10 @@ def state_spec(
             fields = {f: _array(getattr(st, f)) for f in row_fields(st)}
             rows = t.num_embeddings
             if host and key in host:  # the device table is a cache: the host has the rows
-                rows = host[key]["weight"].shape[0]
-                fields = {f: _array(a) for f, a in host[key].items() if f != "weight"}
+                part = host_rows(host[key])  # (this process's part of them)
+                rows = part.total
+                fields = {f: {"shape": [rows, *a.shape[1:]], "dtype": np.dtype(a.dtype).name}
+                          for f, a in part.items() if f != "weight"}  # fmt: skip
             tables[key] = {
                 "shape": [rows, t.embedding_dim],
                 "dtype": np.dtype(t.dtype).name,

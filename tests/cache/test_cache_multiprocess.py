@@ -1,6 +1,7 @@
 """Cached tables across two processes (2 CPU devices each, gloo collectives): each
 process holds its own shards' host rows, plans every shard, and trains exactly as the
-all-device model does (``cache_multiprocess_worker.py``)."""
+all-device model does; a checkpoint written by both restores into either model
+(``cache_multiprocess_worker.py``)."""
 
 import json
 import os
@@ -17,12 +18,12 @@ GLOO_UNAVAILABLE = 77
 
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
-def test_two_processes_train_like_all_device():
+def test_two_processes_train_and_checkpoint_like_all_device(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 2 devices per process
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     port = free_port()
-    codes, outputs = run_processes([[sys.executable, WORKER, str(i), str(port)] for i in range(2)],
-                                   env, TIMEOUT_S)  # fmt: skip
+    cmds = [[sys.executable, WORKER, str(i), str(port), str(tmp_path)] for i in range(2)]
+    codes, outputs = run_processes(cmds, env, TIMEOUT_S)
     if all(c == GLOO_UNAVAILABLE for c in codes):
         pytest.skip("gloo CPU collectives are unavailable: " + outputs[0].strip()[-300:])
     reports = []
