@@ -158,7 +158,7 @@ class RowCache:
         offsets = {t.key: t.host.rows[0] for t in self.tables.values()}
         self._mover = Mover(layout.buffers, self._host, names, offsets)
         self._tag = f"jaxrec-cache-{next(_CACHES)}"  # the same on every process (same order)
-        self._rounds = itertools.count()
+        self._peers: exchange.Peers | None = None
         self._timeout_s = timeout_s
         # what each host field must stay (moves address it): filled in place, not replaced
         self._host_shapes = {
@@ -250,8 +250,9 @@ class RowCache:
         process order; raises on every process when one refused the batch."""
         mine = {"error": None if error is None else str(error),
                 "parts": [parts[n] for n in self.tables]}  # fmt: skip
-        got = exchange.allgather(self._tag, next(self._rounds), pickle.dumps(mine, 5),
-                                 self._timeout_s)  # fmt: skip
+        if self._peers is None:  # connected at the first batch, by every process
+            self._peers = exchange.Peers(self._tag, self._timeout_s)
+        got = self._peers.allgather(pickle.dumps(mine, 5), f"batch {self._prepared + 1}")
         got = [mine if q == jax.process_index() else pickle.loads(b) for q, b in enumerate(got)]
         if error is not None:
             raise error

@@ -1,0 +1,55 @@
+"""One process of the exchange test (see ``test_exchange.py``):
+``python exchange_worker.py <process_id> <port> <mode>``.
+
+``gather``: three allgathers (empty, small, 5 MB payloads, each process's own bytes)
+must return every process's payload in process order. ``stop``: process 1 exits once
+connected; process 0's allgather must fail with a message naming it, well before the
+test's deadline. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import numpy as np  # noqa: E402
+
+from jaxrec.cache import exchange  # noqa: E402
+
+
+def payload(process: int, size: int) -> bytes:
+    return np.random.default_rng([process, size]).integers(0, 255, size, np.uint8).tobytes()
+
+
+def main(process_id: int, port: int, mode: str) -> int:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    peers = exchange.Peers("test", timeout_s=20)
+    if mode == "gather":
+        ok = True
+        for size in (0, 1000, 5 << 20):
+            got = peers.allgather(payload(process_id, size), f"size {size}")
+            ok &= got == [payload(q, size) for q in range(2)]
+        print(json.dumps({"process": process_id, "ok": ok}), flush=True)
+        return 0 if ok else 1
+    if process_id == 1:  # stops without sending
+        print(json.dumps({"process": 1, "ok": True}), flush=True)
+        os._exit(0)
+    t0 = time.perf_counter()
+    try:
+        peers.allgather(b"ids", "batch 1")
+        error = None
+    except TimeoutError as e:
+        error = str(e)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"process": 0, "ok": error is not None, "error": error, "s": seconds}),
+          flush=True)  # fmt: skip
+    os._exit(0)  # the coordinator would wait for the stopped process at shutdown
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
