@@ -8,7 +8,8 @@ process trains, side by side on the same batches (each passing its own devices' 
 
 1. the model with every table in device memory (the reference),
 2. the cached model, each batch prepared right before its step,
-3. the cached model in a ``TrainPipeline`` that prepares two batches ahead,
+3. the cached model in a ``TrainPipeline`` that prepares two batches ahead, its
+   rows staged in pinned host memory (the path off the CPU),
 
 and checks: the losses equal the reference's at every step; after a flush, each
 process's host rows equal the reference's tables at those rows; a host field replaced
@@ -93,7 +94,10 @@ def main(process_id: int, port: int, directory: str) -> int:
         return s2, cache, cstep
 
     s_a, cache_a, step_a = cached()
+    jc.mover.PINNED = True  # the pipelined one stages in pinned host memory, as on GPUs
     s_b, cache_b, step_b = cached()
+    jc.mover.PINNED = None
+    assert cache_a._mover.staging is None and cache_b._mover.staging is not None
     rng = np.random.default_rng(1)
     batches = [[local_batch(rng, 3) for _ in range(WORLD)] for _ in range(STEPS)]
     ref, got_a = [], []
