@@ -3,8 +3,11 @@ processes run together under one deadline (all killed if one hangs)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -47,3 +50,26 @@ def run_processes(commands: list[list[str]], env: dict, timeout_s: float):
                 p.kill()
                 p.wait()
     return [p.returncode for p in procs], outputs
+
+
+GLOO_UNAVAILABLE = 77  # a worker's exit code when gloo CPU collectives cannot be set up
+
+
+def run_workers(worker: str, args: list[str], timeout_s: float, paths=(), n: int = 2) -> list[dict]:
+    """The JSON reports (the line starting ``{"process"``) of ``python worker i port *args``
+    run as ``n`` processes on 127.0.0.1, each without the tests' ``XLA_FLAGS`` and with
+    ``paths`` first on ``PYTHONPATH``. Fails the test when one exits non-zero; skips it
+    when all exit with ``GLOO_UNAVAILABLE``."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
+    port = free_port()
+    cmds = [[sys.executable, worker, str(i), str(port), *args] for i in range(n)]
+    codes, outputs = run_processes(cmds, env, timeout_s)
+    if all(c == GLOO_UNAVAILABLE for c in codes):
+        pytest.skip("gloo CPU collectives are unavailable: " + outputs[0].strip()[-300:])
+    reports = []
+    for i, (code, out) in enumerate(zip(codes, outputs, strict=True)):
+        assert code == 0, f"process {i} exited {code}:\n{out[-4000:]}"
+        line = next(ln for ln in out.splitlines() if ln.startswith('{"process"'))
+        reports.append(json.loads(line))
+    return reports
