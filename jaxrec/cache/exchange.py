@@ -53,27 +53,39 @@ class Peers:
         # a thread per connection and direction: no process waits on another's order
         self._pool = ThreadPoolExecutor(2 * (self.n - 1), thread_name_prefix="jaxrec-peers")
         self._lock = threading.Lock()
+        self._failed: str | None = None  # a failed exchange leaves the streams mid-message
 
     def allgather(self, payload: bytes, what: str) -> list[bytes]:
-        """Every process's ``payload``, in process order (each must call it in turn)."""
+        """Every process's ``payload``, in process order (each must call it in turn).
+        After a failure every later call raises: a message half read or sent would be
+        read as the next one."""
         if self.n == 1:
             return [payload]
         head = len(payload).to_bytes(_HEADER, "big")
         with self._lock:
+            if self._failed is not None:
+                raise RuntimeError(f"the exchange between processes failed earlier "
+                                   f"({self._failed}): restart the job's processes")  # fmt: skip
             sends = [self._pool.submit(c.sendall, head + payload) for c in self.conns.values()]
             recvs = {j: self._pool.submit(_message, c) for j, c in self.conns.items()}
             out = [payload] * self.n
-            for j, f in recvs.items():
-                try:
-                    out[j] = f.result()
-                except (OSError, EOFError) as e:
-                    raise TimeoutError(
-                        f"process {j} sent nothing for {what} within {self.timeout_s} s or "
-                        f"closed its connection: did it stop, or prepare other batches than "
-                        f"this process? ({type(e).__name__}: {e})"
-                    ) from None
-            for f in sends:
-                f.result()
+            try:
+                for j, f in recvs.items():
+                    try:
+                        out[j] = f.result()
+                    except (OSError, EOFError) as e:
+                        raise TimeoutError(
+                            f"process {j} sent nothing for {what} within {self.timeout_s} s "
+                            f"or closed its connection: did it stop, or prepare other batches "
+                            f"than this process? ({type(e).__name__}: {e})"
+                        ) from None
+                for f in sends:
+                    f.result()
+            except BaseException as e:
+                self._failed = f"{what}: {e}"
+                for c in self.conns.values():  # the peers see it at once, not at a timeout
+                    c.close()
+                raise
         return out
 
 

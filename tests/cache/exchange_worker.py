@@ -4,7 +4,7 @@
 ``gather``: three allgathers (empty, small, 5 MB payloads, each process's own bytes)
 must return every process's payload in process order. ``stop``: process 1 exits once
 connected; process 0's allgather must fail with a message naming it, well before the
-test's deadline. Prints one JSON line."""
+test's deadline, and a second one must be refused. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -46,8 +46,13 @@ def main(process_id: int, port: int, mode: str) -> int:
     except TimeoutError as e:
         error = str(e)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"process": 0, "ok": error is not None, "error": error, "s": seconds}),
-          flush=True)  # fmt: skip
+    try:
+        peers.allgather(b"ids", "batch 2")
+        again = None
+    except RuntimeError as e:
+        again = str(e)
+    report = {"process": 0, "ok": error is not None, "error": error, "s": seconds, "again": again}
+    print(json.dumps(report), flush=True)
     os._exit(0)  # the coordinator would wait for the stopped process at shutdown
 
 
