@@ -524,14 +524,24 @@ def _slot_shards(weights, key: str, device) -> tuple[int, int]:
 
 
 def _held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tuple[int, int]:
-    """The logical rows whose slots lie on this process's devices: ``(lo, hi)``."""
-    shards = set()
+    """The logical rows whose slots lie on this process's devices: ``(lo, hi)``. A row
+    shard must lie in one process: its host rows are written back from one."""
+    shards, elsewhere = set(), set()
     for b in weights:
-        held = [x for x in lanes(b.array.sharding, b.array.shape)[0] if x.local]
+        where = lanes(b.array.sharding, b.array.shape)[0]
         for c in columns(b.blocks, key):
             for r, start, size in zip(c.rows, c.starts, c.sizes, strict=True):
-                if any(x.lo < start + size and start < x.hi for x in held):
-                    shards.update(range(int(r) // slots, -(-int(r + size) // slots)))
+                for x in where:
+                    if x.lo < start + size and start < x.hi:
+                        got = shards if x.local else elsewhere
+                        got.update(range(int(r) // slots, -(-int(r + size) // slots)))
+    if shards & elsewhere:
+        raise ValueError(
+            f"table {key!r}: row shards {sorted(shards & elsewhere)} have slots on devices of "
+            "this process and of another (column pieces or replicas across processes); a "
+            "cached table's row shard must lie within one process: place its column pieces "
+            "on one process's devices"
+        )
     if not shards:
         return 0, 0
     lo, hi = min(shards), max(shards) + 1
