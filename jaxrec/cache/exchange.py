@@ -1,4 +1,4 @@
-"""Bytes from every process, for the cache's replicated planning.
+"""Bytes between every pair of processes, for the cache's planning across processes.
 
 Over TCP connections of its own between every pair of processes; their addresses
 go through ``jax.distributed``'s key-value store once. Not a device collective: a
@@ -22,7 +22,8 @@ _HEADER = 8  # payload length, big-endian
 
 class Peers:
     """A connection to every other process (made at once by every process, under one
-    ``tag``); :meth:`allgather` sends bytes to all and receives theirs."""
+    ``tag``); :meth:`exchange` sends each process its own bytes and receives theirs,
+    :meth:`allgather` the same bytes to all."""
 
     def __init__(self, tag: str, timeout_s: float):
         self.n, self.me = jax.process_count(), jax.process_index()
@@ -56,19 +57,28 @@ class Peers:
         self._failed: str | None = None  # a failed exchange leaves the streams mid-message
 
     def allgather(self, payload: bytes, what: str) -> list[bytes]:
-        """Every process's ``payload``, in process order (each must call it in turn).
+        """Every process's ``payload``, in process order (each must call it in turn)."""
+        return self.exchange([payload] * self.n, what)
+
+    def exchange(self, payloads: list[bytes], what: str) -> list[bytes]:
+        """Sends ``payloads[j]`` to process ``j``; returns what each process sent this
+        one, in process order (``payloads[me]`` for itself; each must call it in turn).
         After a failure every later call raises: a message half read or sent would be
         read as the next one."""
+        if len(payloads) != self.n:
+            raise ValueError(f"exchange takes a payload per process ({self.n}), got "
+                             f"{len(payloads)}")  # fmt: skip
         if self.n == 1:
-            return [payload]
-        head = len(payload).to_bytes(_HEADER, "big")
+            return list(payloads)
         with self._lock:
             if self._failed is not None:
                 raise RuntimeError(f"the exchange between processes failed earlier "
                                    f"({self._failed}): restart the job's processes")  # fmt: skip
-            sends = [self._pool.submit(c.sendall, head + payload) for c in self.conns.values()]
+            sends = [self._pool.submit(c.sendall, len(payloads[j]).to_bytes(_HEADER, "big")
+                                       + payloads[j])
+                     for j, c in self.conns.items()]  # fmt: skip
             recvs = {j: self._pool.submit(_message, c) for j, c in self.conns.items()}
-            out = [payload] * self.n
+            out = [payloads[self.me]] * self.n
             try:
                 for j, f in recvs.items():
                     try:

@@ -2,7 +2,8 @@
 ``python exchange_worker.py <process_id> <port> <mode>``.
 
 ``gather``: three allgathers (empty, small, 5 MB payloads, each process's own bytes)
-must return every process's payload in process order. ``stop``: process 1 exits once
+must return every process's payload in process order, and an exchange of bytes that
+differ by receiver each process's bytes for this one. ``stop``: process 1 exits once
 connected; process 0's allgather must fail with a message naming it, well before the
 test's deadline, and a second one must be refused. Prints one JSON line."""
 
@@ -34,6 +35,9 @@ def main(process_id: int, port: int, mode: str) -> int:
         for size in (0, 1000, 5 << 20):
             got = peers.allgather(payload(process_id, size), f"size {size}")
             ok &= got == [payload(q, size) for q in range(2)]
+        # each process its own bytes: q sends j the payload of (q, 10 + j) bytes
+        got = peers.exchange([payload(process_id, 10 + j) for j in range(2)], "to each")
+        ok &= got == [payload(q, 10 + process_id) for q in range(2)]
         print(json.dumps({"process": process_id, "ok": ok}), flush=True)
         return 0 if ok else 1
     if process_id == 1:  # stops without sending
