@@ -21,7 +21,8 @@ class CachedTable(NamedTuple):
     features: tuple[str, ...]
     shard_rows: int  # logical rows per row shard (ceil blocks; the last may be smaller)
     slots: int  # slots per row shard
-    maps: list[SlotMap]
+    maps: list[SlotMap | None]  # None: a shard of another process (see owned.py)
+    owners: np.ndarray | None = None  # the process of each row shard
 
 
 def plan_table(t: CachedTable, parts: list[np.ndarray], outs: list[np.ndarray]) -> tuple[int, list]:

@@ -36,11 +36,11 @@ from ..distributed.types import CacheParams
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
-from . import exchange
+from . import exchange, owned
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .mover import Mover, Pending, Staged, columns, lanes
-from .slots import SlotMap
+from .slots import CacheTooSmallError, SlotMap
 
 
 @dataclasses.dataclass
@@ -94,12 +94,12 @@ class RowCache:
 
     A model-parallel state is supported for any sharding type but data parallel;
     row shards keep their own caches. With several processes, each holds the host rows
-    of its own devices' shards (:func:`host_rows`) and moves only those; every process
-    plans every shard (replicated planning: the maps of all shards on each process, the
-    batch's cached ids sent to every process at each ``prepare``), so each process must
-    build its ``RowCache`` objects in the same order and prepare the same batches, each
-    passing its own devices' part. ``timeout_s``: how long a ``prepare`` waits for the
-    other processes' ids.
+    and the slot maps of its own devices' shards (:func:`host_rows`), and plans and
+    moves only those: at each ``prepare`` the processes send each shard's owner their
+    ids of it and get their slots back (``owned.py``). So each process must build its
+    ``RowCache`` objects in the same order and prepare the same batches, each passing
+    its own devices' part. ``timeout_s``: how long a ``prepare`` waits for the other
+    processes.
 
     Example:
         >>> cache = RowCache(graphdef, optimizer, state, {"t": host}, CacheParams())
@@ -146,12 +146,15 @@ class RowCache:
                     f"host table {name!r} holds rows {list(host.rows)}, and this process's "
                     f"devices cache rows {list(held)}: build it with rows=host_rows(...)"
                 )
-            maps = [
+            owners = owned.shard_owners(weights, key, slots, n_shards)
+            maps = [  # this process's shards only
                 SlotMap(max(0, min(shard_rows, rows - s * shard_rows)), slots, p.algorithm)
+                if owners[s] == jax.process_index() else None
                 for s in range(n_shards)
-            ]
+            ]  # fmt: skip
             feats = tuple(host.config.feature_names) or (name,)
-            self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps)
+            self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps,
+                                            owners)  # fmt: skip
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         names = {t.key: t.name for t in self.tables.values()}
@@ -210,26 +213,11 @@ class RowCache:
             except ValueError as e:
                 error = e
             if jax.process_count() > 1:  # every process refuses the batch, or none
-                parts, outs = self._everyone(parts, outs, error)
+                moves = self._plan_owned(parts, outs, error)
             elif error is not None:
                 raise error
-
-            def plan(name):  # reads the maps' scratch marks only: every shard checked first
-                return plan_table(self.tables[name], parts[name], outs[name])
-
-            ids = sum(len(p) for ps in parts.values() for p in ps)
-            threads = self._threads if ids >= _THREAD_IDS * len(self.tables) else 1
-            plans = dict(zip(self.tables, self._each(plan, threads), strict=True))
-
-            def commit(name):
-                t = self.tables[name]
-                move = self._commit(t, *plans[name])
-                scanned = plans[name][1][0].scanned
-                for ids, out in zip(parts[name], outs[name], strict=True):
-                    touch(t, ids, out, scanned)
-                return t.key, move
-
-            moves = dict(self._each(commit, threads))
+            else:
+                moves = self._plan_here(parts, outs)
             self._prepared += 1
             if self._mover.inplace:  # moves read the host in program order: never late
                 staged = self._mover.stage(moves, self._host)
@@ -245,35 +233,94 @@ class RowCache:
                                is_leaf=is_kjt)  # fmt: skip
             return Prepared(out, staged, self._prepared)
 
-    def _everyone(self, parts, outs, error):
-        """Every process's id parts and slot outputs (scratch for other processes'), in
-        process order; raises on every process when one refused the batch."""
-        mine = {"error": None if error is None else str(error),
-                "parts": [parts[n] for n in self.tables]}  # fmt: skip
+    def _threads_for(self, ids: int) -> int:
+        return self._threads if ids >= _THREAD_IDS * len(self.tables) else 1
+
+    def _plan_here(self, parts, outs) -> dict:
+        """One process: plans every table's shards on the batch's ids, rewrites them."""
+
+        def plan(name):  # reads the maps' scratch marks only: every shard checked first
+            return plan_table(self.tables[name], parts[name], outs[name])
+
+        threads = self._threads_for(sum(len(p) for ps in parts.values() for p in ps))
+        plans = dict(zip(self.tables, self._each(plan, threads), strict=True))
+
+        def commit(name):
+            t = self.tables[name]
+            move = self._commit(t, *plans[name])
+            scanned = plans[name][1][0].scanned
+            for ids, out in zip(parts[name], outs[name], strict=True):
+                touch(t, ids, out, scanned)
+            return t.key, move
+
+        return dict(self._each(commit, threads))
+
+    def _plan_owned(self, parts, outs, error) -> dict:
+        """Several processes: each plans the shards it owns on every process's ids of
+        them, in three exchanges (see ``owned.py``); a batch any process refuses is
+        refused on all of them before any map changes."""
         if self._peers is None:  # connected at the first batch, by every process
             self._peers = exchange.Peers(self._tag, self._timeout_s)
-        got = self._peers.allgather(pickle.dumps(mine, 5), f"batch {self._prepared + 1}")
-        got = [mine if q == jax.process_index() else pickle.loads(b) for q, b in enumerate(got)]
+        n, what = jax.process_count(), f"batch {self._prepared + 1}"
+        routes = {name: owned.route(t, parts[name], n) for name, t in self.tables.items()}
+        sends = [pickle.dumps({"error": None if error is None else str(error),
+                               "ids": [ids[sent[q]] for ids, sent in routes.values()]}, 5)
+                 for q in range(n)]  # fmt: skip
+        got = [pickle.loads(b) for b in self._peers.exchange(sends, f"{what}'s ids")]
         if error is not None:
             raise error
         for q, g in enumerate(got):
             if g["error"] is not None:
                 raise ValueError(f"process {q} refused this batch: {g['error']}")
-        all_parts = {n: [] for n in self.tables}
-        all_outs = {n: [] for n in self.tables}
-        for g in got:
-            for n, ps in zip(self.tables, g["parts"], strict=True):
-                all_parts[n] += ps
-                all_outs[n] += outs[n] if g is mine else [np.empty_like(p) for p in ps]
-        return all_parts, all_outs
+        received = {name: [g["ids"][i] for g in got] for i, name in enumerate(self.tables)}
+        threads = self._threads_for(sum(len(r) for rs in received.values() for r in rs))
+        try:  # the plans change scratch marks only
+            plans = self._each(lambda name: owned.plan_shards(self.tables[name],
+                                                              received[name]), threads)  # fmt: skip
+            refusal = None
+        except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
+            plans, refusal = None, e
+        said = self._peers.allgather(pickle.dumps(None if refusal is None else str(refusal)),
+                                     f"{what}'s plans")  # fmt: skip
+        if refusal is not None:
+            raise refusal
+        for q, r in enumerate(pickle.loads(b) for b in said):
+            if r is not None:
+                raise CacheTooSmallError(f"process {q} refused this batch: {r}")
 
-    def _each(self, fn, threads: int) -> list:
-        """``fn(name)`` for each cached table, in order; on ``threads`` threads when
-        more than one (the C++ passes release the GIL). Every call ends before the
-        first error (in table order) is raised."""
+        def commit(i):
+            t = self.tables[list(self.tables)[i]]
+            return t.key, self._commit(t, *plans[i]), owned.slots_of(t, received[t.name])
+
+        try:
+            done = self._each(commit, threads, keys=range(len(self.tables)))
+            failure = None
+        except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
+            done, failure = None, e
+        back = [pickle.dumps(str(failure) if failure else [x[2][q] for x in done], 5)
+                for q in range(n)]  # fmt: skip
+        got = [pickle.loads(b) for b in self._peers.exchange(back, f"{what}'s slots")]
+        if failure is not None:
+            raise failure
+        for q, g in enumerate(got):
+            if isinstance(g, str):
+                raise RuntimeError(
+                    f"process {q} failed while assigning slots to {what} ({g}): the processes' "
+                    "caches are no longer in step; restart the job from a checkpoint"
+                )
+        for i, (name, t) in enumerate(self.tables.items()):
+            ids, sent = routes[name]
+            owned.place(t, ids, sent, [g[i] for g in got], outs[name])
+        return {key: move for key, move, _ in done}
+
+    def _each(self, fn, threads: int, keys=None) -> list:
+        """``fn(name)`` for each cached table (or each of ``keys``), in order; on
+        ``threads`` threads when more than one (the C++ passes release the GIL). Every
+        call ends before the first error (in table order) is raised."""
+        keys = list(self.tables) if keys is None else list(keys)
         if threads == 1:
-            return [fn(name) for name in self.tables]
-        futures = [_pool(threads).submit(fn, name) for name in self.tables]
+            return [fn(k) for k in keys]
+        futures = [_pool(threads).submit(fn, k) for k in keys]
         wait(futures)
         return [f.result() for f in futures]
 
@@ -291,8 +338,11 @@ class RowCache:
     def _commit(self, t: CachedTable, n_ids: int, plans):
         st = self.stats[t.name]
         st.ids += n_ids
-        fills, evicts = [], []
+        none = np.zeros(0, np.int64)
+        fills, evicts = [(none, none)], [(none, none)]  # (a process may own no shard of t)
         for s, (m, plan) in enumerate(zip(t.maps, plans, strict=True)):
+            if m is None:  # another process's shard
+                continue
             a = m.assign(plan)
             base_slot, base_row = s * t.slots, s * t.shard_rows
             fills.append((a.fill_slots + base_slot, a.fill_rows + base_row))
@@ -396,8 +446,10 @@ class RowCache:
         self.write_back()
         moves = {}
         for t in self.tables.values():
-            slots, rows = [], []
+            slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
             for s, m in enumerate(t.maps):
+                if m is None:  # another process's shard
+                    continue
                 sl, r = m.cached()
                 slots.append(sl + s * t.slots)
                 rows.append(r + s * t.shard_rows)
@@ -418,7 +470,8 @@ class RowCache:
         self._prepared = self._loaded = 0
         for t in self.tables.values():
             for m in t.maps:
-                m.clear()
+                if m is not None:
+                    m.clear()
 
     def host_fields(self) -> dict[str, dict[str, np.ndarray]]:
         """``{checkpoint key: HostRows}``: what a checkpoint saves for the cached tables,

@@ -14,7 +14,8 @@ process trains, side by side on the same batches (each passing its own devices' 
 and checks: the losses equal the reference's at every step; after a flush, each
 process's host rows equal the reference's tables at those rows; a host field replaced
 on process 1 refuses the next batch on both processes, after which training goes on
-exactly; a checkpoint saved from the cache (each process writing its own host rows)
+exactly, as it does after a batch whose ids from process 0 overfill a shard that process
+1 owns (both refuse it); a checkpoint saved from the cache (each process writing its own host rows)
 restores into the all-device model as the reference's tables, and into the pipelined
 cached model, which then trains on as the reference does. Prints one JSON line;
 exits 1 on a mismatch.
@@ -33,6 +34,8 @@ jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np  # noqa: E402
 from cache_cases import (  # noqa: E402
     CACHED,
+    KEYS,
+    MAX_LEN,
     build,
     configs,
     fused,
@@ -43,6 +46,7 @@ from cache_cases import (  # noqa: E402
 )
 from jax.experimental import multihost_utils  # noqa: E402
 
+import jaxrec as jr  # noqa: E402
 from jaxrec import cache as jc  # noqa: E402
 from jaxrec import checkpoint as ckpt  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402
@@ -52,6 +56,18 @@ WORLD, LOCAL = 4, 2
 STEPS = 8
 GLOO_UNAVAILABLE = 77
 GENS = {"big": d.row_wise(), "mean": d.table_wise(2), "small": d.table_wise(0)}
+
+
+def crowded(device: int, n: int = 3):
+    """A local batch whose ``a`` and ``b`` ids are 2 * n * MAX_LEN distinct rows of big's
+    last row shard (rows 150..199; 36 over two devices, the shard has 30 slots)."""
+    first = 150 + 2 * n * MAX_LEN * device
+    values = list(range(first, first + 2 * n * MAX_LEN))
+    values += [0] * (n * MAX_LEN) + [0] * (n * MAX_LEN)  # m, s
+    kjt = jr.KeyedJaggedTensor.from_lengths_sync(
+        KEYS, values, [MAX_LEN] * (len(KEYS) * n), capacities={k: MAX_LEN * n for k in KEYS}
+    )
+    return kjt, np.zeros(n, np.float32)
 
 
 def tables(graphdef, state) -> dict[str, np.ndarray]:
@@ -125,6 +141,12 @@ def main(process_id: int, port: int, directory: str) -> int:
     except ValueError as e:
         refused.append(str(e)[:200])
     cache_a.tables["big"].host.fields["weight"] = held
+    # process 0's ids crowd big's last shard (owned by process 1): both refuse the batch
+    try:
+        cache_a.prepare([crowded(i) if process_id == 0 else local_batch(rng, 3)
+                         for i in range(LOCAL)])  # fmt: skip
+    except ValueError as e:
+        refused.append(str(e)[:200])
     state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
     ref.append(float(loss))
     p = cache_a.prepare([local[i] for i in mine])
@@ -160,14 +182,17 @@ def main(process_id: int, port: int, directory: str) -> int:
     s_b, loss_b, _ = step_b(s_b, p._replace(batch=d.shard_batch(p.batch, mesh)))
     after_restore = [float(loss), float(loss_b)]
     mgr.close()
+    # each process plans (and counts) only the shards it owns
     stats = {t: [cache_a.stats[t].misses, cache_a.stats[t].evictions] for t in CACHED}
+    owns = {t: [m is not None for m in cache_a.tables[t].maps] for t in CACHED}
     ok = (got_a == ref and got_b == ref[:STEPS] and all(v == 0 for v in diffs.values())
-          and len(refused) == 1 and after_restore[0] == after_restore[1]
-          and all(m > 0 and e > 0 for m, e in stats.values()))  # fmt: skip
+          and len(refused) == 2 and after_restore[0] == after_restore[1]
+          and all((m > 0 and e > 0) == any(owns[t]) for t, (m, e) in stats.items()))  # fmt: skip
     rows = {t: list(cache_a.tables[t].host.rows) for t in CACHED}
     report = {"process": process_id, "ok": ok, "losses": ref, "prepared": got_a,
               "pipelined": got_b, "max_abs_diff": diffs, "refused": refused,
-              "after_restore": after_restore, "stats": stats, "rows": rows}  # fmt: skip
+              "after_restore": after_restore, "stats": stats, "rows": rows,
+              "owns": owns}  # fmt: skip
     print(json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("done")
     return 0 if ok else 1
