@@ -172,12 +172,14 @@ class RowCache:
         self._held: Prepared | None = None  # a batch whose load failed before it moved rows
         self._pending: tuple[Pending, int] | None = None
         self._unsaved: list = []  # (serial, {key: evicted rows}) not yet back on the host
-        # per table, how many unsaved batches evict each row (a uint8 per row: O(fills)
-        # to find a fill whose value is not back yet); the in-place path has none
+        # per table, how many unsaved batches evict each of this process's host rows (a
+        # uint8 per row: O(fills) to find a fill whose value is not back yet); the
+        # in-place path has none
         self._inflight = {}
+        self._offsets = offsets  # the first logical row each host table holds here
         if not self._mover.inplace:
             for t in self.tables.values():
-                self._inflight[t.key] = np.zeros(t.host.config.num_embeddings, np.uint8)
+                self._inflight[t.key] = np.zeros(t.host.rows[1] - t.host.rows[0], np.uint8)
         self._threads = max(1, min(len(self.tables), threads or os.cpu_count() or 1))
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
@@ -224,7 +226,7 @@ class RowCache:
             else:
                 staged = self._mover.stage(moves, self._host, self._late(moves))
                 with self._unsaved_lock:
-                    evicted = {k: m[3] for k, m in moves.items()}
+                    evicted = {k: m[3] - self._offsets[k] for k, m in moves.items()}
                     for k, rows in evicted.items():
                         self._inflight[k][rows] += 1  # distinct rows: one add each
                     self._unsaved.append((self._prepared, evicted))
@@ -330,7 +332,8 @@ class RowCache:
         with self._unsaved_lock:
             if not self._unsaved:
                 return None
-            out = {key: self._inflight[key][m[1]] > 0 for key, m in moves.items()}
+            out = {key: self._inflight[key][m[1] - self._offsets[key]] > 0
+                   for key, m in moves.items()}  # fmt: skip
         for name, t in self.tables.items():
             self.stats[name].late += int(out[t.key].sum())
         return out
