@@ -29,6 +29,9 @@ class Peers:
         self.n, self.me = jax.process_count(), jax.process_index()
         self.timeout_s = timeout_s
         self.conns: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._failed: str | None = None  # a failed exchange leaves the streams mid-message
+        self._pool: ThreadPoolExecutor | None = None
         if self.n == 1:
             return
         client = distributed.global_state.client
@@ -53,8 +56,6 @@ class Peers:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # a thread per connection and direction: no process waits on another's order
         self._pool = ThreadPoolExecutor(2 * (self.n - 1), thread_name_prefix="jaxrec-peers")
-        self._lock = threading.Lock()
-        self._failed: str | None = None  # a failed exchange leaves the streams mid-message
 
     def allgather(self, payload: bytes, what: str) -> list[bytes]:
         """Every process's ``payload``, in process order (each must call it in turn)."""
@@ -97,6 +98,16 @@ class Peers:
                     c.close()
                 raise
         return out
+
+    def close(self) -> None:
+        """Closes the connections (the peers see it at once) and stops the threads; every
+        later call raises."""
+        with self._lock:
+            self._failed = self._failed or "closed by this process"
+            for c in self.conns.values():
+                c.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
 
 def _message(conn: socket.socket) -> bytes:

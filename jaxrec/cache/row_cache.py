@@ -162,6 +162,7 @@ class RowCache:
         self._mover = Mover(layout.buffers, self._host, names, offsets)
         self._tag = f"jaxrec-cache-{next(_CACHES)}"  # the same on every process (same order)
         self._peers: exchange.Peers | None = None
+        self._closed = False
         self._timeout_s = timeout_s
         # what each host field must stay (moves address it): filled in place, not replaced
         self._host_shapes = {
@@ -261,6 +262,8 @@ class RowCache:
         """Several processes: each plans the shards it owns on every process's ids of
         them, in three exchanges (see ``owned.py``); a batch any process refuses is
         refused on all of them before any map changes."""
+        if self._closed:
+            raise RuntimeError("this RowCache was closed: make a new one on every process")
         if self._peers is None:  # connected at the first batch, by every process
             self._peers = exchange.Peers(self._tag, self._timeout_s)
         n, what = jax.process_count(), f"batch {self._prepared + 1}"
@@ -514,6 +517,14 @@ class RowCache:
         if step:
             self.clear()
         return state, step
+
+    def close(self) -> None:
+        """Closes the connections to the other processes (several processes; the
+        threads' and sockets' end). Every process closes its cache at the job's end;
+        a later ``prepare`` raises."""
+        self._closed = True
+        if self._peers is not None:
+            self._peers.close()
 
     def reset_stats(self) -> None:
         self.stats = {name: CacheStats() for name in self.tables}

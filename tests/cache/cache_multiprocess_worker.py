@@ -182,11 +182,18 @@ def main(process_id: int, port: int, directory: str) -> int:
     s_b, loss_b, _ = step_b(s_b, p._replace(batch=d.shard_batch(p.batch, mesh)))
     after_restore = [float(loss), float(loss_b)]
     mgr.close()
+    for c in (cache_a, cache_b):  # the job's end: connections closed, prepare refused
+        c.close()
+    closed = False
+    try:
+        cache_a.prepare([local[i] for i in mine])
+    except RuntimeError as e:
+        closed = "was closed" in str(e)
     # each process plans (and counts) only the shards it owns
     stats = {t: [cache_a.stats[t].misses, cache_a.stats[t].evictions] for t in CACHED}
     owns = {t: [m is not None for m in cache_a.tables[t].maps] for t in CACHED}
     ok = (got_a == ref and got_b == ref[:STEPS] and all(v == 0 for v in diffs.values())
-          and len(refused) == 2 and after_restore[0] == after_restore[1]
+          and len(refused) == 2 and closed and after_restore[0] == after_restore[1]
           and all((m > 0 and e > 0) == any(owns[t]) for t, (m, e) in stats.items()))  # fmt: skip
     rows = {t: list(cache_a.tables[t].host.rows) for t in CACHED}
     report = {"process": process_id, "ok": ok, "losses": ref, "prepared": got_a,

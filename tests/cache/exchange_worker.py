@@ -3,7 +3,8 @@
 
 ``gather``: three allgathers (empty, small, 5 MB payloads, each process's own bytes)
 must return every process's payload in process order, and an exchange of bytes that
-differ by receiver each process's bytes for this one. ``stop``: process 1 exits once
+differ by receiver each process's bytes for this one; once closed, the threads end and a
+call is refused. ``stop``: process 1 exits once
 connected; process 0's allgather must fail with a message naming it, well before the
 test's deadline, and a second one must be refused. Prints one JSON line."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -27,6 +29,15 @@ def payload(process: int, size: int) -> bytes:
     return np.random.default_rng([process, size]).integers(0, 255, size, np.uint8).tobytes()
 
 
+def threads_end(prefix: str, within_s: float = 5.0) -> bool:
+    t0 = time.monotonic()
+    while any(t.name.startswith(prefix) for t in threading.enumerate()):
+        if time.monotonic() - t0 > within_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def main(process_id: int, port: int, mode: str) -> int:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     peers = exchange.Peers("test", timeout_s=20)
@@ -38,6 +49,13 @@ def main(process_id: int, port: int, mode: str) -> int:
         # each process its own bytes: q sends j the payload of (q, 10 + j) bytes
         got = peers.exchange([payload(process_id, 10 + j) for j in range(2)], "to each")
         ok &= got == [payload(q, 10 + process_id) for q in range(2)]
+        peers.close()  # its threads end; a later call is refused
+        try:
+            peers.allgather(b"ids", "after close")
+            ok = False
+        except RuntimeError as e:
+            ok &= "closed by this process" in str(e)
+        ok &= threads_end("jaxrec-peers")
         print(json.dumps({"process": process_id, "ok": ok}), flush=True)
         return 0 if ok else 1
     if process_id == 1:  # stops without sending
