@@ -17,6 +17,7 @@ else in numpy; both give the same slots.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -126,7 +127,7 @@ class SlotMap:
             raise CacheTooSmallError(
                 f"{where}: the batch looks up {n} distinct rows but the cache has "
                 f"{self.slots} slots; raise CacheParams.load_factor to at least "
-                f"{n / max(self.rows, 1):.3g} (better 2x that) or use smaller batches"
+                f"{_up(n / max(self.rows, 1))} (better 2x that) or use smaller batches"
             )
         return Plan(fill_rows, hits, self.epoch, scanned)
 
@@ -222,3 +223,11 @@ class SlotMap:
         self.marks.fill(0)
         self._orders_stale()
         self.used = 0
+
+
+def _up(x: float) -> str:
+    """``x`` to 3 significant digits, rounded up (a bound to reach, not to miss)."""
+    if x <= 0:
+        return "0"
+    step = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return f"{math.ceil(x / step - 1e-9) * step:.3g}"

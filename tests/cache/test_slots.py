@@ -210,3 +210,10 @@ def test_cache_slots_is_the_exact_ceiling():
                 1, exact
             )
             assert planner_slots(rows, float(lf)) == max(1, exact)
+
+
+def test_too_small_names_a_load_factor_that_fits():
+    # 502 of 5000 rows need 0.1004 of them: "0.1" would still be too small
+    m = SlotMap(5000, 500, jc.CacheAlgorithm.LRU)
+    with pytest.raises(jc.CacheTooSmallError, match=r"502 distinct rows.*at least 0\.101 "):
+        m.plan([np.arange(502, dtype=np.int32)], "t")
