@@ -24,6 +24,7 @@ def test_two_processes_each_plan_half_the_shards():
     assert one[0]["shards_planned"] == 16 and [r["shards_planned"] for r in two] == [8, 8]
     # the same global batches: the owners' misses add up to the one process's
     assert sum(r["planned_misses_per_step"] for r in two) == pytest.approx(
-        one[0]["planned_misses_per_step"], abs=2)
+        one[0]["planned_misses_per_step"], abs=2
+    )
     for r in lines:
         assert r["cpu"] and r["prepare_ms"] > 0 and r["prepare_cpu_ms"] > 0
