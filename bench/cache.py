@@ -17,6 +17,8 @@ that bound a miss: host gather (numpy), host -> device and device -> host.
     python bench/cache.py --policy-rows 20000000   # + LRU / LFU steady-state hit rates
     python bench/cache.py --policy-rows 1000000000 --policy-only --policy-algorithms lru
     python bench/cache.py --alphas 1.05 --load-factors 0.1 --warmup 1000 --algorithm lfu
+    python bench/cache.py --rows 10000000 --alphas 1.05 --load-factors 0.1 --warmup 1000 \
+        --algorithm lfu                            # 10 GB tables, one model at a time
     python bench/cache.py --preset gpu             # on a GPU machine
     python bench/cache.py --preset gpu --staged --alphas 1.05  # its host side, on the CPU
 """
@@ -60,6 +62,8 @@ class Config:
     alphas: tuple[float | None, ...] = (None, 0.8, 1.05, 1.2)  # None: uniform
     algorithm: str = "lru"
 
+
+LARGE_BYTES = 4 << 30
 
 PRESETS = {
     "tiny": Config(T=2, E=20_000, D=16, B=128, L=5, warmup=3, reps=3, load_factors=(0.1, 1.0),
@@ -158,10 +162,11 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
     g2, s2 = train.init_train_state(
         Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
     )
-    hosts = {
+    hosts = {  # (no weights: large tables, drawn here rather than copied)
         t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name), weights[t.name])
+        if weights is not None else jc.HostTable.create(t, opt.for_table(t.name))
         for t in configs(cfg)
-    }
+    }  # fmt: skip
     cache = jc.RowCache(g2, opt, s2, hosts, params)
     step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
     box = {"s": s2, "i": 0}
@@ -232,6 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--rows", type=int, default=None, help="rows per table (default: preset)")
+    p.add_argument("--tables", type=int, default=None, help="tables (default: preset)")
     p.add_argument(
         "--warmup",
         type=int,
@@ -307,6 +314,10 @@ def main(argv=None) -> int:
     cfg = PRESETS[a.preset]
     if a.reps:
         cfg = dataclasses.replace(cfg, reps=a.reps)
+    if a.rows:
+        cfg = dataclasses.replace(cfg, E=a.rows)
+    if a.tables:
+        cfg = dataclasses.replace(cfg, T=a.tables)
     if a.warmup is not None:
         cfg = dataclasses.replace(cfg, warmup=a.warmup)
     if a.algorithm:
@@ -338,14 +349,26 @@ def main(argv=None) -> int:
         return 0
     opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
     graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
-    state0 = jax.tree.map(jnp.copy, state)
-    logical = ckpt.logical_state(graphdef, opt, state0).tables
-    weights = {t.name: logical[f"ebc.embedding_bags.{t.name}"]["weight"] for t in configs(cfg)}
-    del logical
+    # Large tables (over LARGE_BYTES of weights): one copy of them at a time. The
+    # all-device model trains on its only state and is freed before the cached one,
+    # whose host tables are drawn afresh (other values: the times do not depend on them).
+    large = cfg.T * cfg.E * cfg.D * 4 > LARGE_BYTES
+    if large and len(cfg.alphas) != 1:
+        raise SystemExit(f"tables over {LARGE_BYTES >> 30} GiB: one --alphas at a time")
+    state0 = state if large else jax.tree.map(jnp.copy, state)
+    weights = None
+    if not large:
+        logical = ckpt.logical_state(graphdef, opt, state0).tables
+        weights = {t.name: logical[f"ebc.embedding_bags.{t.name}"]["weight"]
+                   for t in configs(cfg)}  # fmt: skip
+        del logical
+    del state
     full = train.make_train_step(graphdef, opt, loss_fn)
     for alpha in cfg.alphas:
         data = batches(cfg, alpha, 2 * cfg.reps + 3)
-        box = {"s": jax.tree.map(jnp.copy, state0), "i": 0}
+        box = {"s": state0 if large else jax.tree.map(jnp.copy, state0), "i": 0}
+        if large:
+            del state0
 
         def one(box=box, data=data):
             box["s"], loss, _ = full(box["s"], data[box["i"] % len(data)])
@@ -354,7 +377,7 @@ def main(argv=None) -> int:
 
         device_ms = statistics.median(time_ms(one, cfg.reps, 3))
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
-        del box
+        del box, one
         for lf in cfg.load_factors:
             r = run_case(cfg, opt, weights, data, alpha, lf)
             r.update(
