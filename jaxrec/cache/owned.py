@@ -25,18 +25,24 @@ from .ids import CachedTable
 from .mover import columns, lanes
 
 
-def shard_owners(weights, key: str, slots: int, n_shards: int) -> np.ndarray:
-    """The process whose devices hold each row shard's slots (a shard on devices of two
-    processes was refused before, by ``_held_rows``)."""
-    owner = np.full(n_shards, -1, np.int64)
+def shard_lanes(weights, key: str, slots: int):
+    """``(lane, first shard, end shard)`` for each device lane holding slots of row
+    shards ``[first, end)`` of table ``key`` (``weights``: its weight buffers)."""
     for b in weights:
         where = lanes(b.array.sharding, b.array.shape)[0]
         for c in columns(b.blocks, key):
             for r, start, size in zip(c.rows, c.starts, c.sizes, strict=True):
                 for x in where:
                     if x.lo < start + size and start < x.hi:
-                        first, end = int(r) // slots, -(-int(r + size) // slots)
-                        owner[first:end] = x.device.process_index
+                        yield x, int(r) // slots, -(-int(r + size) // slots)
+
+
+def shard_owners(weights, key: str, slots: int, n_shards: int) -> np.ndarray:
+    """The process whose devices hold each row shard's slots (a shard on devices of two
+    processes was refused before, by ``_held_rows``)."""
+    owner = np.full(n_shards, -1, np.int64)
+    for lane, first, end in shard_lanes(weights, key, slots):
+        owner[first:end] = lane.device.process_index
     if (owner < 0).any():
         raise ValueError(f"table {key!r}: row shards {np.flatnonzero(owner < 0).tolist()} have "
                          "no slots on any device")  # fmt: skip
@@ -69,15 +75,16 @@ def plan_shards(t: CachedTable, received: list[np.ndarray]) -> tuple[int, list]:
     """``(ids, a Plan per owned shard, None for the others)`` for every process's ids of
     this process's shards of ``t`` (``received``, in process order)."""
     n_ids = sum(len(r) for r in received)
-    mine = sum(int(sel.sum()) for r in received for _, _, sel, _ in _shards(t, r))
+    by_shard: dict[int, list] = {}
+    mine = 0
+    for r in received:
+        for s, _, _, local in _shards(t, r):
+            by_shard.setdefault(s, []).append(local)
+            mine += len(local)
     if mine != n_ids:  # the processes' routes differ: their meshes or plans do
         raise ValueError(f"cached table {t.name!r}: another process sent ids of shards this "
                          "one does not own; every process must build the same model and "
                          "plan")  # fmt: skip
-    by_shard: dict[int, list] = {}
-    for r in received:
-        for s, _, _, local in _shards(t, r):
-            by_shard.setdefault(s, []).append(local)
     plans: list = [None] * len(t.maps)
     for s, m in enumerate(t.maps):
         if m is not None:

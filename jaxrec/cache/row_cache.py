@@ -39,7 +39,7 @@ from ..train.step import TrainState, merge_model
 from . import exchange, owned
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
-from .mover import Mover, Pending, Staged, columns, lanes
+from .mover import Mover, Pending, Staged, columns
 from .slots import CacheTooSmallError, SlotMap
 
 
@@ -594,14 +594,8 @@ def _held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tup
     """The logical rows whose slots lie on this process's devices: ``(lo, hi)``. A row
     shard must lie in one process: its host rows are written back from one."""
     shards, elsewhere = set(), set()
-    for b in weights:
-        where = lanes(b.array.sharding, b.array.shape)[0]
-        for c in columns(b.blocks, key):
-            for r, start, size in zip(c.rows, c.starts, c.sizes, strict=True):
-                for x in where:
-                    if x.lo < start + size and start < x.hi:
-                        got = shards if x.local else elsewhere
-                        got.update(range(int(r) // slots, -(-int(r + size) // slots)))
+    for lane, first, end in owned.shard_lanes(weights, key, slots):
+        (shards if lane.local else elsewhere).update(range(first, end))
     if shards & elsewhere:
         raise ValueError(
             f"table {key!r}: row shards {sorted(shards & elsewhere)} have slots on devices of "

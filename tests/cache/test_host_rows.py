@@ -9,18 +9,18 @@ from cache_cases import CACHED, build, configs, logical_plan, optimizer
 from jaxrec import cache as jc
 from jaxrec import distributed as d
 from jaxrec import optim
-from jaxrec.cache import row_cache
+from jaxrec.cache import owned
 
 
 def _as_process(monkeypatch, mine):
     """This process's devices: ``mine`` (device ids); the others act as another's."""
-    real = row_cache.lanes
+    real = owned.lanes
 
     def lanes(sharding, shape):
         got, chunk, spec = real(sharding, shape)
         return [x._replace(local=x.device.id in mine) for x in got], chunk, spec
 
-    monkeypatch.setattr(row_cache, "lanes", lanes)
+    monkeypatch.setattr(owned, "lanes", lanes)  # where the shards' lanes are read
 
 
 def _state(gens):
