@@ -285,13 +285,14 @@ class RowCache:
             refusal = None
         except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
             plans, refusal = None, e
-        said = self._peers.allgather(pickle.dumps(None if refusal is None else str(refusal)),
-                                     f"{what}'s plans")  # fmt: skip
+        mine = None if refusal is None else (isinstance(refusal, CacheTooSmallError), str(refusal))
+        said = self._peers.allgather(pickle.dumps(mine), f"{what}'s plans")
         if refusal is not None:
             raise refusal
         for q, r in enumerate(pickle.loads(b) for b in said):
-            if r is not None:
-                raise CacheTooSmallError(f"process {q} refused this batch: {r}")
+            if r is not None:  # the same type here: callers may catch a too-small cache
+                kind = CacheTooSmallError if r[0] else ValueError
+                raise kind(f"process {q} refused this batch: {r[1]}")
 
         def commit(i):
             t = self.tables[list(self.tables)[i]]

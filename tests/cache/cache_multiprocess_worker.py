@@ -141,11 +141,12 @@ def main(process_id: int, port: int, directory: str) -> int:
     except ValueError as e:
         refused.append(str(e)[:200])
     cache_a.tables["big"].host.fields["weight"] = held
-    # process 0's ids crowd big's last shard (owned by process 1): both refuse the batch
+    # process 0's ids crowd big's last shard (owned by process 1): both refuse the batch,
+    # as a too-small cache on both (callers may catch it to shrink their batches)
     try:
         cache_a.prepare([crowded(i) if process_id == 0 else local_batch(rng, 3)
                          for i in range(LOCAL)])  # fmt: skip
-    except ValueError as e:
+    except jc.CacheTooSmallError as e:
         refused.append(str(e)[:200])
     state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
     ref.append(float(loss))
