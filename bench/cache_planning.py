@@ -123,9 +123,15 @@ def run(n_proc: int, argv: list[str]) -> int:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE,
                                                       env.get("PYTHONPATH")]))  # fmt: skip
+    # each worker's own pipe, printed here whole: workers sharing this stdout interleave
+    # their lines when Python writes unbuffered (PYTHONUNBUFFERED: text, then "\n")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{i},{n_proc},{port}",
-                               *argv], env=env) for i in range(n_proc)]  # fmt: skip
-    return max(p.wait(timeout=1800) for p in procs)
+                               *argv], env=env, stdout=subprocess.PIPE, text=True)
+             for i in range(n_proc)]  # fmt: skip
+    for p in procs:
+        sys.stdout.write(p.communicate(timeout=1800)[0])
+    sys.stdout.flush()
+    return max(p.returncode for p in procs)
 
 
 def parse(argv=None) -> argparse.Namespace:
