@@ -346,30 +346,31 @@ bool IdsInRange(const int32_t* ids, int64_t n, int64_t rows, const char* name) {
 }
 
 PyObject* PyCacheScan(PyObject*, PyObject* args) {
-  PyObject *ids, *slot_of_row, *seen, *miss, *out, *marks;
-  long long epoch, n_miss, base;
-  if (!PyArg_ParseTuple(args, "OOOLOLOLO", &ids, &slot_of_row, &seen, &epoch, &miss, &n_miss,
-                        &out, &base, &marks))
+  PyObject *ids, *slot_of_row, *miss, *out, *marks;
+  long long n_miss, base, slots;
+  if (!PyArg_ParseTuple(args, "OOLOLOLO", &ids, &slot_of_row, &slots, &miss, &n_miss, &out, &base,
+                        &marks))
     return nullptr;
   Buffers b;
   if (!b.Get(ids, 4, false, "cache_scan(ids)") || !b.Get(slot_of_row, 4, true, "slot_of_row") ||
-      !b.Get(seen, 8, true, "seen") || !b.Get(miss, 8, true, "miss") ||
-      !b.Get(out, 4, true, "out") || !b.Get(marks, 8, true, "marks"))
+      !b.Get(miss, 8, true, "miss") || !b.Get(out, 4, true, "out") ||
+      !b.Get(marks, 8, true, "marks"))
     return nullptr;
   const int64_t n = b.Len(0);
   if (!IdsInRange(b.At<int32_t>(0), n, b.Len(1), "cache_scan")) return nullptr;
-  if (n_miss < 0 || n_miss + n > b.Len(3))
+  if (n_miss < 0 || n_miss + n > b.Len(2))
     return PyErr_Format(PyExc_ValueError, "cache_scan: miss holds %lld, needs up to %lld",
-                        static_cast<long long>(b.Len(3)), n_miss + static_cast<long long>(n));
-  if (b.Len(4) != 0 && b.Len(4) != n)
+                        static_cast<long long>(b.Len(2)), n_miss + static_cast<long long>(n));
+  if (b.Len(3) != 0 && b.Len(3) != n)
     return PyErr_Format(PyExc_ValueError, "cache_scan: out and ids differ");
-  if (b.Len(5) != (b.Len(2) + 63) / 64)
+  if (slots < 1 || b.Len(4) != (slots + 63) / 64)
     return PyErr_Format(PyExc_ValueError, "cache_scan: marks need a bit per slot");
-  int32_t* o = b.Len(4) ? b.At<int32_t>(4) : nullptr;
+  // (slot_of_row holds slots below `slots` or -1 / -2: SlotMap keeps it so)
+  int32_t* o = b.Len(3) ? b.At<int32_t>(3) : nullptr;
   int64_t m = n_miss, hits;
   Py_BEGIN_ALLOW_THREADS;
-  hits = CacheScan(b.At<int32_t>(0), n, b.At<int32_t>(1), b.At<int64_t>(2), epoch,
-                   b.At<int64_t>(3), &m, o, base, b.At<uint64_t>(5));
+  hits = CacheScan(b.At<int32_t>(0), n, b.At<int32_t>(1), b.At<int64_t>(2), &m, o, base,
+                   b.At<uint64_t>(4));
   Py_END_ALLOW_THREADS;
   return Py_BuildValue("(LL)", static_cast<long long>(hits), static_cast<long long>(m));
 }
@@ -392,34 +393,34 @@ PyObject* PyLfuReset(PyObject*, PyObject* cap) {
 }
 
 PyObject* PyCacheAssign(PyObject*, PyObject* args) {
-  PyObject *fill_rows, *slot_of_row, *row_of_slot, *last_used, *counts, *seen, *fill_slots,
+  PyObject *fill_rows, *slot_of_row, *row_of_slot, *last_used, *counts, *fill_slots,
       *evict_rows, *marks, *log, *pos, *ends, *order;
-  long long epoch, used, clock;
-  if (!PyArg_ParseTuple(args, "OOOOOOLLLOOOOOOO", &fill_rows, &slot_of_row, &row_of_slot,
-                        &last_used, &counts, &seen, &epoch, &used, &clock, &fill_slots,
-                        &evict_rows, &marks, &log, &pos, &ends, &order))
+  long long used, clock;
+  if (!PyArg_ParseTuple(args, "OOOOOLLOOOOOOO", &fill_rows, &slot_of_row, &row_of_slot,
+                        &last_used, &counts, &used, &clock, &fill_slots, &evict_rows, &marks,
+                        &log, &pos, &ends, &order))
     return nullptr;
   Buffers b;
   if (!b.Get(fill_rows, 8, false, "cache_assign(fill_rows)") ||
       !b.Get(slot_of_row, 4, true, "slot_of_row") || !b.Get(row_of_slot, 8, true, "row_of_slot") ||
       !b.Get(last_used, 8, true, "last_used") || !b.Get(counts, 4, false, "counts") ||
-      !b.Get(seen, 8, true, "seen") || !b.Get(fill_slots, 8, true, "fill_slots") ||
+      !b.Get(fill_slots, 8, true, "fill_slots") ||
       !b.Get(evict_rows, 8, true, "evict_rows") || !b.Get(marks, 8, true, "marks") ||
       !b.Get(log, 4, true, "log") || !b.Get(pos, 8, true, "pos") || !b.Get(ends, 8, true, "ends"))
     return nullptr;
   const int64_t m = b.Len(0), rows = b.Len(1), slots = b.Len(2);
   const int64_t k = m - std::min<int64_t>(m, slots - used);
-  if (used < 0 || used > slots || b.Len(3) != slots || b.Len(5) != slots || b.Len(6) != m ||
-      b.Len(7) != k || (b.Len(4) != 0 && b.Len(4) != rows) || b.Len(8) != (slots + 63) / 64)
+  if (used < 0 || used > slots || b.Len(3) != slots || b.Len(5) != m || b.Len(6) != k ||
+      (b.Len(4) != 0 && b.Len(4) != rows) || b.Len(7) != (slots + 63) / 64)
     return PyErr_Format(PyExc_ValueError, "cache_assign: inconsistent sizes");
   LfuOrder* lfu = nullptr;
-  LruLog q{b.At<int32_t>(9), b.Len(9), b.At<int64_t>(10), b.At<int64_t>(11)};
+  LruLog q{b.At<int32_t>(8), b.Len(8), b.At<int64_t>(9), b.At<int64_t>(10)};
   if (b.Len(4)) {  // LFU: its order
     lfu = static_cast<LfuOrder*>(PyCapsule_GetPointer(order, kLfuName));
     if (!lfu) return nullptr;
   } else {
     const int64_t head = q.ends[0], tail = q.ends[1];
-    if (q.cap < 2 * slots || b.Len(10) != slots || b.Len(11) != 2 ||
+    if (q.cap < 2 * slots || b.Len(9) != slots || b.Len(10) != 2 ||
         (tail >= 0 && (head < 0 || head > tail || tail > q.cap)))
       return PyErr_Format(PyExc_ValueError, "cache_assign: a bad LRU log (2 * slots entries, a "
                           "position per slot, 0 <= head <= tail <= entries)");
@@ -434,8 +435,8 @@ PyObject* PyCacheAssign(PyObject*, PyObject* args) {
   int64_t new_used;
   Py_BEGIN_ALLOW_THREADS;
   new_used = CacheAssign(fr, m, b.At<int32_t>(1), b.At<int64_t>(2), slots, b.At<int64_t>(3), cnt,
-                         b.At<int64_t>(5), epoch, used, clock, b.At<uint64_t>(8),
-                         lfu ? nullptr : &q, lfu, b.At<int64_t>(6), b.At<int64_t>(7));
+                         used, clock, b.At<uint64_t>(7), lfu ? nullptr : &q, lfu,
+                         b.At<int64_t>(5), b.At<int64_t>(6));
   Py_END_ALLOW_THREADS;
   if (new_used < 0)
     return PyErr_Format(PyExc_ValueError, "cache_assign: fewer than %lld slots to evict",
@@ -518,16 +519,16 @@ PyMethodDef kMethods[] = {
      "gather_pool_rows(table, ids, per, out, threads, ahead) -> seconds: out[g] = the sum of "
      "rows ids[g * per : (g + 1) * per] of a float32 [R, D] table (a ceiling)."},
     {"cache_scan", PyCacheScan, METH_VARARGS,
-     "cache_scan(ids, slot_of_row, seen, epoch, miss, n_miss, out, base, marks) -> (hits, "
-     "n_miss): jaxrec.cache's plan pass (int32 ids and map, int64 seen and miss; out: hits' "
-     "base + slot, -1 for misses, or empty; marks: uint64, a bit per slot, set for hits)."},
+     "cache_scan(ids, slot_of_row, slots, miss, n_miss, out, base, marks) -> (hits, n_miss): "
+     "jaxrec.cache's plan pass (int32 ids and map, int64 miss; out: hits' base + slot, -1 for "
+     "misses, or empty; marks: uint64, a bit per slot, set for hits: the batch's record)."},
     {"lfu_order", PyLfuOrder, METH_NOARGS,
      "lfu_order() -> capsule: the C++ LFU order of a slot map (cache_assign's last argument)."},
     {"lfu_reset", PyLfuReset, METH_O,
      "lfu_reset(order): the order is rebuilt from the counts and stamps at the next assign."},
     {"cache_assign", PyCacheAssign, METH_VARARGS,
-     "cache_assign(fill_rows, slot_of_row, row_of_slot, last_used, counts, seen, epoch, used, "
-     "clock, fill_slots, evict_rows, marks, log, pos, ends, order) -> used: slots for a "
+     "cache_assign(fill_rows, slot_of_row, row_of_slot, last_used, counts, used, clock, "
+     "fill_slots, evict_rows, marks, log, pos, ends, order) -> used: slots for a "
      "batch's missed rows (victims first); the batch's (marked) slots stamped; victims from "
      "the LRU log, or with counts the LFU order (lfu_order())."},
     {"cache_fix", PyCacheFix, METH_VARARGS,

@@ -24,14 +24,14 @@ inline void TakeMarks(uint64_t* marks, int64_t words, const F& f) {
   }
 }
 
-// For each id: a cached row's slot is marked seen[slot] = epoch (and in `marks`; distinct
-// hits counted) and, with `out`, out[i] = base + slot (-1 for a miss, set by CacheFix once it
-// has a slot); an uncached row is appended to miss[] once (marked -2 in slot_of_row; the caller
-// resets the marks to -1). Returns the new distinct hits; *n_miss grows. Ids must be in
-// [0, rows).
-inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, int64_t* seen,
-                         int64_t epoch, int64_t* miss, int64_t* n_miss, int32_t* out,
-                         int64_t base, uint64_t* marks) {
+// For each id: a cached row's slot is marked in `marks` (distinct hits counted) and, with
+// `out`, out[i] = base + slot (-1 for a miss, set by CacheFix once it has a slot); an uncached
+// row is appended to miss[] once (marked -2 in slot_of_row; the caller resets the marks to -1).
+// Returns the new distinct hits; *n_miss grows. Ids must be in [0, rows). The marks (a bit per
+// slot, L1-sized) are the batch's record: a per-slot epoch array would add a dependent random
+// load per id.
+inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, int64_t* miss,
+                         int64_t* n_miss, int32_t* out, int64_t base, uint64_t* marks) {
   int64_t hits = 0, m = *n_miss;
   constexpr int64_t kAhead = 16;  // the map is larger than L2: its lines are fetched early
   for (int64_t i = 0; i < n; ++i) {
@@ -40,11 +40,10 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
     const int32_t s = slot_of_row[r];
     if (out) out[i] = s >= 0 ? static_cast<int32_t>(base + s) : -1;
     if (s >= 0) {
-      if (seen[s] != epoch) {
-        seen[s] = epoch;
-        MarkSlot(marks, s);
-        ++hits;
-      }
+      uint64_t& word = marks[s >> 6];
+      const uint64_t bit = uint64_t{1} << (s & 63);
+      hits += !(word & bit);
+      word |= bit;
     } else if (s == -1) {
       slot_of_row[r] = -2;
       miss[m++] = r;
@@ -53,6 +52,8 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
   *n_miss = m;
   return hits;
 }
+
+inline bool Marked(const uint64_t* marks, int64_t s) { return (marks[s >> 6] >> (s & 63)) & 1; }
 
 // The LRU order of a slot map's used slots, so that victims cost O(victims), not O(slots):
 // log[head, tail) holds slots in the order they were last stamped (each batch's ascending), so
@@ -128,8 +129,7 @@ struct LfuOrder {
   // the order), and the limit raised past their counts (up to 2^16 logs) so that the next
   // batches find theirs in the logs.
   void Rebuild(const int64_t* row_of_slot, const uint32_t* counts, const int64_t* last_used,
-               const int64_t* seen, int64_t epoch, int64_t used, int64_t slots, int64_t k,
-               int64_t* victims) {
+               const uint64_t* marks, int64_t used, int64_t slots, int64_t k, int64_t* victims) {
     std::vector<int32_t> order(used);
     for (int64_t s = 0; s < used; ++s) order[s] = static_cast<int32_t>(s);
     std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
@@ -142,7 +142,7 @@ struct LfuOrder {
       int64_t j = 0;
       for (size_t i = 0; i < order.size() && j < k; ++i) {
         const int32_t s = order[i];
-        if (seen[s] == epoch) continue;
+        if (Marked(marks, s)) continue;  // the batch's
         taken[s] = 1;
         victims[j++] = s;
         if (j == k) {
@@ -187,8 +187,8 @@ struct LfuOrder {
 // the last use, then the slot. Each is the first k such live entries of its order (popped).
 // The caller checked that k slots may be evicted; false: LFU's lie past its logs (rebuild
 // it). The numpy twin is SlotMap._victims.
-inline bool CacheVictims(int64_t k, const int64_t* seen, int64_t epoch, int64_t used,
-                         const LruLog* lru, LfuOrder* lfu, int64_t* victims) {
+inline bool CacheVictims(int64_t k, const uint64_t* marks, int64_t used, const LruLog* lru,
+                         LfuOrder* lfu, int64_t* victims) {
   static thread_local std::vector<uint64_t> picked;  // a bitmap: the victims come out sorted
   picked.assign((used + 63) / 64, 0);
   int64_t j = 0;
@@ -200,7 +200,7 @@ inline bool CacheVictims(int64_t k, const int64_t* seen, int64_t epoch, int64_t 
         --lfu->entries;
         if (lfu->seq_of_slot[s] != q) continue;  // dead
         lfu->seq_of_slot[s] = -1;  // a victim, or the batch's (logged again after it)
-        if (seen[s] == epoch) continue;
+        if (Marked(marks, s)) continue;
         MarkSlot(picked.data(), s);
         ++j;
       }
@@ -213,7 +213,7 @@ inline bool CacheVictims(int64_t k, const int64_t* seen, int64_t epoch, int64_t 
     int64_t p = lru->ends[0];
     for (; p < lru->ends[1] && j < k; ++p) {
       const int32_t s = lru->log[p];
-      if (lru->pos[s] != p || seen[s] == epoch) continue;  // dead, or the batch's (re-logged)
+      if (lru->pos[s] != p || Marked(marks, s)) continue;  // dead, or the batch's (re-logged)
       MarkSlot(picked.data(), s);
       ++j;
     }
@@ -228,14 +228,13 @@ inline bool CacheVictims(int64_t k, const int64_t* seen, int64_t epoch, int64_t 
 // Gives the m missed rows fill_rows slots: first the never-used slots [used, slots), then k
 // victims (CacheVictims; LFU: `lfu` with `counts`, else LRU: `lru`). fill_slots[:k] are the
 // victims (ascending), evict_rows their rows. The batch's slots, its hits (marked by
-// CacheScan) and its fills, are marked seen, stamped last_used = clock and logged (LRU now,
-// LFU at the next call); the marks are cleared. Returns the new `used`, or -1
+// CacheScan) and its fills, are stamped last_used = clock and logged (LRU now, LFU at the
+// next call); the marks are cleared. Returns the new `used`, or -1
 // (nothing changed) when fewer than k slots may be evicted. The numpy twin is
 // SlotMap._victims / SlotMap.assign.
 inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
                            int64_t* row_of_slot, int64_t slots, int64_t* last_used,
-                           const uint32_t* counts, int64_t* seen, int64_t epoch, int64_t used,
-                           int64_t clock, uint64_t* marks, const LruLog* lru, LfuOrder* lfu,
+                           const uint32_t* counts, int64_t used, int64_t clock, uint64_t* marks, const LruLog* lru, LfuOrder* lfu,
                            int64_t* fill_slots, int64_t* evict_rows) {
   const int64_t fresh = std::min(m, slots - used), k = m - fresh;
   const int64_t words = (slots + 63) / 64;
@@ -244,11 +243,23 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
   if (used - hits < k) return -1;  // nothing changed
   if (lfu) {
     if (!lfu->valid || static_cast<int64_t>(lfu->seq_of_slot.size()) != slots) {
-      lfu->Rebuild(row_of_slot, counts, last_used, seen, epoch, used, slots, 0, nullptr);
+      lfu->Rebuild(row_of_slot, counts, last_used, marks, used, slots, 0, nullptr);
     }
-    const auto& pend = lfu->pending;  // their counts are final now
-    for (size_t i = 0; i < pend.size(); ++i) {
-      if (i + 16 < pend.size()) __builtin_prefetch(counts + row_of_slot[pend[i + 16]], 0, 1);
+    // Their counts are final now. Each is a random row of counts, and each count's log tail
+    // a random line: the counts are fetched far ahead, the tails (known once a count is in
+    // cache) nearer.
+    const auto& pend = lfu->pending;
+    const size_t np = pend.size();
+    constexpr size_t kCounts = 48, kTails = 12;
+    for (size_t i = 0; i < np; ++i) {
+      if (i + kCounts < np) __builtin_prefetch(counts + row_of_slot[pend[i + kCounts]], 0, 1);
+      if (i + kTails < np) {
+        const uint32_t c = counts[row_of_slot[pend[i + kTails]]];
+        if (c < lfu->limit) {
+          const auto& e = lfu->logs[c].entries;
+          __builtin_prefetch(e.data() + e.size(), 1, 1);
+        }
+      }
       lfu->Add(pend[i], counts[row_of_slot[pend[i]]]);
     }
     lfu->pending.clear();
@@ -257,8 +268,8 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
     LogRebuild(*lru, last_used, used);
   }
   if (k > 0) {
-    if (!CacheVictims(k, seen, epoch, used, lru, lfu, fill_slots)) {  // past LFU's logs
-      lfu->Rebuild(row_of_slot, counts, last_used, seen, epoch, used, slots, k, fill_slots);
+    if (!CacheVictims(k, marks, used, lru, lfu, fill_slots)) {  // past LFU's logs
+      lfu->Rebuild(row_of_slot, counts, last_used, marks, used, slots, k, fill_slots);
     }
     for (int64_t i = 0; i < k; ++i) evict_rows[i] = row_of_slot[fill_slots[i]];
     for (int64_t i = 0; i < k; ++i) {  // random rows of a map larger than L2: fetched early
@@ -271,7 +282,6 @@ inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of
     if (i + 16 < m) __builtin_prefetch(slot_of_row + fill_rows[i + 16], 1, 1);
     slot_of_row[fill_rows[i]] = static_cast<int32_t>(fill_slots[i]);
     row_of_slot[fill_slots[i]] = fill_rows[i];
-    seen[fill_slots[i]] = epoch;
     MarkSlot(marks, fill_slots[i]);
   }
   if (lfu) {
@@ -309,7 +319,9 @@ inline bool CacheFix(const int32_t* ids, int64_t n, const int32_t* slot_of_row, 
 
 // LFU: counts each id's row (saturating).
 inline void CacheCount(const int32_t* ids, int64_t n, uint32_t* counts) {
+  constexpr int64_t kAhead = 16;  // random rows of counts larger than L2
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(counts + ids[i + kAhead], 1, 1);
     if (counts[ids[i]] != UINT32_MAX) ++counts[ids[i]];
   }
 }

@@ -34,7 +34,8 @@ class CacheTooSmallError(ValueError):
 
 class Plan(NamedTuple):
     """What one batch needs of a shard's cache (see :meth:`SlotMap.plan`); the slots
-    of its cached rows are those with ``SlotMap.seen == epoch``."""
+    of its cached rows are marked in ``SlotMap.marks`` (and, on the numpy path, have
+    ``SlotMap.seen == epoch``)."""
 
     fill_rows: np.ndarray  # [M] int64, distinct rows not cached
     hits: int  # distinct cached rows
@@ -68,8 +69,9 @@ class SlotMap:
         self.row_of_slot = np.full(slots, -1, np.int64)
         self.last_used = np.zeros(slots, np.int64)
         self.counts = np.zeros(rows, np.uint32) if self.algorithm is CacheAlgorithm.LFU else None
-        self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses
-        self.marks = np.zeros((slots + 63) // 64, np.uint64)  # the same as bits, for the C++ pass
+        self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses (numpy)
+        # the same as bits: the C++ passes' only record (L1-sized: no random load per id)
+        self.marks = np.zeros((slots + 63) // 64, np.uint64)
         self._marked = False  # marks set by a plan not assigned
         if self.algorithm is CacheAlgorithm.LRU and NATIVE:  # the C++ pass's order (LruLog)
             self.lru_log = np.zeros(4 * slots, np.int32)
@@ -106,8 +108,8 @@ class SlotMap:
             none = np.zeros(0, np.int32)
             for j, p in enumerate(parts):  # misses are marked -2 in slot_of_row until unmarked
                 out = outs[j] if scanned else none
-                h, n_miss = _native.cache_scan(p, self.slot_of_row, self.seen, self.epoch, miss,
-                                               n_miss, out, 0, self.marks)  # fmt: skip
+                h, n_miss = _native.cache_scan(p, self.slot_of_row, self.slots, miss, n_miss,
+                                               out, 0, self.marks)  # fmt: skip
                 hits += h
             fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
             self.slot_of_row[fill_rows] = -1
@@ -145,8 +147,8 @@ class SlotMap:
             fill_slots, evict_rows = np.empty(len(fill_rows), np.int64), np.empty(k, np.int64)
             counts = self.counts if self.counts is not None else np.zeros(0, np.uint32)
             # (the batch's slots are stamped in the same call)
-            m = (self.slot_of_row, self.row_of_slot, self.last_used, counts, self.seen)
-            m += (self.epoch, self.used, self.clock, fill_slots, evict_rows, self.marks)
+            m = (self.slot_of_row, self.row_of_slot, self.last_used, counts)
+            m += (self.used, self.clock, fill_slots, evict_rows, self.marks)
             m += (self.lru_log, self.lru_pos, self.lru_ends, self.lfu_order)  # victims' orders
             self.used = _native.cache_assign(fill_rows, *m)
             evict_slots = fill_slots[:k]
