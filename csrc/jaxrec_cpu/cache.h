@@ -12,6 +12,7 @@ namespace {
 
 // A bitmap of slots (bit s of word s / 64): a batch's slots, ascending when read back.
 inline void MarkSlot(uint64_t* marks, int64_t s) { marks[s >> 6] |= uint64_t{1} << (s & 63); }
+inline bool Marked(const uint64_t* marks, int64_t s) { return (marks[s >> 6] >> (s & 63)) & 1; }
 
 // f(s) for each marked slot, ascending; the marks are cleared.
 template <typename F>
@@ -40,10 +41,8 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
     const int32_t s = slot_of_row[r];
     if (out) out[i] = s >= 0 ? static_cast<int32_t>(base + s) : -1;
     if (s >= 0) {
-      uint64_t& word = marks[s >> 6];
-      const uint64_t bit = uint64_t{1} << (s & 63);
-      hits += !(word & bit);
-      word |= bit;
+      hits += !Marked(marks, s);
+      MarkSlot(marks, s);
     } else if (s == -1) {
       slot_of_row[r] = -2;
       miss[m++] = r;
@@ -52,8 +51,6 @@ inline int64_t CacheScan(const int32_t* ids, int64_t n, int32_t* slot_of_row, in
   *n_miss = m;
   return hits;
 }
-
-inline bool Marked(const uint64_t* marks, int64_t s) { return (marks[s >> 6] >> (s & 63)) & 1; }
 
 // The LRU order of a slot map's used slots, so that victims cost O(victims), not O(slots):
 // log[head, tail) holds slots in the order they were last stamped (each batch's ascending), so
@@ -234,8 +231,9 @@ inline bool CacheVictims(int64_t k, const uint64_t* marks, int64_t used, const L
 // SlotMap._victims / SlotMap.assign.
 inline int64_t CacheAssign(const int64_t* fill_rows, int64_t m, int32_t* slot_of_row,
                            int64_t* row_of_slot, int64_t slots, int64_t* last_used,
-                           const uint32_t* counts, int64_t used, int64_t clock, uint64_t* marks, const LruLog* lru, LfuOrder* lfu,
-                           int64_t* fill_slots, int64_t* evict_rows) {
+                           const uint32_t* counts, int64_t used, int64_t clock, uint64_t* marks,
+                           const LruLog* lru, LfuOrder* lfu, int64_t* fill_slots,
+                           int64_t* evict_rows) {
   const int64_t fresh = std::min(m, slots - used), k = m - fresh;
   const int64_t words = (slots + 63) / 64;
   int64_t hits = 0;  // the marks are the batch's hits: the other used slots may be evicted
