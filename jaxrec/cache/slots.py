@@ -56,9 +56,10 @@ class Assignment(NamedTuple):
 class SlotMap:
     """The cache state of one shard: ``rows`` table rows, ``slots`` device slots.
 
-    Memory: 4 bytes per row (its slot) + 24 per slot (its row, its last use, a
-    scratch mark); LRU 24 more per slot, LFU ~40 more per slot (the C++ victims'
-    order: they cost O(victims), not O(slots)) and 4 per row (the counts).
+    Memory: 4 bytes per row (its slot) + 16 per slot (its row, its last use) and a
+    bit (the planned batch's mark; the numpy path 8 bytes); LRU 24 more per slot,
+    LFU ~40 more per slot (the C++ victims' order: they cost O(victims), not
+    O(slots)) and 4 per row (the counts).
     """
 
     def __init__(self, rows: int, slots: int, algorithm: CacheAlgorithm, native: bool = NATIVE):
@@ -69,8 +70,10 @@ class SlotMap:
         self.row_of_slot = np.full(slots, -1, np.int64)
         self.last_used = np.zeros(slots, np.int64)
         self.counts = np.zeros(rows, np.uint32) if self.algorithm is CacheAlgorithm.LFU else None
-        self.seen = np.zeros(slots, np.int64)  # == epoch: a slot the planned batch uses (numpy)
-        # the same as bits: the C++ passes' only record (L1-sized: no random load per id)
+        # the planned batch's slots: == epoch on the numpy path (made at its first use, 8
+        # bytes a slot), a bit each for the C++ passes (their only record: L1-sized, no
+        # random load per id)
+        self._seen: np.ndarray | None = None
         self.marks = np.zeros((slots + 63) // 64, np.uint64)
         self._marked = False  # marks set by a plan not assigned
         if self.algorithm is CacheAlgorithm.LRU and NATIVE:  # the C++ pass's order (LruLog)
@@ -86,12 +89,19 @@ class SlotMap:
         self.epoch = 0
         self.native = native and NATIVE
 
+    @property
+    def seen(self) -> np.ndarray:
+        """The numpy path's record of the planned batch's slots (``== epoch``)."""
+        if self._seen is None:  # zeros: no slot holds a current epoch (epochs start at 1)
+            self._seen = np.zeros(self.slots, np.int64)
+        return self._seen
+
     def plan(self, parts: Sequence[np.ndarray], where: str,
              outs: Sequence[np.ndarray] | None = None) -> Plan:  # fmt: skip
         """What a batch's shard-local ids (``parts``, in range, repeats allowed) need.
         Raises ``CacheTooSmallError`` when its distinct rows cannot all be cached at
         once (fully associative: any number up to the slot count can); the slot map is
-        then as it was (only the scratch ``seen`` marks differ).
+        then as it was (only the scratch marks differ).
 
         ``outs`` (int32, one per part; the C++ pass only): receive the hits' slots in
         the same pass, -1 for misses; :meth:`finish` then completes them, in place of
@@ -118,8 +128,9 @@ class SlotMap:
             slots = self.slot_of_row[ids]
             miss = slots < 0
             fill_rows = np.unique(ids[miss]).astype(np.int64)
-            self.seen[slots[~miss]] = self.epoch
-            hit = self.seen == self.epoch
+            seen = self.seen
+            seen[slots[~miss]] = self.epoch
+            hit = seen == self.epoch
             hits = int(np.count_nonzero(hit[: self.used]))
             if self.native:  # the C++ assign stamps the marked slots
                 bits = np.packbits(hit, bitorder="little")
@@ -155,16 +166,17 @@ class SlotMap:
         else:
             fresh_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
             self.used += fresh
-            self.seen[fresh_slots] = self.epoch  # not victims either
+            seen = self.seen
+            seen[fresh_slots] = self.epoch  # not victims either
             evict_slots = self._victims(k)
             evict_rows = self.row_of_slot[evict_slots]
             self.slot_of_row[evict_rows] = -1
             fill_slots = np.concatenate([evict_slots, fresh_slots])  # ascending
             self.slot_of_row[fill_rows] = fill_slots
             self.row_of_slot[fill_slots] = fill_rows
-            self.seen[fill_slots] = self.epoch
+            seen[fill_slots] = self.epoch
             # the batch's slots are those seen now (its hits and fills)
-            self.last_used[self.seen == self.epoch] = self.clock
+            self.last_used[seen == self.epoch] = self.clock
             self.marks.fill(0)
             self._orders_stale()
         self._marked = False
@@ -221,7 +233,8 @@ class SlotMap:
         self.slot_of_row.fill(-1)
         self.row_of_slot.fill(-1)
         self.last_used.fill(0)
-        self.seen.fill(0)
+        if self._seen is not None:
+            self._seen.fill(0)
         self.marks.fill(0)
         self._orders_stale()
         self.used = 0
