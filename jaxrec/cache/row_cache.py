@@ -194,7 +194,7 @@ class RowCache:
         ``Batch`` or a list of per-device batches): slots for the cached tables' rows,
         ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
         shard's cache cannot hold the batch's rows."""
-        with self._lock:
+        with self._lock, _annotate("prepare"):
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             values = [np.asarray(k.values()) for k in kjts]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
@@ -370,10 +370,11 @@ class RowCache:
         nothing: fix the cause and load the same batch again, or go on with the next
         one, whose load then loads the refused batch's rows first (they are the cache's
         now; that batch itself is simply not trained on)."""
-        held = self._held
-        if held is not None and prepared.serial > held.serial:
-            state = self._load(state, held)
-        return self._load(state, prepared)
+        with _annotate("load"):
+            held = self._held
+            if held is not None and prepared.serial > held.serial:
+                state = self._load(state, held)
+            return self._load(state, prepared)
 
     def _load(self, state: TrainState, prepared: Prepared) -> TrainState:
         if prepared.serial != self._loaded + 1:
@@ -426,7 +427,8 @@ class RowCache:
         for another try if that fails)."""
         pending = self._pending
         if pending is not None:
-            pending[0].write_back()
+            with _annotate("write_back"):  # mostly a wait for the last load's program
+                pending[0].write_back()
             self._pending = None
             self._written(pending[1])
 
@@ -628,3 +630,9 @@ def host_rows(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: Train
     n_shards, slots = _slot_shards(weights, key, device)
     rows = config.num_embeddings
     return _held_rows(weights, key, slots, -(-rows // n_shards), rows)
+
+
+def _annotate(phase: str) -> jax.profiler.TraceAnnotation:
+    """A span named ``jaxrec.cache.<phase>`` in a ``jax.profiler`` trace (the cache's
+    host phases beside the device programs; ``bench/cache_timeline.py`` reads them)."""
+    return jax.profiler.TraceAnnotation(f"jaxrec.cache.{phase}")
