@@ -193,6 +193,7 @@ def cached_runs(cfg, a, opt, first: list, data: list, log_dir: str) -> tuple[dic
     for batch in stream(cfg, a.alpha, a.warmup, seed=1):
         state, loss, _ = step(state, batch)
     state, slots = rc.load_batch(state, first[0])  # (a load donates the state)
+    jax.block_until_ready(state)  # no warm-up step left running into the trace
     names = custom_call_targets(step.lower(state, slots).compile().as_text())
     box = {"state": state}
 
