@@ -158,21 +158,33 @@ def pipelined_ms(step, state, data, reps: int, to_device) -> float:
     return statistics.median(np.diff(stamps) * 1e3)
 
 
-def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
-    """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
-    timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
-    params = {f"t{i}": jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
-              for i in range(cfg.T)}  # fmt: skip
-    g2, s2 = train.init_train_state(
+def optimizer() -> CombinedOptimizer:
+    return CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
+
+
+def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None):
+    """``(state, cache, step)``: the model with every table cached (``cfg.algorithm``,
+    load factor ``lf``), host tables from ``weights`` (by table name), or drawn here
+    (large tables: drawn rather than copied)."""
+    params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
+              for t in configs(cfg)}  # fmt: skip
+    graphdef, state = train.init_train_state(
         Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
     )
-    hosts = {  # (no weights: large tables, drawn here rather than copied)
+    hosts = {
         t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name), weights[t.name])
         if weights is not None else jc.HostTable.create(t, opt.for_table(t.name))
         for t in configs(cfg)
     }  # fmt: skip
-    cache = jc.RowCache(g2, opt, s2, hosts, params)
-    step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    cache = jc.RowCache(graphdef, opt, state, hosts, params)
+    return state, cache, jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), cache)
+
+
+def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
+    """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
+    timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
+    s2, cache, step = cached_model(cfg, opt, lf, weights)
+    hosts = {name: t.host for name, t in cache.tables.items()}
     box = {"s": s2, "i": 0}
 
     def one(batch=None):
@@ -351,7 +363,7 @@ def main(argv=None) -> int:
                          tuple(a.policy_algorithms.split(",")))  # fmt: skip
     if a.policy_only:
         return 0
-    opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
+    opt = optimizer()
     graphdef, state = train.init_train_state(Model(configs(cfg), rngs=nnx.Rngs(1)), opt)
     # Large tables (over LARGE_BYTES of weights): one copy of them at a time. The
     # all-device model trains on its only state and is freed before the cached one,

@@ -42,14 +42,12 @@ import sys
 import tempfile
 
 import jax
-import optax
-from cache import PRESETS, Model, batches, configs, loss_fn, stream
+from cache import PRESETS, Model, batches, cached_model, configs, loss_fn, optimizer, stream
 from common import machine
 from flax import nnx
 
 from jaxrec import cache as jc
-from jaxrec import optim, train
-from jaxrec.embedding import CombinedOptimizer
+from jaxrec import train
 
 
 def trace(run, log_dir: str) -> list[dict]:
@@ -135,10 +133,10 @@ def summarize(events: list[dict], step_module: str, names: dict | None = None) -
     """Per-step medians of a traced pipeline (see the module's docstring), the
     first and last steps left out (the trace's edges)."""
     runs = program_runs(events)
-    steps = runs.get(step_module, [])[1:-1]
     if not runs:  # (read on the CPU only so far; a GPU trace may name its runs otherwise)
         raise SystemExit("the trace has no op with an hlo_module and a run_id: this "
                          "backend's traces are not read by this script yet")  # fmt: skip
+    steps = runs.get(step_module, [])[1:-1]
     if len(steps) < 2:
         raise SystemExit(f"the trace has {len(steps)} inner runs of {step_module!r} "
                          f"(programs: {sorted(runs)}): trace more --steps")  # fmt: skip
@@ -182,14 +180,7 @@ def _ms(us: float) -> float:
 def cached_runs(cfg, a, opt, first: list, data: list, log_dir: str) -> tuple[dict, dict]:
     """The cached model warmed up, traced waited for (over ``first``), then in a
     pipeline (over ``data``): the two summaries."""
-    params = {t.name: jc.CacheParams(algorithm=a.algorithm, load_factor=a.load_factor)
-              for t in configs(cfg)}  # fmt: skip
-    graphdef, state = train.init_train_state(
-        Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
-    )
-    hosts = {t.name: jc.HostTable.create(t, opt.for_table(t.name)) for t in configs(cfg)}
-    rc = jc.RowCache(graphdef, opt, state, hosts, params)
-    step = jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), rc)
+    state, rc, step = cached_model(cfg, opt, a.load_factor)
     for batch in stream(cfg, a.alpha, a.warmup, seed=1):
         state, loss, _ = step(state, batch)
     state, slots = rc.load_batch(state, first[0])  # (a load donates the state)
@@ -248,7 +239,7 @@ def main(argv=None) -> int:
             "date": datetime.date.today().isoformat(), "device": dev.device_kind,
             "platform": dev.platform, **machine(), "config": dataclasses.asdict(cfg),
             "alpha": a.alpha, "load_factor": a.load_factor, "trace_dir": log_dir}  # fmt: skip
-    opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
+    opt = optimizer()
     # batches not seen before by each cached run (seen ones would hit more); the
     # all-device run gets the pipelined run's
     first, data = (batches(cfg, a.alpha, a.steps + 1, seed=s) for s in (7, 8))
