@@ -2,9 +2,11 @@
 
 The table ``big`` (``--rows`` rows) lives in host memory (``jaxrec.cache.HostTable``);
 the device holds ``--load-factor`` of its rows. A ``TrainPipeline`` prefetches:
-batch i + 1's rows are planned and gathered while step i runs. At the end the cache
-is flushed into a checkpoint, which restores into the same model with every table
-on the device, and both give the same predictions.
+batch i + 1's rows are planned and gathered while step i runs. The loader does not
+end, as in production: a checkpoint is saved halfway with batches prefetched, and
+after ``--steps`` the pipeline stops holding some (``discard_prefetched`` loads their
+rows; they are not trained on). The last checkpoint restores into the same model
+with every table on the device, and both give the same predictions.
 
     python examples/cached_train.py                       # 2M rows, 10% cached
     python examples/cached_train.py --rows 20000 --steps 5
@@ -42,11 +44,12 @@ def loss_fn(model, batch):
     return jnp.mean(optax.sigmoid_binary_cross_entropy(model(kjt), y))
 
 
-def batches(rows: int, n: int, batch: int, ids_per_bag: int, seed: int = 0):
-    """Host batches: Zipf(1.05) ids of ``big`` (hot rows scattered), uniform ``small``."""
+def batches(rows: int, batch: int, ids_per_bag: int, seed: int = 0):
+    """Host batches without end: Zipf(1.05) ids of ``big`` (hot rows scattered),
+    uniform ``small``."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(rows)
-    for _ in range(n):
+    while True:
         big = perm[zipf_ids(rng, rows, batch * ids_per_bag, 1.05)]
         small = rng.integers(0, 1000, batch)
         kjt = jr.KeyedJaggedTensor(
@@ -84,28 +87,27 @@ def main(argv=None) -> int:
 
     step = cache.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), rc)
     pipeline = train.TrainPipeline(step, state, to_device=cache.prefetching(rc))
-    it = batches(a.rows, a.steps, a.batch_size, ids_per_bag=8)
+    it = batches(a.rows, a.batch_size, ids_per_bag=8)
     start, losses = time.perf_counter(), []
-    while True:
-        try:
-            losses.append(pipeline.progress(it)[0])
-        except StopIteration:
-            break
-    pipeline.close()
-    state = pipeline.state
-    seconds = time.perf_counter() - start
-    st = rc.stats["big"]
-    print(f"{len(losses)} steps in {seconds:.1f} s, loss {float(losses[0]):.4f} -> "
-          f"{float(losses[-1]):.4f}; hit rate {st.hit_rate:.3f}, "
-          f"{st.misses / max(len(losses), 1):,.0f} rows fetched a step")  # fmt: skip
-
-    # the checkpoint holds the logical tables: it restores into the all-device model
     with tempfile.TemporaryDirectory() as d:
         mgr = checkpoint.CheckpointManager(d, async_save=False)
-        state = rc.save(mgr, len(losses), state)
+        for i in range(a.steps):
+            losses.append(pipeline.progress(it)[0])
+            if i + 1 == a.steps // 2:  # a checkpoint mid-run: the pipeline goes on after it
+                pipeline.state = rc.save(mgr, i + 1, pipeline.state)
+        pipeline.close()  # the batches it prefetched are planned but not loaded:
+        state = rc.discard_prefetched(pipeline.state)  # their rows loaded, not trained on
+        seconds = time.perf_counter() - start
+        st = rc.stats["big"]
+        print(f"{len(losses)} steps in {seconds:.1f} s, loss {float(losses[0]):.4f} -> "
+              f"{float(losses[-1]):.4f}; hit rate {st.hit_rate:.3f}, "
+              f"{st.misses / max(len(losses), 1):,.0f} rows fetched a step")  # fmt: skip
+
+        # the checkpoint holds the logical tables: it restores into the all-device model
+        state = rc.save(mgr, a.steps, state)
         g_full, target = train.init_train_state(Model(configs, rngs=nnx.Rngs(1)), opt)
         full = mgr.restore(g_full, opt, target)
-    kjt, _ = next(batches(a.rows, 1, a.batch_size, ids_per_bag=8, seed=1))
+    kjt, _ = next(batches(a.rows, a.batch_size, ids_per_bag=8, seed=1))
     state, slots = rc.load_batch(state, (kjt, None))
     cached = train.make_eval_step(graphdef, lambda m, b: m(b[0]))(state, slots)
     on_device = train.make_eval_step(g_full, lambda m, b: m(b[0]))(full, (kjt, None))

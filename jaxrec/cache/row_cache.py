@@ -41,6 +41,7 @@ from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .mover import Mover, Pending, Staged, columns
 from .slots import CacheTooSmallError, SlotMap
+from .unloaded import device_rows
 
 
 @dataclasses.dataclass
@@ -184,6 +185,8 @@ class RowCache:
         self._threads = max(1, min(len(self.tables), threads or os.cpu_count() or 1))
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
+        # each prepared batch not loaded yet: serial -> (its moves, its staged move)
+        self._unloaded: dict[int, tuple[dict, Staged | None]] = {}
         self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
         self._unsaved_lock = threading.Lock()
         self.stats = {name: CacheStats() for name in self.tables}
@@ -231,6 +234,7 @@ class RowCache:
                     for k, rows in evicted.items():
                         self._inflight[k][rows] += 1  # distinct rows: one add each
                     self._unsaved.append((self._prepared, evicted))
+            self._unloaded[self._prepared] = (moves, staged)
             by_id = {id(k): with_values(k, v) for k, v in zip(kjts, new, strict=True)}
             out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
                                is_leaf=is_kjt)  # fmt: skip
@@ -377,10 +381,18 @@ class RowCache:
             return self._load(state, prepared)
 
     def _load(self, state: TrainState, prepared: Prepared) -> TrainState:
+        if prepared.serial <= self._loaded:
+            raise ValueError(
+                f"prepared batch {prepared.serial} was loaded already (its step ran, or "
+                "discard_prefetched loaded it without one; later loads may reuse its "
+                "slots): prepare the batch again"
+            )
         if prepared.serial != self._loaded + 1:
             raise ValueError(
                 f"prepared batches must be loaded in the order they were prepared: this is "
-                f"number {prepared.serial}, the next to load is {self._loaded + 1}"
+                f"number {prepared.serial}, the next to load is {self._loaded + 1} (a "
+                "pipeline stopped with batches prefetched? state = "
+                "cache.discard_prefetched(state) loads their rows without training on them)"
             )
         try:
             self._check_host()
@@ -392,6 +404,7 @@ class RowCache:
             raise
         self._held = None
         self._loaded += 1
+        self._unloaded.pop(prepared.serial, None)
         if prepared.staged is None:
             self._written(prepared.serial)
         return state
@@ -443,37 +456,56 @@ class RowCache:
     def flush(self, state: TrainState) -> TrainState:
         """Copies every cached row (and its optimizer rows) to host memory, so the host
         tables are the model's current tables (before a checkpoint or an export). The
-        rows stay cached. Every prepared batch must have been loaded (a pipeline's
-        prefetched batches would be cached in the maps but not yet on the device)."""
-        if self._held is not None:  # a refused load: its rows are the cache's now
-            state = self.load(state, self._held)
-        if self._prepared != self._loaded:
-            raise ValueError(
-                f"flush with {self._prepared - self._loaded} prepared batches not loaded: "
-                "flush (or save) between pipeline runs, once every prepared batch has run"
-            )
-        self.write_back()
-        moves = {}
-        for t in self.tables.values():
-            slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-            for s, m in enumerate(t.maps):
-                if m is None:  # another process's shard
-                    continue
-                sl, r = m.cached()
-                slots.append(sl + s * t.slots)
-                rows.append(r + s * t.shard_rows)
-            es, er = np.concatenate(slots), np.concatenate(rows)
-            moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
-        staged = self._mover.stage(moves, self._host)
-        if staged is not None:
-            state = self._apply(state, staged, self._loaded)
+        rows stay cached. It may run while a pipeline has batches prefetched (prepared,
+        not loaded): the rows copied are those the device holds, and the pipeline goes
+        on with the returned state (``pipeline.state = cache.flush(pipeline.state)``)."""
+        with self._lock:  # no batch is prepared meanwhile: the maps hold still
+            if self._held is not None:  # a refused load: its rows are the cache's now
+                state = self.load(state, self._held)
             self.write_back()
-        return state
+            later = [m for s, (m, _) in sorted(self._unloaded.items()) if s > self._loaded]
+            moves = {}
+            for t in self.tables.values():
+                slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+                for s, m in enumerate(t.maps):
+                    if m is None:  # another process's shard
+                        continue
+                    sl, r = m.cached()
+                    slots.append(sl + s * t.slots)
+                    rows.append(r + s * t.shard_rows)
+                es, er = device_rows(np.concatenate(slots), np.concatenate(rows),
+                                     [m[t.key] for m in later])  # fmt: skip
+                moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
+            staged = self._mover.stage(moves, self._host)
+            if staged is not None:
+                state = self._apply(state, staged, self._loaded)
+                self.write_back()
+            return state
+
+    def discard_prefetched(self, state: TrainState) -> TrainState:
+        """Loads every prepared batch not loaded yet, without its step: the batches a
+        pipeline had prefetched when it stopped (``TrainPipeline.close`` drops them, and
+        the maps already count their rows as cached). Their rows are then in their slots
+        and training goes on with any new batch; the discarded batches are not trained
+        on. Call it once the pipeline has stopped: a batch it still holds is refused."""
+        with self._lock:
+            if self._held is not None:
+                state = self.load(state, self._held)
+            for serial in range(self._loaded + 1, self._prepared + 1):
+                if serial not in self._unloaded:  # its prepare failed after planning
+                    raise RuntimeError(
+                        f"prepared batch {serial} has no move to load (its prepare failed "
+                        "after planning): restore the cache from a checkpoint"
+                    )
+                staged = self._unloaded[serial][1]
+                state = self._load(state, Prepared(None, staged, serial))
+            return state
 
     def clear(self) -> None:
         """Forgets what is cached (after the host tables were replaced, e.g. restored)."""
         self._pending = self._held = None
         self._unsaved = []
+        self._unloaded = {}
         for inflight in self._inflight.values():
             inflight.fill(0)
         self._prepared = self._loaded = 0
@@ -489,10 +521,11 @@ class RowCache:
                 for t in self.tables.values()}  # fmt: skip
 
     def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
-        """Flushes the cache and saves the state with the host tables in place of the
-        device caches (``CheckpointManager.save``; synchronous). Returns the state
-        (its buffers were donated to the flush). With several processes, each writes
-        its own host rows."""
+        """Flushes the cache (:meth:`flush`: also while a pipeline has batches
+        prefetched) and saves the state with the host tables in place of the device
+        caches (``CheckpointManager.save``; synchronous). Returns the state (its buffers
+        were donated to the flush: ``pipeline.state = cache.save(...)``). With several
+        processes, each writes its own host rows."""
         state = self.flush(state)
         manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
                      **kwargs)  # fmt: skip

@@ -266,3 +266,74 @@ def test_planning_threads_work_in_a_forked_child():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _stopped_pipeline(inplace, monkeypatch, steps, batches, depth=2):
+    """A prefetching pipeline over ``batches`` after ``steps`` steps (not exhausted: it
+    holds batches prefetched), and the all-device model trained on the same steps."""
+    monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    assert cache._mover.inplace == inplace
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
+    pipe = train.TrainPipeline(cstep, s2, to_device=jc.prefetching(cache), depth=depth)
+    it = iter(batches)
+    for _ in range(steps):
+        pipe.progress(it)
+    ref = train.make_train_step(graphdef, opt, loss_fn)
+    for b in batches[:steps]:
+        state, _, _ = ref(state, b)
+    return opt, (graphdef, state, ref), (g2, cache, cstep), pipe, it
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_flush_while_batches_are_prefetched(monkeypatch, inplace):
+    """A checkpoint's flush mid-pipeline (batches prepared, not loaded: the maps are
+    ahead of the device) writes the model's current rows, and the pipeline goes on
+    exactly."""
+    rng = np.random.default_rng(11)
+    batches = [local_batch(rng) for _ in range(12)]
+    opt, (g, state, ref), (g2, cache, _), pipe, it = _stopped_pipeline(
+        inplace, monkeypatch, 5, batches, depth=3
+    )
+    assert cache._prepared > cache._loaded  # the pipeline holds batches not loaded
+    pipe.state = cache.flush(pipe.state)
+    assert_tables_equal(logical_tables(g2, opt, pipe.state, cache), logical_tables(g, opt, state))
+    while True:
+        try:
+            pipe.progress(it)
+        except StopIteration:
+            break
+    for b in batches[5:]:
+        state, _, _ = ref(state, b)
+    s2 = cache.flush(pipe.state)
+    assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(g, opt, state))
+    assert all(cache.stats[t].evictions > 0 for t in CACHED)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_discard_prefetched_then_train_on(monkeypatch, inplace):
+    """A pipeline closed over an endless loader leaves prefetched batches planned but not
+    loaded: the next load is refused, naming the fix; discard_prefetched loads their
+    rows (they are not trained on) and training goes on exactly."""
+    rng = np.random.default_rng(12)
+    batches = [local_batch(rng) for _ in range(12)]
+    opt, (g, state, ref), (g2, cache, cstep), pipe, _ = _stopped_pipeline(
+        inplace, monkeypatch, 5, batches
+    )
+    pipe.close()
+    s2, more = pipe.state, [local_batch(rng) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"discard_prefetched\(state\)"):
+        cstep(s2, more[0])
+    stale = cache.prepare(more[0])  # planned, then discarded with the pipeline's
+    s2 = cache.discard_prefetched(s2)
+    assert cache._prepared == cache._loaded
+    with pytest.raises(ValueError, match="loaded already"):
+        cache.load(s2, stale)
+    for b in more:
+        s2, _, _ = cstep(s2, b)
+        state, _, _ = ref(state, b)
+    s2 = cache.flush(s2)
+    assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(g, opt, state))
