@@ -489,16 +489,22 @@ class RowCache:
         and training goes on with any new batch; the discarded batches are not trained
         on. Call it once the pipeline has stopped: a batch it still holds is refused."""
         with self._lock:
-            if self._held is not None:
-                state = self.load(state, self._held)
-            for serial in range(self._loaded + 1, self._prepared + 1):
-                if serial not in self._unloaded:  # its prepare failed after planning
-                    raise RuntimeError(
-                        f"prepared batch {serial} has no move to load (its prepare failed "
-                        "after planning): restore the cache from a checkpoint"
-                    )
-                staged = self._unloaded[serial][1]
-                state = self._load(state, Prepared(None, staged, serial))
+            first = self._loaded + 1
+            try:
+                for serial in range(first, self._prepared + 1):
+                    if serial not in self._unloaded:  # its prepare failed after planning
+                        raise RuntimeError(
+                            f"prepared batch {serial} has no move to load (its prepare "
+                            "failed after planning): restore the cache from a checkpoint"
+                        )
+                    staged = self._unloaded[serial][1]
+                    state = self._load(state, Prepared(None, staged, serial))
+            except Exception as e:
+                if self._loaded >= first:  # earlier loads here took the caller's buffers
+                    e.state = state
+                    e.add_note("jaxrec.cache: earlier batches were loaded, and the state "
+                               "passed in was donated to them: go on with err.state")  # fmt: skip
+                raise
             return state
 
     def clear(self) -> None:

@@ -24,11 +24,33 @@ class CachedTrainStep(TrainStep):
 
     def _run(self, state: TrainState, batch: Any):
         prepared = batch if isinstance(batch, Prepared) else self.cache.prepare(batch)
-        state = self.cache.load(state, prepared)
-        return self.inner.jitted(state, prepared.batch)
+        state = self.cache.load(state, prepared)  # the state given is donated to the load
+        try:
+            return self.inner.jitted(state, prepared.batch)
+        except Exception as e:
+            raise handed_back(e, state) from None
 
     def lower(self, state: TrainState, batch: Any) -> Any:
         return self.inner.lower(state, batch)
+
+
+def handed_back(err: Exception, state: TrainState) -> Exception:
+    """``err`` with ``err.state``: the state after a cache load, for a step that failed
+    after it (say, a batch the step cannot trace). The load took the caller's table
+    buffers, so this is the state to go on with (``TrainPipeline`` adopts it). Not
+    set when the failure also took the loaded state's buffers (a failed run)."""
+    if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
+        err.add_note(_LOST)
+        return err
+    err.state = state
+    err.add_note(_HANDED_BACK)
+    return err
+
+
+_LOST = ("jaxrec.cache: the batch's rows were loaded before this failure, which also "
+         "consumed the state's buffers: restore the cache from a checkpoint")  # fmt: skip
+_HANDED_BACK = ("jaxrec.cache: the batch's rows were loaded before the step failed, and the "
+                "state passed in was donated to that load: go on with err.state")  # fmt: skip
 
 
 def prefetching(cache: RowCache, to_device: Callable[[Any], Any] = jax.device_put):

@@ -97,6 +97,10 @@ class TrainPipeline:
             BoundsCheckError: the previous step found out-of-range ids under
                 ``BoundsCheckMode.FATAL`` and applied nothing; ``err.state`` (also
                 ``pipeline.state``) includes the step after it.
+
+        Any error of the step that carries ``err.state`` (a cached step's, raised after
+        its batch's rows were loaded) leaves that state in ``pipeline.state``; the
+        pipeline goes on with the next batch at the next call.
         """
         self._attach(dataloader_iter)
         try:
@@ -113,7 +117,12 @@ class TrainPipeline:
             self.state, loss, aux = self._step(self.state, item)
             self._window.push(loss)
             return loss, aux
-        self.state, loss, aux, report = self._step.jitted(self.state, item)
+        try:
+            self.state, loss, aux, report = self._step.jitted(self.state, item)
+        except Exception as e:  # a step that took the state and hands back another
+            if isinstance(getattr(e, "state", None), TrainState):
+                self.state = e.state
+            raise
         self._step.record(report)
         self._check_report()  # the previous step's: long finished, no stall
         self._report = report

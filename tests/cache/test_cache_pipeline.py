@@ -337,3 +337,48 @@ def test_discard_prefetched_then_train_on(monkeypatch, inplace):
         state, _, _ = ref(state, b)
     s2 = cache.flush(s2)
     assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(g, opt, state))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_step_failing_after_its_load_hands_back_the_state(pipelined):
+    """A batch the step cannot trace fails after its rows were loaded, and the load took
+    the state given: ``err.state`` (and ``pipeline.state``) is the loaded state, and
+    training goes on exactly as the all-device model's, which the batch leaves as it was."""
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
+    ref = train.make_train_step(graphdef, opt, loss_fn)
+    rng = np.random.default_rng(13)
+    batches = [local_batch(rng) for _ in range(8)]
+    kjt, y = batches[3]
+    batches[3] = (kjt, y[:5])  # labels of the wrong length: the loss does not trace
+    for i, b in enumerate(batches):
+        if i == 3:
+            with pytest.raises(TypeError):
+                ref(state, b)
+        else:
+            state, _, _ = ref(state, b)
+    errors = 0
+    if pipelined:
+        pipe = train.TrainPipeline(cstep, s2, to_device=jc.prefetching(cache), depth=2)
+        it = iter(batches)
+        while True:
+            try:
+                pipe.progress(it)
+            except StopIteration:
+                break
+            except TypeError as e:
+                assert e.state is pipe.state and "err.state" in str(e.__notes__)
+                errors += 1
+        s2 = pipe.state
+    else:
+        for b in batches:
+            try:
+                s2, _, _ = cstep(s2, b)
+            except TypeError as e:
+                s2, errors = e.state, errors + 1
+    assert errors == 1
+    s2 = cache.flush(s2)
+    assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
