@@ -43,6 +43,11 @@ class BaseEmbeddingConfig:
     initializer ``init_fn(key, shape, dtype)``; without it rows are uniform in
     ``[weight_init_min, weight_init_max]``, which default to
     ``-+sqrt(1 / num_embeddings)`` as in TorchRec.
+
+    ``cached_rows`` (jaxrec's, set by ``jaxrec.cache.cached_configs`` /
+    ``device_plan``): this table is a device cache of ``num_embeddings`` slots for a
+    host table of ``cached_rows`` rows, so checkpoints save and restore it only with
+    its host table (``RowCache.save``).
     """
 
     num_embeddings: int
@@ -53,10 +58,13 @@ class BaseEmbeddingConfig:
     weight_init_max: float | None = None
     weight_init_min: float | None = None
     init_fn: InitFn | None = None
+    cached_rows: int | None = None
 
     def __post_init__(self):
-        for field in ("num_embeddings", "embedding_dim"):
+        for field in ("num_embeddings", "embedding_dim", "cached_rows"):
             value = getattr(self, field)
+            if field == "cached_rows" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(
                     f"{field} must be a positive int, got {field}={value!r} in table {self.name!r}"

@@ -30,7 +30,8 @@ def cached_configs(
     for c in configs:
         if c.name in params:
             c = dataclasses.replace(c, num_embeddings=slots_per_shard(c.num_embeddings, 1,
-                                                                     params[c.name]))  # fmt: skip
+                                                                     params[c.name]),
+                                    cached_rows=c.num_embeddings)  # fmt: skip
         out.append(c)
     return out
 
@@ -62,7 +63,8 @@ def device_plan(
             )
             for s in p.sharding_spec
         )
-        out_configs.append(dataclasses.replace(c, num_embeddings=len(starts) * slots))
+        out_configs.append(dataclasses.replace(c, num_embeddings=len(starts) * slots,
+                                               cached_rows=c.num_embeddings))  # fmt: skip
         out_plan[c.name] = dataclasses.replace(
             p, compute_kernel=EmbeddingComputeKernel.FUSED, cache_params=None, sharding_spec=spec
         )

@@ -40,7 +40,7 @@ from . import dense, legacy, stream
 from .layout import HostTables, replace_tables, table_buffers
 from .logical import common_count, place_dense
 from .paths import nest
-from .spec import DENSE_PARTS, check_compatible, state_spec
+from .spec import DENSE_PARTS, check_caches, check_compatible, state_spec
 from .store import CheckpointCorruptError
 
 FORMAT = "jaxrec.checkpoint/2"
@@ -133,6 +133,8 @@ class CheckpointManager:
         Raises:
             the error of an earlier asynchronous save that failed (that step was
             not written; this one is not started).
+            ValueError: ``state`` has a device cache (``jaxrec.cache``) without its
+                host table in ``host_tables`` (nothing is written).
         """
         step = int(step)
         user = dict(metadata or {})
@@ -143,6 +145,7 @@ class CheckpointManager:
         self.wait_until_finished()
         if not self._should_save(step, force):
             return False
+        check_caches(graphdef, state, host_tables)
         layout = table_buffers(graphdef, optimizer, state, host_tables)
         spec = state_spec(graphdef, optimizer, state, host_tables)
         ids = {key: i for i, key in enumerate(sorted(spec["tables"]))}
@@ -207,13 +210,15 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: no such step.
             ValueError: the checkpoint does not fit the target model/optimizer
-                (every difference is listed).
+                (every difference is listed), or the target has a device cache
+                (``jaxrec.cache``) without its host table in ``host_tables``.
             CheckpointCorruptError: a file of the step is damaged or missing
                 (the message names the step, the array and the file).
         """
         step = self._step(step)
         what = f"checkpoint step {step} in {self.directory}"
         meta = self._meta(step)
+        check_caches(graphdef, target, host_tables)
         expected = state_spec(graphdef, optimizer, target, host_tables)
         check_compatible(meta["spec"], expected, what)
         step_dir = self._path(step)

@@ -25,6 +25,25 @@ from .paths import dense_leaves, flatten, table_key
 DENSE_PARTS = ("params", "rest", "dense_opt")
 
 
+def check_caches(graphdef: nnx.GraphDef, state: TrainState, host: Mapping | None) -> None:
+    """Refuses a device cache (``cached_rows``: ``jaxrec.cache``) without its host table:
+    its slots are not its table's rows, so a checkpoint of them would be no table."""
+    model = merge_model(graphdef, state)
+    host = host or {}
+    missing = [
+        t.name
+        for path, module in embedding_collections(model)
+        for t in module.table_configs
+        if t.cached_rows is not None and table_key(path, module, t.name) not in host
+    ]
+    if missing:
+        raise ValueError(
+            f"tables {missing} are device caches of host tables (jaxrec.cache): their slots "
+            "are not the tables' rows; save with RowCache.save and restore with "
+            "RowCache.restore / resume, which write and read the logical tables"
+        )
+
+
 def state_spec(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,

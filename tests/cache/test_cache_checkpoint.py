@@ -2,6 +2,7 @@
 cached rows flushed into it): they restore into a cold cache or into the
 all-device-memory model, and training goes on exactly."""
 
+import cache_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +110,23 @@ def test_refused_restore_keeps_the_cache(tmp_path):
         state, _, _ = full(state, local_batch(rng))
     want = logical_tables(graphdef, opt, state)
     assert_tables_equal(got, want)
+
+
+def test_a_cache_is_not_checkpointed_without_its_host_table(tmp_path):
+    """The manager called directly on a cached model (its slot tables are not the tables)
+    refuses to save or restore, naming the tables and RowCache.save; RowCache's own
+    save and restore go through."""
+    opt = optimizer(optim.sgd(0.1))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    assert {c.name: c.cached_rows for c in jc.cached_configs(cache_cases.configs(), params)} == {
+        "big": 200, "mean": 120, "small": None}  # fmt: skip
+    mgr = ckpt.CheckpointManager(tmp_path, async_save=False)
+    with pytest.raises(ValueError, match=r"\['big', 'mean'\] are device caches.*RowCache.save"):
+        mgr.save(1, g2, opt, s2)
+    assert mgr.all_steps() == []
+    s2 = cache.save(mgr, 1, s2)
+    with pytest.raises(ValueError, match="device caches"):
+        mgr.restore(g2, opt, s2)
+    s2 = cache.restore(mgr, s2)
