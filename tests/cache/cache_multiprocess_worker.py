@@ -9,7 +9,8 @@ process trains, side by side on the same batches (each passing its own devices' 
 1. the model with every table in device memory (the reference),
 2. the cached model, each batch prepared right before its step,
 3. the cached model in a ``TrainPipeline`` that prepares two batches ahead, its
-   rows staged in pinned host memory (the path off the CPU),
+   rows staged in pinned host memory (the path off the CPU), flushed halfway with
+   batches prefetched (its host rows then equal the reference's at that step),
 
 and checks: the losses equal the reference's at every step; after a flush, each
 process's host rows equal the reference's tables at those rows; a host field replaced
@@ -116,17 +117,29 @@ def main(process_id: int, port: int, directory: str) -> int:
     assert cache_a._mover.staging is None and cache_b._mover.staging is not None
     rng = np.random.default_rng(1)
     batches = [[local_batch(rng, 3) for _ in range(WORLD)] for _ in range(STEPS)]
-    ref, got_a = [], []
+    ref, got_a, mid = [], [], STEPS // 2
     for local in batches:
         state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
         ref.append(float(loss))
+        if len(ref) == mid:
+            want_mid = tables(graphdef, state)
         p = cache_a.prepare([local[i] for i in mine])
         s_a, loss, _ = step_a(s_a, p._replace(batch=d.shard_batch(p.batch, mesh)))
         got_a.append(float(loss))
     pipe = train.TrainPipeline(step_b, s_b, depth=2, to_device=jc.prefetching(
         cache_b, lambda b: d.shard_batch(b, mesh)))  # fmt: skip
     it = iter([[local[i] for i in mine] for local in batches])
-    got_b = [float(pipe.progress(it)[0]) for _ in batches]
+    got_b, diffs = [], {}
+    for _ in batches:
+        got_b.append(float(pipe.progress(it)[0]))
+        if len(got_b) == mid:  # batches prefetched: the flush copies what the devices hold
+            assert cache_b._prepared > cache_b._loaded
+            pipe.state = cache_b.flush(pipe.state)
+            for name in CACHED:
+                host = cache_b.tables[name].host
+                lo, hi = host.rows
+                diffs[f"b.mid.{name}"] = float(np.max(np.abs(
+                    host.fields["weight"] - want_mid[name][lo:hi]), initial=0))  # fmt: skip
     s_b = pipe.state
     want_b = tables(graphdef, state)  # after the same batches
 
@@ -160,7 +173,7 @@ def main(process_id: int, port: int, directory: str) -> int:
     s_a = cache_a.save(mgr, 1, s_a)
     _, fresh = build(opt, plan=fused(plan), mesh=mesh)
     restored = tables(graphdef, mgr.restore(graphdef, opt, fresh, step=1))
-    diffs = {f"restored.{k}": float(np.max(np.abs(restored[k] - want[k]))) for k in want}
+    diffs |= {f"restored.{k}": float(np.max(np.abs(restored[k] - want[k]))) for k in want}
     s_b = cache_b.flush(s_b)
     for run, cache, w in (("a", cache_a, want), ("b", cache_b, want_b)):
         for name in CACHED:
