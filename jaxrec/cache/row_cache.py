@@ -12,7 +12,10 @@ state an all-device-memory step would.
 
 Prepared batches are applied in the order they were prepared, which is what lets
 the train pipeline prepare batch ``i + 1`` while step ``i`` runs (a row evicted by
-one load is back on the host before a later load reads it).
+one load is back on the host before a later load reads it). The cache keeps each
+prepared batch's moves until it is loaded: :meth:`RowCache.flush` copies what the
+device holds meanwhile, and :meth:`RowCache.discard_prefetched` loads the batches a
+stopped pipeline dropped.
 """
 
 from __future__ import annotations
