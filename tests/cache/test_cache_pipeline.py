@@ -2,6 +2,7 @@
 states and losses as preparing each batch right before its step."""
 
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -381,4 +382,46 @@ def test_a_step_failing_after_its_load_hands_back_the_state(pipelined):
                 s2, errors = e.state, errors + 1
     assert errors == 1
     s2 = cache.flush(s2)
+    assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
+
+
+def test_evaluation_between_pipeline_segments():
+    """An endless loader cut into segments (itertools.islice): each segment's pipeline
+    ends with nothing prefetched past it, so evaluation loads its batches and training
+    goes on with the next segment, nothing discarded: equal to the all-device model."""
+    opt = optimizer(optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
+    ref = train.make_train_step(graphdef, opt, loss_fn)
+    evaluate = train.make_eval_step(graphdef, lambda m, b: m(b[0]))
+    evaluate2 = train.make_eval_step(g2, lambda m, b: m(b[0]))
+    rng = np.random.default_rng(14)
+
+    def endless():
+        while True:
+            yield local_batch(rng)
+
+    loader, trained = endless(), []
+    pipe = train.TrainPipeline(cstep, s2, to_device=jc.prefetching(cache), depth=2)
+    for _ in range(3):
+        segment = itertools.islice(loader, 4)
+        kept = []  # the batches this segment trains on, for the reference
+        pipe_it = map(lambda b: kept.append(b) or b, segment)
+        while True:
+            try:
+                pipe.progress(pipe_it)
+            except StopIteration:
+                break
+        trained += kept
+        for b in kept:
+            state, _, _ = ref(state, b)
+        assert cache._prepared == cache._loaded  # nothing prefetched past the segment
+        e = local_batch(rng)
+        pipe.state, e2 = cache.load_batch(pipe.state, e)
+        np.testing.assert_array_equal(np.asarray(evaluate2(pipe.state, e2)),
+                                      np.asarray(evaluate(state, e)))  # fmt: skip
+    assert len(trained) == 12
+    s2 = cache.flush(pipe.state)
     assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
