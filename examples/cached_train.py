@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         for i in range(a.steps):
             losses.append(pipeline.progress(it)[0])
             if i + 1 == a.steps // 2:  # a checkpoint mid-run: the pipeline goes on after it
-                pipeline.state = rc.save(mgr, i + 1, pipeline.state)
+                rc.save(mgr, i + 1, pipeline.state)
         pipeline.close()  # the batches it prefetched are planned but not loaded:
         state = rc.discard_prefetched(pipeline.state)  # their rows loaded, not trained on
         seconds = time.perf_counter() - start

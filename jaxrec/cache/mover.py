@@ -287,8 +287,16 @@ class Mover:
         fill_pos, evict_pos = ([self._global(i, p, staged.n, self.chunks[i])
                                 for i, p in enumerate(pos)]
                                for pos in (staged.fill_pos, staged.evict_pos))  # fmt: skip
+        self._make_programs(arrays)
+        # two programs: in one, XLA copies each whole buffer to scatter in place after
+        # the gather read it; the runtime orders the donation after the read instead
+        evicted = self._programs["gather"](list(arrays), evict_pos)
+        new = self._programs["scatter"](list(arrays), fill_pos, fill_vals)
+        return new, Pending(evicted, staged.parts)
+
+    def _make_programs(self, arrays) -> None:
         if not self._programs:
-            specs = tuple(self.specs)
+            specs, kinds = tuple(self.specs), self.staging or self.chunks
             self._programs = {
                 "gather": jax.jit(functools.partial(_gather, specs), out_shardings=kinds),
                 "scatter": jax.jit(
@@ -297,11 +305,33 @@ class Mover:
                     out_shardings=[a.sharding for a in arrays],
                 ),  # fmt: skip
             }
-        # two programs: in one, XLA copies each whole buffer to scatter in place after
-        # the gather read it; the runtime orders the donation after the read instead
-        evicted = self._programs["gather"](list(arrays), evict_pos)
-        new = self._programs["scatter"](list(arrays), fill_pos, fill_vals)
-        return new, Pending(evicted, staged.parts)
+
+    def copy_out(self, arrays: list[jax.Array], staged: Staged | InPlace,
+                 host: Mapping[str, Mapping[str, np.ndarray]]) -> Pending:  # fmt: skip
+        """The evictions of a move without fills (a flush) on their way to the host,
+        reading the buffers ``arrays`` without taking them: nothing is donated, so the
+        state they belong to stays valid. In place, the rows are copied now, from the
+        buffers' memory (the CPU's: read where it lies, once every program that writes
+        the buffers has ended)."""
+        if not isinstance(staged, InPlace):
+            self._make_programs(arrays)
+            evict_pos = [self._global(i, p, staged.n, self.chunks[i])
+                         for i, p in enumerate(staged.evict_pos)]  # fmt: skip
+            return Pending(self._programs["gather"](list(arrays), evict_pos), staged.parts)
+        self.check_host(host)
+        jax.block_until_ready(arrays)
+        for j, (i, key, c, evicts) in enumerate(self.parts):
+            at = staged.evict_pos[j]
+            keep = at >= 0 if evicts else np.zeros(len(at), bool)
+            if not keep.any():
+                continue
+            at, rows = at[keep], staged.evict_rows[j][keep]
+            src, h = np.asarray(arrays[i]), host[key][self.buffers[i].field]  # no copies
+            if h.ndim == 1:
+                h[rows] = src[at]
+            else:
+                h[rows, c.col : c.col + c.cols] = src[at, : c.cols]
+        return Pending([], [])
 
 
 class InPlace(NamedTuple):

@@ -459,9 +459,9 @@ class RowCache:
     def flush(self, state: TrainState) -> TrainState:
         """Copies every cached row (and its optimizer rows) to host memory, so the host
         tables are the model's current tables (before a checkpoint or an export). The
-        rows stay cached. It may run while a pipeline has batches prefetched (prepared,
-        not loaded): the rows copied are those the device holds, and the pipeline goes
-        on with the returned state (``pipeline.state = cache.flush(pipeline.state)``)."""
+        rows stay cached, and ``state`` stays valid (it is returned; only read). It may
+        run while a pipeline has batches prefetched (prepared, not loaded): the rows
+        copied are those the device holds."""
         with self._lock:  # no batch is prepared meanwhile: the maps hold still
             if self._held is not None:  # a refused load: its rows are the cache's now
                 state = self.load(state, self._held)
@@ -480,9 +480,9 @@ class RowCache:
                                      [m[t.key] for m in later])  # fmt: skip
                 moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
             staged = self._mover.stage(moves, self._host)
-            if staged is not None:
-                state = self._apply(state, staged, self._loaded)
-                self.write_back()
+            if staged is not None:  # copies out only: nothing donated, the state stays valid
+                wheres = [b.where for b in self._mover.buffers]
+                self._mover.copy_out(_arrays(state, wheres), staged, self._host).write_back()
             return state
 
     def discard_prefetched(self, state: TrainState) -> TrainState:
@@ -532,9 +532,8 @@ class RowCache:
     def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
         """Flushes the cache (:meth:`flush`: also while a pipeline has batches
         prefetched) and saves the state with the host tables in place of the device
-        caches (``CheckpointManager.save``; synchronous). Returns the state (its buffers
-        were donated to the flush: ``pipeline.state = cache.save(...)``). With several
-        processes, each writes its own host rows."""
+        caches (``CheckpointManager.save``; synchronous). Returns ``state``, which stays
+        valid. With several processes, each writes its own host rows."""
         state = self.flush(state)
         manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
                      **kwargs)  # fmt: skip

@@ -134,7 +134,7 @@ def main(process_id: int, port: int, directory: str) -> int:
         got_b.append(float(pipe.progress(it)[0]))
         if len(got_b) == mid:  # batches prefetched: the flush copies what the devices hold
             assert cache_b._prepared > cache_b._loaded
-            pipe.state = cache_b.flush(pipe.state)
+            cache_b.flush(pipe.state)  # only read: the pipeline goes on with its state
             for name in CACHED:
                 host = cache_b.tables[name].host
                 lo, hi = host.rows
