@@ -425,3 +425,21 @@ def test_evaluation_between_pipeline_segments():
     assert len(trained) == 12
     s2 = cache.flush(pipe.state)
     assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
+
+
+def test_discard_prefetched_hands_back_the_state_of_earlier_loads():
+    """A load that fails during discard_prefetched after earlier ones took the caller's
+    buffers: err.state holds those loads (valid), and the cache counts them loaded."""
+    opt = optimizer(optim.sgd(0.1))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    rng = np.random.default_rng(15)
+    cache.prepare(local_batch(rng))
+    cache.prepare(local_batch(rng))
+    del cache._unloaded[2]  # as if the second prepare had failed after planning
+    with pytest.raises(RuntimeError, match="no move to load") as info:
+        cache.discard_prefetched(s2)
+    assert cache._loaded == 1 and "err.state" in str(info.value.__notes__)
+    assert any(x.is_deleted() for x in jax.tree.leaves(s2))  # the first load took them
+    assert not any(x.is_deleted() for x in jax.tree.leaves(info.value.state))
