@@ -466,7 +466,7 @@ class RowCache:
             if self._held is not None:  # a refused load: its rows are the cache's now
                 state = self.load(state, self._held)
             self.write_back()
-            later = [m for s, (m, _) in sorted(self._unloaded.items()) if s > self._loaded]
+            later = [m for _, (m, _) in sorted(self._unloaded.items())]  # (not loaded yet)
             moves = {}
             for t in self.tables.values():
                 slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
