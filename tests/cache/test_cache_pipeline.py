@@ -269,14 +269,21 @@ def test_planning_threads_work_in_a_forked_child():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def _twin(sparse=None):
+    """The all-device model and its cached twin (load factor 0.3): ``(opt, graphdef,
+    state, g2, s2, cache)``."""
+    opt = optimizer(sparse or optim.rowwise_adagrad(0.3))
+    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
+    graphdef, state = build(opt)
+    return (opt, graphdef, state, *cached_twin(opt, graphdef, state, params))
+
+
 def _stopped_pipeline(inplace, monkeypatch, steps, batches, depth=2):
     """A prefetching pipeline over ``batches`` after ``steps`` steps (not exhausted: it
     holds batches prefetched), and the all-device model trained on the same steps."""
     monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
-    opt = optimizer(optim.rowwise_adagrad(0.3))
-    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    monkeypatch.setattr(mover, "_COPY_ROWS", 7)  # a flush copies in several chunks
+    opt, graphdef, state, g2, s2, cache = _twin()
     assert cache._mover.inplace == inplace
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
     pipe = train.TrainPipeline(cstep, s2, to_device=jc.prefetching(cache), depth=depth)
@@ -345,10 +352,7 @@ def test_a_step_failing_after_its_load_hands_back_the_state(pipelined):
     """A batch the step cannot trace fails after its rows were loaded, and the load took
     the state given: ``err.state`` (and ``pipeline.state``) is the loaded state, and
     training goes on exactly as the all-device model's, which the batch leaves as it was."""
-    opt = optimizer(optim.rowwise_adagrad(0.3))
-    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    opt, graphdef, state, g2, s2, cache = _twin()
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
     ref = train.make_train_step(graphdef, opt, loss_fn)
     rng = np.random.default_rng(13)
@@ -389,10 +393,7 @@ def test_evaluation_between_pipeline_segments():
     """An endless loader cut into segments (itertools.islice): each segment's pipeline
     ends with nothing prefetched past it, so evaluation loads its batches and training
     goes on with the next segment, nothing discarded: equal to the all-device model."""
-    opt = optimizer(optim.rowwise_adagrad(0.3))
-    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    opt, graphdef, state, g2, s2, cache = _twin()
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
     ref = train.make_train_step(graphdef, opt, loss_fn)
     evaluate = train.make_eval_step(graphdef, lambda m, b: m(b[0]))
@@ -430,10 +431,7 @@ def test_evaluation_between_pipeline_segments():
 def test_discard_prefetched_hands_back_the_state_of_earlier_loads():
     """A load that fails during discard_prefetched after earlier ones took the caller's
     buffers: err.state holds those loads (valid), and the cache counts them loaded."""
-    opt = optimizer(optim.sgd(0.1))
-    params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    _, _, _, _, s2, cache = _twin(optim.sgd(0.1))
     rng = np.random.default_rng(15)
     cache.prepare(local_batch(rng))
     cache.prepare(local_batch(rng))
