@@ -15,6 +15,7 @@ from flax import nnx
 from .. import datasets, metrics
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
+from ..distributed import planner
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
 from ..modules import EmbeddingBagCollection
@@ -117,8 +118,9 @@ def _multi_hot_sizes(flag: str | None) -> list[int] | None:
 
 
 # ----- model -----
-def build_model(args: argparse.Namespace, data: Any) -> nnx.Module:
-    tables = [
+def table_configs(args: argparse.Namespace, data: Any) -> list[EmbeddingBagConfig]:
+    """One table ``t_<feature>`` per feature (the logical tables, whatever is cached)."""
+    return [
         EmbeddingBagConfig(
             name=f"t_{key}",
             embedding_dim=args.embedding_dim,
@@ -127,7 +129,14 @@ def build_model(args: argparse.Namespace, data: Any) -> nnx.Module:
         )
         for key, n in zip(data.keys, data.num_embeddings_per_feature, strict=True)
     ]
-    ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(args.seed))
+
+
+def build_model(
+    args: argparse.Namespace, data: Any, tables: list[EmbeddingBagConfig] | None = None
+) -> nnx.Module:
+    """DLRM (or DLRM-DCN) over ``tables`` (default :func:`table_configs`; a cached
+    model passes its slot tables)."""
+    ebc = EmbeddingBagCollection(tables or table_configs(args, data), rngs=nnx.Rngs(args.seed))
     dense = [int(x) for x in args.dense_arch.split(",")]
     over = [int(x) for x in args.over_arch.split(",")]
     if dense[-1] != args.embedding_dim:
@@ -147,20 +156,26 @@ def build_model(args: argparse.Namespace, data: Any) -> nnx.Module:
     return DLRM(**common)
 
 
-def shard(args: argparse.Namespace, model: nnx.Module):
-    """``(mesh or None, model, plan description)``."""
-    n = args.devices
-    if n == 1:
-        return None, model, "unsharded"
+def make_mesh(args: argparse.Namespace, n: int | None = None) -> jax.sharding.Mesh:
+    """A mesh ``("x",)`` of ``n`` (default ``--devices``) devices, every process's."""
+    n = args.devices if n is None else n
     try:
         devices = dist.mesh_devices(n)  # n / process_count from each process
     except ValueError as e:
         raise SystemExit(f"--devices {n}: {e}") from None
-    mesh = jax.make_mesh((n,), ("x",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh((n,), ("x",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def logical_plan(
+    args: argparse.Namespace, model: nnx.Module, mesh: jax.sharding.Mesh, constraints=None
+) -> dist.EmbeddingModuleShardingPlan:
+    """The plan of the collection's logical tables over ``mesh``: ``--sharding``'s, or
+    the planner's for ``--batch-size`` samples a device, ``--hbm-gib`` of device memory
+    (default: what the devices report) and ``constraints`` (``{table:
+    ParameterConstraints}``). ``model`` may be abstract (``nnx.eval_shape``)."""
+    n = mesh.size
     ebc = model.sparse_arch.embedding_bag_collection
-    if args.sharding == "planner":
-        plan = None
-    else:
+    if args.sharding != "planner":
         names = [t.name for t in ebc.table_configs]
         gens = {
             "table_wise": lambda i: dist.table_wise(i % n),
@@ -168,13 +183,36 @@ def shard(args: argparse.Namespace, model: nnx.Module):
             "column_wise": lambda i: dist.column_wise(list(range(min(n, 2)))),
             "data_parallel": lambda i: dist.data_parallel(),
         }[args.sharding]
-        module_plan = dist.construct_module_sharding_plan(
+        return dist.construct_module_sharding_plan(
             ebc, {t: gens(i) for i, t in enumerate(names)}, world_size=n
         )
-        plan = dist.ShardingPlan({EBC_PATH: module_plan})
+    hbm = getattr(args, "hbm_gib", None)
+    extra = {} if hbm is None else {"hbm_cap": int(hbm * 2**30)}
+    topology = planner.Topology.from_devices(
+        list(mesh.devices.flat), batch_size=args.batch_size, **extra
+    )
+    try:
+        plan = planner.plan_for_model(
+            model, mesh, optimizer=build_optimizer(args), topology=topology,
+            constraints=constraints,
+        )  # fmt: skip
+    except planner.PlannerError as e:
+        raise SystemExit(f"--sharding planner: {e}") from None
+    return plan.plan[EBC_PATH]
+
+
+def shard(args: argparse.Namespace, model: nnx.Module, mesh=None, plan=None):
+    """``(mesh or None, model, plan description)``: the model over ``--devices``
+    devices with ``plan`` (default :func:`logical_plan`); one device: unsharded."""
+    if args.devices == 1:
+        return None, model, "unsharded"
+    mesh = make_mesh(args) if mesh is None else mesh
+    plan = logical_plan(args, model, mesh) if plan is None else plan
     q = getattr(args, "qcomms", "fp32")
     qcomms = dist.QCommsConfig(forward_precision=q, backward_precision=q)
-    model = dist.DistributedModelParallel(model, plan, mesh, qcomms=qcomms)
+    model = dist.DistributedModelParallel(
+        model, dist.ShardingPlan({EBC_PATH: plan}), mesh, qcomms=qcomms
+    )
     sharded = model.sparse_arch.embedding_bag_collection
     kinds = sorted(
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
@@ -191,10 +229,13 @@ def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
     ]
 
 
-def fit_capacities(model: nnx.Module, data: Any, args: argparse.Namespace, batches: int = 8):
+def fit_capacities(
+    model: nnx.Module, data: Any, args: argparse.Namespace, batches: int = 8, view=None
+):
     """Sizes the sharded collection's id exchange from the loads of the first training
     batches (measured statistics: these ids are skewed, so a row-wise shard holding hot
     rows gets more than its share, which would cost extra exchange rounds every step).
+    ``view``: host KJT -> the KJT the collection sees (cached tables' ids as slots).
     Returns ``{width group: capacity}``."""
     sharded = model.sparse_arch.embedding_bag_collection
     # The one-process stream on every process: each must compile the same program.
@@ -202,6 +243,7 @@ def fit_capacities(model: nnx.Module, data: Any, args: argparse.Namespace, batch
         args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
     )
     kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
+    kjts = kjts if view is None else [view(k) for k in kjts]
     sharded.capacity = sharded.measure_capacities(kjts)
     return sharded.capacity
 
@@ -234,7 +276,20 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
 
 # ----- evaluation -----
 def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str, float]:
-    """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC).
+    """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC);
+    :func:`evaluate_cached` for a model with cached tables."""
+    return _evaluate(eval_step, state, data, args, mesh, None)[0]
+
+
+def evaluate_cached(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, float], Any]:
+    """``(metrics, state)``: :func:`evaluate` of a model whose cached tables are in
+    ``cache`` (a ``RowCache``): each batch's rows are loaded before its step (which takes
+    ``state``: go on with the state returned). Call it with no batch prefetched."""
+    return _evaluate(eval_step, state, data, args, mesh, cache)
+
+
+def _evaluate(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, float], Any]:
+    """The metrics of :func:`evaluate`, and the state (after the cache's loads).
 
     The rows after the last full global batch are spread over the devices and
     each device's batch padded with empty samples of weight 0, so no sample is
@@ -276,6 +331,8 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
         items = [
             (b, (np.arange(size) < n).astype(np.float32)) for b, n in zip(local, rows, strict=True)
         ]
+        if cache is not None:  # the cached tables' rows in their slots, ids as slots
+            state, items = cache.load_batch(state, items)
         batch, weights = (
             dist.shard_batch(items, mesh) if mesh is not None else jax.device_put(items[0])
         )
@@ -283,7 +340,7 @@ def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str
         window.push(mstate)
     collection.check(mstate)
     out = collection.compute(mstate)
-    return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}
+    return {k.split("-", 1)[1]: float(np.asarray(v)) for k, v in out.items()}, state
 
 
 def _pad(batch, size: int, caps, keep: int | None = None):

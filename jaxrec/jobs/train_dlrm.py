@@ -43,19 +43,32 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
+from ..cache import CachedTrainStep, CacheTooSmallError, prefetching
 from ..checkpoint import CheckpointManager
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
-from ..distributed import initialize, launched_processes, process_ranks
+from ..distributed import initialize, launched_processes, process_ranks, shard_batch
 from ..train import TrainPipeline
+from .dlrm_cache import (
+    cache_summary,
+    cached_text,
+    check_cache_flags,
+    device_tables,
+    forced,
+    place_tables,
+    row_cache,
+    slot_view,
+)
 from .dlrm_parts import (
     build_model,
     build_optimizer,
     evaluate,
+    evaluate_cached,
     fit_capacities,
     load_data,
     make_steps,
     plan_rows,
     shard,
+    table_configs,
 )
 from .progress import Progress, plan_table
 from .run_dir import clear_outputs, new_run_dir, resume_needs_run_dir
@@ -142,6 +155,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("fp32", "fp16", "bf16"),
         help="precision of the embedding payloads between devices (TorchRec's QComms)",
     )
+    host = p.add_argument_group(
+        "host memory (TorchRec's fused_uvm_caching: a table in host memory, a device cache "
+        "of its rows)"
+    )
+    host.add_argument(
+        "--hbm-gib",
+        type=float,
+        help="planner: device memory per device in GiB (default: what the devices report); "
+        "tables that do not fit are kept in host memory with a device cache",
+    )
+    host.add_argument(
+        "--cache-tables",
+        help="tables always kept in host memory with a device cache: comma-separated "
+        "names (t_<feature>, e.g. t_cat_0) or 'all'",
+    )
+    host.add_argument(
+        "--cache-load-factor",
+        type=float,
+        default=0.2,
+        help="the device cache's share of a cached table's rows (TorchRec's default)",
+    )
+    host.add_argument(
+        "--cache-algorithm",
+        default="lru",
+        choices=("lru", "lfu"),
+        help="which cached row a miss replaces",
+    )
     procs = p.add_argument_group("processes (multi-host; see jaxrec.distributed.initialize)")
     procs.add_argument(
         "--distributed",
@@ -179,13 +219,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        return _run(parse_args(argv))
+    except CacheTooSmallError as e:  # a batch's rows do not fit a cached table's slots
+        raise SystemExit(
+            f"jaxrec-train-dlrm: {e} (here: --cache-load-factor, or a smaller --batch-size)"
+        ) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     _start_processes(args)  # before the first array starts JAX's backend
     if jax.process_count() > 1 and args.devices == 1:
         args.devices = jax.device_count()
     lead = jax.process_index() == 0  # the one process that writes reports
     log = Progress(quiet=args.quiet or not lead)
     _check_run_dir_flags(args)
+    check_cache_flags(args)
     # Optional libraries: a run without them says once what it skips.
     tensorboard = (
         args.tensorboard
@@ -197,20 +246,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.note("fetching MovieLens-100k (pip download recbole; once, into the cache)...")
     log.note(f"preparing {args.dataset} data...")
     train_data, eval_data = load_data(args)
+    configs = table_configs(args, train_data)
+    forced(args, configs)  # names checked before the run's directory is made
     run_dir = _make_run_dir(args, lead)  # after the data: a run that cannot start leaves none
     args.run_dir = str(run_dir)  # args.json records where the run is
     log.note(f"run directory: {run_dir}")
     if lead:
         _save_args(run_dir, args, train_data)
-    model = build_model(args, train_data)
-    mesh, model, plan_text = shard(args, model)
+    mesh, plan, cached = place_tables(args, train_data, configs)
+    device_configs, device_plan = device_tables(configs, plan, cached)
+    model = build_model(args, train_data, device_configs)
+    mesh, model, plan_text = shard(args, model, mesh, device_plan)
     ranks = process_ranks(mesh) if mesh is not None else [0]  # the devices this process feeds
     if mesh is not None:
         log.note(f"sharding plan over {args.devices} devices ({args.sharding}):")
         log.note(plan_table(plan_rows(model)))
-        fit_capacities(model, train_data, args)
+        view = (lambda kjt: slot_view(kjt, configs, plan, cached)) if cached else None
+        fit_capacities(model, train_data, args, view=view)
+    if cached:
+        log.note(cached_text(configs, cached))
     optimizer = build_optimizer(args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
+    rc = row_cache(args, configs, cached, graphdef, optimizer, state) if cached else None
+    to_device = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
+    if rc is not None:  # each batch's rows planned and gathered a batch ahead
+        step, to_device = CachedTrainStep(step, rc), prefetching(rc, to_device)
     ckpt = None if args.no_checkpoint else _checkpoints(run_dir, args)
     start_step = 0
     if not args.resume and ckpt is not None and ckpt.latest_step() is not None:
@@ -224,7 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume:
         if ckpt is None or ckpt.latest_step() is None:
             raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-        state, start_step = ckpt.resume(graphdef, optimizer, state)  # the newest intact step
+        if rc is not None:  # the host tables restored, the cache empty
+            state, start_step = rc.resume(ckpt, state)
+        else:
+            state, start_step = ckpt.resume(graphdef, optimizer, state)  # newest intact step
         log.note(f"resumed from step {start_step}")
 
     world = args.devices
@@ -242,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.note(f"{run_dir} finished at step {start_step}: its summary is kept")
         if ckpt:
             ckpt.close()
+        if rc is not None:
+            rc.close()
         if lead:
             print(json.dumps(finished), flush=True)
         return 0
@@ -250,58 +315,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = []
     eval_every = args.eval_every or per_epoch
 
-    pipeline = TrainPipeline(step, state, mesh=mesh)
+    pipeline = TrainPipeline(step, state, to_device=to_device)
+
+    def evaluate_now() -> dict:
+        if rc is None:
+            return evaluate(eval_step, pipeline.state, eval_data, args, mesh)
+        metrics, pipeline.state = evaluate_cached(
+            eval_step, pipeline.state, eval_data, args, mesh, rc
+        )
+        return metrics
+
+    def save(at: int) -> None:
+        if rc is None:
+            ckpt.save(at, graphdef, optimizer, pipeline.state, force=True)
+        else:  # the host tables in the checkpoint (the cache flushed first)
+            rc.save(ckpt, at, pipeline.state, force=True)
+
     step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
     train_time = 0.0
     if step_i < total:
         log.note(f"training steps {step_i + 1}..{total}; the first compiles the step...")
     log.start(total, initial=start_step)
+    saves = args.checkpoint_every if ckpt else 0
     for epoch in itertools.count(start_step // per_epoch):
         if step_i >= total:
             break
         skip = step_i - epoch * per_epoch  # resumed mid-epoch: the same order, minus done batches
         it = _device_batches(train_data, args, epoch, ranks, world, skip)
         while step_i < total:
-            try:
-                loss, _ = pipeline.progress(it)
-            except StopIteration:
+            # Segments end at each evaluation and checkpoint: the pipeline then holds no
+            # batch prefetched past it (a cache has no batch planned but not loaded).
+            stop = _next_stop(step_i, total, eval_every, saves)
+            for loss in _steps(pipeline, itertools.islice(it, stop - step_i)):
+                step_i += 1
+                samples += args.batch_size * world
+                losses.append(loss)
+                if step_i % 10 == 0 or step_i == total or step_i == start_step + 1:
+                    skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
+                    shown = {"skipped": skipped} if skipped else {}
+                    log.update(step_i, samples, loss=float(loss), **shown)
+                if step_i % 50 == 0 or step_i == total:
+                    mean_loss = float(sum(float(x) for x in losses) / len(losses))
+                    curves["train_loss"].append((step_i, mean_loss))
+                    if writer:
+                        writer.add_scalars({"train/loss": mean_loss}, step_i)
+                    losses = []
+            if step_i < stop:  # the epoch's batches ran out
                 break
-            step_i += 1
-            samples += args.batch_size * world
-            losses.append(loss)
-            if step_i % 10 == 0 or step_i == total or step_i == start_step + 1:
-                skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
-                shown = {"skipped": skipped} if skipped else {}
-                log.update(step_i, samples, loss=float(loss), **shown)
-            if step_i % 50 == 0 or step_i == total:
-                mean_loss = float(sum(float(x) for x in losses) / len(losses))
-                curves["train_loss"].append((step_i, mean_loss))
-                if writer:
-                    writer.add_scalars({"train/loss": mean_loss}, step_i)
-                losses = []
             if step_i % eval_every == 0 or step_i == total:
                 jax.block_until_ready(pipeline.state)
                 train_time += time.perf_counter() - t0
-                metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
+                metrics = evaluate_now()
                 history.append({"step": step_i, "epoch": epoch, **metrics})
                 _record_eval(run_dir, history[-1], curves, writer, lead)
                 log.note(
                     f"step {step_i}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                 )
                 t0 = time.perf_counter()
-            if ckpt and args.checkpoint_every and step_i % args.checkpoint_every == 0:
-                ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
+            if saves and step_i % saves == 0:
+                save(step_i)
         pipeline.close()
     jax.block_until_ready(pipeline.state)
     train_time += time.perf_counter() - t0
     log.close()
     if not history:  # resumed at the last step, with no summary left: evaluate it now
-        metrics = evaluate(eval_step, pipeline.state, eval_data, args, mesh)
+        metrics = evaluate_now()
         history.append({"step": step_i, "epoch": max(step_i - 1, 0) // per_epoch, **metrics})
         _record_eval(run_dir, history[-1], curves, writer, lead)
     if ckpt:
         if ckpt.latest_step() != step_i:
-            ckpt.save(step_i, graphdef, optimizer, pipeline.state, force=True)
+            save(step_i)
         ckpt.wait_until_finished()
         ckpt.close()
     if writer:
@@ -320,13 +403,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         "samples_per_s": round(samples / max(train_time, 1e-9), 1),
         "train_seconds": round(train_time, 2),
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
+        **({} if rc is None else {"cached_tables": cache_summary(rc)}),
         "eval": history[-1],
         **train_data.reference_metrics(eval_data),
     }
+    if rc is not None:
+        rc.close()
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _steps(pipeline: TrainPipeline, batches: Iterator) -> Iterator:
+    """The pipeline's losses over ``batches``, one step each, until they run out."""
+    while True:
+        try:
+            yield pipeline.progress(batches)[0]
+        except StopIteration:
+            return
+
+
+def _next_stop(step: int, total: int, eval_every: int, save_every: int) -> int:
+    """The next step after ``step`` that evaluates, checkpoints or ends the run."""
+    stops = [total, (step // eval_every + 1) * eval_every]
+    if save_every:
+        stops.append((step // save_every + 1) * save_every)
+    return min(stops)
 
 
 def _check_run_dir_flags(args: argparse.Namespace) -> None:

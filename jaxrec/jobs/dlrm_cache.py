@@ -1,0 +1,186 @@
+"""The job's tables in host memory (TorchRec's ``fused_uvm_caching``): which the plan
+caches, their slot tables on the devices, their host tables and the ``RowCache``.
+
+A table is cached when ``--cache-tables`` names it or when the planner caches it
+because the tables do not fit the devices' memory (``--hbm-gib``). Its logical rows
+and optimizer rows live in host memory, initialised there a chunk at a time (never
+whole on a device); the device holds ``--cache-load-factor`` of its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from flax import nnx
+
+from ..cache import CacheParams, HostTable, RowCache, cached_configs, device_plan, host_rows
+from ..cache.configs import slots_per_shard
+from ..cache.ids import with_values
+from ..configs import EmbeddingBagConfig
+from ..distributed import EmbeddingModuleShardingPlan, ShardingType
+from ..distributed.planner import ParameterConstraints
+from ..distributed.types import EmbeddingComputeKernel
+from .dlrm_parts import build_model, logical_plan, make_mesh
+
+CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING
+
+
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """Fails early (before any data is read) on cache flags that cannot work."""
+    if args.hbm_gib is not None and args.sharding != "planner":
+        raise SystemExit("--hbm-gib is the planner's device memory: use --sharding planner")
+    if args.hbm_gib is not None and not args.hbm_gib > 0:
+        raise SystemExit(f"--hbm-gib must be positive, got {args.hbm_gib}")
+    if not 0 < args.cache_load_factor <= 1:
+        raise SystemExit(
+            f"--cache-load-factor must be in (0, 1] (the cached share of a table's rows), "
+            f"got {args.cache_load_factor}"
+        )
+    if args.cache_tables and args.sharding == "data_parallel":
+        raise SystemExit(
+            "--cache-tables: data_parallel tables (a replica on every device) cannot be "
+            "cached: use another --sharding"
+        )
+
+
+def cache_params(args: argparse.Namespace) -> CacheParams:
+    return CacheParams(algorithm=args.cache_algorithm, load_factor=args.cache_load_factor)
+
+
+def forced(args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]) -> list[str]:
+    """The tables ``--cache-tables`` names (``all``: every table)."""
+    if not args.cache_tables:
+        return []
+    names = [c.name for c in configs]
+    if args.cache_tables == "all":
+        return names
+    wanted = [t.strip() for t in args.cache_tables.split(",") if t.strip()]
+    unknown = [t for t in wanted if t not in names]
+    if unknown:
+        raise SystemExit(
+            f"--cache-tables: no table {unknown}; the tables are {names} (or pass 'all')"
+        )
+    return wanted
+
+
+def constraints(
+    args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]
+) -> dict[str, ParameterConstraints]:
+    """The planner's constraints: ``--cache-tables`` cached always; any other table the
+    planner caches gets the same ``CacheParams``."""
+    always, params = set(forced(args, configs)), cache_params(args)
+    return {
+        c.name: ParameterConstraints(
+            compute_kernels=[CACHED] if c.name in always else None, cache_params=params
+        )
+        for c in configs
+    }
+
+
+def with_forced(
+    args: argparse.Namespace,
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingModuleShardingPlan,
+) -> EmbeddingModuleShardingPlan:
+    """``plan`` (an explicit ``--sharding``'s) with the ``--cache-tables`` cached."""
+    out = EmbeddingModuleShardingPlan(plan)
+    for name in forced(args, configs):
+        p = plan[name]
+        if p.sharding_type is ShardingType.DATA_PARALLEL:
+            raise SystemExit(
+                f"--cache-tables: {name} is data_parallel (a replica on every device), which "
+                "cannot be cached: use another --sharding"
+            )
+        out[name] = dataclasses.replace(p, compute_kernel=CACHED, cache_params=cache_params(args))
+    return out
+
+
+def cached_tables(plan: EmbeddingModuleShardingPlan) -> dict[str, CacheParams]:
+    """``{table: CacheParams}`` of the plan's cached tables."""
+    return {n: p.cache_params for n, p in plan.items() if p.compute_kernel is CACHED}
+
+
+def device_tables(configs, plan, cached):
+    """``(configs, plan)`` of the devices' tables: each cached table as its slots
+    (``plan`` None: unsharded)."""
+    if not cached:
+        return list(configs), plan
+    if plan is None:
+        return cached_configs(configs, cached), None
+    return device_plan(configs, plan)
+
+
+def row_cache(args, configs, cached, graphdef, optimizer, state) -> RowCache:
+    """The ``RowCache`` of the cached tables, each process's host tables holding the
+    rows its devices cache (``host_rows``), initialised on the host (``--seed``)."""
+    hosts = {}
+    for c in configs:
+        if c.name in cached:
+            rows = host_rows(graphdef, optimizer, state, c)
+            hosts[c.name] = HostTable.create(c, optimizer.for_table(c.name), args.seed, rows)
+    return RowCache(graphdef, optimizer, state, hosts, cached)
+
+
+def slot_view(kjt, configs, plan, cached):
+    """``kjt`` with each cached table's ids as the first slot of the row shard that holds
+    them: the loads the id exchange sees once the cache rewrites ids as slots (for
+    ``measure_capacities``; the slot within a shard does not change a load)."""
+    geometry = {}
+    for c in configs:
+        if c.name in cached:
+            shards = len({s.shard_offsets[0] for s in plan[c.name].sharding_spec})
+            rows, slots = (
+                -(-c.num_embeddings // shards),
+                slots_per_shard(c.num_embeddings, shards, cached[c.name]),
+            )
+            geometry.update({f: (rows, slots) for f in c.feature_names})
+    values = np.array(kjt.values())
+    offsets = kjt.capacity_offsets()
+    for k, f in enumerate(kjt.keys()):
+        if f in geometry:
+            rows, slots = geometry[f]
+            part = values[offsets[k] : offsets[k + 1]]
+            values[offsets[k] : offsets[k + 1]] = (part // rows) * slots
+    return with_values(kjt, values)
+
+
+def place_tables(args: argparse.Namespace, data, configs):
+    """``(mesh or None, logical plan or None, {cached table: CacheParams})``.
+
+    One device runs unsharded; with ``--hbm-gib`` the planner still decides, on a
+    one-device mesh, which tables must be cached."""
+    planned = args.sharding == "planner" and (args.devices > 1 or args.hbm_gib is not None)
+    if args.devices == 1 and not planned:
+        return None, None, {t: cache_params(args) for t in forced(args, configs)}
+    mesh = make_mesh(args)
+    abstract = nnx.eval_shape(lambda: build_model(args, data, configs))  # nothing allocated
+    if args.sharding == "planner":
+        plan = logical_plan(args, abstract, mesh, constraints(args, configs))
+    else:
+        plan = with_forced(args, configs, logical_plan(args, abstract, mesh))
+    cached = cached_tables(plan)
+    return (None, None, cached) if args.devices == 1 else (mesh, plan, cached)
+
+
+def cached_text(configs, cached) -> str:
+    rows = {c.name: c.num_embeddings for c in configs}
+    tables = ", ".join(f"{t} ({rows[t]:,} rows)" for t in cached)
+    kinds = sorted({f"load factor {p.load_factor:g}, {p.algorithm.value}" for p in cached.values()})
+    return f"in host memory with a device cache ({'; '.join(kinds)}): {tables}"
+
+
+def cache_summary(rc) -> dict:
+    """Per cached table: its rows, device slots, cache and hit rate (this process's
+    lookups, training and evaluation)."""
+    out = {}
+    for name, t in rc.tables.items():
+        st = rc.stats[name]
+        out[name] = {
+            "rows": t.host.config.num_embeddings,
+            "slots": t.slots * len(t.maps),
+            "hit_rate": round(st.hit_rate, 4) if st.ids else None,
+        }
+    return out

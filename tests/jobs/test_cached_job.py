@@ -1,0 +1,99 @@
+"""``jaxrec-train-dlrm`` with tables in host memory and a device cache of their rows.
+
+A cached table's rows live on the host and move to the device as batches need them,
+so a run's results cannot depend on how many rows the device holds: a cache of 30% of
+the rows (evicting and writing back all along, rows prefetched a batch ahead) must
+train, evaluate and checkpoint exactly as a cache of every row (which never evicts),
+and resume exactly. The cache's own exactness against tables in device memory is
+tested in tests/cache.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrec.jobs.from_run import model_from_run
+from jaxrec.jobs.train_dlrm import main
+
+TINY = ["--num-train", "3072", "--num-eval", "1000", "--quiet"]
+CACHED = ["--cache-tables", "t_cat_0,t_cat_1,t_cat_2"]  # 1000, 583 and 1000 rows
+
+
+def _run(run_dir, *flags):
+    assert main([*TINY, "--run-dir", str(run_dir), *flags]) == 0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads((run_dir / "summary.json").read_text()), [json.loads(x) for x in lines]
+
+
+def _tables(run_dir):
+    """The checkpoint's tables, restored into the model with every table on the device."""
+    model, _ = model_from_run(run_dir)
+    ebc = model.sparse_arch.embedding_bag_collection
+    return {k: np.asarray(v) for k, v in ebc.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--batch-size", "128"],  # one device: the model unsharded
+        ["--batch-size", "64", "--devices", "2", "--sharding", "row_wise"],
+    ],
+    ids=["unsharded", "row_wise"],
+)
+def test_cache_size_changes_nothing(tmp_path, flags):
+    flags = [*flags, *CACHED, "--eval-every", "10", "--checkpoint-every", "16"]
+    whole, whole_evals = _run(tmp_path / "whole", *flags, "--cache-load-factor", "1")
+    small, small_evals = _run(tmp_path / "small", *flags, "--cache-load-factor", "0.3")
+    assert [e["step"] for e in small_evals] == [10, 20, 24]
+    assert small_evals == whole_evals  # every evaluation, bit for bit
+    got, want = _tables(tmp_path / "small"), _tables(tmp_path / "whole")
+    assert sorted(got) == sorted(want) and len(got) == 26
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # the smaller cache evicted: fewer slots, a lower hit rate
+    assert set(small["cached_tables"]) == {"t_cat_0", "t_cat_1", "t_cat_2"}
+    for name, rows in (("t_cat_0", 1000), ("t_cat_1", 583), ("t_cat_2", 1000)):
+        w, s = whole["cached_tables"][name], small["cached_tables"][name]
+        assert w["rows"] == s["rows"] == rows, name
+        assert w["slots"] >= rows and s["slots"] <= 0.3 * rows + 2, name
+        assert s["hit_rate"] < w["hit_rate"], name
+
+
+def test_cached_run_resumes_exactly(tmp_path):
+    flags = ["--batch-size", "128", "--epochs", "2", *CACHED, "--cache-load-factor", "0.3"]
+    whole, _ = _run(tmp_path / "whole", *flags, "--no-checkpoint")
+    part, _ = _run(tmp_path / "cut", *flags, "--max-steps", "30", "--checkpoint-every", "10")
+    assert part["steps"] == 30
+    resumed, _ = _run(tmp_path / "cut", *flags, "--resume")
+    assert resumed["steps"] == whole["steps"] == 48
+    assert resumed["eval"] == whole["eval"]
+
+
+def test_planner_caches_the_tables_that_do_not_fit(tmp_path):
+    """1 MiB of device memory a device: the planner keeps some tables in host memory."""
+    summary, _ = _run(
+        tmp_path / "run", "--batch-size", "64", "--devices", "2", "--hbm-gib", "0.001"
+    )
+    cached = summary["cached_tables"]
+    assert 0 < len(cached) < 26, cached
+    for name, c in cached.items():
+        assert c["slots"] <= 0.2 * c["rows"] + 2, (name, c)  # load factor 0.2 (default)
+        assert 0 < c["hit_rate"] < 1, (name, c)
+    assert summary["steps"] == 24 and 0 <= summary["eval"]["auc"] <= 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--hbm-gib", "1", "--sharding", "row_wise"], "use --sharding planner"),
+        (["--cache-tables", "t_cat_0", "--sharding", "data_parallel"], "cannot be cached"),
+        (["--cache-tables", "t_cat_0", "--cache-load-factor", "0"], "must be in (0, 1]"),
+        (["--cache-tables", "t_cat_0,t_nope"], "no table ['t_nope']"),
+        (["--cache-tables", "t_cat_8", "--cache-load-factor", "0.1"], "--cache-load-factor"),
+    ],
+)
+def test_bad_cache_flags_are_one_line(tmp_path, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--run-dir", str(tmp_path / "run"), *flags])
+    assert message in str(e.value) and "\n" not in str(e.value)
