@@ -29,11 +29,11 @@ ROOT = str(Path(jaxrec.__file__).resolve().parents[1])
 CODE = "import sys; from jaxrec.jobs.train_dlrm import main; sys.exit(main(sys.argv[1:]))"
 
 
-def _ratings(folder: Path, n: int = 1200) -> None:
+def _ratings(folder: Path, n: int = 1200, users: int = 40, items: int = 60) -> None:
     """An ml-20m style ratings.csv (user_id and item_id features, no dense)."""
     rng = np.random.default_rng(0)
     folder.mkdir()
-    users, items = rng.integers(1, 40, n), rng.integers(1, 60, n)
+    users, items = rng.integers(1, users, n), rng.integers(1, items, n)
     stars = 1 + (users % 5 + items % 7) // 2  # learnable from the ids
     cols = (users, items, stars)
     rows = [
@@ -99,6 +99,41 @@ def test_two_processes_equal_one_process(tmp_path):
     # in the last float32 bit (seen: 1 ulp), no more.
     for key, value in want["eval"].items():
         np.testing.assert_allclose(got["eval"][key], value, rtol=1e-6, err_msg=key)
+    assert tables
+
+
+def test_two_processes_with_cached_tables_equal_one_process(tmp_path):
+    """Both tables row-wise in host memory, each process holding its own devices' rows
+    (and planning them for both processes' ids), with a device cache of 60% of them:
+    the same run as one process's."""
+    _ratings(tmp_path / "ml", n=2400, users=400, items=600)
+    flags = ["--dataset", "movielens", "--data-dir", str(tmp_path / "ml"), "--quiet"]
+    flags += ["--sharding", "row_wise", "--batch-size", "16", "--max-steps", "6"]
+    flags += ["--embedding-dim", "4", "--dense-arch", "8,4", "--over-arch", "8,1"]
+    flags += ["--cache-tables", "all", "--cache-load-factor", "0.6", "--eval-every", "3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([*flags, "--devices", "8", "--run-dir", str(one)]) == 0
+    _run_two_processes([*flags, "--run-dir", str(two)])
+
+    want = json.loads((one / "summary.json").read_text())
+    got = json.loads((two / "summary.json").read_text())
+    assert (got["processes"], want["processes"], got["devices"]) == (2, 1, 8)
+    assert got["steps"] == want["steps"] == 6
+    assert sorted(got["cached_tables"]) == ["t_item_id", "t_user_id"]
+    for name, c in want["cached_tables"].items():
+        assert c["slots"] < c["rows"] and c["hit_rate"] < 1, (name, c)
+    evals = [(two / "metrics.jsonl"), (one / "metrics.jsonl")]
+    got_e, want_e = ([json.loads(x) for x in p.read_text().splitlines()] for p in evals)
+    assert [e["step"] for e in got_e] == [e["step"] for e in want_e] == [3, 6]
+    for g, w in zip(got_e, want_e, strict=True):  # (gloo's sums: the last float32 bit)
+        for key, value in w.items():
+            np.testing.assert_allclose(g[key], value, rtol=1e-6, err_msg=key)
+    # the checkpoint holds the logical tables, each process's rows written by it
+    tables = 0
+    for (name, a), (name_b, b) in zip(_leaves(one), _leaves(two), strict=True):
+        assert name == name_b
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-8, err_msg=name)
+        tables += "embedding_bag_collection" in name
     assert tables
 
 
