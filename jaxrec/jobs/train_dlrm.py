@@ -8,6 +8,13 @@ Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
 ``--devices N > 1`` the embedding tables are sharded over N devices (the
 planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
 
+Tables larger than the devices' memory live in host memory with a device cache
+of their rows (TorchRec's ``fused_uvm_caching``, :mod:`jaxrec.cache`): the
+planner caches what does not fit (``--hbm-gib`` sets the device memory it plans
+for), ``--cache-tables`` caches named tables always; ``--cache-load-factor`` and
+``--cache-algorithm`` size the caches. Each batch's rows are prefetched a batch
+ahead; results do not depend on the cache's size.
+
 Several processes (hosts): ``--coordinator-address``, ``--num-processes`` and
 ``--process-id``, or a launcher JAX detects (``srun``, ``mpirun``; any cluster
 with ``--distributed auto``). ``--devices`` then counts every process's devices
