@@ -238,3 +238,34 @@ def test_goal_four_times_one_hosts_memory_is_refused_naming_host_memory():
     assert "whatever the cache load factor" in msg
     assert "more host memory" in msg and "ddr_cap >=" in msg and "more hosts: about 2" in msg
     assert e.value.stats is not None and e.value.stats.placement.cached
+
+
+@pytest.mark.parametrize("batch, cacheable", [(4096, True), (65536, False)])
+def test_a_table_one_step_fills_is_not_cached(batch, cacheable):
+    """``small`` (200k rows) must be cached for the plan to fit. At a load factor of 0.2
+    its cache holds 40k rows: enough for the ~4k distinct rows of 4096 uniform ids a
+    step, not for the ~56k of 65536 (jaxrec's cache needs each batch's rows in slots),
+    so the planner then finds no plan rather than one whose first batch fails."""
+    tables = [_cfg("big", 4_000_000, 64), _cfg("small", 200_000, 64)]
+    only = {
+        "big": ParameterConstraints(hbm_only=True),
+        "small": ParameterConstraints(sharding_types=["table_wise"]),
+    }
+
+    def used(kernels):
+        cons = dict(only, small=ParameterConstraints(sharding_types=["table_wise"],
+                                                     compute_kernels=kernels))  # fmt: skip
+        planner = EmbeddingShardingPlanner(Topology(world_size=1, batch_size=batch), cons)
+        planner.plan(tables)
+        return planner.last_placement.hbm
+
+    fused, cached = used(["fused"]), used(["fused_uvm_caching"])
+    assert cached < fused  # 200k rows against a cache of 40k (and its buffers)
+    topo = Topology(world_size=1, batch_size=batch, hbm_cap=int((fused + cached) / 2 / 0.85))
+    planner = EmbeddingShardingPlanner(topo, only)
+    if not cacheable:
+        with pytest.raises(PlannerError):
+            planner.plan(tables)
+        return
+    p = planner.plan(tables).plan[""]
+    assert p["small"].compute_kernel is UVM and p["big"].compute_kernel is not UVM

@@ -18,14 +18,16 @@ Every sharded option whose table allows ``fused_uvm_caching`` also comes
 cached (the same shards, the table's ``cache_params``) when ``caching`` is
 asked for (the planner asks only when nothing fits in device memory), and
 only cached for a table whose constraints exclude ``fused``. Data-parallel
-tables are never cached.
+tables are never cached, and the planner does not choose to cache a shard whose
+cache would not hold the distinct rows of one step (uniform ids assumed).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from ..types import CacheParams, EmbeddingComputeKernel, ShardingType
+from ..types import CacheParams, EmbeddingComputeKernel, ShardingType, cache_slots
 from .cost_model import CostModel
 from .options import ShardingOption, ShardSpec, TableInfo
 
@@ -109,9 +111,24 @@ def enumerate_options(
         for o in out
         if EmbeddingComputeKernel.FUSED_UVM_CACHING in table.constraints.kernels(o[0])
     ]
-    if table.constraints.cache_only:
+    if table.constraints.cache_only:  # asked for: a too-small cache fails at its first batch
         return [o for o in fused if o.placement == "replicated"] + cached
+    cached = [o for o in cached if _cache_holds_a_step(table, o.shards, cache, n)]
     return fused + cached if caching else fused
+
+
+def _cache_holds_a_step(table: TableInfo, shards, cache: CacheParams, world: int) -> bool:
+    """Whether each shard's cache holds the distinct rows one step is expected to look up
+    on it (ids spread uniformly: ``rows * (1 - exp(-ids / rows))``). jaxrec's cache
+    needs every row of a batch in a slot; a table looked up more densely than that
+    (a small table at a small load factor) is no candidate for caching."""
+    for sh in shards:
+        if sh.nrows and sh.ncols:
+            ids = world * table.expected_ids * sh.nrows / table.rows  # every device's
+            distinct = sh.nrows * -math.expm1(-ids / sh.nrows)
+            if cache_slots(sh.nrows, cache.load_factor) < distinct:
+                return False
+    return True
 
 
 def estimate_option(
