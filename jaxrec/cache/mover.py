@@ -327,12 +327,10 @@ class Mover:
                 continue
             at, rows = at[keep], staged.evict_rows[j][keep]
             src, h = np.asarray(arrays[i]), host[key][self.buffers[i].field]  # no copies
-            for lo in range(0, len(at), _COPY_ROWS):  # a bounded temporary, not the cache's size
-                a, r = at[lo : lo + _COPY_ROWS], rows[lo : lo + _COPY_ROWS]
-                if h.ndim == 1:
-                    h[r] = src[a]
-                else:
-                    h[r, c.col : c.col + c.cols] = src[a, : c.cols]
+            if h.ndim == 1:
+                h[rows] = src[at]
+            else:
+                h[rows, c.col : c.col + c.cols] = src[at, : c.cols]
         return Pending([], [])
 
 
@@ -462,8 +460,6 @@ def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
     # a few bytes computed after the calls: waiting for them waits for the host writes
     return arrays, [a.reshape(-1)[:1] for a in arrays]
 
-
-_COPY_ROWS = 1 << 16  # rows a flush copies at a time on the CPU (16 MB of 256-byte rows)
 
 INPLACE = None  # the in-place CPU path: None = where it applies (tests force it off)
 

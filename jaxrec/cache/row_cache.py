@@ -476,13 +476,18 @@ class RowCache:
                     sl, r = m.cached()
                     slots.append(sl + s * t.slots)
                     rows.append(r + s * t.shard_rows)
-                es, er = device_rows(np.concatenate(slots), np.concatenate(rows),
-                                     [m[t.key] for m in later])  # fmt: skip
-                moves[t.key] = (np.zeros(0, np.int64), np.zeros(0, np.int64), es, er)
-            staged = self._mover.stage(moves, self._host)
-            if staged is not None:  # copies out only: nothing donated, the state stays valid
-                wheres = [b.where for b in self._mover.buffers]
-                self._mover.copy_out(_arrays(state, wheres), staged, self._host).write_back()
+                moves[t.key] = device_rows(np.concatenate(slots), np.concatenate(rows),
+                                           [m[t.key] for m in later])  # fmt: skip
+            wheres = [b.where for b in self._mover.buffers]
+            none = np.zeros(0, np.int64)
+            most = max([0, *(len(es) for es, _ in moves.values())])
+            for lo in range(0, most, _FLUSH_ROWS):  # a bounded temporary, not the cache's size
+                chunk = {k: (none, none, es[lo : lo + _FLUSH_ROWS], er[lo : lo + _FLUSH_ROWS])
+                         for k, (es, er) in moves.items()}  # fmt: skip
+                staged = self._mover.stage(chunk, self._host)
+                if staged is not None:  # copies out only: nothing donated, the state stays
+                    pending = self._mover.copy_out(_arrays(state, wheres), staged, self._host)
+                    pending.write_back()
             return state
 
     def discard_prefetched(self, state: TrainState) -> TrainState:
@@ -578,6 +583,10 @@ class RowCache:
 # take well under a millisecond and handing them to threads costs more than it saves
 # (4 tables, 2 cores: 41k ids each 6.2 -> 6.5 ms; 164k ids each 37 -> 30 ms)
 _THREAD_IDS = 1 << 16
+# cached rows a flush copies at a time, per table: its temporaries (positions, the rows
+# in pinned host memory off the CPU) stay bounded, not the size of the cache (tens of GB
+# at production size); 64 MB of 1 KB rows
+_FLUSH_ROWS = 1 << 16
 _MAX_UNSAVED = 255  # batches whose evicted rows are not back yet: the uint8 counts' bound
 _CACHES = itertools.count()  # RowCache objects made in this process: their exchange tags
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}

@@ -282,7 +282,7 @@ def _stopped_pipeline(inplace, monkeypatch, steps, batches, depth=2):
     """A prefetching pipeline over ``batches`` after ``steps`` steps (not exhausted: it
     holds batches prefetched), and the all-device model trained on the same steps."""
     monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
-    monkeypatch.setattr(mover, "_COPY_ROWS", 7)  # a flush copies in several chunks
+    monkeypatch.setattr(row_cache, "_FLUSH_ROWS", 7)  # a flush copies in several chunks
     opt, graphdef, state, g2, s2, cache = _twin()
     assert cache._mover.inplace == inplace
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
