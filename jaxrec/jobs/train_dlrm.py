@@ -1,5 +1,7 @@
 """The main job: train DLRM (or DLRM-DCN) on click data, evaluate, checkpoint, resume.
 
+Flags: ``jaxrec-train-dlrm --help`` (``dlrm_flags.py``).
+
 ``jaxrec-train-dlrm`` (console script) and ``python examples/train_dlrm.py``
 run :func:`main`. By default it trains on synthetic Criteo-like data with a
 planted model (about a minute on two CPU cores); ``--dataset criteo`` reads
@@ -65,6 +67,7 @@ from .dlrm_cache import (
     row_cache,
     slot_view,
 )
+from .dlrm_flags import parse_args
 from .dlrm_parts import (
     build_model,
     build_optimizer,
@@ -81,148 +84,6 @@ from .progress import Progress, plan_table
 from .run_dir import clear_outputs, new_run_dir, resume_needs_run_dir
 from .run_log import ScalarWriter, missing, plot_curves
 from .shards import rank_batches
-
-SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except the ``None`` and ``False`` that mean "not given"
-    (the hook ArgumentDefaultsHelpFormatter itself overrides)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:  # not 0: "in" would match it
-            return action.help
-        return super()._get_help_string(action)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="jaxrec-train-dlrm",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=_HelpFormatter,
-    )
-    data = p.add_argument_group("data")
-    data.add_argument(
-        "--dataset",
-        default="synthetic",
-        choices=("synthetic", "criteo", "movielens"),
-        help="synthetic: Criteo-like with a planted model; criteo: --data-dir needed; "
-        "movielens: ml-100k, fetched once (or --data-dir)",
-    )
-    data.add_argument(
-        "--data-dir", help="criteo: TSV day files or npy files; movielens: the folder"
-    )
-    data.add_argument("--num-train", type=int, default=300_000, help="synthetic: train samples")
-    data.add_argument("--num-eval", type=int, default=50_000, help="synthetic: eval samples")
-    data.add_argument(
-        "--num-embeddings", type=int, default=100_000, help="criteo: rows per table (modulo)"
-    )
-    data.add_argument(
-        "--multi-hot",
-        help="criteo/synthetic: expand each id into a bag of N ids, or 'mlperf' (DLRM-DCNv2 sizes)",
-    )
-    data.add_argument("--skip-malformed", action="store_true", help="criteo TSV: skip bad lines")
-    model = p.add_argument_group("model")
-    model.add_argument("--model", default="dlrm", choices=("dlrm", "dcn"), help="DLRM or DLRM-DCN")
-    model.add_argument("--embedding-dim", type=int, default=16, help="every table's width")
-    model.add_argument("--dense-arch", default="64,16", help="layer sizes; the last = emb dim")
-    model.add_argument("--over-arch", default="64,32,1", help="layer sizes; the last = 1")
-    model.add_argument("--dcn-layers", type=int, default=2, help="dcn: cross layers")
-    model.add_argument("--dcn-rank", type=int, default=16, help="dcn: low-rank dim")
-    train = p.add_argument_group("training")
-    train.add_argument(
-        "--batch-size",
-        type=int,
-        default=1024,
-        help="samples PER DEVICE: a step trains on --batch-size x --devices samples "
-        "(divide it by N with --devices N to keep the global batch, and the AUC)",
-    )
-    train.add_argument("--epochs", type=int, default=1, help="passes over the training set")
-    train.add_argument("--max-steps", type=int, help="stop after this many steps")
-    train.add_argument("--dense-lr", type=float, default=1e-3, help="Adam, for the MLPs")
-    train.add_argument(
-        "--sparse-lr", type=float, default=0.05, help="fused row-wise Adagrad, for the tables"
-    )
-    train.add_argument("--seed", type=int, default=0, help="data, initialisation, shuffling")
-    train.add_argument("--eval-every", type=int, default=0, help="steps; 0: after each epoch")
-    dist = p.add_argument_group("devices")
-    dist.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        help="shard tables over N devices (all processes together; several processes: "
-        "default every device)",
-    )
-    dist.add_argument(
-        "--sharding", default="planner", choices=SHARDINGS, help="planner: the planner's plan"
-    )
-    dist.add_argument(
-        "--qcomms",
-        default="fp32",
-        choices=("fp32", "fp16", "bf16"),
-        help="precision of the embedding payloads between devices (TorchRec's QComms)",
-    )
-    host = p.add_argument_group(
-        "host memory (TorchRec's fused_uvm_caching: a table in host memory, a device cache "
-        "of its rows)"
-    )
-    host.add_argument(
-        "--hbm-gib",
-        type=float,
-        help="planner: device memory per device in GiB (default: what the devices report); "
-        "tables that do not fit are kept in host memory with a device cache",
-    )
-    host.add_argument(
-        "--cache-tables",
-        help="tables always kept in host memory with a device cache: comma-separated "
-        "names (t_<feature>, e.g. t_cat_0) or 'all'",
-    )
-    host.add_argument(
-        "--cache-load-factor",
-        type=float,
-        default=0.2,
-        help="the device cache's share of a cached table's rows (TorchRec's default)",
-    )
-    host.add_argument(
-        "--cache-algorithm",
-        default="lru",
-        choices=("lru", "lfu"),
-        help="which cached row a miss replaces",
-    )
-    procs = p.add_argument_group("processes (multi-host; see jaxrec.distributed.initialize)")
-    procs.add_argument(
-        "--distributed",
-        default="env",
-        choices=("env", "auto", "off"),
-        help="env: several processes when the flags below or a launcher (srun, mpirun) say so; "
-        "auto: always let JAX detect the cluster; off: one process",
-    )
-    procs.add_argument("--coordinator-address", help="host:port of process 0")
-    procs.add_argument("--num-processes", type=int, help="processes in the job")
-    procs.add_argument("--process-id", type=int, help="this process, 0 .. num-processes - 1")
-    out = p.add_argument_group("outputs")
-    out.add_argument(
-        "--run-dir",
-        help="where the run writes; default: a new runs/dlrm-<date>-<time> per run "
-        "(needed with --resume and with several processes)",
-    )
-    out.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start --run-dir again, removing an earlier run's checkpoints and reports",
-    )
-    out.add_argument(
-        "--resume", action="store_true", help="continue --run-dir from its newest intact checkpoint"
-    )
-    out.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: at the end only")
-    out.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
-    out.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
-    out.add_argument(
-        "--tensorboard", action="store_true", help="write TensorBoard scalars (tensorboardX)"
-    )
-    out.add_argument("--plot", action="store_true", help="write curves.png (matplotlib)")
-    out.add_argument("--quiet", action="store_true", help="print only the summary line")
-    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
