@@ -389,6 +389,18 @@ def test_a_step_failing_after_its_load_hands_back_the_state(pipelined):
     assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))
 
 
+def test_a_failure_that_consumed_the_loaded_state_says_to_restore():
+    """A failure after the load that also consumed the loaded state's buffers (a run
+    failing on the device; not reproducible on the CPU, whose errors surface later)
+    hands back no state: the note says to restore from a checkpoint."""
+    *_, s2, _ = _twin()
+    kept = jc.step.handed_back(ValueError("a step failed"), s2)
+    assert kept.state is s2 and "go on with err.state" in str(kept.__notes__)
+    jax.tree.leaves(s2.params)[0].delete()  # as a failed run's donation leaves it
+    lost = jc.step.handed_back(ValueError("a step failed"), s2)
+    assert not hasattr(lost, "state") and "restore the cache" in str(lost.__notes__)
+
+
 def test_evaluation_between_pipeline_segments():
     """An endless loader cut into segments (itertools.islice): each segment's pipeline
     ends with nothing prefetched past it, so evaluation loads its batches and training
