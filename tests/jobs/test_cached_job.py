@@ -9,6 +9,7 @@ tested in tests/cache.
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -61,13 +62,20 @@ def test_cache_size_changes_nothing(tmp_path, flags):
 
 
 def test_cached_run_resumes_exactly(tmp_path):
-    flags = ["--batch-size", "128", "--epochs", "2", *CACHED, "--cache-load-factor", "0.3"]
+    """Cut at step 30, resumed with the cache, and resumed with every table on the
+    device (the checkpoint holds the logical tables): both end as the whole run."""
+    common = ["--batch-size", "128", "--epochs", "2"]
+    flags = [*common, *CACHED, "--cache-load-factor", "0.3"]
     whole, _ = _run(tmp_path / "whole", *flags, "--no-checkpoint")
     part, _ = _run(tmp_path / "cut", *flags, "--max-steps", "30", "--checkpoint-every", "10")
     assert part["steps"] == 30
+    shutil.copytree(tmp_path / "cut", tmp_path / "moved")
     resumed, _ = _run(tmp_path / "cut", *flags, "--resume")
     assert resumed["steps"] == whole["steps"] == 48
     assert resumed["eval"] == whole["eval"]
+    on_device, _ = _run(tmp_path / "moved", *common, "--resume")
+    assert "cached_tables" not in on_device and on_device["steps"] == 48
+    assert on_device["eval"] == whole["eval"]
 
 
 @pytest.mark.parametrize("devices", [1, 2])
