@@ -199,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
         else:  # the host tables in the checkpoint (the cache flushed first)
             rc.save(ckpt, at, pipeline.state, force=True)
 
+    jax.block_until_ready(pipeline.state)  # the tables' initialisation is not training
     step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
     train_time = 0.0
     if step_i < total:
