@@ -13,8 +13,10 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from ..cache import CacheParams, HostTable, RowCache, cached_configs, device_plan, host_rows
 from ..cache.configs import slots_per_shard
@@ -173,14 +175,17 @@ def cached_text(configs, cached) -> str:
 
 
 def cache_summary(rc) -> dict:
-    """Per cached table: its rows, device slots, cache and hit rate (this process's
-    lookups, training and evaluation)."""
+    """Per cached table: its rows, device slots and hit rate over every lookup,
+    training and evaluation. Each process counts the lookups of the row shards it
+    owns, so with several processes the counts are summed (every process calls this)."""
+    counts = np.array([[rc.stats[n].ids, rc.stats[n].misses] for n in rc.tables], np.int64)
+    if jax.process_count() > 1:
+        counts = multihost_utils.process_allgather(counts).sum(axis=0)
     out = {}
-    for name, t in rc.tables.items():
-        st = rc.stats[name]
+    for (name, t), (ids, misses) in zip(rc.tables.items(), counts, strict=True):
         out[name] = {
             "rows": t.host.config.num_embeddings,
             "slots": t.slots * len(t.maps),
-            "hit_rate": round(st.hit_rate, 4) if st.ids else None,
+            "hit_rate": round(1 - int(misses) / int(ids), 4) if ids else None,
         }
     return out

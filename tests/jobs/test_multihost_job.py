@@ -122,6 +122,8 @@ def test_two_processes_with_cached_tables_equal_one_process(tmp_path):
     assert sorted(got["cached_tables"]) == ["t_item_id", "t_user_id"]
     for name, c in want["cached_tables"].items():
         assert c["slots"] < c["rows"] and c["hit_rate"] < 1, (name, c)
+    # each process counts its own shards' lookups: summed, they are one process's
+    assert got["cached_tables"] == want["cached_tables"]
     evals = [(two / "metrics.jsonl"), (one / "metrics.jsonl")]
     got_e, want_e = ([json.loads(x) for x in p.read_text().splitlines()] for p in evals)
     assert [e["step"] for e in got_e] == [e["step"] for e in want_e] == [3, 6]
