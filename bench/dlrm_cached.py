@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from common import machine
+from common import emit, machine
 
 from jaxrec.jobs import dlrm_parts
 from jaxrec.jobs.train_dlrm import parse_args
@@ -91,11 +91,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
             **machine(),
         }
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+        emit(rec, a.out)
 
 
 if __name__ == "__main__":
