@@ -18,11 +18,19 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from ..cache import CacheParams, HostTable, RowCache, cached_configs, device_plan, host_rows
+from ..cache import (
+    CacheParams,
+    CacheStats,
+    HostTable,
+    RowCache,
+    cached_configs,
+    device_plan,
+    host_rows,
+)
 from ..cache.configs import slots_per_shard
 from ..cache.ids import with_values
 from ..configs import EmbeddingBagConfig
-from ..distributed import EmbeddingModuleShardingPlan, ShardingType
+from ..distributed import EmbeddingModuleShardingPlan
 from ..distributed.planner import ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
 from .dlrm_parts import build_model, logical_plan, make_mesh
@@ -61,10 +69,9 @@ def forced(args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]) -> l
         return names
     wanted = [t.strip() for t in args.cache_tables.split(",") if t.strip()]
     unknown = [t for t in wanted if t not in names]
-    if unknown:
-        raise SystemExit(
-            f"--cache-tables: no table {unknown}; the tables are {names} (or pass 'all')"
-        )
+    if unknown or not wanted:
+        what = f"no table {unknown}" if unknown else f"{args.cache_tables!r} names no table"
+        raise SystemExit(f"--cache-tables: {what}; the tables are {names} (or pass 'all')")
     return wanted
 
 
@@ -88,15 +95,11 @@ def with_forced(
     plan: EmbeddingModuleShardingPlan,
 ) -> EmbeddingModuleShardingPlan:
     """``plan`` (an explicit ``--sharding``'s) with the ``--cache-tables`` cached."""
-    out = EmbeddingModuleShardingPlan(plan)
+    out = EmbeddingModuleShardingPlan(plan)  # (data_parallel refused by check_cache_flags)
     for name in forced(args, configs):
-        p = plan[name]
-        if p.sharding_type is ShardingType.DATA_PARALLEL:
-            raise SystemExit(
-                f"--cache-tables: {name} is data_parallel (a replica on every device), which "
-                "cannot be cached: use another --sharding"
-            )
-        out[name] = dataclasses.replace(p, compute_kernel=CACHED, cache_params=cache_params(args))
+        out[name] = dataclasses.replace(
+            plan[name], compute_kernel=CACHED, cache_params=cache_params(args)
+        )
     return out
 
 
@@ -183,9 +186,10 @@ def cache_summary(rc) -> dict:
         counts = multihost_utils.process_allgather(counts).sum(axis=0)
     out = {}
     for (name, t), (ids, misses) in zip(rc.tables.items(), counts, strict=True):
+        stats = CacheStats(ids=int(ids), misses=int(misses))
         out[name] = {
             "rows": t.host.config.num_embeddings,
             "slots": t.slots * len(t.maps),
-            "hit_rate": round(1 - int(misses) / int(ids), 4) if ids else None,
+            "hit_rate": round(stats.hit_rate, 4) if ids else None,
         }
     return out

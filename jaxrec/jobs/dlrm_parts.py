@@ -156,9 +156,9 @@ def build_model(
     return DLRM(**common)
 
 
-def make_mesh(args: argparse.Namespace, n: int | None = None) -> jax.sharding.Mesh:
-    """A mesh ``("x",)`` of ``n`` (default ``--devices``) devices, every process's."""
-    n = args.devices if n is None else n
+def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """A mesh ``("x",)`` of ``--devices`` devices, every process's."""
+    n = args.devices
     try:
         devices = dist.mesh_devices(n)  # n / process_count from each process
     except ValueError as e:

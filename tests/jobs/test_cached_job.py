@@ -116,6 +116,7 @@ def test_planner_caches_the_tables_that_do_not_fit(tmp_path, devices):
         (["--cache-tables", "t_cat_0", "--sharding", "data_parallel"], "cannot be cached"),
         (["--cache-tables", "t_cat_0", "--cache-load-factor", "0"], "must be in (0, 1]"),
         (["--cache-tables", "t_cat_0,t_nope"], "no table ['t_nope']"),
+        (["--cache-tables", ","], "',' names no table"),
         (["--cache-tables", "t_cat_8", "--cache-load-factor", "0.1"], "--cache-load-factor"),
     ],
 )
