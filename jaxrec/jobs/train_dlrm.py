@@ -25,6 +25,11 @@ the same global stream as a one-process run, metrics and checkpoints are
 global, and process 0 alone writes the reports. ``--run-dir`` must be one
 directory that every process sees (a shared filesystem across hosts).
 
+From the command line the job first restarts itself with glibc's
+``glibc.malloc.hugetlb=1`` (:mod:`jaxrec.cpu.hugepages`): on a CPU its large
+tables then lie on huge pages from their first touch, with no collapse stalling
+the first step; ``JAXREC_CPU_HUGEPAGES=0`` turns it off.
+
 Steps whose loss or gradients are not finite (a NaN label or feature) are
 skipped and counted (``skipped`` on the progress line, ``skipped_steps`` in
 the summary; see ``make_train_step(skip_nonfinite=True)``).
@@ -54,6 +59,7 @@ from jax.experimental import multihost_utils
 
 from ..cache import CachedTrainStep, CacheTooSmallError, prefetching
 from ..checkpoint import CheckpointManager
+from ..cpu.hugepages import restart_with_huge_pages
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks, shard_batch
 from ..train import TrainPipeline
@@ -87,6 +93,8 @@ from .shards import rank_batches
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the command line: large tables on huge pages from the start
+        restart_with_huge_pages()
     try:
         return _run(parse_args(argv))
     except CacheTooSmallError as e:  # a batch's rows do not fit a cached table's slots
