@@ -48,12 +48,25 @@ def huge_page_env(environ: Mapping[str, str], thp_enabled: str | None = None) ->
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{value}" if tunables else value}
 
 
+def runs_own_command_line(argv: list[str], orig_argv: list[str]) -> bool:
+    """Whether the process was started to run this program: its arguments
+    (``sys.argv[1:]``) end the interpreter's command line (``sys.orig_argv``) and its
+    name is there (a script's path, ``-c``, or a ``-m`` module). Not so for a program
+    run inside another (``runpy`` with its own ``sys.argv``), which a restart would
+    start over."""
+    tail = argv[1:]
+    ends = len(orig_argv) > len(tail) and orig_argv[len(orig_argv) - len(tail) :] == tail
+    named = bool(argv) and (argv[0] in orig_argv or "-m" in orig_argv)
+    return ends and named
+
+
 def restart_with_huge_pages() -> None:
     """Starts this process again with ``glibc.malloc.hugetlb=1`` unless it needs no
-    restart (:func:`huge_page_env`); returns in the restarted process. Call it before
+    restart (:func:`huge_page_env`) or runs inside another program
+    (:func:`runs_own_command_line`); returns in the restarted process. Call it before
     any work: nothing of this process survives but its pid, arguments and files."""
     env = huge_page_env(os.environ)
-    if env is None:
+    if env is None or not runs_own_command_line(sys.argv, sys.orig_argv):
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -89,3 +89,19 @@ def test_restart_puts_a_large_array_on_huge_pages():
     assert off["same_pid"] and off["tunables"] == ""
     if "[madvise]" in _thp_mode():  # else every large mapping is huge anyway
         assert off["huge_kb"] == 0, off
+
+
+def test_only_a_process_started_for_the_program_restarts():
+    own = hugepages.runs_own_command_line
+    assert own(
+        ["/bin/jaxrec-train-dlrm", "--x", "1"], ["python", "/bin/jaxrec-train-dlrm", "--x", "1"]
+    )
+    assert own(
+        ["/src/jaxrec/jobs/train_dlrm.py", "--x"], ["python", "-m", "jaxrec.jobs.train_dlrm", "--x"]
+    )
+    assert own(["-c", "a"], ["python", "-c", "code", "a"])
+    # runpy inside a driver, with its own sys.argv: a restart would run the driver again
+    assert not own(
+        ["ex/train_dlrm.py", "--help"], ["python", "-c", "D", "ex/a.py", "ex/train_dlrm.py"]
+    )
+    assert not own(["ex/train_dlrm.py", "--x"], ["python", "driver.py", "--y"])
