@@ -45,6 +45,7 @@ from jaxrec import cache as jc
 from jaxrec import checkpoint as ckpt
 from jaxrec import optim, train
 from jaxrec.cache import native
+from jaxrec.cpu.hugepages import restart_with_huge_pages
 from jaxrec.datasets.random import zipf_ids
 from jaxrec.embedding import CombinedOptimizer
 
@@ -409,4 +410,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The all-device reference at its best: its tables on huge pages from the start.
+    restart_with_huge_pages()
     sys.exit(main())

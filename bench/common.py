@@ -166,7 +166,8 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    """The CPU this runs on: model, cores it may use, and each cache level's size per instance."""
+    """The CPU this runs on: model, cores it may use, each cache level's size per
+    instance, and glibc's tunables (``jaxrec.cpu.hugepages``)."""
     caches = {}
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
@@ -189,6 +190,8 @@ def machine() -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "cpus_online": os.cpu_count(),
         "caches": caches,
+        # glibc.malloc.hugetlb=1 here: large buffers on huge pages from their first touch
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }
 
 
