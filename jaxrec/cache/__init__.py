@@ -11,5 +11,6 @@ from .row_cache import Prepared as Prepared
 from .row_cache import RowCache as RowCache
 from .row_cache import host_rows as host_rows
 from .slots import CacheTooSmallError as CacheTooSmallError
+from .stats import measure_miss_rates as measure_miss_rates
 from .step import CachedTrainStep as CachedTrainStep
 from .step import prefetching as prefetching

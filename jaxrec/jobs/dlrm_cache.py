@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -28,10 +29,11 @@ from ..cache import (
     host_rows,
 )
 from ..cache.configs import slots_per_shard
-from ..cache.ids import with_values
+from ..cache.ids import feature_spans, with_values
+from ..cache.stats import measure_miss_rates
 from ..configs import EmbeddingBagConfig
 from ..distributed import EmbeddingModuleShardingPlan
-from ..distributed.planner import ParameterConstraints
+from ..distributed.planner import MissRateCurve, ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
 from .dlrm_parts import build_model, logical_plan, make_mesh
 
@@ -49,6 +51,16 @@ def check_cache_flags(args: argparse.Namespace) -> None:
             f"--cache-load-factor must be in (0, 1] (the cached share of a table's rows), "
             f"got {args.cache_load_factor}"
         )
+    if args.cache_statistics_batches < 0:
+        raise SystemExit(
+            f"--cache-statistics-batches must be 0 or more, got {args.cache_statistics_batches}"
+        )
+    if args.cache_statistics_batches and args.sharding != "planner":
+        raise SystemExit("--cache-statistics-batches prices the planner's caches: use "
+                         "--sharding planner")  # fmt: skip
+    if args.cache_statistics_batches and args.devices == 1 and args.hbm_gib is None:
+        raise SystemExit("--cache-statistics-batches: one device plans only with --hbm-gib "
+                         "(else nothing is planned or priced)")  # fmt: skip
     if args.cache_tables and args.sharding == "data_parallel":
         raise SystemExit(
             "--cache-tables: data_parallel tables (a replica on every device) cannot be "
@@ -76,17 +88,49 @@ def forced(args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]) -> l
 
 
 def constraints(
-    args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]
+    args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig], stats=None
 ) -> dict[str, ParameterConstraints]:
     """The planner's constraints: ``--cache-tables`` cached always; any other table the
-    planner caches gets the same ``CacheParams``."""
-    always, params = set(forced(args, configs)), cache_params(args)
+    planner caches gets the same ``CacheParams``; ``stats``: ``{table: CacheStatistics}``
+    (default: uniform ids)."""
+    always, params, stats = set(forced(args, configs)), cache_params(args), stats or {}
     return {
         c.name: ParameterConstraints(
-            compute_kernels=[CACHED] if c.name in always else None, cache_params=params
-        )
+            compute_kernels=[CACHED] if c.name in always else None,
+            cache_params=params,
+            cache_statistics=stats.get(c.name),
+        )  # fmt: skip
         for c in configs
     }
+
+
+def measured_statistics(args: argparse.Namespace, data, configs) -> dict[str, MissRateCurve]:
+    """Each table's miss rates on the first ``--cache-statistics-batches`` steps of the
+    one-process stream (every process measures the same, so all plan alike). A step's
+    ids are every device's batch together: a cache of the whole table sees them so
+    (a row shard's cache sees its rows of them, at about the table's rates)."""
+    n = args.cache_statistics_batches
+    if not n:
+        return {}
+    sample = data.batches(
+        args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
+    )
+    kjts = [b.sparse_features for b in itertools.islice(sample, n * args.devices)]
+    steps = [kjts[i : i + args.devices] for i in range(0, len(kjts), args.devices)]
+    out = {}
+    for c in configs:
+        features = set(c.feature_names)
+        batches = []
+        for step in steps:
+            ids = [
+                np.asarray(k.values())[lo:hi]
+                for k in step
+                for _, lo, hi in feature_spans(k, features)
+            ]
+            ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+            batches.append(ids[(ids >= 0) & (ids < c.num_embeddings)])  # as the cache does
+        out[c.name] = measure_miss_rates(batches, c.num_embeddings, algorithm=args.cache_algorithm)
+    return out
 
 
 def with_forced(
@@ -153,43 +197,59 @@ def slot_view(kjt, configs, plan, cached):
 
 
 def place_tables(args: argparse.Namespace, data, configs):
-    """``(mesh or None, logical plan or None, {cached table: CacheParams})``.
+    """``(mesh or None, logical plan or None, {cached table: CacheParams}, {table:
+    measured MissRateCurve})`` (the curves only with ``--cache-statistics-batches``).
 
     One device runs unsharded; with ``--hbm-gib`` the planner still decides, on a
     one-device mesh, which tables must be cached."""
     planned = args.sharding == "planner" and (args.devices > 1 or args.hbm_gib is not None)
     if args.devices == 1 and not planned:
-        return None, None, {t: cache_params(args) for t in forced(args, configs)}
+        return None, None, {t: cache_params(args) for t in forced(args, configs)}, {}
     mesh = make_mesh(args)
     abstract = nnx.eval_shape(lambda: build_model(args, data, configs))  # nothing allocated
+    stats = {}
     if args.sharding == "planner":
-        plan = logical_plan(args, abstract, mesh, constraints(args, configs))
+        stats = measured_statistics(args, data, configs)
+        plan = logical_plan(args, abstract, mesh, constraints(args, configs, stats))
     else:
         plan = with_forced(args, configs, logical_plan(args, abstract, mesh))
     cached = cached_tables(plan)
-    return (None, None, cached) if args.devices == 1 else (mesh, plan, cached)
+    return (None, None, cached, stats) if args.devices == 1 else (mesh, plan, cached, stats)
 
 
-def cached_text(configs, cached) -> str:
-    rows = {c.name: c.num_embeddings for c in configs}
-    tables = ", ".join(f"{t} ({rows[t]:,} rows)" for t in cached)
+def cached_text(configs, cached, stats=None) -> str:
+    rows, stats = {c.name: c.num_embeddings for c in configs}, stats or {}
+
+    def expected(t):
+        if t not in stats:
+            return ""
+        miss = stats[t].expected_miss_rate(cached[t].load_factor, rows[t])
+        return f", measured miss rate {miss:.3f}"
+
+    tables = ", ".join(f"{t} ({rows[t]:,} rows{expected(t)})" for t in cached)
     kinds = sorted({f"load factor {p.load_factor:g}, {p.algorithm.value}" for p in cached.values()})
     return f"in host memory with a device cache ({'; '.join(kinds)}): {tables}"
 
 
-def cache_summary(rc) -> dict:
+def cache_summary(rc, stats=None) -> dict:
     """Per cached table: its rows, device slots and hit rate over every lookup,
-    training and evaluation. Each process counts the lookups of the row shards it
-    owns, so with several processes the counts are summed (every process calls this)."""
+    training and evaluation (and, with measured ``stats``, the hit rate the planner
+    expected). Each process counts the lookups of the row shards it owns, so with
+    several processes the counts are summed (every process calls this)."""
+    stats = stats or {}
     counts = np.array([[rc.stats[n].ids, rc.stats[n].misses] for n in rc.tables], np.int64)
     if jax.process_count() > 1:
         counts = multihost_utils.process_allgather(counts).sum(axis=0)
     out = {}
     for (name, t), (ids, misses) in zip(rc.tables.items(), counts, strict=True):
-        stats = CacheStats(ids=int(ids), misses=int(misses))
+        counted = CacheStats(ids=int(ids), misses=int(misses))
         out[name] = {
             "rows": t.host.config.num_embeddings,
             "slots": t.slots * len(t.maps),
-            "hit_rate": round(stats.hit_rate, 4) if ids else None,
+            "hit_rate": round(counted.hit_rate, 4) if ids else None,
         }
+        if name in stats:
+            lf, rows = rc.tables[name].slots / t.shard_rows, t.host.config.num_embeddings
+            miss = stats[name].expected_miss_rate(lf, rows)
+            out[name]["planned_hit_rate"] = round(1 - miss, 4)
     return out

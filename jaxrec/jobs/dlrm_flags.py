@@ -114,6 +114,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("lru", "lfu"),
         help="which cached row a miss replaces",
     )
+    host.add_argument(
+        "--cache-statistics-batches",
+        type=int,
+        default=0,
+        help="planner: price caching with each table's miss rates measured on the first N "
+        "training steps (this cache's policy, from cold); 0: as if ids were uniform",
+    )
     procs = p.add_argument_group("processes (multi-host; see jaxrec.distributed.initialize)")
     procs.add_argument(
         "--distributed",

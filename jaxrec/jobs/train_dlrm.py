@@ -129,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
     log.note(f"run directory: {run_dir}")
     if lead:
         _save_args(run_dir, args, train_data)
-    mesh, plan, cached = place_tables(args, train_data, configs)
+    mesh, plan, cached, stats = place_tables(args, train_data, configs)
     device_configs, device_plan = device_tables(configs, plan, cached)
     model = build_model(args, train_data, device_configs)
     mesh, model, plan_text = shard(args, model, mesh, device_plan)
@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         view = (lambda kjt: slot_view(kjt, configs, plan, cached)) if cached else None
         fit_capacities(model, train_data, args, view=view)
     if cached:
-        log.note(cached_text(configs, cached))
+        log.note(cached_text(configs, cached, stats))
     optimizer = build_optimizer(args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
     rc = row_cache(args, configs, cached, graphdef, optimizer, state) if cached else None
@@ -280,7 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         "samples_per_s": round(samples / max(train_time, 1e-9), 1),
         "train_seconds": round(train_time, 2),
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
-        **({} if rc is None else {"cached_tables": cache_summary(rc)}),
+        **({} if rc is None else {"cached_tables": cache_summary(rc, stats)}),
         "eval": history[-1],
         **train_data.reference_metrics(eval_data),
     }

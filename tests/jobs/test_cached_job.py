@@ -98,14 +98,21 @@ def test_cached_training_equals_all_device_training(tmp_path):
 @pytest.mark.parametrize("devices", [1, 2])
 def test_planner_caches_the_tables_that_do_not_fit(tmp_path, devices):
     """1 MiB of device memory a device: the planner keeps some tables in host memory
-    (one device: it plans for one, and the model runs unsharded)."""
+    (one device: it plans for one, and the model runs unsharded). On two devices it
+    prices the caches with miss rates measured on the first 8 steps, and the summary
+    shows what it expected beside what the caches did."""
     flags = ["--batch-size", "64", "--devices", str(devices), "--hbm-gib", "0.001"]
+    measured = devices == 2
+    flags += ["--cache-statistics-batches", "8"] if measured else []
     summary, _ = _run(tmp_path / "run", *flags)
     cached = summary["cached_tables"]
     assert 0 < len(cached) < 26, cached
     for name, c in cached.items():
         assert c["slots"] <= 0.2 * c["rows"] + 2, (name, c)  # load factor 0.2 (default)
         assert 0 < c["hit_rate"] < 1, (name, c)
+        assert ("planned_hit_rate" in c) == measured, (name, c)
+        if measured:  # 8 cold steps against 24 steps and 3 evaluations: near, not equal
+            assert abs(c["planned_hit_rate"] - c["hit_rate"]) < 0.15, (name, c)
     assert summary["steps"] == 3072 // (64 * devices) and 0 <= summary["eval"]["auc"] <= 1
 
 
@@ -117,6 +124,9 @@ def test_planner_caches_the_tables_that_do_not_fit(tmp_path, devices):
         (["--cache-tables", "t_cat_0", "--cache-load-factor", "0"], "must be in (0, 1]"),
         (["--cache-tables", "t_cat_0,t_nope"], "no table ['t_nope']"),
         (["--cache-tables", ","], "',' names no table"),
+        (["--cache-statistics-batches", "-1"], "must be 0 or more"),
+        (["--cache-statistics-batches", "4", "--sharding", "row_wise"], "use --sharding planner"),
+        (["--cache-statistics-batches", "4"], "one device plans only with --hbm-gib"),
         (["--cache-tables", "t_cat_8", "--cache-load-factor", "0.1"], "--cache-load-factor"),
     ],
 )
