@@ -58,6 +58,10 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     if args.cache_statistics_batches and args.sharding != "planner":
         raise SystemExit("--cache-statistics-batches prices the planner's caches: use "
                          "--sharding planner")  # fmt: skip
+    if args.cache_scale_up and args.sharding != "planner":
+        raise SystemExit("--cache-scale-up is the planner's: use --sharding planner")
+    if args.cache_scale_up and args.devices == 1 and args.hbm_gib is None:
+        raise SystemExit("--cache-scale-up: one device plans only with --hbm-gib")
     if args.cache_statistics_batches and args.devices == 1 and args.hbm_gib is None:
         raise SystemExit("--cache-statistics-batches: one device plans only with --hbm-gib "
                          "(else nothing is planned or priced)")  # fmt: skip
@@ -220,15 +224,14 @@ def place_tables(args: argparse.Namespace, data, configs):
 def cached_text(configs, cached, stats=None) -> str:
     rows, stats = {c.name: c.num_embeddings for c in configs}, stats or {}
 
-    def expected(t):
-        if t not in stats:
-            return ""
-        miss = stats[t].expected_miss_rate(cached[t].load_factor, rows[t])
-        return f", measured miss rate {miss:.3f}"
+    def about(t):
+        lf, miss = cached[t].load_factor, ""
+        if t in stats:
+            miss = f", measured miss rate {stats[t].expected_miss_rate(lf, rows[t]):.3f}"
+        return f"{t} ({rows[t]:,} rows, load factor {lf:g}{miss})"
 
-    tables = ", ".join(f"{t} ({rows[t]:,} rows{expected(t)})" for t in cached)
-    kinds = sorted({f"load factor {p.load_factor:g}, {p.algorithm.value}" for p in cached.values()})
-    return f"in host memory with a device cache ({'; '.join(kinds)}): {tables}"
+    algorithms = "/".join(sorted({p.algorithm.value for p in cached.values()}))
+    return f"in host memory with a device cache ({algorithms}): " + ", ".join(map(about, cached))
 
 
 def cache_summary(rc, stats=None) -> dict:

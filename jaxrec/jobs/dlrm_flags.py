@@ -115,6 +115,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="which cached row a miss replaces",
     )
     host.add_argument(
+        "--cache-scale-up",
+        action="store_true",
+        help="planner: give the device memory its plan leaves free to the caches (larger "
+        "load factors, or tables whole on the devices)",
+    )
+    host.add_argument(
         "--cache-statistics-batches",
         type=int,
         default=0,

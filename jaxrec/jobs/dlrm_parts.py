@@ -195,6 +195,7 @@ def logical_plan(
         plan = planner.plan_for_model(
             model, mesh, optimizer=build_optimizer(args), topology=topology,
             constraints=constraints,
+            scale_up_caches=getattr(args, "cache_scale_up", False),
         )  # fmt: skip
     except planner.PlannerError as e:
         raise SystemExit(f"--sharding planner: {e}") from None

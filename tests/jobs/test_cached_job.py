@@ -100,15 +100,20 @@ def test_planner_caches_the_tables_that_do_not_fit(tmp_path, devices):
     """1 MiB of device memory a device: the planner keeps some tables in host memory
     (one device: it plans for one, and the model runs unsharded). On two devices it
     prices the caches with miss rates measured on the first 8 steps, and the summary
-    shows what it expected beside what the caches did."""
+    shows what it expected beside what the caches did; there it also gives the memory
+    its plan leaves free to some caches (``--cache-scale-up``)."""
     flags = ["--batch-size", "64", "--devices", str(devices), "--hbm-gib", "0.001"]
     measured = devices == 2
-    flags += ["--cache-statistics-batches", "8"] if measured else []
+    flags += ["--cache-statistics-batches", "8", "--cache-scale-up"] if measured else []
     summary, _ = _run(tmp_path / "run", *flags)
     cached = summary["cached_tables"]
     assert 0 < len(cached) < 26, cached
+    share = {name: c["slots"] / c["rows"] for name, c in cached.items()}
+    if measured:  # load factor 0.2 (the default) or more
+        assert min(share.values()) > 0.19 and max(share.values()) > 0.21, share
+    else:
+        assert max(share.values()) < 0.21, share
     for name, c in cached.items():
-        assert c["slots"] <= 0.2 * c["rows"] + 2, (name, c)  # load factor 0.2 (default)
         assert 0 < c["hit_rate"] < 1, (name, c)
         assert ("planned_hit_rate" in c) == measured, (name, c)
         if measured:  # 8 cold steps against 24 steps and 3 evaluations: near, not equal
@@ -127,6 +132,7 @@ def test_planner_caches_the_tables_that_do_not_fit(tmp_path, devices):
         (["--cache-statistics-batches", "-1"], "must be 0 or more"),
         (["--cache-statistics-batches", "4", "--sharding", "row_wise"], "use --sharding planner"),
         (["--cache-statistics-batches", "4"], "one device plans only with --hbm-gib"),
+        (["--cache-scale-up", "--sharding", "table_wise"], "use --sharding planner"),
         (["--cache-tables", "t_cat_8", "--cache-load-factor", "0.1"], "--cache-load-factor"),
     ],
 )

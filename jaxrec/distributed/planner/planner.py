@@ -33,6 +33,7 @@ from .proposers import (
     Proposer,
     UniformProposer,
 )
+from .scaleup import scale_up_caches
 from .stats import PlanStats, capacity_errors, infeasible_message
 from .storage import resolve_optimizer, table_optimizer
 from .topology import Topology
@@ -118,6 +119,10 @@ class EmbeddingShardingPlanner:
             process, the input pipeline and the system (10%; TorchRec keeps
             none) when tables are cached in host memory.
         proposers: default greedy, uniform and a bounded grid search.
+        scale_up_caches: when the best plan caches tables, spend the device
+            memory it leaves free on larger caches (load factors doubled, then
+            tables whole on the device), best step time per byte first
+            (TorchRec's ``EmbeddingOffloadScaleupProposer``; ``scaleup.py``).
 
     Example:
         >>> planner = EmbeddingShardingPlanner(Topology(world_size=8), optimizer="adam")
@@ -137,6 +142,7 @@ class EmbeddingShardingPlanner:
         reserved_ddr_fraction: float = 0.1,
         proposers: Sequence[Proposer] | None = None,
         partitioner: GreedyPerfPartitioner | None = None,
+        scale_up_caches: bool = False,
     ):
         for name, v in (("hbm", reserved_hbm_fraction), ("ddr", reserved_ddr_fraction)):
             if not 0 <= v < 1:
@@ -151,6 +157,7 @@ class EmbeddingShardingPlanner:
         self.reserved_ddr_fraction = reserved_ddr_fraction
         self.proposers = proposers
         self.partitioner = partitioner or GreedyPerfPartitioner()
+        self.scale_up_caches = scale_up_caches
         self.last_placement: Placement | None = None
         self.last_stats: PlanStats | None = None
 
@@ -257,7 +264,7 @@ class EmbeddingShardingPlanner:
                         if errors and (refused is None or rank < refused[0]):
                             refused = (rank, errors, placed)
                         if not errors and (best is None or rank < best[0]):
-                            best = (rank, placed, p.name)
+                            best = (rank, placed, p.name, proposal)
                     elif closest is None or placed.fullness() < closest.fullness():
                         closest = placed
 
@@ -272,6 +279,14 @@ class EmbeddingShardingPlanner:
             if any(cached):
                 options = [o + c for o, c in zip(options, cached, strict=True)]
                 search(options, (*proposers, CachingProposer()))
+        if best is not None and self.scale_up_caches and best[1].cached:
+            proposal, placed = scale_up_caches(
+                best[3], best[1], cost,
+                lambda trial: self.partitioner.partition(trial, cost, usable, usable_ddr),
+                lambda placed: not capacity_errors(placed, cost),
+            )  # fmt: skip
+            if placed is not best[1]:
+                best = ((placed.perf.total, placed.hbm), placed, best[2] + "+scale_up", proposal)
         elapsed = time.perf_counter() - start
         if best is None and refused is not None:
             stats = PlanStats(refused[2], cost, self.reserved_hbm_fraction, counts, "", elapsed)

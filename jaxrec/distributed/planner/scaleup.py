@@ -1,0 +1,87 @@
+"""Device memory a plan leaves free, spent on larger caches (TorchRec's
+``EmbeddingOffloadScaleupProposer``).
+
+A plan that caches tables keeps each cache at its ``CacheParams.load_factor``
+even when the devices have memory to spare. :func:`scale_up_caches` spends it:
+each cached table climbs a ladder of load factors (doubling, then the table
+whole in device memory, ``fused``, where its constraints allow it), and the rung
+taken next is the one that saves the most step time per device byte it adds,
+as the cost model prices misses (``cache_statistics``: a table whose hot rows a
+small cache already holds gains little). Every rung is placed by the
+partitioner; one that does not fit ends that table's climb. TorchRec splits a
+searched budget in proportion to each table's cacheability; this greedy uses the
+miss-rate curve itself and the partitioner's exact packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from ..types import EmbeddingComputeKernel
+from .cost_model import CostModel
+from .enumerator import estimate_option
+from .options import ShardingOption
+from .placement import Placement
+
+LADDER = 2.0  # each rung's load factor over the last one's
+PROMOTE_AT = 0.9  # past this load factor the next rung is the whole table (``fused``)
+FINEST = 1.1  # a rung that did not fit is halved (geometrically) down to this ratio
+
+
+def _rung(option: ShardingOption, cost: CostModel, load_factor: float) -> ShardingOption:
+    """``option``'s shards with a cache of ``load_factor``; at 1, the whole table in
+    device memory (``fused``) where its constraints allow it, else a cache of every row."""
+    kernels = option.table.constraints.kernels(option.sharding_type)
+    cache = None
+    if load_factor < 1 or EmbeddingComputeKernel.FUSED not in kernels:
+        cache = dataclasses.replace(option.cache, load_factor=min(1.0, load_factor))
+    return estimate_option(option.table, cost, option.sharding_type, option.shards,
+                           option.placement, option.ranks, option.blocks, cache=cache)  # fmt: skip
+
+
+def _target(good: float, bad: float | None) -> float | None:
+    """The next load factor to try above ``good`` (1: the whole table), below ``bad``
+    (the lowest that did not fit); None: none is worth a try."""
+    if bad is None:
+        return good * LADDER if good * LADDER <= PROMOTE_AT else 1.0
+    if bad / good <= FINEST:
+        return None
+    return math.floor((good * bad) ** 0.5 * 1e4) / 1e4  # 4 places: plans stay readable
+
+
+def scale_up_caches(
+    proposal: Sequence[ShardingOption],
+    placed: Placement,
+    cost: CostModel,
+    partition: Callable[[Sequence[ShardingOption]], Placement],
+    acceptable: Callable[[Placement], bool],
+) -> tuple[list[ShardingOption], Placement]:
+    """``proposal`` (placed as ``placed``) with its caches as large as the devices hold:
+    greedily, the rung that saves the most seconds a step per device byte, kept when
+    ``partition`` fits it, ``acceptable`` takes it and the step gets faster; a rung
+    that is not kept is tried again halfway down (geometrically)."""
+    proposal = list(proposal)
+    bounds = {i: (o.cache.load_factor, None) for i, o in enumerate(proposal) if o.cache}
+    while True:
+        rungs = {}
+        for i, (good, bad) in bounds.items():
+            lf = _target(good, bad) if proposal[i].cache is not None else None
+            if lf is not None:
+                rungs[i] = (lf, _rung(proposal[i], cost, lf))
+        if not rungs:
+            return proposal, placed
+        gains = {
+            i: (proposal[i].perf - r.perf) / max(r.total_bytes - proposal[i].total_bytes, 1.0)
+            for i, (_, r) in rungs.items()
+        }
+        i = max(gains, key=gains.get)
+        lf, rung = rungs[i]
+        trial = [*proposal[:i], rung, *proposal[i + 1 :]]
+        tried = partition(trial)
+        if tried.feasible and acceptable(tried) and tried.perf.total < placed.perf.total:
+            proposal, placed = trial, tried
+            bounds[i] = (lf, bounds[i][1])
+        else:
+            bounds[i] = (bounds[i][0], lf)
