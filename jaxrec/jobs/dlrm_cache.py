@@ -252,7 +252,7 @@ def cache_summary(rc, stats=None) -> dict:
             "hit_rate": round(counted.hit_rate, 4) if ids else None,
         }
         if name in stats:
-            lf, rows = rc.tables[name].slots / t.shard_rows, t.host.config.num_embeddings
+            lf, rows = t.slots / t.shard_rows, t.host.config.num_embeddings
             miss = stats[name].expected_miss_rate(lf, rows)
             out[name]["planned_hit_rate"] = round(1 - miss, 4)
     return out

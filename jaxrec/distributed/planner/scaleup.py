@@ -8,7 +8,8 @@ whole in device memory, ``fused``, where its constraints allow it), and the rung
 taken next is the one that saves the most step time per device byte it adds,
 as the cost model prices misses (``cache_statistics``: a table whose hot rows a
 small cache already holds gains little). Every rung is placed by the
-partitioner; one that does not fit ends that table's climb. TorchRec splits a
+partitioner; one that does not fit (or saves nothing) is tried again halfway
+down, geometrically, until it is within 10% of the last that did. TorchRec splits a
 searched budget in proportion to each table's cacheability; this greedy uses the
 miss-rate curve itself and the partitioner's exact packing.
 """
