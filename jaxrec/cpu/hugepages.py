@@ -48,6 +48,12 @@ def huge_page_env(environ: Mapping[str, str], thp_enabled: str | None = None) ->
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{value}" if tunables else value}
 
 
+def started_with_huge_pages(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``GLIBC_TUNABLES`` gives ``malloc`` huge pages (``hugetlb`` 1 or 2)."""
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    return any(t.strip() in (f"{TUNABLE}=1", f"{TUNABLE}=2") for t in tunables)
+
+
 def runs_own_command_line(argv: list[str], orig_argv: list[str]) -> bool:
     """Whether the process was started to run this program: its arguments
     (``sys.argv[1:]``) end the interpreter's command line (``sys.orig_argv``) and its

@@ -59,7 +59,7 @@ from jax.experimental import multihost_utils
 
 from ..cache import CachedTrainStep, CacheTooSmallError, prefetching
 from ..checkpoint import CheckpointManager
-from ..cpu.hugepages import restart_with_huge_pages
+from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks, shard_batch
 from ..train import TrainPipeline
@@ -280,6 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         "samples_per_s": round(samples / max(train_time, 1e-9), 1),
         "train_seconds": round(train_time, 2),
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
+        "huge_pages": started_with_huge_pages(),  # glibc.malloc.hugetlb (the CLI's restart)
         **({} if rc is None else {"cached_tables": cache_summary(rc, stats)}),
         "eval": history[-1],
         **train_data.reference_metrics(eval_data),

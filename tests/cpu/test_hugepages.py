@@ -105,3 +105,9 @@ def test_only_a_process_started_for_the_program_restarts():
         ["ex/train_dlrm.py", "--help"], ["python", "-c", "D", "ex/a.py", "ex/train_dlrm.py"]
     )
     assert not own(["ex/train_dlrm.py", "--x"], ["python", "driver.py", "--y"])
+
+
+def test_started_with_huge_pages_reads_the_tunable():
+    on = hugepages.started_with_huge_pages
+    assert on({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"})
+    assert not on({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) and not on({})

@@ -1,7 +1,10 @@
 """The main job (`jaxrec-train-dlrm`): outputs, evaluation over every sample, exact resume."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +13,7 @@ from numpy_reference import rank_auc
 from tensorboard_events import read_scalars
 
 from jaxrec.checkpoint import CheckpointWarning
+from jaxrec.cpu import hugepages
 from jaxrec.jobs import dlrm_parts, run_dir
 from jaxrec.jobs.train_dlrm import main, parse_args
 
@@ -77,6 +81,21 @@ def test_run_writes_summary_metrics_tensorboard_and_plot(tmp_path, capsys):
     assert main([*TINY, "--quiet", "--run-dir", str(run_dir), "--epochs", "2", "--resume"]) == 0
     assert (run_dir / "summary.json").read_text() == kept
     assert json.loads(capsys.readouterr().out) == summary
+
+
+def test_command_line_run_restarts_with_huge_pages(tmp_path):
+    """From the command line the job restarts once with glibc.malloc.hugetlb=1 (its
+    large buffers on huge pages from the first touch); main(argv) from Python does not."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    want = hugepages.huge_page_env(env) is not None  # glibc, THP not [never]
+    cmd = [sys.executable, "-m", "jaxrec.jobs.train_dlrm", *TINY, "--max-steps", "2",
+           "--no-checkpoint", "--quiet", "--run-dir", str(tmp_path / "cli")]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["huge_pages"] is want
+    _, inside = _run(tmp_path, "inside", "--max-steps", "1", "--no-checkpoint")
+    assert inside["huge_pages"] is hugepages.started_with_huge_pages()
 
 
 def test_fresh_run_directory_per_run(tmp_path, monkeypatch):
