@@ -5,6 +5,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from cache_model import lru_hit_rate
 
 import jaxrec as jr
 from jaxrec.cache import measure_miss_rates
@@ -33,7 +34,8 @@ def test_lru_with_one_id_a_batch_is_plain_lru():
     rows, n = 5000, 6000
     stream = zipf_ids(np.random.default_rng(0), rows, n, 0.9)
     lfs = (0.01, 0.05, 0.2)
-    curve = measure_miss_rates([stream[i : i + 1] for i in range(n)], rows, lfs, "lru")
+    batches = [stream[i : i + 1] for i in range(n)]
+    curve = measure_miss_rates(batches, rows, lfs, "lru", steady=False)  # the cold run alone
     want = [_lru_misses(stream.tolist(), cache_slots(rows, lf), n // 2) / (n // 2) for lf in lfs]
     assert curve.load_factors == lfs
     np.testing.assert_allclose(curve.miss_rates, want, rtol=0, atol=1e-12)
@@ -48,6 +50,23 @@ def test_uniform_ids_miss_as_the_uniform_law(algorithm):
     batches = [rng.integers(0, rows, 200) for _ in range(600)]
     curve = measure_miss_rates(batches, rows, (0.05, 0.2, 0.5), algorithm)
     np.testing.assert_allclose(curve.miss_rates, [0.95, 0.8, 0.5], atol=0.02)
+
+
+@pytest.mark.parametrize("alpha", [0.8, 1.05, 1.2])
+def test_a_short_sample_is_near_the_steady_state_and_not_below_it(alpha):
+    """100 batches of 2048 Zipf ids over 200k rows: a cache of more than ~15% of the rows
+    does not fill, so the cold run floors at the sample's first lookups; with the steady
+    estimate the curve keeps falling. The truth: Che's approximation on the law itself
+    (``bench/cache_model.py``, checked there against a simulated LRU)."""
+    rows, lfs = 200_000, (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+    rng = np.random.default_rng(3)
+    batches = [zipf_ids(rng, rows, 2048, alpha) for _ in range(100)]
+    truth = np.array([1 - lru_hit_rate(rows, cache_slots(rows, lf), alpha) for lf in lfs])
+    cold = np.array(measure_miss_rates(batches, rows, lfs, steady=False).miss_rates)
+    both = np.array(measure_miss_rates(batches, rows, lfs).miss_rates)
+    assert np.all(both - truth < 0.06) and np.all(both - truth > -0.01), (both, truth)
+    assert both[-1] < cold[-1] - 0.03  # the cold run alone stays far above at lf 0.5
+    assert np.all(cold - truth > -0.01)  # (the cold run errs high too)
 
 
 def test_a_cache_one_batch_overfills_misses_everything_and_bad_ids_are_refused():
