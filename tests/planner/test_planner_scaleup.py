@@ -89,3 +89,14 @@ def test_the_budget_goes_where_misses_drop_most():
     plan, _, _ = _plan(tables, topo, cons)
     f = _factors(plan)
     assert f["t1"] - 0.1 > 4 * (f["t0"] - 0.1) > 0, f  # t0 gets only what is left
+
+
+def test_alike_tables_share_the_memory():
+    """Four alike tables priced as uniform ids (straight curves: every byte gains the
+    same anywhere) share the spare memory rung by rung instead of one taking it all."""
+    tables = _tables([30_000_000] * 4)
+    cons = {t.name: ParameterConstraints(compute_kernels=["fused_uvm_caching"]) for t in tables}
+    row = 64 * 4 + 4
+    topo = Topology(world_size=1, hbm_cap=int(1.6 * 30_000_000 * row / 0.85), batch_size=4096)
+    f = sorted(_factors(_plan(tables, topo, cons)[0]).values())
+    assert f[0] > 0.3 and f[-1] / f[0] < 1.5, f  # each raised, within a rung of the others

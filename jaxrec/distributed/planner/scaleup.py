@@ -7,9 +7,10 @@ each cached table climbs a ladder of load factors (doubling, then the table
 whole in device memory, ``fused``, where its constraints allow it), and the rung
 taken next is the one that saves the most step time per device byte it adds,
 as the cost model prices misses (``cache_statistics``: a table whose hot rows a
-small cache already holds gains little). Every rung is placed by the
-partitioner; one that does not fit (or saves nothing) is tried again halfway
-down, geometrically, until it is within 10% of the last that did. TorchRec splits a
+small cache already holds gains little); near-ties go to the smallest cache.
+Every rung is placed by the partitioner; one that does not fit (or saves
+nothing) is tried again halfway down, geometrically, until it is within 10% of
+the last that did. TorchRec splits a
 searched budget in proportion to each table's cacheability; this greedy uses the
 miss-rate curve itself and the partitioner's exact packing.
 """
@@ -29,6 +30,7 @@ from .placement import Placement
 LADDER = 2.0  # each rung's load factor over the last one's
 PROMOTE_AT = 0.9  # past this load factor the next rung is the whole table (``fused``)
 FINEST = 1.1  # a rung that did not fit is halved (geometrically) down to this ratio
+NEAR_TIE = 0.9  # gains per byte this close to the best count as a tie
 
 
 def _rung(option: ShardingOption, cost: CostModel, load_factor: float) -> ShardingOption:
@@ -77,7 +79,11 @@ def scale_up_caches(
             i: (proposal[i].perf - r.perf) / max(r.total_bytes - proposal[i].total_bytes, 1.0)
             for i, (_, r) in rungs.items()
         }
-        i = max(gains, key=gains.get)
+        best = max(gains.values())
+        # near-ties go to the smallest cache: nearly straight curves (uniform ids, or a
+        # short sample's) would otherwise pile every byte on the first table to climb
+        near = [i for i, g in gains.items() if best > 0 and g >= NEAR_TIE * best]
+        i = min(near, key=lambda j: bounds[j][0]) if near else max(gains, key=gains.get)
         lf, rung = rungs[i]
         trial = [*proposal[:i], rung, *proposal[i + 1 :]]
         tried = partition(trial)
