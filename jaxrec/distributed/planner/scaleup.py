@@ -67,14 +67,14 @@ def scale_up_caches(
     that is not kept is tried again halfway down (geometrically)."""
     proposal = list(proposal)
     bounds = {i: (o.cache.load_factor, None) for i, o in enumerate(proposal) if o.cache}
-    while True:
-        rungs = {}
-        for i, (good, bad) in bounds.items():
-            lf = _target(good, bad) if proposal[i].cache is not None else None
-            if lf is not None:
-                rungs[i] = (lf, _rung(proposal[i], cost, lf))
-        if not rungs:
-            return proposal, placed
+
+    def next_rung(i):  # (load factor, option), or None: none left, or it saves nothing
+        lf = _target(*bounds[i]) if proposal[i].cache is not None else None
+        rung = None if lf is None else _rung(proposal[i], cost, lf)
+        return None if rung is None or rung.perf >= proposal[i].perf else (lf, rung)
+
+    rungs = {i: next_rung(i) for i in bounds}  # only the table just tried changes
+    while rungs := {i: r for i, r in rungs.items() if r is not None}:
         gains = {
             i: (proposal[i].perf - r.perf) / max(r.total_bytes - proposal[i].total_bytes, 1.0)
             for i, (_, r) in rungs.items()
@@ -82,8 +82,8 @@ def scale_up_caches(
         best = max(gains.values())
         # near-ties go to the smallest cache: nearly straight curves (uniform ids, or a
         # short sample's) would otherwise pile every byte on the first table to climb
-        near = [i for i, g in gains.items() if best > 0 and g >= NEAR_TIE * best]
-        i = min(near, key=lambda j: bounds[j][0]) if near else max(gains, key=gains.get)
+        near = [i for i, g in gains.items() if g >= NEAR_TIE * best]
+        i = min(near, key=lambda j: bounds[j][0])
         lf, rung = rungs[i]
         trial = [*proposal[:i], rung, *proposal[i + 1 :]]
         tried = partition(trial)
@@ -92,3 +92,5 @@ def scale_up_caches(
             bounds[i] = (lf, bounds[i][1])
         else:
             bounds[i] = (bounds[i][0], lf)
+        rungs[i] = next_rung(i)
+    return proposal, placed
