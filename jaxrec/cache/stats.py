@@ -55,10 +55,12 @@ def measure_miss_rates(
         raise ValueError("measure_miss_rates needs at least one batch of ids")
     if not 0 < counted <= 1:
         raise ValueError(f"counted must lie in (0, 1], got {counted}")
-    parts = [np.asarray(b, np.int32).ravel() for b in batches]
+    parts = [np.asarray(b).ravel() for b in batches]
     bad = [i for i, p in enumerate(parts) if len(p) and (p.min() < 0 or p.max() >= rows)]
     if bad:
         raise ValueError(f"batches {bad[:5]} hold ids outside [0, {rows})")
+    ids = np.int32 if rows <= np.iinfo(np.int32).max else np.int64  # int32: the C++ passes
+    parts = [p.astype(ids, copy=False) for p in parts]
     first = len(parts) - max(1, round(counted * len(parts)))
     rates = []
     for lf in load_factors:

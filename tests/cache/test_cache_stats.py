@@ -76,6 +76,8 @@ def test_a_cache_one_batch_overfills_misses_everything_and_bad_ids_are_refused()
     assert curve.miss_rates[0] == 1.0 and curve.miss_rates[1] == 1.0  # cold: every row new
     with pytest.raises(ValueError, match=r"batches \[1\] hold ids outside \[0, 1000\)"):
         measure_miss_rates([np.arange(5), np.array([1000])], rows)
+    with pytest.raises(ValueError, match=r"batches \[0\] hold ids outside"):  # not wrapped
+        measure_miss_rates([np.array([2**32 + 5], np.int64)], rows)
     with pytest.raises(ValueError, match="at least one batch"):
         measure_miss_rates([], rows)
 
