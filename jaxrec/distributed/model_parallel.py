@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,7 @@ from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
 from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from ..sparse import KeyedJaggedTensor
+from .abstract_build import build_abstract, draw_unsharded, is_abstract
 from .capacity import CAPACITY_FACTOR
 from .global_mc import GlobalBatchManagedCollision
 from .planner import ParameterConstraints, plan_for_model
@@ -40,7 +41,7 @@ WRAPPED = {
 
 
 def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
-    model: nnx.Module,
+    model: nnx.Module | Callable[[], nnx.Module],
     plan: ShardingPlan | None,
     mesh: jax.sharding.Mesh,
     *,
@@ -53,6 +54,12 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     exchange: str = "padded",
 ) -> nnx.Module:
     """Shards every embedding collection of ``model`` that ``plan`` names.
+
+    ``model`` is a built module (its tables are copied shard by shard), or its
+    constructor, a function of no arguments (TorchRec's ``meta`` device): the model
+    is then built abstractly (``nnx.eval_shape``), planned, and each device draws
+    only its own shards, with the values the eager build ``model()`` has; no device
+    or host holds a whole table (dense layers are built replicated, as eagerly).
 
     ``EmbeddingBagCollection`` s become :class:`ShardedEmbeddingBagCollection`
     and ``EmbeddingCollection`` s :class:`ShardedEmbeddingCollection`, in place
@@ -77,16 +84,22 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     :class:`ShardedEmbeddingBagCollection`; the same ``pooling_factors`` and
     ``capacity`` reach the planner when ``plan=None``.
     """
-    explicit = [
-        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == jax.sharding.AxisType.Explicit
-    ]  # fmt: skip
-    if explicit:
+    init_keys: dict[str, jax.Array] = {}
+    if not isinstance(model, nnx.Module):
+        if not callable(model):
+            raise TypeError(
+                "model must be an nnx.Module or a function of no arguments that builds one, "
+                f"got {type(model).__name__}"
+            )
+        _check_auto(mesh)
+        model, init_keys = build_abstract(model, mesh)
+    elif is_abstract(model):
         raise ValueError(
-            f"DistributedModelParallel needs a mesh with Auto axes; axes {explicit} are "
-            "Explicit (jax.make_mesh's default): build it with "
-            "axis_types=(jax.sharding.AxisType.Auto,) * ndim"
+            "the model is abstract (nnx.eval_shape): its shapes carry no values to shard. "
+            "Pass its constructor instead, DistributedModelParallel(lambda: Model(...), plan, "
+            "mesh): each device then draws its own shards, with the eager build's values"
         )
+    _check_auto(mesh)
     if plan is None:
         plan = plan_for_model(
             model, mesh, optimizer=optimizer, capacity_factor=capacity_factor,
@@ -111,13 +124,13 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         name = ".".join(map(str, path))
         sharder = SHARDERS.get(type(module))
         if sharder is not None and name in plan.plan:
-            mine = _own(module, options)
+            mine = _own(module, options, init_keys.get(name))
             sharded = sharder(module, plan.plan[name], mesh, **mine)
             replace_collection(model, path, sharded)
             found.add(name)
         attr = next((a for t, a in WRAPPED.items() if isinstance(module, t)), None)
         if attr is not None:
-            _adapt(model, path, module, attr, plan, mesh, options, found)
+            _adapt(model, path, module, attr, plan, mesh, options, found, init_keys)
     features = {
         f for _, m in nnx.iter_modules(model) if isinstance(m, ShardedCollection)
         for t in m.table_configs for f in t.feature_names
@@ -133,13 +146,28 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         raise ValueError(
             f"the plan names modules {unknown} that are not embedding collections of the model"
         )
+    if init_keys:
+        draw_unsharded(model, init_keys, mesh)
     replicated = NamedSharding(mesh, P())
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Not(_is_sharded_table))):
         var.set_value(jax.device_put(var.get_value(), replicated))
     return model
 
 
-def _adapt(model, path, module, attr, plan, mesh, options, found) -> None:
+def _check_auto(mesh: jax.sharding.Mesh) -> None:
+    explicit = [
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == jax.sharding.AxisType.Explicit
+    ]  # fmt: skip
+    if explicit:
+        raise ValueError(
+            f"DistributedModelParallel needs a mesh with Auto axes; axes {explicit} are "
+            "Explicit (jax.make_mesh's default): build it with "
+            "axis_types=(jax.sharding.AxisType.Auto,) * ndim"
+        )
+
+
+def _adapt(model, path, module, attr, plan, mesh, options, found, init_keys) -> None:
     """Shards ``module``'s collection if the plan names ``module`` (TorchRec's key), then
     adapts ``module`` to the stacked batches its sharded collection takes."""
     name = ".".join(map(str, path))
@@ -148,7 +176,8 @@ def _adapt(model, path, module, attr, plan, mesh, options, found) -> None:
         if isinstance(inner, ShardedCollection):
             raise ValueError(f"the plan names both {name!r} and {name}.{attr}: name one of them")
         sharder = SHARDERS[type(inner)]
-        setattr(module, attr, sharder(inner, plan.plan[name], mesh, **_own(inner, options)))
+        key = init_keys.get(f"{name}.{attr}")
+        setattr(module, attr, sharder(inner, plan.plan[name], mesh, **_own(inner, options, key)))
         found.add(name)
     if not isinstance(getattr(module, attr), ShardedCollection):
         return
@@ -159,12 +188,15 @@ def _adapt(model, path, module, attr, plan, mesh, options, found) -> None:
         module._managed_collision_collection = GlobalBatchManagedCollision(mcc)
 
 
-def _own(module, options: dict) -> dict:
-    """``options`` with the pooling factors of ``module``'s features only."""
+def _own(module, options: dict, init_key=None) -> dict:
+    """``options`` with the pooling factors of ``module``'s features only, and its init
+    key when it is built from a constructor."""
     pf = options["pooling_factors"]
     if pf:
         feats = {f for t in module.table_configs for f in t.feature_names}
         options = {**options, "pooling_factors": {k: v for k, v in pf.items() if k in feats}}
+    if init_key is not None:
+        options = {**options, "init_key": init_key}
     return options
 
 

@@ -47,6 +47,7 @@ from .id_checks import check_sharded_ids
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
 from .row_sums import column_split_row_sum, peer_schedule
+from .shard_init import check_drawable, draw_group, draw_replicated
 from .types import ParameterSharding
 
 # "exact": ids beyond the fast path take extra exchange rounds (counted in
@@ -78,6 +79,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         capacity_factor: float = CAPACITY_FACTOR,
         qcomms: QCommsConfig | None = None,
         exchange: str = "padded",
+        init_key: jax.Array | None = None,
     ):
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
@@ -124,7 +126,10 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         dp = [t for t in self.table_configs if t.name in self.layout.replicated]
         self.replicated_groups = group_tables(dp) if dp else ()
-        self.weights = nnx.Dict(self._place(logical_tables(module)))
+        if init_key is None:  # the module's tables, copied shard by shard
+            self.weights = nnx.Dict(self._place(logical_tables(module)))
+        else:  # drawn where they live (the module may be abstract: nnx.eval_shape)
+            self.weights = nnx.Dict(self._draw(init_key))
         self.overflow_count = OverflowCount(
             jax.device_put(jnp.zeros((mesh.size,), jnp.int32), self._sharded(P(self.axis)))
         )
@@ -195,6 +200,22 @@ class ShardedCollection(EmbeddingCollectionInterface):
             dtype = self.config(rg.tables[0]).dtype
             spec = self._sharded(P())
             out["dp_" + rg.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
+        return out
+
+    def _draw(self, key: jax.Array) -> dict:
+        """Every buffer drawn from the collection's init ``key``, each device drawing its
+        own shards: the values the unsharded collection built from ``key`` has."""
+        check_drawable(self.table_configs)
+        configs = {t.name: t for t in self.table_configs}
+        streams = {t.name: i for i, t in enumerate(self.table_configs)}
+        out = {
+            g.name: EmbeddingTable(draw_group(g, configs, streams, self.mesh, key))
+            for g in self.layout.groups
+        }
+        for rg in self.replicated_groups:
+            out["dp_" + rg.name] = EmbeddingTable(
+                draw_replicated(rg, configs, streams, self.mesh, key)
+            )
         return out
 
     def state_dict(self) -> dict[str, jax.Array]:

@@ -6,9 +6,11 @@ buffer per group; ``state_dict`` shows them per table, in TorchRec's keys.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +19,37 @@ from flax import nnx
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
 from ..ops import BoundsCheckMode, FeatureSlot, Implementation
-from ..ops.init import Draw, stacked
+from ..ops.init import TablePiece, uniform_rows
 from ..xla.backward import dedup_rows, source_grads
 from .blocks import Block, TableBlocks
 from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
 from .optimizer import state_key
 from .sparse_update import backward_update, reset_state_rows, subgroup_rows, update_subgroup
+
+@dataclasses.dataclass
+class _Recording:
+    keys: dict[int, jax.Array]
+    draw: bool
+
+
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
+    "jaxrec_init_keys", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_init_keys(*, draw: bool = True) -> Iterator[dict[int, jax.Array]]:
+    """Inside, every collection built records the key its tables draw from, under
+    ``id(collection)``: what a sharded build needs to draw each shard where it lives
+    (``jaxrec.distributed.DistributedModelParallel`` of a model constructor). With
+    ``draw=False`` (only under tracing: ``eval_shape``, or a ``jit`` whose outputs
+    leave the tables out) tables are zeros of their shape, not drawn."""
+    recording = _Recording({}, draw)
+    token = _RECORDING.set(recording)
+    try:
+        yield recording.keys
+    finally:
+        _RECORDING.reset(token)
 
 
 class EmbeddingTable(nnx.Variable):
@@ -145,9 +172,19 @@ class TableStorage(EmbeddingCollectionInterface):
         self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
         self.implementation = implementation
         self.embedding_names = tuple(n for ns in get_embedding_names_by_table(tables) for n in ns)
-        key = rngs.params()  # one draw per collection; table i uses fold_in(key, i)
+        key = rngs.params()  # one draw per collection; table i is stream i of it
+        recording = _RECORDING.get()
+        if recording is not None:
+            recording.keys[id(self)] = key
+        draw = recording is None or recording.draw
         self.weights = nnx.Dict(
-            {g.name: EmbeddingTable(self._init_group(g, key)) for g in self.groups}
+            {
+                g.name: EmbeddingTable(
+                    self.initial_weights(g, key) if draw
+                    else jnp.zeros((g.num_rows, g.embedding_dim), self.config(g.tables[0]).dtype)
+                )
+                for g in self.groups
+            }  # fmt: skip
         )
 
     def config(self, name: str) -> BaseEmbeddingConfig:
@@ -158,36 +195,39 @@ class TableStorage(EmbeddingCollectionInterface):
         """The table group (stacked buffer) called ``name``."""
         return next(g for g in self.groups if g.name == name)
 
-    def _init_group(self, group: TableGroup, key: jax.Array) -> jax.Array:
-        """The group's stacked initial weights. TorchRec's uniform init draws every
-        table of the group at once (``jaxrec.ops.init``: no compile per table size);
-        a table's values depend only on ``key`` and its index in the collection."""
+    def initial_weights(self, group: TableGroup, key: jax.Array) -> jax.Array:
+        """The group's stacked initial weights: table ``i`` of the collection (its
+        stream) draws TorchRec's uniform init from ``key`` by element
+        (``jaxrec.ops.init``), so its values depend only on ``key`` and ``i``: not on
+        its group, nor on which rows and columns a shard of it holds. A table with
+        an ``init_fn`` gets ``init_fn(fold_in(key, i), shape, dtype)``."""
         index = {t.name: i for i, t in enumerate(self.table_configs)}
         configs = [self.config(n) for n in group.tables]
-        if all(c.init_fn is None for c in configs):
-            draws = [
-                Draw(
-                    key,
-                    index[c.name],
-                    (c.num_embeddings, c.embedding_dim),
-                    c.get_weight_init_min(),
-                    c.get_weight_init_max(),
-                )  # fmt: skip
-                for c in configs
-            ]
-            return stacked(draws, configs[0].dtype)
-        keys = [jax.random.fold_in(key, index[c.name]) for c in configs]
-
-        @jax.jit
-        def build(keys):
-            return jnp.concatenate([init_table(c, k) for c, k in zip(configs, keys, strict=True)])
-
-        return build(keys)
+        pieces = [
+            TablePiece(
+                off,
+                c.num_embeddings,
+                index[c.name],
+                0,
+                0,
+                c.embedding_dim,
+                c.get_weight_init_min(),
+                c.get_weight_init_max(),
+            )  # fmt: skip
+            for c, off in zip(configs, group.row_offsets, strict=True)
+            if c.init_fn is None
+        ]
+        buf = uniform_rows(key, pieces, group.num_rows, group.embedding_dim, configs[0].dtype)
+        for c, off in zip(configs, group.row_offsets, strict=True):
+            if c.init_fn is not None:
+                w = init_table(c, jax.random.fold_in(key, index[c.name]))
+                buf = jax.lax.dynamic_update_slice(buf, w, (off, 0))
+        return buf
 
     def reset_parameters(self, rngs: nnx.Rngs) -> None:
         key = rngs.params()
         for g in self.groups:
-            self.weights[g.name].set_value(self._init_group(g, key))
+            self.weights[g.name].set_value(self.initial_weights(g, key))
 
     def locate(self, table: str) -> tuple[TableGroup, int, int]:
         """``(group, first row in the group's buffer, rows)`` of ``table``."""
@@ -339,12 +379,6 @@ def _concat_sources(sources: Sequence[GradSource]) -> GradSource:
         rows=jnp.concatenate([s.rows for s in sources]),
         valid=jnp.concatenate([s.valid for s in sources]),
     )
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _split_rows(buffer: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """A group buffer's tables in one program (eager slices compiled one per table)."""
-    return tuple(jnp.split(buffer, cuts))
 
 
 @functools.partial(jax.jit, static_argnums=1)

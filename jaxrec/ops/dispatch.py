@@ -114,7 +114,8 @@ def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, *
 
     if implementation == "xla":
         return xla_fn(*args, **kwargs)
-    return by_platform(run, inputs=(args, kwargs))
+    # An op without a Pallas kernel runs XLA on GPUs too: one branch, traced once.
+    return by_platform(run, inputs=(args, kwargs), gpu_as_default=op not in PALLAS)
 
 
 def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, **kwargs):
@@ -140,7 +141,7 @@ def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, 
     return by_platform(run, inputs=(args, kwargs))
 
 
-def by_platform(run: Callable[[str], object], inputs=()):
+def by_platform(run: Callable[[str], object], inputs=(), gpu_as_default: bool = False):
     """``run(platform)`` for the platform the program is lowered for.
 
     ``run`` is traced once for CPU, once for GPUs and once for any other
@@ -179,9 +180,10 @@ def by_platform(run: Callable[[str], object], inputs=()):
 
     # One branch object for every GPU platform: platform_dependent joins equal
     # branches, so the GPU code is traced once (GPU platforms choose alike).
-    gpu = branch(GPU_PLATFORMS[0])
+    default = branch("default")
+    gpu = default if gpu_as_default else branch(GPU_PLATFORMS[0])
     per_platform = {"cpu": branch("cpu"), **{p: gpu for p in GPU_PLATFORMS}}
-    out, counts = jax.lax.platform_dependent(default=branch("default"), **per_platform)
+    out, counts = jax.lax.platform_dependent(default=default, **per_platform)
     for (where, mode), (count, example) in zip(kinds[0], counts, strict=True):
         report_out_of_range(count, example, mode, where)
     return out

@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (Weyl sequence)
@@ -43,23 +44,31 @@ BLOCK_VALUES = 1 << 24  # values per block of rows drawn at once (bounds the tem
 
 
 def _mulhilo(a: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """High and low words of the 64-bit product ``a * m`` (uint32 in and out)."""
-    with jax.enable_x64(True):  # local: the 64-bit product only
-        p = a.astype(jnp.uint64) * jnp.uint64(m)
-        return (p >> jnp.uint64(32)).astype(jnp.uint32), p.astype(jnp.uint32)
+    """High and low words of the 64-bit product ``a * m`` (uint32 in and out; call
+    under ``jax.enable_x64``)."""
+    u32, u64 = jnp.uint32, jnp.uint64
+    p = lax.mul(lax.convert_element_type(a, u64), lax.full_like(a, m, u64))
+    hi = lax.shift_right_logical(p, lax.full_like(p, 32))
+    return lax.convert_element_type(hi, u32), lax.convert_element_type(p, u32)
 
 
 def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]):
     """Philox4x32-10 of ``counter`` (four uint32 arrays, broadcast together) under ``key``
     (two uint32 scalars or arrays): four uint32 words."""
-    c0, c1, c2, c3 = (jnp.asarray(c, jnp.uint32) for c in counter)
-    k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
-    for r in range(ROUNDS):
-        if r:
-            k0, k1 = k0 + jnp.uint32(PHILOX_W[0]), k1 + jnp.uint32(PHILOX_W[1])
-        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
-        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    shape = jnp.broadcast_shapes(*(jnp.shape(c) for c in counter))
+    c0, c1, c2, c3 = (jnp.broadcast_to(jnp.asarray(c, jnp.uint32), shape) for c in counter)
+    k0, k1 = (jnp.broadcast_to(jnp.asarray(k, jnp.uint32), shape) for k in key)
+    # x64 on for the 64-bit products only, once: each switch of the flag misses
+    # JAX's caches of traced ops.
+    with jax.enable_x64(True):
+        for r in range(ROUNDS):
+            if r:
+                k0 = lax.add(k0, lax.full_like(k0, PHILOX_W[0]))
+                k1 = lax.add(k1, lax.full_like(k1, PHILOX_W[1]))
+            hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
+            hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
+            xor = lax.bitwise_xor
+            c0, c1, c2, c3 = xor(xor(hi1, c1), k0), lo1, xor(xor(hi0, c3), k1), lo0
     return c0, c1, c2, c3
 
 
@@ -99,6 +108,7 @@ def uniform_rows_xla(
         dtype: the buffer's dtype (values drawn in float32, then cast).
     """
     dtype = jnp.dtype(dtype)
+    ints, floats = jnp.asarray(ints, jnp.int32), jnp.asarray(floats, jnp.float32)
     if rows == 0 or cols == 0:
         return jnp.zeros((rows, cols), dtype)
     block = max(1, min(rows, BLOCK_VALUES // cols))

@@ -1,0 +1,101 @@
+"""A sharded collection's tables drawn where they live: each device draws only its shards.
+
+A width group is one ``[world * rows_per_rank, ncols]`` array sharded over the mesh
+(``layout.py``); device ``r`` holds rows ``[r * rows_per_rank, (r + 1) *
+rows_per_rank)``, its shards stacked. One ``shard_map`` program per group has each
+device draw its own block from the collection's key (``jaxrec.ops.init``: the
+values a table has at ``(row, col)`` do not depend on where they are drawn), so no
+device, and no host, ever holds more than its own shards. Data-parallel tables are
+replicated: every device draws them whole (they are its shard).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..configs import BaseEmbeddingConfig
+from ..embedding.tables import TableGroup
+from ..ops.init import TablePiece, draw_rows, host_pieces, uniform_rows
+from ..xla.philox import key_words
+from .layout import WidthGroup
+
+
+def check_drawable(configs: Sequence[BaseEmbeddingConfig]) -> None:
+    """Tables with an ``init_fn`` cannot be drawn by shard: it draws whole tables."""
+    custom = [t.name for t in configs if t.init_fn is not None]
+    if custom:
+        raise ValueError(
+            f"tables {custom} have an init_fn, which draws a whole table: a sharded build "
+            "from a model constructor draws only TorchRec's default uniform init shard by "
+            "shard. Build the model eagerly and pass the module, or drop init_fn and set "
+            "weight_init_min / weight_init_max"
+        )
+
+
+def draw_group(
+    group: WidthGroup,
+    configs: Mapping[str, BaseEmbeddingConfig],
+    streams: Mapping[str, int],
+    mesh: jax.sharding.Mesh,
+    key: jax.Array,
+) -> jax.Array:
+    """The group's ``[world * rows_per_rank, ncols]`` buffer, each device's block drawn
+    on that device. ``streams``: each table's index in its collection."""
+    per_rank = [
+        [
+            TablePiece(
+                off,
+                nr,
+                streams[t],
+                r0,
+                c0,
+                group.width(t, r0, c0),
+                configs[t].get_weight_init_min(),
+                configs[t].get_weight_init_max(),
+            )
+            for t, r0, nr, c0, off in shards
+        ]  # fmt: skip
+        for shards in group.shards
+    ]
+    ints, floats = host_pieces(per_rank, group.rows_per_rank)
+    dtype = configs[next(s[0] for r in group.shards for s in r)].dtype
+    program = _group_program(mesh, group.rows_per_rank, group.ncols, jax.numpy.dtype(dtype))
+    return program(key_words(key), ints, floats)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_program(mesh: jax.sharding.Mesh, rows: int, cols: int, dtype):
+    axis = tuple(mesh.axis_names)
+
+    def local(words, ints, floats):
+        rank = jax.lax.axis_index(axis)
+        return draw_rows(words, ints[rank], floats[rank], rows=rows, cols=cols, dtype=dtype)
+
+    body = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axis))
+    return jax.jit(body, out_shardings=NamedSharding(mesh, P(axis)))
+
+
+def draw_replicated(
+    group: TableGroup,
+    configs: Mapping[str, BaseEmbeddingConfig],
+    streams: Mapping[str, int],
+    mesh: jax.sharding.Mesh,
+    key: jax.Array,
+) -> jax.Array:
+    """A data-parallel group's stacked tables, drawn whole on every device."""
+    pieces = [
+        TablePiece(off, configs[t].num_embeddings, streams[t], 0, 0, group.embedding_dim,
+                   configs[t].get_weight_init_min(), configs[t].get_weight_init_max())
+        for t, off in zip(group.tables, group.row_offsets, strict=True)
+    ]  # fmt: skip
+    dtype = configs[group.tables[0]].dtype
+    draw = jax.jit(
+        lambda k: uniform_rows(k, pieces, group.num_rows, group.embedding_dim, dtype),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+    return draw(key_words(key))
