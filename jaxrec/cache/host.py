@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ..configs import BaseEmbeddingConfig
+from ..ops.init import TablePiece, uniform_rows
 from ..optim.base import SparseOptimizer, row_fields
 
 INIT_CHUNK_ROWS = 1 << 20
@@ -50,27 +51,36 @@ class HostTable:
         optimizer: SparseOptimizer,
         seed: int = 0,
         rows: tuple[int, int] | None = None,
+        *,
+        key: jax.Array | None = None,
+        stream: int = 0,
     ) -> HostTable:
-        """Weights drawn as the table's initialiser draws them (uniform in
-        ``[-sqrt(1/num_embeddings), sqrt(1/num_embeddings)]`` unless ``init_fn``), a
-        chunk of rows at a time (other values than a device-built table of the same
-        seed; the same rows whatever ``rows`` holds); optimizer rows at their initial
-        values."""
+        """Weights drawn as a collection draws its tables (``jaxrec.ops.init``: stream
+        ``stream`` of ``key``, default ``jax.random.key(seed)``), a chunk of rows at a
+        time; optimizer rows at their initial values.
+
+        With the key of the collection the table belongs to
+        (``jaxrec.distributed.init_keys(make)``) and the table's index in it as
+        ``stream``, the rows equal those of the same table built on the devices,
+        eagerly or sharded, whatever ``rows`` holds. A table with an ``init_fn``
+        gets ``init_fn(fold_in(key, chunk), ...)`` per chunk of rows instead.
+        """
         lo, hi = _rows(config, rows)
         dim = config.embedding_dim
         weight = np.empty((hi - lo, dim), np.dtype(config.dtype))
-        key = jax.random.key(seed)
+        key = jax.random.key(seed) if key is None else key
         low, high = config.get_weight_init_min(), config.get_weight_init_max()
         for i in range(lo // INIT_CHUNK_ROWS, -(-hi // INIT_CHUNK_ROWS)):
             r0 = i * INIT_CHUNK_ROWS
-            n = min(INIT_CHUNK_ROWS, config.num_embeddings - r0)
-            k = jax.random.fold_in(key, i)
+            a, b = max(lo, r0), min(hi, r0 + INIT_CHUNK_ROWS)  # the chunk's rows held here
             if config.init_fn is not None:
-                chunk = config.init_fn(k, (n, dim), config.dtype)
-            else:
-                chunk = jax.random.uniform(k, (n, dim), np.float32, low, high)
-            a, b = max(lo, r0), min(hi, r0 + n)  # the chunk's rows held here
-            weight[a - lo : b - lo] = np.asarray(chunk)[a - r0 : b - r0].astype(weight.dtype)
+                n = min(INIT_CHUNK_ROWS, config.num_embeddings - r0)
+                chunk = config.init_fn(jax.random.fold_in(key, i), (n, dim), config.dtype)
+                weight[a - lo : b - lo] = np.asarray(chunk)[a - r0 : b - r0]
+                continue
+            piece = TablePiece(0, b - a, stream, a, 0, dim, low, high)
+            block = uniform_rows(key, [piece], INIT_CHUNK_ROWS, dim, config.dtype)
+            weight[a - lo : b - lo] = np.asarray(block)[: b - a]
         state = initial_state(optimizer, hi - lo, dim)
         return HostTable(config, {"weight": weight, **state}, (lo, hi))
 

@@ -1,5 +1,6 @@
 """Sharded embedding collections on a device mesh (TorchRec's ``torchrec.distributed``)."""
 
+from .abstract_build import init_keys as init_keys
 from .capacity import fast_path_capacity as fast_path_capacity
 from .global_mc import GlobalBatchManagedCollision as GlobalBatchManagedCollision
 from .model_parallel import DistributedModelParallel as DistributedModelParallel

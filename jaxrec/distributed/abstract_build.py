@@ -67,6 +67,24 @@ def build_abstract(make: Callable[[], nnx.Module], mesh: jax.sharding.Mesh) -> A
     return AbstractModel(model, keys)
 
 
+def init_keys(make: Callable[[], nnx.Module]) -> dict[str, jax.Array]:
+    """Each embedding collection's init key by module path (``"a.b"``), from running
+    ``make`` under ``jit`` with nothing else kept (nothing is drawn). With a table's
+    index in its collection (its stream), the key draws the table's rows anywhere:
+    e.g. a cached table's host rows (``jaxrec.cache.HostTable.create``)."""
+
+    def keys():
+        with recording_init_keys(draw=False) as recorded:
+            built = make()
+        return {
+            _name(path): recorded[id(m)]
+            for path, m in nnx.iter_modules(built)
+            if isinstance(m, TableStorage) and id(m) in recorded
+        }
+
+    return jax.jit(keys)()
+
+
 def draw_unsharded(model: nnx.Module, keys: dict[str, jax.Array], mesh) -> None:
     """Draws, replicated, the tables of collections left unsharded (the plan did not
     name them) and still abstract: whole on every device, as an unsharded module is."""

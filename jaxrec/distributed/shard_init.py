@@ -64,17 +64,22 @@ def draw_group(
     ]
     ints, floats = host_pieces(per_rank, group.rows_per_rank)
     dtype = configs[next(s[0] for r in group.shards for s in r)].dtype
-    program = _group_program(mesh, group.rows_per_rank, group.ncols, jax.numpy.dtype(dtype))
+    aligned = bool((ints[..., 4] % 4 == 0).all())
+    program = group_program(mesh, group.rows_per_rank, group.ncols, jax.numpy.dtype(dtype), aligned)
     return program(key_words(key), ints, floats)
 
 
 @functools.lru_cache(maxsize=64)
-def _group_program(mesh: jax.sharding.Mesh, rows: int, cols: int, dtype):
+def group_program(mesh: jax.sharding.Mesh, rows: int, cols: int, dtype, aligned: bool):
+    """The jitted program drawing a width group: ``(key words uint32[2], ints int32[N, P, 6],
+    floats float32[N, P, 2]) -> [N * rows, cols]`` sharded over the mesh, device ``r``
+    drawing rows ``[r * rows, (r + 1) * rows)`` from its own pieces ``ints[r]``."""
     axis = tuple(mesh.axis_names)
 
     def local(words, ints, floats):
         rank = jax.lax.axis_index(axis)
-        return draw_rows(words, ints[rank], floats[rank], rows=rows, cols=cols, dtype=dtype)
+        return draw_rows(words, ints[rank], floats[rank], rows=rows, cols=cols, dtype=dtype,
+                         aligned=aligned)  # fmt: skip
 
     body = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axis))
     return jax.jit(body, out_shardings=NamedSharding(mesh, P(axis)))

@@ -26,6 +26,7 @@ from .collection import EmbeddingCollectionInterface, GradSource, LookupGrad
 from .optimizer import state_key
 from .sparse_update import backward_update, reset_state_rows, subgroup_rows, update_subgroup
 
+
 @dataclasses.dataclass
 class _Recording:
     keys: dict[int, jax.Array]
@@ -180,7 +181,8 @@ class TableStorage(EmbeddingCollectionInterface):
         self.weights = nnx.Dict(
             {
                 g.name: EmbeddingTable(
-                    self.initial_weights(g, key) if draw
+                    self.initial_weights(g, key)
+                    if draw
                     else jnp.zeros((g.num_rows, g.embedding_dim), self.config(g.tables[0]).dtype)
                 )
                 for g in self.groups

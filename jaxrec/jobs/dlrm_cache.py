@@ -32,10 +32,10 @@ from ..cache.configs import slots_per_shard
 from ..cache.ids import feature_spans, with_values
 from ..cache.stats import measure_miss_rates
 from ..configs import EmbeddingBagConfig
-from ..distributed import EmbeddingModuleShardingPlan
+from ..distributed import EmbeddingModuleShardingPlan, init_keys
 from ..distributed.planner import MissRateCurve, ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
-from .dlrm_parts import build_model, logical_plan, make_mesh
+from .dlrm_parts import EBC_PATH, build_model, logical_plan, make_mesh
 
 CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING
 
@@ -166,14 +166,17 @@ def device_tables(configs, plan, cached):
     return device_plan(configs, plan)
 
 
-def row_cache(args, configs, cached, graphdef, optimizer, state) -> RowCache:
+def row_cache(args, data, configs, cached, graphdef, optimizer, state) -> RowCache:
     """The ``RowCache`` of the cached tables, each process's host tables holding the
-    rows its devices cache (``host_rows``), initialised on the host (``--seed``)."""
+    rows its devices cache (``host_rows``), drawn on the host with the values the
+    all-device model of the same ``--seed`` has (its collection's init key)."""
+    key = init_keys(lambda: build_model(args, data, configs))[EBC_PATH]
     hosts = {}
-    for c in configs:
+    for stream, c in enumerate(configs):
         if c.name in cached:
             rows = host_rows(graphdef, optimizer, state, c)
-            hosts[c.name] = HostTable.create(c, optimizer.for_table(c.name), args.seed, rows)
+            opt = optimizer.for_table(c.name)
+            hosts[c.name] = HostTable.create(c, opt, rows=rows, key=key, stream=stream)
     return RowCache(graphdef, optimizer, state, hosts, cached)
 
 

@@ -202,13 +202,18 @@ def logical_plan(
     return plan.plan[EBC_PATH]
 
 
-def shard(args: argparse.Namespace, model: nnx.Module, mesh=None, plan=None):
+def shard(args: argparse.Namespace, model, mesh=None, plan=None):
     """``(mesh or None, model, plan description)``: the model over ``--devices``
-    devices with ``plan`` (default :func:`logical_plan`); one device: unsharded."""
+    devices with ``plan`` (default :func:`logical_plan`); one device: unsharded.
+
+    ``model``: the model, or its constructor (a function of no arguments): sharded, each
+    device then draws only its own shards (no table is ever whole on one device)."""
+    make = model if not isinstance(model, nnx.Module) else None
     if args.devices == 1:
-        return None, model, "unsharded"
+        return None, (make() if make is not None else model), "unsharded"
     mesh = make_mesh(args) if mesh is None else mesh
-    plan = logical_plan(args, model, mesh) if plan is None else plan
+    if plan is None:
+        plan = logical_plan(args, nnx.eval_shape(make) if make else model, mesh)
     q = getattr(args, "qcomms", "fp32")
     qcomms = dist.QCommsConfig(forward_precision=q, backward_precision=q)
     model = dist.DistributedModelParallel(

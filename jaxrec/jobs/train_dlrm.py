@@ -131,8 +131,9 @@ def _run(args: argparse.Namespace) -> int:
         _save_args(run_dir, args, train_data)
     mesh, plan, cached, stats = place_tables(args, train_data, configs)
     device_configs, device_plan = device_tables(configs, plan, cached)
-    model = build_model(args, train_data, device_configs)
-    mesh, model, plan_text = shard(args, model, mesh, device_plan)
+    mesh, model, plan_text = shard(
+        args, lambda: build_model(args, train_data, device_configs), mesh, device_plan
+    )  # sharded: each device draws only its own shards
     ranks = process_ranks(mesh) if mesh is not None else [0]  # the devices this process feeds
     if mesh is not None:
         log.note(f"sharding plan over {args.devices} devices ({args.sharding}):")
@@ -143,7 +144,9 @@ def _run(args: argparse.Namespace) -> int:
         log.note(cached_text(configs, cached, stats))
     optimizer = build_optimizer(args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
-    rc = row_cache(args, configs, cached, graphdef, optimizer, state) if cached else None
+    rc = (
+        row_cache(args, train_data, configs, cached, graphdef, optimizer, state) if cached else None
+    )
     to_device = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
     if rc is not None:  # each batch's rows planned and gathered a batch ahead
         step, to_device = CachedTrainStep(step, rc), prefetching(rc, to_device)

@@ -96,6 +96,7 @@ def uniform_rows_xla(
     rows: int,
     cols: int,
     dtype,
+    aligned: bool = False,
 ) -> jax.Array:
     """A ``[rows, cols]`` buffer of ``dtype`` drawn as the pieces say (module docstring).
 
@@ -106,6 +107,8 @@ def uniform_rows_xla(
         floats: ``float32[P, 2]``: ``(mid, half)`` per piece.
         rows, cols: the buffer's shape.
         dtype: the buffer's dtype (values drawn in float32, then cast).
+        aligned: every piece's ``col0`` is a multiple of 4 (a faster program;
+            the caller knows it from the pieces on the host).
     """
     dtype = jnp.dtype(dtype)
     ints, floats = jnp.asarray(ints, jnp.int32), jnp.asarray(floats, jnp.float32)
@@ -113,21 +116,22 @@ def uniform_rows_xla(
         return jnp.zeros((rows, cols), dtype)
     block = max(1, min(rows, BLOCK_VALUES // cols))
     if block == rows:
-        return _rows_block(key, ints, floats, jnp.int32(0), block, cols).astype(dtype)
+        return _rows_block(key, ints, floats, jnp.int32(0), block, cols, aligned).astype(dtype)
 
     def body(i, buf):
         # The last block starts early instead of running past the end: the rows it
         # draws again get the same values (a row's values depend only on the row).
         start = jnp.minimum(i * block, rows - block).astype(jnp.int32)
-        part = _rows_block(key, ints, floats, start, block, cols).astype(dtype)
+        part = _rows_block(key, ints, floats, start, block, cols, aligned).astype(dtype)
         return jax.lax.dynamic_update_slice(buf, part, (start, jnp.int32(0)))
 
     n = -(-rows // block)
     return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, cols), dtype))
 
 
-def _rows_block(key, ints, floats, start, block: int, cols: int) -> jax.Array:
-    """Float32 values of buffer rows ``[start, start + block)``."""
+def _rows_block(key, ints, floats, start, block: int, cols: int, aligned: bool) -> jax.Array:
+    """Float32 values of buffer rows ``[start, start + block)``; ``aligned``: every
+    piece's ``col0`` is a multiple of 4."""
     r = start + jnp.arange(block, dtype=jnp.int32)
     p = jnp.searchsorted(ints[:, 0], r, side="right") - 1  # last piece starting at or before
     p = jnp.clip(p, 0, ints.shape[0] - 1)
@@ -137,18 +141,24 @@ def _rows_block(key, ints, floats, start, block: int, cols: int) -> jax.Array:
     row = (row0 + i).astype(jnp.uint32)
     # Counters (row, 0, col0 // 4 + t, stream) for t in [0, T): their words cover the
     # columns col0 .. col0 + cols - 1 of the row, starting at word col0 % 4.
-    t_count = (cols + 3) // 4 + 1
+    t_count = (cols + 3) // 4 + (0 if aligned else 1)
     t = jnp.arange(t_count, dtype=jnp.uint32)
     q = (col0 >> 2).astype(jnp.uint32)[:, None] + t[None, :]
     zero = jnp.zeros((), jnp.uint32)
     words = philox4x32(
         (row[:, None], zero, q, stream.astype(jnp.uint32)[:, None]), (key[0], key[1])
     )
+    # Materialised once: fused into the consumers below, each output element would
+    # compute its counter's whole Philox again (four words per counter, four times).
+    words = jax.lax.optimization_barrier(words)
     flat = jnp.stack(words, axis=-1).reshape(block, 4 * t_count)  # word 4t + k = lane k of t
-    shift = col0 & 3
-    picked = flat[:, 0:cols]
-    for s in (1, 2, 3):
-        picked = jnp.where((shift == s)[:, None], flat[:, s : s + cols], picked)
+    if aligned:  # every piece starts on the 4-word grid (whole tables, most shards)
+        picked = flat[:, 0:cols]
+    else:  # column shards off the grid: the row's words from col0 % 4 on
+        shift = col0 & 3
+        picked = flat[:, 0:cols]
+        for s in (1, 2, 3):
+            picked = jnp.where((shift == s)[:, None], flat[:, s : s + cols], picked)
     u = unit_float(picked)
     mid, half = floats[p, 0][:, None], floats[p, 1][:, None]
     values = half * (u * jnp.float32(2.0) - jnp.float32(1.0)) + mid
