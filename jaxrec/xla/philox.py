@@ -126,7 +126,15 @@ def uniform_rows_xla(
         return jax.lax.dynamic_update_slice(buf, part, (start, jnp.int32(0)))
 
     n = -(-rows // block)
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((rows, cols), dtype))
+    return jax.lax.fori_loop(0, n, body, _varying_like(jnp.zeros((rows, cols), dtype), ints))
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed to vary over the mesh axes ``like`` varies over (inside a ``shard_map``,
+    a loop's carry must keep its type; a no-op elsewhere)."""
+    vary = lambda a: set(getattr(getattr(jax.typeof(a), "mat", None), "varying", ()))  # noqa: E731
+    missing = tuple(sorted(vary(like) - vary(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _rows_block(key, ints, floats, start, block: int, cols: int, aligned: bool) -> jax.Array:
