@@ -1,34 +1,33 @@
-"""Build and compile time against table count (issue: hundreds of tables).
+"""Build and compile at realistic row counts: initial values at memory speed, sharded builds.
 
 For each table count ``T`` (one feature per table, rows log-uniform in
-``[--min-rows, --max-rows]``, dims cycling through ``--dims``) it measures, in
-one process:
+``[--min-rows, --max-rows]`` scaled to ``--total-rows`` in all, dims cycling
+through ``--dims``, dtypes through ``--dtypes``) it measures, in one process:
 
-* ``unsharded_build_s``: ``EmbeddingBagCollection(tables)`` plus a dense head;
-* ``sharded_build_s``: the same model planned (``plan=None``) and sharded over
-  ``--devices`` CPU devices by ``DistributedModelParallel``;
-* ``rng_floor_s``: drawing all the tables' values in one precompiled call (the
-  floor of the build: what remains is per-table overhead);
-* ``trace_s``, ``lower_s``, ``compile_s``: the first train step's trace, lowering
-  and trace + lower + compile in all (sharded);
-* ``step_ms``: the steady step's median over ``--reps``;
-* ``hlo_kb``: the compiled program's HLO text size;
-* ``movielens_build_s``: the 8-table MovieLens DLRM's cold build (``--movielens``).
+* ``draw_gbps``: the tables' initial values drawn by the eager build's programs
+  (``jaxrec.ops.init.uniform_rows``, one per width group, compiled beforehand),
+  bytes written per second; ``numpy_gbps``: numpy's ``default_rng().random`` filling
+  the same number of float32 bytes into a preallocated buffer in the same run (its
+  generator, PCG64, on one core); per core: divided by the cores the process may use;
+* ``unsharded_build_s``: ``EmbeddingBagCollection(tables)`` plus a dense head, cold;
+* per plan (``--plans``: ``planner``, ``table_wise``): ``sharded_build_s``, the model
+  built from its constructor by ``DistributedModelParallel`` over ``--devices`` CPU
+  devices (each device draws its own shards; the planner's time included),
+  ``build_peak_growth`` (growth of the process's peak resident memory over the build,
+  against ``table_bytes``; CPU devices live in host memory), then the first train
+  step's ``trace_s``, ``lower_s`` and ``compile_s`` (trace + lower + compile), the
+  steady ``step_ms`` over ``--reps`` and the compiled ``hlo_kb``.
 
-Total ids per batch (``L = --ids-per-sample // T`` ids per bag) and total rows
-(``--total-rows``) are equal across ``T``, so step time and HLO size should follow
-width groups, not tables.
-Every build is cold for its shapes (a fresh process per ``T`` is not needed:
-each ``T`` has new table sizes), except what JAX caches across ``T`` (the same
-dims' programs). One JSON line per ``T``::
+Every plan uses the default ``overflow="exact"``. One JSON line per (``T``, plan)::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/build_compile.py
-    python bench/build_compile.py --tables 50,100,500 --movielens
+    python bench/build_compile.py                      # 300 tables, 10M rows, 4 dims
+    python bench/build_compile.py --tables 50,300,1000 --dtypes fp32,bf16 --out r.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -39,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import cpu_model, emit  # noqa: E402
+from common import emit, machine  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxrec as jr  # noqa: E402
@@ -47,12 +46,13 @@ from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
 from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 from jaxrec.modules.initializers import torch_linear  # noqa: E402
+from jaxrec.ops.init import TablePiece, uniform_rows  # noqa: E402
+
+DTYPES = {"fp32": jr.DataType.FP32, "bf16": jr.DataType.BF16, "fp16": jr.DataType.FP16}
 
 
-def make_tables(n, *, dims, min_rows, max_rows, total_rows=None, seed=0):
-    """Rows log-uniform in ``[min_rows, max_rows]``, scaled to ``total_rows`` if given (so
-    that table counts compare at equal memory: random row access slows down as the
-    tables outgrow the caches, whatever their number)."""
+def make_tables(n, *, dims, dtypes, min_rows, max_rows, total_rows=None, seed=0):
+    """Rows log-uniform in ``[min_rows, max_rows]``, scaled to ``total_rows`` if given."""
     rng = np.random.default_rng(seed)
     rows = np.exp(rng.uniform(np.log(min_rows), np.log(max_rows), n))
     if total_rows:
@@ -64,6 +64,7 @@ def make_tables(n, *, dims, min_rows, max_rows, total_rows=None, seed=0):
             num_embeddings=int(rows[i]),
             embedding_dim=dims[i % len(dims)],
             feature_names=[f"f{i}"],
+            data_type=DTYPES[dtypes[(i // len(dims)) % len(dtypes)]],
         )  # fmt: skip
         for i in range(n)
     ]
@@ -75,7 +76,7 @@ class Model(nnx.Module):
         self.head = torch_linear(sum(t.embedding_dim for t in tables), 1, rngs=rngs)
 
     def __call__(self, kjt):
-        return self.head(self.ebc(kjt).values())[:, 0]
+        return self.head(self.ebc(kjt).values().astype(jnp.float32))[:, 0]
 
 
 def loss_fn(model, batch):
@@ -100,6 +101,15 @@ def local_batches(tables, *, world, batch, ids_per_sample, seed=1):
     return out
 
 
+def table_bytes(tables) -> int:
+    return sum(t.num_embeddings * t.embedding_dim * np.dtype(t.dtype).itemsize for t in tables)
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return 1024 * next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -107,43 +117,76 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def rng_floor_s(tables) -> float:
-    """One jitted uniform draw of every table value at once, compiled beforehand: the
-    build's floor (drawing the values), which no per-table saving can go below."""
-    n = sum(t.num_embeddings * t.embedding_dim for t in tables)
-    draw = jax.jit(lambda k: jax.random.uniform(k, (n,)))
-    jax.block_until_ready(draw(jax.random.key(0)))
+def draw_rates(model, tables, reps: int) -> dict:
+    """The eager build's draws (one program per width group, compiled beforehand) and
+    numpy's fill of the same bytes, best of ``reps``."""
+    ebc = model.ebc
+    key = jax.random.key(0)
+    draws = []
+    for g in ebc.groups:
+        cfgs = [ebc.config(n) for n in g.tables]
+        pieces = [TablePiece(off, c.num_embeddings, i, 0, 0, c.embedding_dim,
+                             c.get_weight_init_min(), c.get_weight_init_max())
+                  for i, (c, off) in enumerate(zip(cfgs, g.row_offsets, strict=True))]  # fmt: skip
+        draws.append((pieces, g.num_rows, g.embedding_dim, cfgs[0].dtype))
+
+    def draw_all():
+        return [uniform_rows(key, *d) for d in draws]
+
+    jax.block_until_ready(draw_all())  # compiled, and the output pages touched once
+    nbytes = table_bytes(tables)
+    jax_s, np_s = [], []
+    buf = np.empty(nbytes // 4, np.float32)
+    rng = np.random.default_rng(0)
+    rng.random(buf.size, dtype=np.float32, out=buf)
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = draw_all()
+        jax.block_until_ready(out)
+        jax_s.append(time.perf_counter() - start)
+        del out
+        start = time.perf_counter()
+        rng.random(buf.size, dtype=np.float32, out=buf)
+        np_s.append(time.perf_counter() - start)
+    del buf
+    cores = len(os.sched_getaffinity(0))
+    draw, fill = nbytes / min(jax_s) / 1e9, nbytes / min(np_s) / 1e9
+    return {
+        "draw_gbps": round(draw, 2),
+        "draw_gbps_per_core": round(draw / cores, 2),
+        "numpy_gbps": round(fill, 2),
+        "draw_over_numpy": round(draw / fill, 2),
+    }
+
+
+def plan_for(kind: str, make, tables, mesh):
+    if kind == "planner":
+        return None
+    n = mesh.size
+    abstract = nnx.eval_shape(make)
+    gens = {t.name: d.table_wise(i % n) for i, t in enumerate(tables)}
+    return d.ShardingPlan({"ebc": d.construct_module_sharding_plan(abstract.ebc, gens,
+                                                                    world_size=n)})  # fmt: skip
+
+
+def run_plan(kind, tables, args, mesh):
+    make = lambda: Model(tables, rngs=nnx.Rngs(0))  # noqa: E731
+    gc.collect()
+    before = peak_bytes()
     start = time.perf_counter()
-    jax.block_until_ready(draw(jax.random.key(1)))
-    return time.perf_counter() - start
-
-
-def run(n, args):
-    tables = make_tables(
-        n, dims=args.dims, min_rows=args.min_rows, max_rows=args.max_rows,
-        total_rows=args.total_rows,
-    )  # fmt: skip
-    model, unsharded_s = timed(lambda: Model(tables, rngs=nnx.Rngs(0)))
-    mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = d.DistributedModelParallel(make, plan_for(kind, make, tables, mesh), mesh)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(sharded)))
+    build_s = time.perf_counter() - start
+    growth = peak_bytes() - before
     opt = CombinedOptimizer(optax.adagrad(0.01), optim.rowwise_adagrad(0.01))
-    sharded, sharded_s = timed(
-        lambda: d.DistributedModelParallel(Model(tables, rngs=nnx.Rngs(0)), None, mesh)
-    )
     graphdef, state = train.init_train_state(sharded, opt)
+    del sharded
     step = train.make_train_step(graphdef, opt, loss_fn)
     data = [
-        d.shard_batch(
-            local_batches(
-                tables,
-                world=args.devices,
-                batch=args.batch,
-                ids_per_sample=args.ids_per_sample,
-                seed=s,
-            ),
-            mesh,
-        )  # fmt: skip
+        d.shard_batch(local_batches(tables, world=args.devices, batch=args.batch,
+                                    ids_per_sample=args.ids_per_sample, seed=s), mesh)
         for s in range(2)
-    ]
+    ]  # fmt: skip
     start = time.perf_counter()
     traced = step.jitted.trace(state, data[0])
     trace_s = time.perf_counter() - start
@@ -160,70 +203,54 @@ def run(n, args):
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - t0)
     return {
-        "tables": n,
-        "groups": len(model.ebc.groups),
-        "rows": sum(t.num_embeddings for t in tables),
-        "unsharded_build_s": round(unsharded_s, 3),
-        "sharded_build_s": round(sharded_s, 3),
-        "rng_floor_s": round(rng_floor_s(tables), 3),
+        "plan": kind,
+        "sharded_build_s": round(build_s, 2),
+        "build_peak_growth": growth,
+        "build_peak_over_tables": round(growth / table_bytes(tables), 3),
         "trace_s": round(trace_s, 2),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),
-        "step_ms": round(1e3 * float(np.median(times[2:])), 2),
+        "step_ms": round(1e3 * float(np.median(times[1:])), 2),  # after the first step
         "hlo_kb": round(hlo_kb, 1),
-        "first_step_s": round(times[0], 2),
     }
 
 
-# ml-100k's 8 sparse features as the job builds them (user, item, age, gender,
-# occupation, zip prefix, genres, year bucket): about 100k parameters at dim 16.
-MOVIELENS_ROWS = [944, 1683, 62, 3, 22, 796, 20, 72]
-
-
-def movielens_build_s():
-    """The job's MovieLens DLRM (dim 16, dense [64, 16], over [64, 32, 1]), built cold."""
-    from jaxrec.models import DLRM  # noqa: PLC0415
-
-    def build():
-        tables = [
-            jr.EmbeddingBagConfig(
-                name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"f{i}"]
-            )  # fmt: skip
-            for i, n in enumerate(MOVIELENS_ROWS)
-        ]
-        ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
-        return DLRM(
-            embedding_bag_collection=ebc, dense_in_features=1, dense_arch_layer_sizes=[64, 16],
-            over_arch_layer_sizes=[64, 32, 1], rngs=nnx.Rngs(1),
-        )  # fmt: skip
-
-    return timed(build)[1]
-
-
-def main():
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tables", default="50,100,500")
+    p.add_argument("--tables", default="300")
     p.add_argument("--dims", default="16,32,64,128")
-    p.add_argument("--min-rows", type=int, default=100)
-    p.add_argument("--max-rows", type=int, default=10_000)
-    p.add_argument(
-        "--total-rows", type=int, default=1_000_000, help="all tables' rows (0: unscaled)"
-    )
+    p.add_argument("--dtypes", default="fp32", help=f"cycled over tables, from {list(DTYPES)}")
+    p.add_argument("--min-rows", type=int, default=1_000)
+    p.add_argument("--max-rows", type=int, default=1_000_000)
+    p.add_argument("--total-rows", type=int, default=10_000_000, help="all tables' rows")
+    p.add_argument("--plans", default="planner,table_wise")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--batch", type=int, default=64, help="per device")
     p.add_argument("--ids-per-sample", type=int, default=500)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--movielens", action="store_true")
-    args = p.parse_args()
-    args.dims = [int(x) for x in args.dims.split(",")]
-    base = {"bench": "build_compile", "cpu": cpu_model(), "cores": os.cpu_count(),
-            "jax_version": jax.__version__, "devices": args.devices, "batch": args.batch,
-            "ids_per_sample": args.ids_per_sample, "total_rows": args.total_rows}  # fmt: skip
-    if args.movielens:
-        emit({**base, "case": "movielens_dlrm", "build_s": round(movielens_build_s(), 3)})
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    dims = [int(x) for x in args.dims.split(",")]
+    dtypes = args.dtypes.split(",")
+    base = {"bench": "build_compile", **machine(), "jax_version": jax.__version__,
+            "devices": args.devices, "batch": args.batch,
+            "ids_per_sample": args.ids_per_sample, "total_rows": args.total_rows,
+            "dims": dims, "dtypes": dtypes, "overflow": "exact"}  # fmt: skip
+    mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     for n in [int(x) for x in args.tables.split(",")]:
-        emit({**base, "case": "tables", **run(n, args)})
+        tables = make_tables(n, dims=dims, dtypes=dtypes, min_rows=args.min_rows,
+                             max_rows=args.max_rows, total_rows=args.total_rows)  # fmt: skip
+        model, unsharded_s = timed(lambda: Model(tables, rngs=nnx.Rngs(0)))  # noqa: B023
+        common = {**base, "tables": n, "groups": len(model.ebc.groups),
+                  "rows": sum(t.num_embeddings for t in tables),
+                  "table_bytes": table_bytes(tables),
+                  "unsharded_build_s": round(unsharded_s, 2),
+                  **draw_rates(model, tables, args.reps)}  # fmt: skip
+        del model
+        for kind in args.plans.split(","):
+            emit({**common, **run_plan(kind, tables, args, mesh)}, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -40,7 +40,7 @@ PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments (Weyl sequence)
 ROUNDS = 10
 PIECE_FIELDS = ("offset", "nrows", "stream", "row0", "col0", "width")
-BLOCK_VALUES = 1 << 24  # values per block of rows drawn at once (bounds the temporaries)
+BLOCK_VALUES = 1 << 22  # values per block of rows drawn at once (bounds the temporaries)
 
 
 def _mulhilo(a: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
