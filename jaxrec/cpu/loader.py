@@ -20,6 +20,7 @@ TARGETS = (
     "jaxrec_kjt_backward_update_rowwise_adagrad",
     "jaxrec_kjt_backward_update_adagrad",
     "jaxrec_cache_move",
+    "jaxrec_uniform_rows",
 )
 
 _LOCK = threading.Lock()
