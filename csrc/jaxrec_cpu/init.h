@@ -157,7 +157,10 @@ inline uint16_t Bf16Rne(float f) {
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-#if defined(__FLT16_MAX__)
+#if defined(__F16C__)
+constexpr bool kInitF16 = true;
+inline uint16_t F16Rne(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#elif defined(__FLT16_MAX__)
 constexpr bool kInitF16 = true;
 inline uint16_t F16Rne(float f) {
   const _Float16 h = static_cast<_Float16>(f);  // the current rounding mode: nearest even
@@ -174,7 +177,18 @@ inline uint16_t F16Rne(float) { return 0; }  // not called: the handler refuses 
 template <InitOut K>
 inline void InitConvert(typename InitOutType<K>::type* __restrict out,
                         const uint32_t* __restrict w, int64_t n, float mid, float half) {
-  for (int64_t k = 0; k < n; ++k) {
+  int64_t k = 0;
+#if defined(__F16C__)
+  if constexpr (K == InitOut::kF16) {  // 8 at a time (compilers leave the cast scalar)
+    for (; k + 8 <= n; k += 8) {
+      float v[8];
+      for (int j = 0; j < 8; ++j) v[j] = InitValue(w[k + j], mid, half);
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(v), _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), h);
+    }
+  }
+#endif
+  for (; k < n; ++k) {
     const float v = InitValue(w[k], mid, half);
     if constexpr (K == InitOut::kF32) {
       out[k] = v;
