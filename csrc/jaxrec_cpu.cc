@@ -13,8 +13,12 @@
 //   scale[c] in id order, apply the update maths of jaxrec.optim.
 // * jaxrec_cache_move: jaxrec.cache's row moves between a host table and the
 //   cache slots of a (donated) buffer, in place on both.
+// * jaxrec_uniform_rows: a buffer of initial table values, Philox4x32-10
+//   uniform draws addressed by (stream, row, col), bit for bit those of
+//   jaxrec.xla.philox.uniform_rows_xla (float32, bfloat16, float16), rows
+//   split over threads, counters vectorized across the rows of a piece.
 //
-// The kernels live in jaxrec_cpu/{common,lookup,update,cache}.h, included below;
+// The kernels live in jaxrec_cpu/{common,lookup,update,cache,init}.h, included below;
 // this file binds them as FFI handlers and exports them to Python.
 //
 // Floating-point order follows the XLA reference (products rounded before the
@@ -51,6 +55,7 @@ namespace ffi = xla::ffi;
 #include "jaxrec_cpu/update.h"
 #include "jaxrec_cpu/roofline.h"
 #include "jaxrec_cpu/cache.h"
+#include "jaxrec_cpu/init.h"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
                               ffi::Ffi::Bind()
@@ -152,6 +157,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCacheMove, CacheMoveImpl,
                                   .Attr<int64_t>("host_offset")
                                   .Attr<int64_t>("nbytes"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecUniformRows, UniformRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ints [P, 6]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // floats [P, 2]
+                                  .Ret<ffi::AnyBuffer>());
+
 namespace {
 
 PyObject* Handlers(PyObject*, PyObject*) {
@@ -174,6 +186,7 @@ PyObject* Handlers(PyObject*, PyObject*) {
       {"jaxrec_kjt_backward_update_adagrad",
        reinterpret_cast<void*>(JaxrecKjtBackwardUpdateAdagrad)},
       {"jaxrec_cache_move", reinterpret_cast<void*>(JaxrecCacheMove)},
+      {"jaxrec_uniform_rows", reinterpret_cast<void*>(JaxrecUniformRows)},
   };
   for (const Entry& e : entries) {
     PyObject* cap = PyCapsule_New(e.fn, nullptr, nullptr);
@@ -189,8 +202,10 @@ PyObject* Handlers(PyObject*, PyObject*) {
 
 PyObject* Info(PyObject*, PyObject*) {
   // cache_api: the signatures of the cache_* host functions (jaxrec.cpu.host_functions)
-  return Py_BuildValue("{s:i,s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads",
-                       MaxThreads(), "ffi_api_minor", XLA_FFI_API_MINOR, "cache_api", 3);
+  // uniform_rows_f16: whether jaxrec_uniform_rows writes float16 (the compiler has _Float16)
+  return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "vector_bytes", kVecBytes, "max_threads",
+                       MaxThreads(), "ffi_api_minor", XLA_FFI_API_MINOR, "cache_api", 3,
+                       "uniform_rows_f16", static_cast<int>(kInitF16));
 }
 
 // A C-contiguous buffer of 4-byte items of kind `kind` ('f' float, 'i' int32), or an error.

@@ -20,6 +20,7 @@ TARGETS = (
     "jaxrec_kjt_backward_update_rowwise_adagrad",
     "jaxrec_kjt_backward_update_adagrad",
     "jaxrec_cache_move",
+    "jaxrec_uniform_rows",
 )
 
 _LOCK = threading.Lock()
@@ -74,7 +75,8 @@ def unavailable_reason() -> str | None:
 
 
 def build_info() -> dict | None:
-    """``{"vector_bytes", "max_threads", "ffi_api_minor"}`` of the loaded build."""
+    """``{"vector_bytes", "max_threads", "ffi_api_minor", "cache_api", "uniform_rows_f16"}``
+    of the loaded build."""
     load()
     return _STATE["info"]
 

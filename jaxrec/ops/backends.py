@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..cpu.init import uniform_rows_cpu
 from ..cpu.kernels import (
     backward_update_cpu,
     embedding_bag_cpu,
@@ -41,4 +42,5 @@ CPU: dict[str, Callable] = {
     "grouped_pooled_lookup": grouped_pooled_lookup_cpu,
     "fused_backward_update": backward_update_cpu,
     "kjt_backward_update": kjt_backward_update_cpu,
+    "uniform_rows": uniform_rows_cpu,
 }
