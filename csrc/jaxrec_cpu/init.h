@@ -142,13 +142,25 @@ struct InitOutType<InitOut::kF32> {
 // The value of word w in [mid - half, mid + half), as the XLA reference rounds it:
 // there u = f - 1 for f = bitcast((w >> 9) | 0x3f800000) in [1, 2), and 2 u - 1 is
 // exact; so is 2 f - 3, the same number, one operation fewer (2 f: exponent + 1).
-inline float InitValue(uint32_t w, float mid, float half) {
+// The value is float32(mid + half * (2 u - 1)) with the sum taken in float64, where
+// the product (24 x 23 bits) is exact: one definition whether or not a compiler
+// contracts the multiply-add (XLA does under jit). With mid == 0 (TorchRec's
+// symmetric default) that is the float32 product, one rounding: the fast path.
+template <bool kMid>
+inline float InitValueT(uint32_t w, float mid, float half) {
   const uint32_t bits = (w >> 9) | 0x40000000u;
   float f2;
   std::memcpy(&f2, &bits, 4);
   const float x = f2 - 3.0f;  // exact: 2 u - 1 in [-1, 1)
-  const float y = half * x;   // rounded, then the sum rounded: no FMA
-  return y + mid;
+  if constexpr (kMid) {
+    return static_cast<float>(static_cast<double>(half) * x + static_cast<double>(mid));
+  } else {
+    return half * x + mid;  // mid == +-0: the product's one rounding (-0 + 0 = +0)
+  }
+}
+
+inline float InitValue(uint32_t w, float mid, float half) {
+  return mid == 0.0f ? InitValueT<false>(w, mid, half) : InitValueT<true>(w, mid, half);
 }
 
 // f32 -> bf16, round to nearest even; NaN stays a quiet NaN (branch-free, so it vectorizes).
@@ -177,22 +189,22 @@ inline uint16_t F16Rne(float) { return 0; }  // not called: the handler refuses 
 #endif
 
 // out[k] = the value of word w[k], k in [0, n).
-template <InitOut K>
-inline void InitConvert(typename InitOutType<K>::type* __restrict out,
-                        const uint32_t* __restrict w, int64_t n, float mid, float half) {
+template <InitOut K, bool kMid>
+inline void InitConvertT(typename InitOutType<K>::type* __restrict out,
+                         const uint32_t* __restrict w, int64_t n, float mid, float half) {
   int64_t k = 0;
 #if defined(__F16C__)
   if constexpr (K == InitOut::kF16) {  // 8 at a time (compilers leave the cast scalar)
     for (; k + 8 <= n; k += 8) {
       float v[8];
-      for (int j = 0; j < 8; ++j) v[j] = InitValue(w[k + j], mid, half);
+      for (int j = 0; j < 8; ++j) v[j] = InitValueT<kMid>(w[k + j], mid, half);
       const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(v), _MM_FROUND_TO_NEAREST_INT);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), h);
     }
   }
 #endif
   for (; k < n; ++k) {
-    const float v = InitValue(w[k], mid, half);
+    const float v = InitValueT<kMid>(w[k], mid, half);
     if constexpr (K == InitOut::kF32) {
       out[k] = v;
     } else if constexpr (K == InitOut::kBF16) {
@@ -200,6 +212,16 @@ inline void InitConvert(typename InitOutType<K>::type* __restrict out,
     } else {
       out[k] = F16Rne(v);
     }
+  }
+}
+
+template <InitOut K>
+inline void InitConvert(typename InitOutType<K>::type* __restrict out,
+                        const uint32_t* __restrict w, int64_t n, float mid, float half) {
+  if (mid == 0.0f) {
+    InitConvertT<K, false>(out, w, n, mid, half);
+  } else {
+    InitConvertT<K, true>(out, w, n, mid, half);
   }
 }
 

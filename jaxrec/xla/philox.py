@@ -12,10 +12,11 @@ numbers: as easy as 1, 2, 3", SC 2011; the generator of cuRAND, numpy's
 give four 32-bit words. Element ``(row, col)`` of stream ``s`` is word
 ``col % 4`` of the counter ``(row, 0, col // 4, s)``. Its float is
 ``u = float32((w >> 9) | 0x3f800000) - 1`` in ``[0, 1)`` (23 random bits, as
-``jax.random.uniform``), then ``mid + half * (2u - 1)`` with ``mid``, ``half``
-the float32 centre and half-width of ``[lo, hi)`` (for TorchRec's symmetric
-default ``mid = 0``: one rounding, whatever a compiler contracts), cast to the
-table's dtype.
+``jax.random.uniform``), then ``float32(mid + half * (2u - 1))`` with ``mid``,
+``half`` the float32 centre and half-width of ``[lo, hi)`` and the sum taken in
+float64, where the product is exact (so a compiler's multiply-add contraction
+changes nothing; for TorchRec's symmetric default ``mid = 0`` it is the float32
+product), cast to the table's dtype.
 
 This module is the XLA path (any platform; on GPUs it is the only path); the C++
 kernel ``jaxrec_uniform_rows`` (``jaxrec.cpu``) writes the same bits at memory
@@ -169,7 +170,12 @@ def _rows_block(key, ints, floats, start, block: int, cols: int, aligned: bool) 
             picked = jnp.where((shift == s)[:, None], flat[:, s : s + cols], picked)
     u = unit_float(picked)
     mid, half = floats[p, 0][:, None], floats[p, 1][:, None]
-    values = half * (u * jnp.float32(2.0) - jnp.float32(1.0)) + mid
+    t = u * jnp.float32(2.0) - jnp.float32(1.0)  # exact
+    with jax.enable_x64(True):  # the product (24 x 23 bits) is exact in float64: one
+        # definition whether or not XLA contracts the multiply-add
+        f64 = jnp.float64
+        wide = lax.add(lax.mul(half.astype(f64), t.astype(f64)), mid.astype(f64))
+        values = lax.convert_element_type(wide, jnp.float32)
     j = jnp.arange(cols, dtype=jnp.int32)[None, :]
     keep = in_piece[:, None] & (j < width[:, None])
     return jnp.where(keep, values, jnp.float32(0.0))

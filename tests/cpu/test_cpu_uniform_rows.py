@@ -1,11 +1,10 @@
 """The C++ initialiser ``jaxrec_uniform_rows`` against the XLA reference, bit for bit.
 
 The reference runs jitted (one compilation per shape, ~1 s each: they are most of
-this file's time), so the pieces here have ``mid = 0`` or an exact ``half * (2u - 1)``
-(``half`` a power of two): compiled, XLA contracts ``half * x + mid`` into an FMA,
-which rounds once where the definition (and the kernel) round twice
-(test_asymmetric_bounds_round_twice_as_defined checks that case against the
-definition). Half-precision buffers are the reference's float32 values cast
+this file's time). Asymmetric bounds are checked against the reference and against
+the definition in numpy (``mid + half * (2u - 1)`` summed in float64, where the
+product is exact, so XLA's multiply-add contraction under jit cannot change it).
+Half-precision buffers are the reference's float32 values cast
 (``uniform_rows_xla`` draws float32, then casts), checked once against the
 reference's own cast.
 """
@@ -131,16 +130,19 @@ def test_pieces_past_their_bounds_are_clamped_as_in_the_reference():
     assert not got[35:38].any()  # piece 2 ends at 35, piece 3 starts at 38
 
 
-def test_asymmetric_bounds_round_twice_as_defined():
-    # mid != 0 and an inexact product: half * x rounded, then + mid rounded (no FMA),
-    # the reference's definition, operation by operation (compiled, XLA fuses them);
+def test_asymmetric_bounds_as_defined():
+    # mid != 0 and a product inexact in float32: float32(mid + half * x) with the sum
+    # in float64 (the product exact there), whether or not a compiler contracts it;
     # the u of each element from the reference (mid = half = 0.5 gives u exactly).
     ints = jnp.array([(0, 20, 0, 3, 0, 16), (20, 20, 1, 0, 1, 15)], jnp.int32)
     floats = np.array([(1e-3, 7.5), (0.3, 0.7)], np.float32)
     u = np.asarray(_XLA(KEY, ints, jnp.full((2, 2), 0.5), rows=40, cols=16, dtype=jnp.float32))
     mid, half = np.repeat(floats[:, :1], 20, 0), np.repeat(floats[:, 1:], 20, 0)
-    want = half * (u * np.float32(2) - np.float32(1)) + mid  # float32 throughout
+    x = (u * np.float32(2) - np.float32(1)).astype(np.float64)  # exact
+    want = (half.astype(np.float64) * x + mid.astype(np.float64)).astype(np.float32)
     want[20:, 15:] = 0
+    jitted = _XLA(KEY, ints, jnp.asarray(floats), rows=40, cols=16, dtype=jnp.float32)
+    np.testing.assert_array_equal(_bits(jitted), _bits(want))
     for dtype in (jnp.float32, jnp.bfloat16, *_f16()):
         got = uniform_rows_cpu(KEY, ints, jnp.asarray(floats), rows=40, cols=16, dtype=dtype)
         np.testing.assert_array_equal(_bits(got), _bits(want.astype(dtype)))

@@ -38,7 +38,8 @@ def np_values(words, stream, rows, cols, lo, hi):
     w = np.choose((c & 3).astype(np.int64), out)
     u = ((w >> 9) | np.uint32(0x3F800000)).view(np.float32) - np.float32(1)
     mid, half = (np.float32(lo) + np.float32(hi)) / 2, (np.float32(hi) - np.float32(lo)) / 2
-    return (half * (u * np.float32(2) - np.float32(1)) + mid).astype(np.float32)
+    x = (u * np.float32(2) - np.float32(1)).astype(np.float64)  # exact, as is half * x
+    return (np.float64(half) * x + np.float64(mid)).astype(np.float32)
 
 
 @pytest.mark.parametrize(
