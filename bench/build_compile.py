@@ -10,7 +10,8 @@ through ``--dims``, dtypes through ``--dtypes``) it measures, in one process:
   the same number of float32 bytes into a preallocated buffer in the same run (its
   generator, PCG64, on one core); per core: divided by the cores the process may use;
 * ``unsharded_build_s``: ``EmbeddingBagCollection(tables)`` plus a dense head, cold;
-* per plan (``--plans``: ``planner``, ``table_wise``): ``sharded_build_s``, the model
+* per plan (``--plans``: ``planner``; ``table_wise``, each table whole on the rank with
+  the fewest rows of its width group so far, largest first): ``sharded_build_s``, the model
   built from its constructor by ``DistributedModelParallel`` over ``--devices`` CPU
   devices (each device draws its own shards; the planner's time included),
   ``build_peak_growth`` (growth of the process's peak resident memory over the build,
@@ -105,6 +106,15 @@ def table_bytes(tables) -> int:
     return sum(t.num_embeddings * t.embedding_dim * np.dtype(t.dtype).itemsize for t in tables)
 
 
+def reset_peak() -> None:
+    """Resets the process's peak resident memory to its current size (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak includes earlier ones: an overestimate
+
+
 def peak_bytes() -> int:
     with open("/proc/self/status") as f:
         return 1024 * next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
@@ -164,7 +174,15 @@ def plan_for(kind: str, make, tables, mesh):
         return None
     n = mesh.size
     abstract = nnx.eval_shape(make)
-    gens = {t.name: d.table_wise(i % n) for i, t in enumerate(tables)}
+    # Largest first onto the rank with the fewest bytes of its width group: a width
+    # group's buffer is as large as its fullest rank's shards.
+    load: dict = {}
+    gens = {}
+    for t in sorted(tables, key=lambda t: -t.num_embeddings):
+        ranks = load.setdefault((t.embedding_dim, t.data_type), [0] * n)
+        rank = int(np.argmin(ranks))
+        ranks[rank] += t.num_embeddings
+        gens[t.name] = d.table_wise(rank)
     return d.ShardingPlan({"ebc": d.construct_module_sharding_plan(abstract.ebc, gens,
                                                                     world_size=n)})  # fmt: skip
 
@@ -172,6 +190,7 @@ def plan_for(kind: str, make, tables, mesh):
 def run_plan(kind, tables, args, mesh):
     make = lambda: Model(tables, rngs=nnx.Rngs(0))  # noqa: E731
     gc.collect()
+    reset_peak()
     before = peak_bytes()
     start = time.perf_counter()
     sharded = d.DistributedModelParallel(make, plan_for(kind, make, tables, mesh), mesh)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,15 +40,23 @@ def check_drawable(configs: Sequence[BaseEmbeddingConfig]) -> None:
         )
 
 
-def draw_group(
+class GroupDraw(NamedTuple):
+    """What one width group's draw compiles for: each device's ``[rows, cols]`` block of
+    ``dtype``; ``aligned``: every piece starts on a multiple of 4 columns."""
+
+    rows: int
+    cols: int
+    dtype: np.dtype
+    aligned: bool
+
+
+def group_pieces(
     group: WidthGroup,
     configs: Mapping[str, BaseEmbeddingConfig],
     streams: Mapping[str, int],
-    mesh: jax.sharding.Mesh,
-    key: jax.Array,
-) -> jax.Array:
-    """The group's ``[world * rows_per_rank, ncols]`` buffer, each device's block drawn
-    on that device. ``streams``: each table's index in its collection."""
+) -> tuple[GroupDraw, np.ndarray, np.ndarray]:
+    """``(GroupDraw, ints int32[N, P, 6], floats float32[N, P, 2])``: each rank's pieces
+    (``jaxrec.ops.init``) of ``group``. ``streams``: each table's index in its collection."""
     per_rank = [
         [
             TablePiece(
@@ -63,23 +74,41 @@ def draw_group(
         for shards in group.shards
     ]
     ints, floats = host_pieces(per_rank, group.rows_per_rank)
-    dtype = configs[next(s[0] for r in group.shards for s in r)].dtype
+    dtype = jnp.dtype(configs[next(s[0] for r in group.shards for s in r)].dtype)
     aligned = bool((ints[..., 4] % 4 == 0).all())
-    program = group_program(mesh, group.rows_per_rank, group.ncols, jax.numpy.dtype(dtype), aligned)
-    return program(key_words(key), ints, floats)
+    return GroupDraw(group.rows_per_rank, group.ncols, dtype, aligned), ints, floats
+
+
+def draw_groups(
+    groups: Sequence[WidthGroup],
+    configs: Mapping[str, BaseEmbeddingConfig],
+    streams: Mapping[str, int],
+    mesh: jax.sharding.Mesh,
+    key: jax.Array,
+) -> list[jax.Array]:
+    """Each group's ``[world * rows_per_rank, ncols]`` buffer, every device drawing its own
+    block, all groups in one program (one compile)."""
+    if not groups:
+        return []
+    draws, ints, floats = zip(*(group_pieces(g, configs, streams) for g in groups), strict=True)
+    return list(groups_program(mesh, draws)(key_words(key), ints, floats))
 
 
 @functools.lru_cache(maxsize=64)
-def group_program(mesh: jax.sharding.Mesh, rows: int, cols: int, dtype, aligned: bool):
-    """The jitted program drawing a width group: ``(key words uint32[2], ints int32[N, P, 6],
-    floats float32[N, P, 2]) -> [N * rows, cols]`` sharded over the mesh, device ``r``
-    drawing rows ``[r * rows, (r + 1) * rows)`` from its own pieces ``ints[r]``."""
+def groups_program(mesh: jax.sharding.Mesh, draws: tuple[GroupDraw, ...]):
+    """The jitted program drawing width groups: ``(key words uint32[2], (ints int32[N, P, 6],
+    ...), (floats float32[N, P, 2], ...)) -> ([N * rows, cols], ...)`` sharded over the
+    mesh, device ``r`` drawing rows ``[r * rows, (r + 1) * rows)`` of each group from its
+    own pieces ``ints[r]``."""
     axis = tuple(mesh.axis_names)
 
     def local(words, ints, floats):
         rank = jax.lax.axis_index(axis)
-        return draw_rows(words, ints[rank], floats[rank], rows=rows, cols=cols, dtype=dtype,
-                         aligned=aligned)  # fmt: skip
+        return tuple(
+            draw_rows(words, i[rank], f[rank], rows=g.rows, cols=g.cols, dtype=g.dtype,
+                      aligned=g.aligned)
+            for g, i, f in zip(draws, ints, floats, strict=True)
+        )  # fmt: skip
 
     body = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axis))
     return jax.jit(body, out_shardings=NamedSharding(mesh, P(axis)))

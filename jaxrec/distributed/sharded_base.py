@@ -47,7 +47,7 @@ from .id_checks import check_sharded_ids
 from .layout import WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
 from .row_sums import column_split_row_sum, peer_schedule
-from .shard_init import check_drawable, draw_group, draw_replicated
+from .shard_init import check_drawable, draw_groups, draw_replicated
 from .types import ParameterSharding
 
 # "exact": ids beyond the fast path take extra exchange rounds (counted in
@@ -208,10 +208,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
         check_drawable(self.table_configs)
         configs = {t.name: t for t in self.table_configs}
         streams = {t.name: i for i, t in enumerate(self.table_configs)}
-        out = {
-            g.name: EmbeddingTable(draw_group(g, configs, streams, self.mesh, key))
-            for g in self.layout.groups
-        }
+        groups = self.layout.groups
+        drawn = draw_groups(groups, configs, streams, self.mesh, key)
+        out = {g.name: EmbeddingTable(x) for g, x in zip(groups, drawn, strict=True)}
         for rg in self.replicated_groups:
             out["dp_" + rg.name] = EmbeddingTable(
                 draw_replicated(rg, configs, streams, self.mesh, key)

@@ -83,13 +83,16 @@ def draw_rows(
     """:func:`uniform_rows` on arrays (``jaxrec.xla.philox.piece_arrays``' layout), for
     use inside traced programs such as one device's part of a ``shard_map``.
     ``aligned``: every piece's ``col0`` is a multiple of 4 (a faster XLA program)."""
-    xla = functools.partial(uniform_rows_xla, aligned=aligned)
+    xla = functools.partial(_xla_jit, aligned=aligned)
     return dispatch(
         "uniform_rows", implementation, xla, words, ints, floats,
         rows=rows, cols=cols, dtype=jnp.dtype(dtype),
     )  # fmt: skip
 
 
+# Jitted so that a shape traced once is not traced again (each trace of the XLA path
+# costs tens of ms; a model's build traces its draws twice, in eval_shape and jit).
+_xla_jit = jax.jit(uniform_rows_xla, static_argnames=("rows", "cols", "dtype", "aligned"))
 _draw_rows_jit = jax.jit(
     draw_rows, static_argnames=("rows", "cols", "dtype", "implementation", "aligned")
 )

@@ -26,7 +26,7 @@ from jaxrec.configs import DataType, data_type_to_dtype
 from jaxrec.deviceless import COMPILER_OPTIONS
 from jaxrec.distributed.layout import build_layout
 from jaxrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from jaxrec.distributed.shard_init import group_program
+from jaxrec.distributed.shard_init import GroupDraw, groups_program
 from jaxrec.embedding.tables import EmbeddingTable, recording_init_keys
 
 
@@ -53,11 +53,11 @@ def criteo_planned_build(*, dim=128):
         pieces = max(len(r) for r in g.shards)
         args = (
             jax.ShapeDtypeStruct((2,), jnp.uint32),
-            jax.ShapeDtypeStruct((mesh.size, pieces, 6), jnp.int32),
-            jax.ShapeDtypeStruct((mesh.size, pieces, 2), jnp.float32),
+            (jax.ShapeDtypeStruct((mesh.size, pieces, 6), jnp.int32),),
+            (jax.ShapeDtypeStruct((mesh.size, pieces, 2), jnp.float32),),
         )
         dtype = jnp.dtype(data_type_to_dtype(DataType(g.dtype)))
-        program = group_program(mesh, g.rows_per_rank, g.ncols, dtype, True)
+        program = groups_program(mesh, (GroupDraw(g.rows_per_rank, g.ncols, dtype, True),))
         compiled = program.trace(*args).lower().compile(compiler_options=COMPILER_OPTIONS)
         shard_bytes = g.rows_per_rank * g.ncols * dtype.itemsize
         groups.append({"group": g.name, "shard_bytes": shard_bytes, **_mem(compiled)})
