@@ -8,14 +8,17 @@ through ``--dims``, dtypes through ``--dtypes``) it measures, in one process:
   (``jaxrec.ops.init.uniform_rows``, one per width group, compiled beforehand),
   bytes written per second; ``numpy_gbps``: numpy's ``default_rng().random`` filling
   the same number of float32 bytes into a preallocated buffer in the same run (its
-  generator, PCG64, on one core); per core: divided by the cores the process may use;
+  generator, PCG64, on one core), and ``threefry_gbps`` for ``jax.random.uniform`` of
+  those float32 values (JAX's default generator); per core: divided by the cores the
+  process may use;
 * ``unsharded_build_s``: ``EmbeddingBagCollection(tables)`` plus a dense head, cold;
 * per plan (``--plans``: ``planner``; ``table_wise``, each table whole on the rank with
   the fewest rows of its width group so far, largest first): ``sharded_build_s``, the model
   built from its constructor by ``DistributedModelParallel`` over ``--devices`` CPU
   devices (each device draws its own shards; the planner's time included),
-  ``build_peak_growth`` (growth of the process's peak resident memory over the build,
-  against ``table_bytes``; CPU devices live in host memory), then the first train
+  ``build_peak_growth`` (growth of the process's peak resident memory over the build;
+  CPU devices live in host memory) against ``table_bytes`` and ``buffer_bytes`` (the
+  sharded buffers, each width group padded to its fullest rank), then the first train
   step's ``trace_s``, ``lower_s`` and ``compile_s`` (trace + lower + compile), the
   steady ``step_ms`` over ``--reps`` and the compiled ``hlo_kb``.
 
@@ -45,7 +48,7 @@ from flax import nnx  # noqa: E402
 import jaxrec as jr  # noqa: E402
 from jaxrec import distributed as d  # noqa: E402
 from jaxrec import optim, train  # noqa: E402
-from jaxrec.embedding import CombinedOptimizer  # noqa: E402
+from jaxrec.embedding import CombinedOptimizer, EmbeddingTable  # noqa: E402
 from jaxrec.modules.initializers import torch_linear  # noqa: E402
 from jaxrec.ops.init import TablePiece, uniform_rows  # noqa: E402
 
@@ -145,7 +148,9 @@ def draw_rates(model, tables, reps: int) -> dict:
 
     jax.block_until_ready(draw_all())  # compiled, and the output pages touched once
     nbytes = table_bytes(tables)
-    jax_s, np_s = [], []
+    threefry = jax.jit(lambda k: jax.random.uniform(k, (nbytes // 4,), jnp.float32, -0.1, 0.1))
+    jax.block_until_ready(threefry(key))
+    jax_s, np_s, tf_s = [], [], []
     buf = np.empty(nbytes // 4, np.float32)
     rng = np.random.default_rng(0)
     rng.random(buf.size, dtype=np.float32, out=buf)
@@ -158,6 +163,9 @@ def draw_rates(model, tables, reps: int) -> dict:
         start = time.perf_counter()
         rng.random(buf.size, dtype=np.float32, out=buf)
         np_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        jax.block_until_ready(threefry(key))
+        tf_s.append(time.perf_counter() - start)
     del buf
     cores = len(os.sched_getaffinity(0))
     draw, fill = nbytes / min(jax_s) / 1e9, nbytes / min(np_s) / 1e9
@@ -166,6 +174,7 @@ def draw_rates(model, tables, reps: int) -> dict:
         "draw_gbps_per_core": round(draw / cores, 2),
         "numpy_gbps": round(fill, 2),
         "draw_over_numpy": round(draw / fill, 2),
+        "threefry_gbps": round(nbytes / min(tf_s) / 1e9, 2),
     }
 
 
@@ -197,6 +206,8 @@ def run_plan(kind, tables, args, mesh):
     jax.block_until_ready(jax.tree.leaves(nnx.state(sharded)))
     build_s = time.perf_counter() - start
     growth = peak_bytes() - before
+    leaves = jax.tree.leaves(nnx.state(sharded, EmbeddingTable))
+    buffers = sum(x.nbytes for x in leaves)  # padded up to each group's fullest rank
     opt = CombinedOptimizer(optax.adagrad(0.01), optim.rowwise_adagrad(0.01))
     graphdef, state = train.init_train_state(sharded, opt)
     del sharded
@@ -226,6 +237,8 @@ def run_plan(kind, tables, args, mesh):
         "sharded_build_s": round(build_s, 2),
         "build_peak_growth": growth,
         "build_peak_over_tables": round(growth / table_bytes(tables), 3),
+        "buffer_bytes": buffers,
+        "build_peak_over_buffers": round(growth / buffers, 3),
         "trace_s": round(trace_s, 2),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),

@@ -22,10 +22,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import machine
 
 from jaxrec.cpu import build_info
-from jaxrec.cpu.init import uniform_rows_cpu
-from jaxrec.xla.philox import uniform_rows_xla
+from jaxrec.ops.init import draw_rows
 
 
 def _seconds(fn, *args, **kwargs) -> float:
@@ -45,7 +45,7 @@ def bench_dim(d: int, mb: int, reps: int, xla: bool) -> dict:
     ints = jnp.array([[0, rows, 0, 0, 0, d]], jnp.int32)
     floats = jnp.array([[0.0, 0.01]], jnp.float32)
     kw = dict(rows=rows, cols=d, dtype=jnp.float32)
-    kernel = jax.jit(lambda k, i, f: uniform_rows_cpu(k, i, f, **kw))
+    kernel = jax.jit(lambda k, i, f: draw_rows(k, i, f, implementation="cpu", **kw))
     kernel(key, ints, floats).block_until_ready()
     buf = np.empty(rows * d, np.float32)
     rng.random(buf.size, dtype=np.float32, out=buf)  # faults its pages in once
@@ -55,11 +55,13 @@ def bench_dim(d: int, mb: int, reps: int, xla: bool) -> dict:
         times["numpy"].append(_seconds(rng.random, buf.size, dtype=np.float32, out=buf))
     del buf
     if xla:
-        ref = jax.jit(lambda k, i, f: uniform_rows_xla(k, i, f, **kw))
+        ref = jax.jit(lambda k, i, f: draw_rows(k, i, f, implementation="xla", aligned=True, **kw))
         ref(key, ints, floats).block_until_ready()
         times["xla"] = [_seconds(ref, key, ints, floats) for _ in range(3)]
     return {
         "bench": "init_cpu",
+        **machine(),
+        "jax_version": jax.__version__,
         "dim": d,
         "rows": rows,
         "mb": nbytes / 2**20,

@@ -4,9 +4,10 @@ A cached table's rows live on the host and move to the device as batches need th
 so a run's results cannot depend on how many rows the device holds: a cache of 30% of
 the rows (evicting and writing back all along, rows prefetched a batch ahead) must
 train, evaluate and checkpoint exactly as a cache of every row (which never evicts),
-and resume exactly. An all-device run resumed with cached tables ends as the
-all-device run does (the reference: the two start from other initial tables
-otherwise). The cache's own exactness is also tested in tests/cache.
+and resume exactly. The reference is the all-device run: a cached run draws its host
+tables with the all-device model's initial values, so it ends as the all-device run
+does, from the start or resumed from an all-device checkpoint. The cache's own
+exactness is also tested in tests/cache.
 """
 
 import json
@@ -80,12 +81,16 @@ def test_cached_run_resumes_exactly(tmp_path):
 
 
 def test_cached_training_equals_all_device_training(tmp_path):
-    """The reference: an all-device run cut at step 30 and resumed with three tables
-    cached at 30% (their rows restored into host tables, the caches empty) ends bit
-    for bit as the uninterrupted all-device run: 18 cached steps and the final
-    evaluation equal the all-device ones."""
+    """The reference: a run with three tables cached at 30% (host tables drawn with
+    the all-device model's values) trains and evaluates bit for bit as the all-device
+    run; so does an all-device run cut at step 30 and resumed with those tables cached
+    (their rows restored into host tables, the caches empty)."""
     common = ["--batch-size", "128", "--epochs", "2"]
     whole, _ = _run(tmp_path / "whole", *common, "--no-checkpoint")
+    fresh, _ = _run(tmp_path / "fresh", *common, *CACHED, "--cache-load-factor", "0.3",
+                    "--no-checkpoint")  # fmt: skip
+    assert sorted(fresh["cached_tables"]) == ["t_cat_0", "t_cat_1", "t_cat_2"]
+    assert fresh["steps"] == 48 and fresh["eval"] == whole["eval"]
     _run(tmp_path / "cut", *common, "--max-steps", "30", "--checkpoint-every", "10")
     cached, _ = _run(tmp_path / "cut", *common, *CACHED, "--cache-load-factor", "0.3",
                      "--resume")  # fmt: skip
