@@ -6,12 +6,16 @@ import json
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_cases import leaves
+from flax import nnx
 from test_checkpoint_manager import OPT, bumped, init
 
 from jaxrec import checkpoint as ckpt
+from jaxrec import train
 
 
 def _flip(path, at=-7):
@@ -96,11 +100,34 @@ def test_every_step_damaged_is_an_error(two_steps, tmp_path):
         mgr.resume(graphdef, OPT, state)
 
 
+def _tables_drawn_before_philox(graphdef, state):
+    """``state`` with its tables as jaxrec drew them when format 1 was written (before
+    2026-11-28): value ``e`` of table ``i`` (row-major) was element ``e % 16384`` of
+    ``jax.random.uniform(fold_in(fold_in(key, i), e // 16384), (16384,), lo, hi)``."""
+    model = train.merge_model(graphdef, state)
+    ebc = model.ebc
+    key = nnx.Rngs(0).params()  # TablesModel's collection: Rngs(0), its first draw
+    old = {}
+    for i, t in enumerate(ebc.table_configs):
+        n = t.num_embeddings * t.embedding_dim
+        chunks = [
+            jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, i), c), (16384,),
+                               jnp.float32, t.get_weight_init_min(), t.get_weight_init_max())
+            for c in range(-(-n // 16384))
+        ]  # fmt: skip
+        flat = np.concatenate([np.asarray(c) for c in chunks])[:n]
+        old[f"embedding_bags.{t.name}.weight"] = flat.reshape(t.num_embeddings, t.embedding_dim)
+    ebc.load_state_dict(old)
+    return train.init_train_state(model, OPT)[1]
+
+
 def test_format_1_steps_are_read(tmp_path):
     """A step written by jaxrec's orbax format (tests/checkpoint/data/format1: the
-    four-table model at init+3, step 5) restores; the next save writes format 2."""
+    four-table model at init+3, step 5, its tables drawn by jaxrec's generator of
+    then) restores; the next save writes format 2."""
     shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "format1"), tmp_path / "c")
     graphdef, state = init(dropout=False)
+    state = _tables_drawn_before_philox(graphdef, state)
     with ckpt.CheckpointManager(tmp_path / "c", async_save=False) as mgr:
         assert mgr.all_steps() == [5] and mgr.metadata() == {"epoch": 1}
         restored, step = mgr.resume(graphdef, OPT, state)

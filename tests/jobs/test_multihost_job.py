@@ -130,11 +130,13 @@ def test_two_processes_with_cached_tables_equal_one_process(tmp_path):
     for g, w in zip(got_e, want_e, strict=True):  # (gloo's sums: the last float32 bit)
         for key, value in w.items():
             np.testing.assert_allclose(g[key], value, rtol=1e-6, err_msg=key)
-    # the checkpoint holds the logical tables, each process's rows written by it
+    # the checkpoint holds the logical tables, each process's rows written by it;
+    # gloo's sums (the last float32 bit of the dense gradients) reach the rows through
+    # six row-wise Adagrad steps: up to ~11 ulps seen on one row of 989
     tables = 0
     for (name, a), (name_b, b) in zip(_leaves(one), _leaves(two), strict=True):
         assert name == name_b
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-8, err_msg=name)
+        np.testing.assert_allclose(b, a, rtol=2e-6, atol=1e-8, err_msg=name)
         tables += "embedding_bag_collection" in name
     assert tables
 
