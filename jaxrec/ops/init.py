@@ -31,6 +31,7 @@ from ..xla.philox import key_words, piece_arrays, uniform_rows_xla
 from .dispatch import Implementation, dispatch
 
 DENSE_COLS = 1024  # a dense draw's values, laid out as rows of this many columns
+SMALL_VALUES = 1 << 20  # eager buffers up to this many values are drawn in bucketed shapes
 
 
 class TablePiece(NamedTuple):
@@ -65,8 +66,25 @@ def uniform_rows(
     if isinstance(words, jax.core.Tracer):
         return draw_rows(words, ints, floats, rows=rows, cols=cols, dtype=dtype,
                          implementation=implementation, aligned=aligned)  # fmt: skip
-    return _draw_rows_jit(words, ints, floats, rows=rows, cols=cols, dtype=jnp.dtype(dtype),
+    dtype = jnp.dtype(dtype)
+    if 0 < rows * cols <= SMALL_VALUES:  # small: shapes bucketed, a few programs serve all
+        bucket = 1 << (rows - 1).bit_length()
+        ints, floats = _pad_pieces(ints, floats, bucket)
+        out = _draw_rows_jit(words, ints, floats, rows=bucket, cols=cols, dtype=dtype,
+                             implementation=implementation, aligned=aligned)  # fmt: skip
+        return jax.device_put(np.asarray(out)[:rows])  # cut on the host: no program
+    return _draw_rows_jit(words, ints, floats, rows=rows, cols=cols, dtype=dtype,
                           implementation=implementation, aligned=aligned)  # fmt: skip
+
+
+def _pad_pieces(ints: np.ndarray, floats: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
+    """Pieces padded to a power-of-two count with empty pieces at ``rows`` (few shapes)."""
+    n = 1 << (len(ints) - 1).bit_length()
+    pad = np.zeros((n - len(ints), 6), np.int32)
+    pad[:, 0] = rows
+    return np.concatenate([ints, pad]), np.concatenate(
+        [floats, np.zeros((n - len(ints), 2), np.float32)]
+    )
 
 
 def draw_rows(
