@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (under 10 minutes): the GPU tests, the lookup
-# benchmarks at the target size and a short sweep, and the train-step benchmark.
+# benchmarks at the target size and a short sweep, the table initialiser against the
+# device's copy, and the train-step benchmark.
 # Results go to bench/results/ as gpu_check_<device>_<date>*.jsonl, with a summary
 # line per step in gpu_check_<device>_<date>.json. Each step has its own time
 # limit; a failed step is recorded and the rest still run; the exit status is 1
@@ -58,6 +59,7 @@ step tests 150 python -m pytest -q -p no:cacheprovider \
     "tests/cache/test_cache_exact.py::test_unsharded_exact"
 step lookup_target 100 python bench/gpu_lookup.py --preset target --reps 20
 step lookup_sweep 200 python bench/gpu_lookup.py --preset gpu_sweep --reps 5 --pass fwd,bwd_update
+step init_rows 60 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
 step train_step 90 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
 step cache 200 python bench/cache.py --preset gpu
 cat "$SUMMARY"
