@@ -111,8 +111,9 @@ def test_eager_traced_and_blocked_draws_agree(monkeypatch):
 def test_values_are_uniform_in_bounds_and_streams_independent():
     key = jax.random.key(0)
     draw = lambda s: np.asarray(  # noqa: E731
-        init.uniform_rows(key, [init.TablePiece(0, 300, s, 0, 0, 200, -0.5, 0.25)],
-                          300, 200, jnp.float32)  # fmt: skip
+        init.uniform_rows(
+            key, [init.TablePiece(0, 300, s, 0, 0, 200, -0.5, 0.25)], 300, 200, jnp.float32
+        )  # fmt: skip
     )
     x, y = draw(0), draw(1)
     assert x.min() >= -0.5 and x.max() < 0.25
