@@ -79,8 +79,8 @@ class HostTable:
                 weight[a - lo : b - lo] = np.asarray(chunk)[a - r0 : b - r0]
                 continue
             piece = TablePiece(0, b - a, stream, a, 0, dim, low, high)
-            block = uniform_rows(key, [piece], INIT_CHUNK_ROWS, dim, config.dtype)
-            weight[a - lo : b - lo] = np.asarray(block)[: b - a]
+            block = uniform_rows(key, [piece], b - a, dim, config.dtype)
+            weight[a - lo : b - lo] = np.asarray(block)
         state = initial_state(optimizer, hi - lo, dim)
         return HostTable(config, {"weight": weight, **state}, (lo, hi))
 

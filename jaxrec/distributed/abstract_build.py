@@ -53,13 +53,7 @@ def build_abstract(make: Callable[[], nnx.Module], mesh: jax.sharding.Mesh) -> A
         )
 
     def values():
-        with recording_init_keys(draw=False) as recorded:
-            built = make()
-        keys = {
-            _name(path): recorded[id(m)]
-            for path, m in nnx.iter_modules(built)
-            if isinstance(m, TableStorage) and id(m) in recorded
-        }
+        built, keys = _built_with_keys(make)
         return nnx.state(built, nnx.Not(EmbeddingTable)), keys
 
     state, keys = jax.jit(values, out_shardings=NamedSharding(mesh, P()))()
@@ -73,16 +67,20 @@ def init_keys(make: Callable[[], nnx.Module]) -> dict[str, jax.Array]:
     index in its collection (its stream), the key draws the table's rows anywhere:
     e.g. a cached table's host rows (``jaxrec.cache.HostTable.create``)."""
 
-    def keys():
-        with recording_init_keys(draw=False) as recorded:
-            built = make()
-        return {
-            _name(path): recorded[id(m)]
-            for path, m in nnx.iter_modules(built)
-            if isinstance(m, TableStorage) and id(m) in recorded
-        }
+    return jax.jit(lambda: _built_with_keys(make)[1])()
 
-    return jax.jit(keys)()
+
+def _built_with_keys(make: Callable[[], nnx.Module]) -> tuple[nnx.Module, dict[str, jax.Array]]:
+    """``make()`` (tables not drawn: call under tracing) and its collections' init keys
+    by module path."""
+    with recording_init_keys(draw=False) as recorded:
+        built = make()
+    keys = {
+        _name(path): recorded[id(m)]
+        for path, m in nnx.iter_modules(built)
+        if isinstance(m, TableStorage) and id(m) in recorded
+    }
+    return built, keys
 
 
 def draw_unsharded(model: nnx.Module, keys: dict[str, jax.Array], mesh) -> None:

@@ -69,7 +69,7 @@ def uniform_rows(
     dtype = jnp.dtype(dtype)
     if 0 < rows * cols <= SMALL_VALUES:  # small: shapes bucketed, a few programs serve all
         bucket = 1 << (rows - 1).bit_length()
-        ints, floats = _pad_pieces(ints, floats, bucket)
+        ints, floats = _padded(ints, floats, bucket, 1 << (len(ints) - 1).bit_length())
         out = _draw_rows_jit(words, ints, floats, rows=bucket, cols=cols, dtype=dtype,
                              implementation=implementation, aligned=aligned)  # fmt: skip
         return jax.device_put(np.asarray(out)[:rows])  # cut on the host: no program
@@ -77,14 +77,12 @@ def uniform_rows(
                           implementation=implementation, aligned=aligned)  # fmt: skip
 
 
-def _pad_pieces(ints: np.ndarray, floats: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
-    """Pieces padded to a power-of-two count with empty pieces at ``rows`` (few shapes)."""
-    n = 1 << (len(ints) - 1).bit_length()
+def _padded(ints: np.ndarray, floats: np.ndarray, rows: int, n: int) -> tuple[np.ndarray, ...]:
+    """Piece arrays padded to ``n`` pieces with empty ones at ``rows`` (they cover nothing)."""
     pad = np.zeros((n - len(ints), 6), np.int32)
     pad[:, 0] = rows
-    return np.concatenate([ints, pad]), np.concatenate(
-        [floats, np.zeros((n - len(ints), 2), np.float32)]
-    )
+    return (np.concatenate([ints, pad]),
+            np.concatenate([floats, np.zeros((n - len(ints), 2), np.float32)]))  # fmt: skip
 
 
 def draw_rows(
@@ -119,36 +117,25 @@ _draw_rows_jit = jax.jit(
 def uniform(key: jax.Array, shape: Sequence[int], lo: float, hi: float, dtype) -> jax.Array:
     """``shape`` values uniform in ``[lo, hi)`` (dense layers): value ``e`` of the
     flattened array is element ``(e // DENSE_COLS, e % DENSE_COLS)`` of stream 0, so
-    layers of every size share a few compiled programs (rows bucketed to powers of
-    two) and a draw is the same eager, traced or in any other shape's program."""
+    layers of every size share a few compiled programs (:func:`uniform_rows` buckets
+    small buffers) and a draw is the same eager, traced or in any other shape's program."""
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
     if n == 0:
         return jnp.zeros(shape, dtype)
     rows = -(-n // DENSE_COLS)
-    bucket = 1 << (rows - 1).bit_length()  # few shapes: few compiles
-    piece = TablePiece(0, bucket, 0, 0, 0, DENSE_COLS, lo, hi)
-    words = key_words(key)
-    ints, floats = piece_arrays([piece], bucket)
-    if isinstance(words, jax.core.Tracer):
-        flat = draw_rows(words, ints, floats, rows=bucket, cols=DENSE_COLS, dtype=jnp.float32,
-                         aligned=True)  # fmt: skip
+    piece = TablePiece(0, rows, 0, 0, 0, DENSE_COLS, lo, hi)
+    flat = uniform_rows(key, [piece], rows, DENSE_COLS, jnp.float32)
+    if isinstance(flat, jax.core.Tracer):
         return flat.reshape(-1)[:n].reshape(shape).astype(dtype)
-    flat = _draw_rows_jit(words, ints, floats, rows=bucket, cols=DENSE_COLS, dtype=jnp.float32,
-                          aligned=True)  # fmt: skip
     # Cut on the host: an eager slice or reshape would compile a program per shape.
-    host = np.asarray(flat).reshape(-1)[:n].reshape(shape).astype(jnp.dtype(dtype))
-    return jax.device_put(host)
+    return jax.device_put(np.asarray(flat).reshape(-1)[:n].reshape(shape).astype(dtype))
 
 
 def host_pieces(pieces: Sequence[Sequence[TablePiece]], rows: int) -> tuple[np.ndarray, ...]:
     """Per-rank piece arrays stacked: ``(ints int32[N, P, 6], floats float32[N, P, 2])``
     with every rank padded to the most pieces (padding pieces cover nothing)."""
     arrays = [piece_arrays(p, rows) for p in pieces]
-    most = max(a[0].shape[0] for a in arrays)
-    ints = np.zeros((len(arrays), most, 6), np.int32)
-    floats = np.zeros((len(arrays), most, 2), np.float32)
-    for r, (i, f) in enumerate(arrays):
-        ints[r, : i.shape[0]], floats[r, : f.shape[0]] = i, f
-        ints[r, i.shape[0] :, 0] = rows  # padding: at the end, no rows
-    return ints, floats
+    most = max(len(i) for i, _ in arrays)
+    padded = [_padded(i, f, rows, most) for i, f in arrays]
+    return np.stack([i for i, _ in padded]), np.stack([f for _, f in padded])

@@ -55,3 +55,37 @@ def test_a_row_shard_across_processes_is_refused(monkeypatch):
     _as_process(monkeypatch, {0, 1})
     with pytest.raises(ValueError, match=r"big'.*row shards \[0\].*one process"):
         jc.host_rows(g, opt, s, configs()[0])
+
+
+def test_host_rows_drawn_with_the_device_build_s_values(monkeypatch):
+    """With its collection's key (``init_keys``) and its index as stream, a host table's
+    rows (any range, chunked on the host) equal the device-built table's."""
+    from flax import nnx
+
+    import jaxrec as jr
+
+    tables = [
+        jr.EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=40),
+        jr.EmbeddingBagConfig(
+            name="b",
+            embedding_dim=6,
+            num_embeddings=3000,
+            weight_init_min=-0.5,
+            weight_init_max=0.25,
+        ),  # fmt: skip
+    ]
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(5))
+
+    want = np.asarray(M().ebc.state_dict()["embedding_bags.b.weight"])
+    monkeypatch.setattr(jc.host, "INIT_CHUNK_ROWS", 700)  # several chunks, one cut mid-range
+    key = d.init_keys(M)["ebc"]
+    opt = optim.rowwise_adagrad(0.1)
+    whole = jc.HostTable.create(tables[1], opt, key=key, stream=1)
+    np.testing.assert_array_equal(whole.fields["weight"], want)
+    part = jc.HostTable.create(tables[1], opt, rows=(1000, 2900), key=key, stream=1)
+    np.testing.assert_array_equal(part.fields["weight"], want[1000:2900])
+    other = jc.HostTable.create(tables[1], opt, key=key, stream=0)
+    assert not np.array_equal(other.fields["weight"], want)
