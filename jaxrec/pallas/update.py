@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,27 +31,34 @@ from jax.experimental.pallas import triton as pl_triton
 
 from ..optim.base import SparseOptimizer, apply_rows, row_fields
 from ..xla.backward import backward_update_xla
+from .runs import DEFAULT_PIECE_LEN, PieceLayout, RunPlan, piece_layout, plan_runs
 from .tiling import Tiling, check_table, check_vector, next_pow2
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
 
 
 def sparse_update_kernel(
-    *refs, optimizer, state_type, fields, num_runs, num_rows, num_state_rows, dim, block_runs, runs
-):
+    *refs, optimizer, state_type, fields, num_runs, num_rows, num_state_rows, dim, block_runs,
+    runs, partials,
+):  # fmt: skip
     """One optimizer step over ``block_runs`` unique rows.
 
     Refs, in order: ``grad_src [N, D] f32``, ``run_rows [U] i32`` (table row,
     ``>= R`` skips), ``run_state_rows [U] i32``, ``count [1] i32``, then when
-    ``runs``: ``run_starts [U + 1] i32``, ``occ_src [M] i32`` (grad_src row of
-    each sorted occurrence), ``occ_scale [M] f32``; then the table ``[R, D]``
-    and one ref per state field (``[R_s, D]`` or ``[R_s]``) as inputs, and
-    the same again as (aliased) outputs.
+    ``runs``: ``run_start [U] i32``, ``run_length [U] i32``, ``occ_src [M] i32``
+    (grad_src row of each sorted occurrence), ``occ_scale [M] f32``, and when
+    ``partials`` also ``run_partial [U] i32`` (1: the run's items are rows of
+    the partial buffer, else sorted occurrences) and the partial buffer
+    ``[P, D] f32``; then the table ``[R, D]`` and one ref per state field
+    (``[R_s, D]`` or ``[R_s]``) as inputs, and the same again as (aliased)
+    outputs.
     """
     k = len(fields)
     grad_ref, rows_ref, srows_ref, count_ref, *rest = refs
     if runs:
-        starts_ref, src_ref, scale_ref, *rest = rest
+        start_ref, length_ref, src_ref, scale_ref, *rest = rest
+    if partials:
+        partial_ref, part_buf_ref, *rest = rest
     rest = rest[1 + k :]  # skip the aliased inputs: read and write through the outputs
     table_ref, state_refs = rest[0], rest[1:]
     u = pl.program_id(0) * block_runs + jnp.arange(block_runs, dtype=jnp.int32)
@@ -66,23 +73,16 @@ def sparse_update_kernel(
     srow = jnp.where(live, srow, num_state_rows)
     m2 = live[:, None] & col_ok[None, :]
     if runs:
-        start = pl_triton.load(starts_ref.at[u], mask=live, other=0)
-        length = jnp.maximum(pl_triton.load(starts_ref.at[u + 1], mask=live, other=0) - start, 0)
-
-        def body(j, g):
-            on = live & (j < length)
-            pos = jnp.where(on, start + j, 0)
-            src = pl_triton.load(src_ref.at[pos], mask=on, other=0)
-            sc = pl_triton.load(scale_ref.at[pos], mask=on, other=0.0)
-            gg = pl_triton.load(
-                grad_ref.at[src[:, None], cols[None, :]],
-                mask=on[:, None] & col_ok[None, :],
-                other=0.0,
-            )
-            return g + gg * sc[:, None]
-
+        start = pl_triton.load(start_ref.at[u], mask=live, other=0)
+        length = pl_triton.load(length_ref.at[u], mask=live, other=0)
+        items = _Items(grad_ref, src_ref, scale_ref, part_buf_ref if partials else None)
         g = jnp.zeros((block_runs, cols.shape[0]), jnp.float32)
-        g = jax.lax.fori_loop(0, jnp.max(length), body, g)
+        if partials:
+            part = pl_triton.load(partial_ref.at[u], mask=live, other=0) > 0
+            g = items.sum(g, start, jnp.where(part, 0, length), cols, col_ok, partial=False)
+            g = items.sum(g, start, jnp.where(part, length, 0), cols, col_ok, partial=True)
+        else:
+            g = items.sum(g, start, length, cols, col_ok, partial=False)
     else:
         g = pl_triton.load(grad_ref.at[u[:, None], cols[None, :]], mask=m2, other=0.0)
     w = pl_triton.load(table_ref.at[row[:, None], cols[None, :]], mask=m2, other=0.0)
@@ -107,6 +107,64 @@ def sparse_update_kernel(
             pl_triton.store(ref.at[srow], val, mask=live)
 
 
+class _Items(NamedTuple):
+    """Where a run's or piece's items are read: sorted occurrences or partial rows."""
+
+    grad_ref: Any  # [N, D] f32 output gradient
+    src_ref: Any  # [M] i32 grad row of each sorted occurrence
+    scale_ref: Any  # [M] f32 its multiplier
+    partial_ref: Any  # [P, D] f32 partial sums (None when there are none)
+
+    def sum(self, acc, start, length, cols, col_ok, partial: bool):
+        """``acc`` plus each lane's items ``[start, start + length)``, in order.
+
+        One lane's items are all occurrences or all partial rows; a launch
+        with both kinds runs two loops (one live tile each: fewer registers).
+        """
+
+        def body(j, acc):
+            on = j < length
+            pos = jnp.where(on, start + j, 0)
+            mask = on[:, None] & col_ok[None, :]
+            if partial:
+                item = self.partial_ref.at[pos[:, None], cols[None, :]]
+                return acc + pl_triton.load(item, mask=mask, other=0.0)
+            src = pl_triton.load(self.src_ref.at[pos], mask=on, other=0)
+            sc = pl_triton.load(self.scale_ref.at[pos], mask=on, other=0.0)
+            g = pl_triton.load(self.grad_ref.at[src[:, None], cols[None, :]], mask=mask, other=0.0)
+            return acc + g * sc[:, None]
+
+        return jax.lax.fori_loop(0, jnp.max(length), body, acc)
+
+
+def piece_sum_kernel(
+    grad_ref, src_ref, scale_ref, start_ref, length_ref, _partial_in, partial_ref,
+    *, num_pieces, offset, dim, block_pieces, from_occurrences,
+):  # fmt: skip
+    """Sums ``block_pieces`` pieces into partial rows ``offset + piece``.
+
+    Refs: ``grad [N, D] f32``, ``occ_src [M] i32``, ``occ_scale [M] f32``,
+    ``piece_start [K] i32``, ``piece_length [K] i32`` (0: empty slot), then the
+    partial buffer ``[P, D] f32`` as input and (aliased) output. Items are
+    sorted occurrences (``from_occurrences``) or rows of the partial buffer
+    written by the previous level's launch.
+    """
+    piece = pl.program_id(0) * block_pieces + jnp.arange(block_pieces, dtype=jnp.int32)
+    ok = piece < num_pieces
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+    start = pl_triton.load(start_ref.at[piece], mask=ok, other=0)
+    length = pl_triton.load(length_ref.at[piece], mask=ok, other=0)
+    items = _Items(grad_ref, src_ref, scale_ref, partial_ref)
+    acc = jnp.zeros((block_pieces, cols.shape[0]), jnp.float32)
+    acc = items.sum(acc, start, length, cols, col_ok, partial=not from_occurrences)
+    out = ok & (length > 0)
+    dest = jnp.where(out, offset + piece, partial_ref.shape[0])
+    pl_triton.store(
+        partial_ref.at[dest[:, None], cols[None, :]], acc, mask=out[:, None] & col_ok[None, :]
+    )
+
+
 def _check_optimizer(optimizer, state, dim):
     if not isinstance(optimizer, SparseOptimizer):
         raise TypeError(f"optimizer must be a jaxrec.optim SparseOptimizer, got {optimizer!r}")
@@ -125,6 +183,9 @@ def _check_optimizer(optimizer, state, dim):
 
 
 def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, tiling, interpret):
+    """The update launch; ``runs``: None (one summed gradient per row) or
+    ``(start, length, src, scale)`` plus ``(partial, partial_buffer)`` when runs
+    may read partial rows."""
     dim = table.shape[1]
     fields = row_fields(state)
     num_state_rows = getattr(state, fields[0]).shape[0] if fields else table.shape[0]
@@ -141,6 +202,7 @@ def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, t
         dim=dim,
         block_runs=tiling.block_rows,
         runs=runs is not None,
+        partials=runs is not None and len(runs) == 6,
     )
     inputs = [grad_src.astype(jnp.float32), run_rows, run_state_rows, count.reshape(1)]
     inputs += list(runs) if runs is not None else []
@@ -157,6 +219,33 @@ def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, t
     )(*inputs, *buffers)
     new_state = state._replace(count=count, **dict(zip(fields, out[1:], strict=True)))
     return out[0], new_state
+
+
+def _reduce(grad, plan: RunPlan, layout: PieceLayout, tiling, interpret) -> jax.Array:
+    """The partial buffer ``[layout.total, D] f32``: one launch per reduction level."""
+    dim = grad.shape[1]
+    partials = jnp.zeros((layout.total, dim), jnp.float32)
+    for level, (pieces, size, offset) in enumerate(
+        zip(plan.levels, layout.sizes, layout.offsets, strict=True)
+    ):
+        kernel = functools.partial(
+            piece_sum_kernel,
+            num_pieces=size,
+            offset=offset,
+            dim=dim,
+            block_pieces=tiling.block_rows,
+            from_occurrences=level == 0,
+        )
+        partials = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(partials.shape, partials.dtype),
+            grid=(pl.cdiv(size, tiling.block_rows),),
+            input_output_aliases={5: 0},
+            compiler_params=tiling.compiler_params(),
+            interpret=interpret,
+            name="jaxrec_piece_sum",
+        )(grad, plan.src, plan.scale, pieces.start, pieces.length, partials)
+    return partials
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "interpret"))
@@ -207,7 +296,7 @@ def sparse_update(
     return _launch(optimizer, table, state, grads, rows, state_rows, None, tiling, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "piece_len", "interpret"))
 def fused_backward_update(
     optimizer: SparseOptimizer,
     table: jax.Array,
@@ -219,6 +308,7 @@ def fused_backward_update(
     valid: jax.Array,
     *,
     tiling: Tiling = DEFAULT_TILING,
+    piece_len: int | None = DEFAULT_PIECE_LEN,
     interpret: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Backward of a lookup fused with the optimizer step, exact and in place.
@@ -226,6 +316,9 @@ def fused_backward_update(
     Occurrence ``c`` contributes ``out_grad[segment_ids[c]] * scale[c]`` to
     table row ``rows[c]`` (the per-id gradient of ``pooled_row_grads``); the
     contributions of each row are summed, then each touched row is updated once.
+    Occurrences are sorted by row once; runs longer than ``piece_len`` are
+    summed in pieces by parallel programs first (``jaxrec.pallas.runs``), so
+    no program's serial work grows with a hot row's count.
 
     Args:
         optimizer: a ``jaxrec.optim`` sparse optimizer (static).
@@ -235,6 +328,9 @@ def fused_backward_update(
         scale: ``[C]`` float multiplier (per-sample weight, 1/length for MEAN).
         rows: ``[C]`` table rows; ``valid``: ``[C]`` bool, False skips.
         tiling, interpret: as :func:`sparse_update`.
+        piece_len: most occurrences (or partial sums) one program adds for one
+            row; ``None`` walks every run whole in one program (the schedule
+            before load balancing, kept for comparison).
 
     Returns:
         ``(table, state)`` updated, ``count`` advanced.
@@ -250,18 +346,13 @@ def fused_backward_update(
         raise ValueError(f"out_grad must be [S, {dim}], got out_grad.shape={out_grad.shape}")
     if c == 0 or out_grad.shape[0] == 0:
         return table, state._replace(count=state.count + 1)
-    r = table.shape[0]
-    keyed = jnp.where(valid, rows.astype(jnp.int32), r)
-    order = jnp.argsort(keyed, stable=True).astype(jnp.int32)
-    sorted_rows = keyed[order]
-    first = jnp.concatenate([jnp.ones((1,), bool), sorted_rows[1:] != sorted_rows[:-1]])
-    (starts,) = jnp.nonzero(first, size=c + 1, fill_value=c)
-    starts = starts.astype(jnp.int32)
-    run_rows = jnp.where(starts[:-1] < c, sorted_rows[jnp.minimum(starts[:-1], c - 1)], r)
-    src = segment_ids.astype(jnp.int32)[order]
-    occ_scale = jnp.where(valid, scale.astype(jnp.float32), 0.0)[order]
-    runs = (starts, jnp.where(sorted_rows < r, src, 0), occ_scale)
-    return _launch(optimizer, table, state, out_grad, run_rows, run_rows, runs, tiling, interpret)
+    layout = piece_layout(c, piece_len)
+    plan = plan_runs(rows, valid, segment_ids, scale, table.shape[0], layout)
+    grad = out_grad.astype(jnp.float32)
+    runs: tuple = (plan.start, plan.length, plan.src, plan.scale)
+    if layout.total:
+        runs += (plan.partial, _reduce(grad, plan, layout, tiling, interpret))
+    return _launch(optimizer, table, state, grad, plan.row, plan.row, runs, tiling, interpret)
 
 
 def sparse_update_reference(optimizer, table, state, rows, grads, state_rows=None):
