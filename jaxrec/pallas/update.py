@@ -2,13 +2,17 @@
 
 Exact semantics (FBGEMM's EXACT_*): every touched row gets one update with the
 sum of all its occurrences' gradients. Occurrences are grouped into *runs*,
-one per unique row (a sort, done by XLA before the launch); each program owns
-``block_rows`` runs, sums their occurrences' gradients in float32 (reading the
-output gradient directly, so no ``[C, D]`` per-id gradient is materialised),
-then applies the optimizer's own row update (``jaxrec.optim``, traced into
-the kernel) and writes the rows back into the table and state buffers, which
-are aliased input -> output (``input_output_aliases``): untouched rows are
-never read or written, and with donated buffers nothing is copied.
+one per unique row (a sort, done by XLA before the launch). Runs longer than
+``piece_len`` are first summed in pieces by parallel programs
+(``jaxrec.pallas.runs``: reduction launches writing float32 partial rows), so
+no program's serial work grows with a hot row's count. The update launch's
+programs each own ``block_rows`` runs, sum their items (occurrences read from
+the output gradient directly, so no ``[C, D]`` per-id gradient is
+materialised, or partial rows) in float32, then apply the optimizer's own row
+update (``jaxrec.optim``, traced into the kernel) and write the rows back into
+the table and state buffers, which are aliased input -> output
+(``input_output_aliases``): untouched rows are never read or written, and
+with donated buffers nothing is copied.
 
 Two entry points share the kernel:
 
@@ -222,9 +226,13 @@ def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, t
 
 
 def _reduce(grad, plan: RunPlan, layout: PieceLayout, tiling, interpret) -> jax.Array:
-    """The partial buffer ``[layout.total, D] f32``: one launch per reduction level."""
+    """The partial buffer ``[layout.total, D] f32``: one launch per reduction level.
+
+    The first launch creates the buffer (no memset: a row is read only after
+    the launch that writes it), later ones update it in place.
+    """
     dim = grad.shape[1]
-    partials = jnp.zeros((layout.total, dim), jnp.float32)
+    partials = None
     for level, (pieces, size, offset) in enumerate(
         zip(plan.levels, layout.sizes, layout.offsets, strict=True)
     ):
@@ -236,16 +244,26 @@ def _reduce(grad, plan: RunPlan, layout: PieceLayout, tiling, interpret) -> jax.
             block_pieces=tiling.block_rows,
             from_occurrences=level == 0,
         )
+        inputs = [grad, plan.src, plan.scale, pieces.start, pieces.length]
         partials = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct(partials.shape, partials.dtype),
+            kernel if level else _fresh(kernel),
+            out_shape=jax.ShapeDtypeStruct((layout.total, dim), jnp.float32),
             grid=(pl.cdiv(size, tiling.block_rows),),
-            input_output_aliases={5: 0},
+            input_output_aliases={5: 0} if level else {},
             compiler_params=tiling.compiler_params(),
             interpret=interpret,
             name="jaxrec_piece_sum",
-        )(grad, plan.src, plan.scale, pieces.start, pieces.length, partials)
+        )(*inputs, *([partials] if level else []))
     return partials
+
+
+def _fresh(kernel):
+    """``kernel`` for the first level: no partial buffer comes in."""
+
+    def wrapped(grad, src, scale, start, length, out):
+        return kernel(grad, src, scale, start, length, None, out)
+
+    return wrapped
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "interpret"))
