@@ -20,7 +20,9 @@ its branch runs XLA instead. Which kernel serves an op is listed in
 ``jaxrec.ops.backends`` (Pallas adapters from ``jaxrec.pallas``, C++ wrappers
 from ``jaxrec.cpu``). The C++ extension itself loads the first time a CPU
 kernel may run; when it cannot be loaded, the CPU branch runs XLA (saying why
-once: a warning when ``"cpu"`` was asked for, a log line for ``None``).
+once: a warning when ``"cpu"`` was asked for, a log line for ``None``). On a JAX
+that cannot import or lower Pallas's Triton backend, the Pallas branches run
+XLA and ``jaxrec.pallas.PallasBackendWarning`` says so once per process.
 
 Bounds-check reports made inside a branch (the C++ lookup counts bad ids
 itself) leave it as outputs and are reported again outside
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from ..cpu import loader
+from ..pallas import triton_backend
 from ..xla.bounds import collect_checks, report_out_of_range
 from .backends import CPU, PALLAS
 
@@ -90,6 +93,9 @@ def _kernel_for(op: str, implementation: Implementation, platform: str) -> Calla
                     f"no Pallas kernel serves {op!r} (jaxrec.ops.backends.PALLAS); "
                     "use implementation='xla'"
                 )
+            return None
+        if not triton_backend.available():  # a JAX without Pallas's Triton lowering
+            triton_backend.warn_unavailable()
             return None
         return lambda *a, **k: kernel(*a, interpret=not on_gpu, **k)
     return None

@@ -12,6 +12,17 @@ only with a GPU in hand. Both lower on this CPU-only machine
 (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so moving
 later is a per-kernel change behind the same wrappers and references.
 
+Without Triton: JAX will remove the backend. ``jaxrec.pallas.triton_backend``
+is the one import of it, guarded, so ``import jaxrec`` works on any JAX. When
+the module does not import, or a Triton ``pallas_call`` no longer lowers for
+CUDA (probed once, deviceless, the first time a kernel would be staged),
+:func:`available` is False and :func:`unavailable_reason` says why; the
+``jaxrec.ops`` entry points then run XLA wherever a kernel would have run
+(``implementation=None`` on GPUs, ``"pallas"`` anywhere) and warn once per
+process with :class:`PallasBackendWarning`. A direct call of a kernel below
+raises :class:`TritonUnavailableError` (a ``NotImplementedError``) naming
+the cause.
+
 Triton needs power-of-two block shapes: ``D`` (any multiple of 4) is covered
 by ``next_pow2(D)`` lanes with the surplus masked, and the optimizers' row
 means take ``dim=D`` (see ``jaxrec.optim.base``).
@@ -29,6 +40,10 @@ from .pooled import ranges_from_segments as ranges_from_segments
 from .sequence import sequence_lookup as sequence_lookup
 from .sequence import sequence_lookup_reference as sequence_lookup_reference
 from .tiling import Tiling as Tiling
+from .triton_backend import PallasBackendWarning as PallasBackendWarning
+from .triton_backend import TritonUnavailableError as TritonUnavailableError
+from .triton_backend import available as available
+from .triton_backend import unavailable_reason as unavailable_reason
 from .update import fused_backward_update as fused_backward_update
 from .update import fused_backward_update_reference as fused_backward_update_reference
 from .update import sparse_update as sparse_update

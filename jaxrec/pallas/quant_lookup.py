@@ -17,11 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from ..xla.quantize import dequantize_rows
 from .pooled import ranges_from_segments
 from .tiling import Tiling, check_vector, next_pow2
+from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
 KERNEL_DTYPES = ("int8", "int4")

@@ -13,9 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from .tiling import Tiling, check_table, check_vector, next_pow2
+from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=16, num_warps=4, num_stages=2)
 

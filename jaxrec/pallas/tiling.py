@@ -13,7 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pl_triton
+
+from . import triton_backend
+from .triton_backend import pl_triton
 
 FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -40,6 +42,13 @@ class Tiling:
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
     def compiler_params(self) -> pl_triton.CompilerParams:
+        """Triton's launch parameters; every kernel launch asks for them first.
+
+        Raises:
+            TritonUnavailableError: this JAX has no Pallas Triton backend (a
+                ``NotImplementedError``: the dispatcher's callers run XLA).
+        """
+        triton_backend.require()
         return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from compile_runner import Case, compile_abstract
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
+
+from jaxrec.pallas.triton_backend import pl_triton
 
 ABORT_MESSAGE = "harness_cases.abort: aborting on purpose"
 
