@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from ..optim.base import SparseOptimizer, apply_rows, row_fields
 from ..xla.backward import backward_update_xla
 from .runs import DEFAULT_PIECE_LEN, PieceLayout, RunPlan, piece_layout, plan_runs
 from .tiling import Tiling, check_table, check_vector, next_pow2
+from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
 

@@ -45,12 +45,14 @@ def _execute(plan, layout, values):
     partial = np.zeros(layout.total)
     for level, (pieces, offset) in enumerate(zip(plan.levels, layout.offsets, strict=True)):
         items = occ if level == 0 else partial
-        for i, (s, n) in enumerate(zip(np.asarray(pieces.start), np.asarray(pieces.length))):
+        starts, lengths = np.asarray(pieces.start), np.asarray(pieces.length)
+        for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
             if n:
                 assert n <= layout.piece_len
                 partial[offset + i] = items[s : s + n].sum()
     sums = {}
-    for r, s, n, p in zip(*(np.asarray(x) for x in (plan.row, plan.start, plan.length, plan.partial))):
+    runs = [np.asarray(x) for x in (plan.row, plan.start, plan.length, plan.partial)]
+    for r, s, n, p in zip(*runs, strict=True):
         if n:
             sums[int(r)] = (partial if p else occ)[s : s + n].sum()
     return sums
@@ -170,9 +172,7 @@ def test_balanced_update_matches_float64_numpy(name):
         summed = np.zeros((rows, dim))
         np.add.at(summed, ids[valid], g[seg[valid]].astype(np.float64) * scale[valid, None])
         touched = np.flatnonzero(counts)
-        want_t, want_s = ref.apply_rows(
-            name, want_t, want_s, touched, summed[touched], t, lr, **hp
-        )
+        want_t, want_s = ref.apply_rows(name, want_t, want_s, touched, summed[touched], t, lr, **hp)
         # float32 sums of up to 70 terms, then the update: error grows with the duplicates.
         tol = 1e-5 * (1 + counts.max() / 8)
         np.testing.assert_allclose(np.asarray(got[0]), want_t, rtol=tol, atol=tol)
