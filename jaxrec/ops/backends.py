@@ -35,6 +35,24 @@ PALLAS: dict[str, Callable] = {
     "quant_embedding_bag": quant_embedding_bag_pallas,
 }
 
+# ``implementation=None`` in a program for a GPU runs an op's Pallas kernel only
+# where it was measured faster than XLA on a GPU, or never measured slower;
+# each entry says which. An op left out runs XLA there (``"pallas"`` still
+# forces its kernel). A GPU run that finds a kernel slower on any preset
+# (bench/gpu_check.sh, bench/gpu_lookup.py) removes it here; the figures are in
+# docs/guides/kernels.md.
+GPU_DEFAULT_PALLAS: dict[str, str] = {
+    "embedding_bag": "faster than XLA on every gpu_lookup preset (H200, 2026-11-26)",
+    "embedding_gather": "faster than XLA at the target preset (H200, 2026-11-26)",
+    "fused_backward_update": (
+        "3.0x faster than XLA on uniform ids (H200, 2026-11-26); the one-program-per-run "
+        "schedule that lost on Zipf ids was replaced by the load-balanced one, whose "
+        "update launch is the measured one (not yet timed on a GPU with skewed ids)"
+    ),
+    "sparse_update": "not timed on a GPU alone; the fused backward's update launch",
+    "quant_embedding_bag": "not timed on a GPU",
+}
+
 # op -> ``fn(*args, **kwargs)``, the op's arguments (``try_cpu`` ops have no
 # XLA twin of the same signature: their fallback is a closure).
 CPU: dict[str, Callable] = {

@@ -9,11 +9,15 @@ and XLA keeps only the branch of the platform it compiles for. The branches:
 ==============  =====================  =======================  ==========
 implementation  ``cpu``                ``cuda`` / ``rocm``      others
 ==============  =====================  =======================  ==========
-``None``        C++ kernel (if built)  Pallas kernel, compiled  XLA
+``None``        C++ kernel (if built)  Pallas kernel (*)        XLA
 ``"cpu"``       C++ kernel             XLA                      XLA
 ``"pallas"``    Pallas, interpreted    Pallas kernel, compiled  Pallas, interpreted
 ``"xla"``       XLA                    XLA                      XLA
 ==============  =====================  =======================  ==========
+
+(*) for the ops in ``jaxrec.ops.backends.GPU_DEFAULT_PALLAS``, those whose
+kernel was measured faster than XLA on a GPU (or never slower); XLA for the
+others.
 
 A kernel that cannot handle its arguments raises ``NotImplementedError`` and
 its branch runs XLA instead. Which kernel serves an op is listed in
@@ -41,7 +45,7 @@ import jax.numpy as jnp
 from ..cpu import loader
 from ..pallas import triton_backend
 from ..xla.bounds import collect_checks, report_out_of_range
-from .backends import CPU, PALLAS
+from .backends import CPU, GPU_DEFAULT_PALLAS, PALLAS
 
 Implementation = Literal["xla", "pallas", "cpu"] | None
 """Which kernels a lookup or update runs: ``None`` (chosen per lowering platform:
@@ -85,7 +89,7 @@ def _kernel_for(op: str, implementation: Implementation, platform: str) -> Calla
     if platform == "cpu" and _wants_cpu(implementation):
         return _cpu_kernel(op, explicit=implementation == "cpu")
     on_gpu = platform in GPU_PLATFORMS
-    if implementation == "pallas" or (implementation is None and on_gpu):
+    if implementation == "pallas" or (implementation is None and on_gpu and _gpu_default(op)):
         kernel = PALLAS.get(op)
         if kernel is None:
             if implementation == "pallas":
@@ -99,6 +103,11 @@ def _kernel_for(op: str, implementation: Implementation, platform: str) -> Calla
             return None
         return lambda *a, **k: kernel(*a, interpret=not on_gpu, **k)
     return None
+
+
+def _gpu_default(op: str) -> bool:
+    """Whether ``implementation=None`` runs ``op``'s Pallas kernel on GPUs."""
+    return op in PALLAS and op in GPU_DEFAULT_PALLAS
 
 
 def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, **kwargs):
@@ -120,8 +129,9 @@ def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, *
 
     if implementation == "xla":
         return xla_fn(*args, **kwargs)
-    # An op without a Pallas kernel runs XLA on GPUs too: one branch, traced once.
-    return by_platform(run, inputs=(args, kwargs), gpu_as_default=op not in PALLAS)
+    # An op that runs XLA on GPUs too: one branch, traced once.
+    xla_on_gpu = op not in PALLAS or (implementation is None and not _gpu_default(op))
+    return by_platform(run, inputs=(args, kwargs), gpu_as_default=xla_on_gpu)
 
 
 def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, **kwargs):

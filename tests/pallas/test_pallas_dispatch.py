@@ -51,6 +51,7 @@ def test_default_is_xla_off_gpu_and_fallback_on_not_implemented(monkeypatch):
         return "pallas"
 
     monkeypatch.setitem(backends.PALLAS, "_probe", kernel)
+    monkeypatch.setitem(backends.GPU_DEFAULT_PALLAS, "_probe", "a test kernel")
     xla = lambda x: "xla"
     expected_default = "pallas" if jax.default_backend() == "gpu" else "xla"
     assert dispatch("_probe", None, xla, 1) == expected_default
@@ -162,3 +163,21 @@ def test_the_lowering_platform_picks_the_kernels(implementation):
     assert TRITON not in cpu
     if loader.available():
         assert ("@jaxrec_" in cpu) == (implementation in (None, "cpu"))
+
+
+def test_gpu_default_follows_the_measured_table(monkeypatch):
+    """``None`` on GPUs runs a kernel only while its op is in ``GPU_DEFAULT_PALLAS``;
+    ``"pallas"`` forces it either way."""
+    from jaxrec.ops import embedding_bag
+
+    args = jnp.ones((16, 8)), jnp.array([1, 2, 3]), jnp.array([0, 0, 1])
+
+    def lowered(implementation):
+        fn = lambda w, r, s: embedding_bag(w, r, s, 2, implementation=implementation)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert TRITON in lowered(None)
+    monkeypatch.delitem(backends.GPU_DEFAULT_PALLAS, "embedding_bag")
+    assert TRITON not in lowered(None)
+    assert TRITON in lowered("pallas")
+    assert set(backends.GPU_DEFAULT_PALLAS) <= set(backends.PALLAS)
