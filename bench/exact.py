@@ -13,9 +13,12 @@ the bound. Inputs (table rows, output gradients, scales, initial state) are
 exact. Each operation adds the error its inputs carry through it (``|a|e_b +
 |b|e_a + e_a e_b`` for a product, ``(e_a + |a/b|e_b)/(|b| - e_b)`` for a
 quotient, ``min(sqrt(e_a), e_a/sqrt(a))`` for a square root) and its own
-rounding, ``rel * (|x| + that)``, with ``rel = 2**-24`` (float32's unit
+rounding, ``rel * (|x| + that) + 2**-126``, with ``rel = 2**-24`` (float32's unit
 roundoff) for ``+ - *`` and four ulps (``8 * 2**-24``) for ``/`` and ``sqrt``,
-which Triton lowers to approximate instructions (``div.full.f32``: 2 ulps).
+which Triton lowers to approximate instructions (``div.full.f32``: 2 ulps);
+``2**-126`` allows a result under float32's smallest normal to be flushed to
+zero. Storing to an fp16 / bf16 table adds that dtype's unit roundoff, relative,
+and half its subnormal spacing, absolute (``TINY``).
 A sum of ``n`` terms, in any order or tree, adds ``gamma(n - 1) * sum|terms|``
 (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4,
 ``gamma(k) = k u / (1 - k u)``). The float64 reference's own rounding (``2**-53``
@@ -59,9 +62,13 @@ from jaxrec.optim import EmbOptimType, SparseOptimizer, WeightDecayMode
 U32 = 2.0**-24  # float32 unit roundoff
 U64 = 2.0**-53  # float64's, the reference's own
 APPROX = 8 * U32  # "/" and sqrt: up to four ulps (Triton's div.full.f32 is within two)
+FTZ = 2.0**-126  # float32's smallest normal: a GPU may flush results under it to zero
 LAMBDA = 8.0  # the probabilistic bound's confidence parameter
 BOUNDS = ("worst_case", "probabilistic")  # Bounded.e[0], Bounded.e[1]
 UNIT = {"fp32": U32, "fp16": 2.0**-11, "bf16": 2.0**-8}  # storage dtypes' unit roundoffs
+# Half the spacing of their subnormals: rounding near zero is absolute, not relative
+# (an fp16 table of 1000-row init range 0.03 has values under fp16's 6.1e-5 normal).
+TINY = {"fp32": 2.0**-150, "fp16": 2.0**-25, "bf16": 2.0**-134}
 
 
 class Bounded(NamedTuple):
@@ -92,8 +99,8 @@ def gamma(n, u: float = U32):
 
 def _rounded(x, delta, rel):
     """The error of an operation's float32 result: what its inputs carried (``delta``)
-    plus its own rounding of a value within ``delta`` of ``x``."""
-    return delta + (rel + U64) * (np.abs(x) + delta)
+    plus its own rounding of a value within ``delta`` of ``x`` (and ``FTZ``)."""
+    return delta + (rel + U64) * (np.abs(x) + delta) + FTZ
 
 
 def add(a: Bounded, b: Bounded, rel: float = U32) -> Bounded:
@@ -150,10 +157,11 @@ def row_sum(a: Bounded) -> Bounded:
 
 
 def store(a: Bounded, dtype: str) -> Bounded:
-    """The value rounded to a table of ``dtype`` (float32 results are stored as they are)."""
+    """The value rounded to a table of ``dtype`` (float32 results are stored as they are):
+    relative ``UNIT``, or ``TINY`` absolute among subnormals."""
     if dtype == "fp32":
         return a
-    return Bounded(a.x, _rounded(a.x, a.e, UNIT[dtype]))
+    return Bounded(a.x, _rounded(a.x, a.e, UNIT[dtype]) + TINY[dtype])
 
 
 def column(a: Bounded) -> Bounded:
