@@ -34,13 +34,17 @@ still shows in its moments). A forward bag of ``L`` ids is bounded the same way.
 That worst case grows as ``n**2 u`` for ``n`` terms of similar size: for a row
 touched 10^5 times it exceeds the sum itself, and says nothing. Beside it each
 quantity carries a *probabilistic* bound, the same but for sums, where
-``gamma(n - 1)`` becomes ``LAMBDA * sqrt(n - 1) * u`` (Higham and Mary, "A new
-approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5),
-2019, Theorem 3.1: it holds, for any order, with probability at least
-``1 - 2 n exp(-LAMBDA**2 (1 - u)**2 / 2)`` if rounding errors are independent
-with mean zero; ``LAMBDA = 8``: 1 - 3e-14 n). An error outside the worst-case
-bound is certainly wrong; one outside the probabilistic bound almost certainly
-is (a dropped duplicate among 10^5 is). ``Bounded.e`` holds both:
+``gamma(n - 1)`` becomes ``expm1(LAMBDA sqrt(n - 1) u + (n - 1) u**2 / (1 - u))``,
+about ``LAMBDA * sqrt(n - 1) * u`` (Higham and Mary, "A new approach to
+probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019: each
+term's product of ``n - 1`` rounding factors is within it with probability at
+least ``1 - 2 exp(-LAMBDA**2 (1 - u)**2 / 2)`` if rounding errors are independent
+with mean zero, whatever the order; ``LAMBDA = 8``: all ``n`` terms, 1 - 3e-14 n).
+An error outside the worst-case bound is certainly not rounding; one outside the
+probabilistic bound almost certainly is not. Where they catch one wrong term of
+a sum of ``n`` terms of similar size: while ``n**2 u < 1`` (``n`` up to ~4,000)
+for the worst case, ``LAMBDA n**1.5 u < 1`` (~16,000) for the probabilistic one;
+errors of many terms (a lost piece of a run) beyond. ``Bounded.e`` holds both:
 ``e[0]`` worst case, ``e[1]`` probabilistic (``BOUNDS``).
 
 ``optimizer_step`` implements EXACT_SGD, EXACT_ROWWISE_ADAGRAD and ADAM as
@@ -145,7 +149,8 @@ def _sum_factors(n) -> np.ndarray:
     """``[2, ...]``: the worst-case and probabilistic factors of a sum of ``n`` terms."""
     n = np.asarray(n, np.float64)
     k = np.maximum(n - 1, 0)
-    return np.stack([gamma(k) + n * U64, LAMBDA * np.sqrt(k) * U32 + n * U64])
+    likely = np.expm1(LAMBDA * np.sqrt(k) * U32 + k * U32**2 / (1 - U32))
+    return np.stack([gamma(k) + n * U64, likely + n * U64])
 
 
 def row_sum(a: Bounded) -> Bounded:
@@ -181,7 +186,8 @@ def bounded_sums(values: np.ndarray, index: np.ndarray, scale: np.ndarray, indpt
     Returns:
         ``Bounded [K, D]``: each product rounded once, each sum of ``n`` terms in any
         order: ``e[0] = (u + gamma(n - 1)(1 + u) + n * 2**-53) * sum_j |values * scale|``
-        and ``e[1]`` the same with ``LAMBDA * sqrt(n - 1) * u`` for ``gamma(n - 1)``.
+        and ``e[1]`` the same with the probabilistic ``~LAMBDA * sqrt(n - 1) * u`` for
+        ``gamma(n - 1)``.
     """
     k, n = len(indptr) - 1, np.diff(indptr)
     used = np.zeros(len(values), bool)  # only the rows these sums read, in float64
