@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (under 10 minutes): the GPU tests, the lookup
-# benchmarks at the target size and a short sweep, the table initialiser against the
-# device's copy, and the train-step benchmark.
+# benchmarks at the target size (uniform and Zipf ids) and at HBM-bound sizes (three
+# optimizers), the table initialiser against the device's copy, the train-step benchmark
+# and the cached-table benchmark.
 # Results go to bench/results/ as gpu_check_<device>_<date>*.jsonl, with a summary
 # line per step in gpu_check_<device>_<date>.json. Each step has its own time
 # limit; a failed step is recorded and the rest still run; the exit status is 1
@@ -9,7 +10,7 @@
 #
 #   bash bench/gpu_check.sh            # from the repository root or anywhere
 #   GPU_CHECK_OUT=/tmp/x bash bench/gpu_check.sh
-#   GPU_CHECK_SKIP="lookup_sweep train_step" bash bench/gpu_check.sh   # steps left out
+#   GPU_CHECK_SKIP="lookup_hbm train_step" bash bench/gpu_check.sh   # steps left out
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-bench/results}
@@ -53,14 +54,41 @@ step() {
         "$DEVICE" "$DATE" "$*" >> "$SUMMARY"
 }
 
-step tests 150 python -m pytest -q -p no:cacheprovider \
+# Time limits: 560 s in all, under ~570 (the device is lent for 15 minutes, start-up
+# included). Estimates from the H200 run of 2026-11-26 (bench/results/gpu_check_nvidia_h200_*)
+# where a step ran there, otherwise arithmetic; compile times are XLA's deviceless GPU
+# compiles of the same programs on the 2-core development machine (jaxrec.deviceless).
+#
+# tests: 59 s and 87 s measured (the latter with the cache tests): 110 s.
+step tests 110 python -m pytest -q -p no:cacheprovider \
     tests/pallas/test_pallas_gpu.py tests/inference/test_quant_kernel.py tests/pallas/test_pallas_dispatch.py \
     tests/distributed/test_ragged_gpu.py tests/cache/test_cache_pipeline.py \
     "tests/cache/test_cache_exact.py::test_unsharded_exact"
-step lookup_target 100 python bench/gpu_lookup.py --preset target --reps 20
-step lookup_sweep 200 python bench/gpu_lookup.py --preset gpu_sweep --reps 5 --pass fwd,bwd_update
-step init_rows 60 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
-step train_step 90 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
-step cache 200 python bench/cache.py --preset gpu
+# lookup_target: uniform and Zipf 1.15 at T=8, E=1M, D=128, B=65,536, L=20, row-wise
+# Adagrad, every implementation. The target alone took 43-51 s (with three table draws
+# and ~19 GB of full tables and sequence outputs copied to the host); now one table
+# serves both workloads and only checked rows come back. Start-up ~10 s + compiles
+# ~25 s (2 forwards, 2 sequence lookups, 3 updates at 4-12 s) + per workload ~15 s
+# (10.5M ids drawn and sorted ~5 s, float64 checks ~3 s, torch's 4 GB host copy, ~50
+# steps of at most 68 ms: torch's and the old schedule's on Zipf) x 2 = ~65 s: 100 s.
+step lookup_target 100 python bench/gpu_lookup.py --preset target,target_zipf --reps 20
+# lookup_hbm: 4 tables of 10M rows (20.5 GB), B=65,536, L=20, uniform and Zipf 1.05 / 1.2,
+# SGD, row-wise Adagrad and Adam, Pallas (both schedules) and XLA, forward and update:
+# start-up 10 s + the table drawn once ~5 s + compiles on the first workload ~60 s (2
+# forwards; 9 updates at 5-9 s) + per workload ~10 s (5.24M ids drawn and sorted ~3 s,
+# float64 checks ~3 s in 8 threads, 2 x 7 forwards and 9 x 7 updates of at most ~50 ms,
+# gathers and restores) x 3 = ~105 s: 170 s.
+step lookup_hbm 170 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,xla \
+    --pass fwd,bwd_update --optimizer sgd,rowwise_adagrad,adam --reps 5 --warmup 1
+# init_rows: 2 dims x 11 draws and copies of 2 GiB: under 10 s at 50 GB/s, 44 s at 1 GB/s.
+step init_rows 50 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
+# train_step: 14 s and 19 s measured: 40 s.
+step train_step 40 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
+# cache: its gpu preset at Zipf 1.05 and two load factors, shorter warm-up: start-up and
+# 4 GB model ~20 s + 2 cached models (host tables, compile ~10 s each) + 22 steps each of
+# 0.24 s and 0.10 s (measured 2026-11-26) = ~50 s: 90 s.
+step cache 90 python bench/cache.py --preset gpu --alphas 1.05 --load-factors 0.1,1.0 \
+    --warmup 10 --reps 5
+# (bench/gpu_lookup.py --preset gpu_sweep, which ran past 150 s, is left to a run of its own.)
 cat "$SUMMARY"
 exit $FAILED

@@ -39,9 +39,25 @@ def test_benchmark_steps_parse_their_arguments(monkeypatch):
     import sys
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    steps = re.findall(r"python bench/(\w+)\.py ([^\n]*)", SCRIPT.read_text())
-    assert len(steps) >= 3
+    text = SCRIPT.read_text().replace("\\\n", " ")  # continued lines joined
+    steps = re.findall(r"python bench/(\w+)\.py ([^\n]*)", text)
+    assert len(steps) >= 5
     for module, args in steps:
         mod = importlib.import_module(module)
         monkeypatch.setattr(sys, "argv", [module])
         assert mod.parse_args(shlex.split(args)) is not None
+
+
+def test_step_limits_fit_the_device_budget():
+    """The steps' time limits sum to at most 570 s, under the 600 s a run may take (the
+    device is lent for 15 minutes, start-up included); each step is named once."""
+    import re
+
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    steps = re.findall(r"^step (\w+) (\d+) ", text, flags=re.M)
+    names = [n for n, _ in steps]
+    expected = {"tests", "lookup_target", "lookup_hbm", "init_rows", "train_step", "cache"}
+    assert expected <= set(names)
+    assert len(names) == len(set(names))
+    total = sum(int(limit) for _, limit in steps)
+    assert total <= 570, dict(steps)
