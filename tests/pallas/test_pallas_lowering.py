@@ -3,6 +3,9 @@
 ``lower(lowering_platforms=("cuda",))`` runs the Pallas -> Triton lowering and
 embeds the Triton IR in a ``__gpu$xla.gpu.triton`` custom call; PTX is only
 produced when XLA compiles on a GPU (the compiled tests in test_pallas_gpu.py).
+The Mosaic GPU kernel lowers the same way into a ``mosaic_gpu_v2`` custom call
+(Pallas -> Mosaic GPU MLIR, with Mosaic's layout, copy and shared-memory checks);
+its PTX is produced only when the program is loaded on a GPU.
 """
 
 import functools
@@ -19,6 +22,7 @@ from jaxrec.pallas import (
     sequence_lookup,
     sparse_update,
 )
+from jaxrec.pallas.mosaic_pooled import MosaicTiling, pooled_lookup_mosaic
 
 R, D, C, S = 64, 20, 48, 12  # D a multiple of 4, not a power of two
 
@@ -40,6 +44,23 @@ def test_pooled_lookup_lowers(dtype, with_segments, mean):
     seg = _ints(C, S) if with_segments else None
     fn = functools.partial(pooled_lookup, mean=mean, tiling=Tiling(block_rows=16, num_warps=2))
     _lower(fn, w, _ints(C, R), _ints(S, C), _ints(S, C) + 2, jnp.ones((C,)), seg)
+
+
+@pytest.mark.parametrize(
+    "dtype,dim,with_segments,mean,tiling",
+    [
+        (jnp.float32, 64, True, False, MosaicTiling()),
+        (jnp.bfloat16, 128, False, True, MosaicTiling(block_bags=16, num_stages=1)),
+        (jnp.float16, 128, True, True, MosaicTiling(block_cols=64, manual_barriers=True)),
+    ],
+)
+def test_pooled_lookup_mosaic_lowers(dtype, dim, with_segments, mean, tiling):
+    w = jnp.zeros((R, dim), dtype)
+    seg = _ints(C, S) if with_segments else None
+    fn = functools.partial(pooled_lookup_mosaic, mean=mean, tiling=tiling)
+    args = (w, _ints(C, R), _ints(S, C), _ints(S, C) + 2, jnp.ones((C,)), seg)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu_v2" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
