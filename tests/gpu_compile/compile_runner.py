@@ -135,13 +135,12 @@ def parse_spills(lines: Iterable[str]) -> tuple[tuple[str, int, int], ...]:
 COMPILER_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 
 
-def compile_abstract(fn, *args, topology: str = "1x1x1"):
-    """``jax.jit(fn)`` compiled for ``topology`` (H100s) with ``args`` as abstract values.
+def lower_abstract(fn, *args, topology: str = "1x1x1"):
+    """``jax.jit(fn)`` lowered for ``topology`` (H100s) with ``args`` as abstract values.
 
     ``args`` are pytrees of ``jax.ShapeDtypeStruct`` (or arrays, only their
     shape and dtype are used), placed replicated on a mesh over every device;
-    nothing is allocated. ``None`` passes through. Compiled with
-    ``COMPILER_OPTIONS``.
+    nothing is allocated. ``None`` passes through.
     """
     import jax
 
@@ -149,7 +148,12 @@ def compile_abstract(fn, *args, topology: str = "1x1x1"):
 
     mesh = deviceless.mesh(deviceless.topology(topology))
     abstract = [None if a is None else deviceless.abstract_like(a, mesh) for a in args]
-    return jax.jit(fn).trace(*abstract).lower().compile(compiler_options=COMPILER_OPTIONS)
+    return jax.jit(fn).trace(*abstract).lower()
+
+
+def compile_abstract(fn, *args, topology: str = "1x1x1"):
+    """:func:`lower_abstract`'s program compiled with ``COMPILER_OPTIONS``."""
+    return lower_abstract(fn, *args, topology=topology).compile(compiler_options=COMPILER_OPTIONS)
 
 
 def _memory(compiled) -> dict[str, int]:

@@ -9,19 +9,27 @@ SUM and MEAN, and two tilings: each kernel's default and ``Tiling(16, 2)``
 (more rows per program over fewer threads: the most registers per thread).
 Sizes follow ``bench/gpu_lookup.py --preset target`` (8 tables of ~1M rows
 stacked, batch 65,536, 20 ids per bag).
+
+The Mosaic GPU lookup gets less (see mosaic_launch.py): Pallas -> Mosaic GPU
+MLIR at lowering and XLA around it, but its PTX and ``ptxas`` run only on a
+GPU, so its cases check the launch read from that MLIR (grid, block, shared
+memory) instead of ``ptxas``'s spills.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from compile_runner import Case, compile_abstract
+from compile_runner import COMPILER_OPTIONS, Case, compile_abstract, lower_abstract
+from mosaic_launch import mosaic_launches
 
 from jaxrec import optim
 from jaxrec.pallas import Tiling, fused_backward_update, sequence_lookup, sparse_update
 from jaxrec.pallas import pooled_lookup as pallas_pooled_lookup
+from jaxrec.pallas.mosaic_pooled import MosaicTiling, pooled_lookup_mosaic
 from jaxrec.pallas.quant_lookup import quant_pooled_lookup
 from jaxrec.xla.quantize import row_bytes
 
@@ -57,6 +65,22 @@ def pooled(*, dtype, dim, segments, mean, block_rows=8, num_warps=4):
     seg = _s((IDS,), "int32") if segments else None
     bags, ids = _s((BAGS,), "int32"), _s((IDS,), "int32")
     return compile_abstract(fn, _s((ROWS, dim), dtype), ids, bags, bags, _s((IDS,), "float32"), seg)
+
+
+def pooled_mosaic(*, dtype, dim, segments, mean, **tiling):
+    """The Mosaic GPU lookup lowered and compiled around; facts: its one launch."""
+    fn = functools.partial(pooled_lookup_mosaic, mean=mean, tiling=MosaicTiling(**tiling))
+    seg = _s((IDS,), "int32") if segments else None
+    bags, ids = _s((BAGS,), "int32"), _s((IDS,), "int32")
+    lowered = lower_abstract(
+        fn, _s((ROWS, dim), dtype), ids, bags, bags, _s((IDS,), "float32"), seg
+    )
+    launches = mosaic_launches(lowered)
+    if len(launches) != 1:
+        raise AssertionError(f"expected one Mosaic GPU launch, found {launches}")
+    launches[0].check()
+    compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
+    return compiled, {"launch": dataclasses.asdict(launches[0])}
 
 
 def quant(*, dtype, dim, segments, mean, block_rows=8, num_warps=4):
@@ -118,6 +142,14 @@ def _quant(dtype, dim, segments, mean, tiling=(8, 4), **case):
     return Case(name=name, target="kernel_cases:quant", kwargs=kw, **case)
 
 
+def _mosaic(dtype, dim, segments, mean, **tiling):
+    t = MosaicTiling(**tiling)
+    kw = dict(dtype=dtype, dim=dim, segments=segments, mean=mean) | tiling
+    name = f"mosaic-{dtype}-d{dim}-{'seg' if segments else 'noseg'}-{'mean' if mean else 'sum'}"
+    name += f"-b{t.block_bags}s{t.num_stages}" + ("-manual" if t.manual_barriers else "")
+    return Case(name=name, target="kernel_cases:pooled_mosaic", kwargs=kw)
+
+
 def _sequence(dtype, dim, tiling=(16, 4)):
     kw = dict(dtype=dtype, dim=dim, block_rows=tiling[0], num_warps=tiling[1])
     name = f"sequence-{dtype}-d{dim}-t{tiling[0]}w{tiling[1]}"
@@ -162,6 +194,13 @@ CASES = (
     _pooled("float16", 20, False, True, (16, 2)),
     _pooled("bfloat16", 64, False, False, (16, 2)),
     _pooled("bfloat16", 512, True, True),
+    # the Mosaic GPU pooled lookup: its default tiling (8 bags a program: 65,536
+    # programs, over the 65,535 a grid's y may hold), 32 bags (the most unrolled
+    # code), 4 stages, the most shared memory
+    _mosaic("float32", 128, True, False),
+    _mosaic("bfloat16", 512, False, True, block_bags=32, num_stages=1),
+    _mosaic("float16", 64, True, True, num_stages=4, manual_barriers=True),
+    _mosaic("float32", 512, False, False, block_bags=16, num_stages=3),
     # sequence lookup
     _sequence("float32", 128),
     _sequence("bfloat16", 20),

@@ -23,6 +23,28 @@ def test_kernel_compiles(results, case):
     assert_compiled(results[case.name], case)
 
 
+MOSAIC = [c for c in kernel_cases.CASES if c.target == "kernel_cases:pooled_mosaic"]
+
+
+@pytest.mark.parametrize("case", MOSAIC, ids=case_id)
+def test_mosaic_launch(results, case):
+    """The Mosaic GPU lookup's launch, read from its MLIR (its PTX needs a GPU): one
+    warpgroup per program, bags along the grid's x, the shared memory its tiling sizes."""
+    import jax
+
+    from jaxrec.pallas.mosaic_pooled import ROWS, MosaicTiling, block_cols_for
+
+    kw = case.kwargs
+    tiling = MosaicTiling(**{k: v for k, v in kw.items() if k in MosaicTiling.__annotations__})
+    table = jax.ShapeDtypeStruct((kernel_cases.ROWS, kw["dim"]), kw["dtype"])
+    cols, size = block_cols_for(table, tiling), table.dtype.itemsize
+    launch = results[case.name].facts["launch"]
+    assert launch["block"] == [128, 1, 1]
+    assert launch["grid"] == [kernel_cases.BAGS // tiling.block_bags, kw["dim"] // cols, 1]
+    tiles = tiling.num_stages * ROWS * (cols * size + 16) + ROWS * cols * 4
+    assert tiles <= launch["smem_bytes"] <= tiles + 1024  # + barriers and alignment
+
+
 def test_shared_memory_over_the_limit_fails_compilation(results):
     assert_compiled(results[harness_cases.SHARED_MEMORY_OK.name], harness_cases.SHARED_MEMORY_OK)
     over = results[harness_cases.SHARED_MEMORY_OVER.name]
