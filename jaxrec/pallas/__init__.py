@@ -10,7 +10,10 @@ TMA/async copies of static-shaped tiles; a per-row gather there means one
 copy per row (or Blackwell's TMA gather), a larger rewrite we would tune
 only with a GPU in hand. Both lower on this CPU-only machine
 (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so moving
-later is a per-kernel change behind the same wrappers and references.
+later is a per-kernel change behind the same wrappers and references. The
+pooled lookup has a Mosaic GPU version, ``jaxrec.pallas.mosaic_pooled`` (not
+imported here: it would add Mosaic GPU to ``import jaxrec``), tested in Pallas's
+Mosaic GPU interpreter and not yet run on a GPU.
 
 Without Triton: JAX will remove the backend. ``jaxrec.pallas.triton_backend``
 is the one import of it, guarded, so ``import jaxrec`` works on any JAX. When
