@@ -78,7 +78,7 @@ step lookup_target 100 python bench/gpu_lookup.py --preset target,target_zipf --
 # forwards; 9 updates at 5-9 s) + per workload ~10 s (5.24M ids drawn and sorted ~3 s,
 # float64 checks ~3 s in 8 threads, 2 x 7 forwards and 9 x 7 updates of at most ~50 ms,
 # gathers and restores) x 3 = ~105 s: 170 s.
-step lookup_hbm 170 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,xla \
+step lookup_hbm 170 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,mosaic,xla \
     --pass fwd,bwd_update --optimizer sgd,rowwise_adagrad,adam --reps 5 --warmup 1
 # init_rows: 2 dims x 11 draws and copies of 2 GiB: under 10 s at 50 GB/s, 44 s at 1 GB/s.
 step init_rows 50 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10

@@ -5,9 +5,11 @@ For each workload (FBGEMM's ``T, E, D, B, L, alpha, weighted, dtype``; the
 same process run:
 
 * ``fwd``: the table-batched pooled lookup: jaxrec's Pallas kernel
-  (``jaxrec.pallas.pooled_lookup``, one launch), jaxrec's XLA path
-  (``jaxrec.ops.embedding_bag``) and ``torch.nn.EmbeddingBag`` over the same
-  stacked table (CUDA only);
+  (``jaxrec.pallas.pooled_lookup``, one launch), the Mosaic GPU kernel
+  (``mosaic``: ``embedding_bag(..., implementation="mosaic_gpu")``; sm_90+ and
+  rows of a multiple of 128 bytes, a ``skipped`` line otherwise), jaxrec's XLA
+  path (``jaxrec.ops.embedding_bag``) and ``torch.nn.EmbeddingBag`` over the
+  same stacked table (CUDA only);
 * ``bwd_update``: from the output gradient to updated rows and optimizer
   state, exact (duplicates summed), tables and state donated, for each
   ``--optimizer``: the Pallas ``fused_backward_update`` (``pallas``, its default
@@ -114,8 +116,8 @@ from jaxrec.pallas import fused_backward_update, pooled_lookup, sequence_lookup
 from jaxrec.xla.backward import dedup_rows
 
 BENCH = "gpu_lookup"
-IMPLS = ("pallas", "pallas_per_run", "xla", "torch")
-JAX_IMPLS = ("pallas", "pallas_per_run", "xla")
+IMPLS = ("pallas", "pallas_per_run", "mosaic", "xla", "torch")
+JAX_IMPLS = ("pallas", "pallas_per_run", "mosaic", "xla")
 PASSES = ("fwd", "bwd_update", "seq")
 JAX_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 OPTIMIZERS: dict[str, Callable[[], optim.SparseOptimizer]] = {
@@ -321,10 +323,19 @@ def on_gpu() -> bool:
 def pooled(table, rows, starts, ends, seg, scale, *, impl: str, mean: bool):
     if impl == "pallas":
         return pooled_lookup(table, rows, starts, ends, scale, mean=mean, interpret=not on_gpu())
-    out = embedding_bag(table, rows, seg, starts.shape[0], scale, implementation="xla")
+    implementation = "mosaic_gpu" if impl == "mosaic" else "xla"
+    out = embedding_bag(table, rows, seg, starts.shape[0], scale, implementation=implementation)
     if mean:
         out = out / jnp.maximum(ends - starts, 1).astype(jnp.float32)[:, None]
     return out
+
+
+def mosaic_runs(spec: LookupSpec) -> bool:
+    """Whether the Mosaic GPU forward can run: sm_90+ and 128-byte rows (no interpreter
+    here: its simulation of a GPU is far too slow for a benchmark)."""
+    if not on_gpu() or float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0:
+        return False
+    return spec.D * {"fp32": 4, "fp16": 2, "bf16": 2}[spec.dtype] % 128 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
@@ -564,6 +575,9 @@ def run(
         warmup,
     )
     jax_impls = [i for i in JAX_IMPLS if i in impls]
+    if "mosaic" in jax_impls and not mosaic_runs(spec):
+        why = "needs a Hopper-or-later GPU and rows of a multiple of 128 bytes"
+        note(spec, "fwd", impl="mosaic", skipped=why)
     if "pallas_per_run" in jax_impls and PIECE_LEN is None:
         note(spec, None, impl="pallas_per_run", skipped="fused_backward_update takes no piece_len")
         jax_impls.remove("pallas_per_run")
@@ -598,6 +612,8 @@ def _lookups(w: Workload, table, passes, impls) -> dict[str, dict[str, np.ndarra
     for pass_ in passes:
         got[pass_] = {}
         for impl in [i for i in impls if i != "pallas_per_run"]:
+            if impl == "mosaic" and (pass_ != "fwd" or not mosaic_runs(w.spec)):
+                continue
             if pass_ == "fwd":
                 fn = functools.partial(
                     pooled,

@@ -97,7 +97,8 @@ class EmbeddingCollectionInterface(nnx.Module):
                 added): it orders the forward's table reads before the in-place
                 writes (see ``jaxrec.train.table_update``).
             implementation: the row update's implementation (``None``, ``"xla"``,
-                ``"pallas"`` or ``"cpu"``).
+                ``"pallas"``, ``"cpu"`` or
+                ``"mosaic_gpu"``).
 
         Returns:
             ``(weights, sparse_state)``: the new buffers (same names) and the

@@ -34,7 +34,8 @@ def update_subgroup(
         state: the subgroup's optimizer state.
         rows: ``[U]`` unique rows (fill ``R``), ``grads``: ``[U, D]`` summed.
         implementation: ``None`` (the fused Pallas kernel on GPU, XLA elsewhere),
-            ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++ kernel for this update: XLA).
+            ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"`` (no C++ kernel for this update: XLA).
     """
     table_rows, state_rows = subgroup_rows(sub, row_offsets, rows, table.shape[0])
     return dispatch(

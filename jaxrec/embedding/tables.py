@@ -154,7 +154,8 @@ class TableStorage(EmbeddingCollectionInterface):
         rngs: ``nnx.Rngs``; the collection draws one key from ``rngs.params`` and table
             ``i`` (in ``tables`` order) initialises from ``fold_in(key, i)``.
         bounds_check_mode: out-of-range id handling for lookups.
-        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``
+        implementation: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"``
             (``jaxrec.ops.Implementation``).
     """
 

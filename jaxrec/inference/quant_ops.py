@@ -44,7 +44,8 @@ def quant_embedding_bag(
         dim: the embedding dim ``D``.
         dtype: the rows' quantized type (``"int8"``, ``"int4"``, ``"fp16"``, ...).
         implementation: ``None`` (Pallas on GPUs for INT8/INT4, XLA elsewhere),
-            ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++ kernel: runs XLA).
+            ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"`` (no C++ kernel: runs XLA).
 
     Returns:
         ``[S, D]`` float32.
@@ -91,7 +92,8 @@ def quant_grouped_pooled_lookup(
 ) -> jax.Array:
     """``jaxrec.ops.grouped_pooled_lookup`` over a stacked quantized buffer: ``[B, S, D]``.
 
-    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``, as in
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+    ``"mosaic_gpu"``, as in
     :func:`quant_embedding_bag`.
     """
     if not slots:

@@ -42,7 +42,8 @@ class EmbeddingBagCollection(TableStorage):
         dtype: output dtype (accumulation is always float32).
         bounds_check_mode: out-of-range id handling (default WARNING: dropped and logged).
         implementation: ``None`` (C++ kernels on CPU, Pallas on GPU, XLA elsewhere), ``"xla"``,
-            ``"pallas"`` or ``"cpu"`` (see ``jaxrec.ops.Implementation``).
+            ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"`` (see ``jaxrec.ops.Implementation``).
 
     Example:
         >>> ebc = EmbeddingBagCollection(

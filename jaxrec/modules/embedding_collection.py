@@ -33,7 +33,8 @@ class EmbeddingCollection(TableStorage):
         rngs: ``nnx.Rngs`` for initialisation.
         dtype: output dtype (rows are gathered in the table dtype, then cast).
         bounds_check_mode: out-of-range id handling (default WARNING: zero rows, logged).
-        implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``
+        implementation: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"``
             (``jaxrec.ops.Implementation``).
     """
 

@@ -35,6 +35,19 @@ PALLAS: dict[str, Callable] = {
     "quant_embedding_bag": quant_embedding_bag_pallas,
 }
 
+
+def _embedding_bag_mosaic(*args, **kwargs):
+    # Imported on first use: Mosaic GPU stays out of ``import jaxrec``.
+    from ..pallas.mosaic_pooled import embedding_bag_mosaic
+
+    return embedding_bag_mosaic(*args, **kwargs)
+
+
+# op -> ``fn(*xla_args, interpret=bool, **xla_kwargs)`` for ``implementation=
+# "mosaic_gpu"`` (Pallas's Mosaic GPU backend, sm_90+): the first kernels moved
+# off Triton, not yet timed on a GPU (docs/guides/kernels.md).
+MOSAIC_GPU: dict[str, Callable] = {"embedding_bag": _embedding_bag_mosaic}
+
 # ``implementation=None`` in a program for a GPU runs an op's Pallas kernel only
 # where it was measured faster than XLA on a GPU, or never measured slower;
 # each entry says which. An op left out runs XLA there (``"pallas"`` still

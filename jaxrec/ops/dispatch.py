@@ -6,18 +6,24 @@ one this process runs on (ahead-of-time compilation for GPUs, multi-platform
 each call stages one branch per platform with ``jax.lax.platform_dependent``
 and XLA keeps only the branch of the platform it compiles for. The branches:
 
-==============  =====================  =======================  ==========
-implementation  ``cpu``                ``cuda`` / ``rocm``      others
-==============  =====================  =======================  ==========
-``None``        C++ kernel (if built)  Pallas kernel (*)        XLA
-``"cpu"``       C++ kernel             XLA                      XLA
-``"pallas"``    Pallas, interpreted    Pallas kernel, compiled  Pallas, interpreted
-``"xla"``       XLA                    XLA                      XLA
-==============  =====================  =======================  ==========
+================  =====================  =======================  ===================
+implementation    ``cpu``                ``cuda`` / ``rocm``      others
+================  =====================  =======================  ===================
+``None``          C++ kernel (if built)  Pallas kernel (*)        XLA
+``"cpu"``         C++ kernel             XLA                      XLA
+``"pallas"``      Pallas, interpreted    Pallas kernel, compiled  Pallas, interpreted
+``"xla"``         XLA                    XLA                      XLA
+``"mosaic_gpu"``  as ``None``            Mosaic GPU kernel (**)   XLA
+================  =====================  =======================  ===================
 
 (*) for the ops in ``jaxrec.ops.backends.GPU_DEFAULT_PALLAS``, those whose
 kernel was measured faster than XLA on a GPU (or never slower); XLA for the
 others.
+
+(**) for the ops in ``jaxrec.ops.backends.MOSAIC_GPU`` (the pooled lookup;
+Hopper and later); every other op runs as with ``None``. Off GPUs it never
+runs the Mosaic interpreter (its callbacks cannot sit in a platform branch):
+call ``jaxrec.pallas.mosaic_pooled.pooled_lookup_mosaic(..., interpret=True)``.
 
 A kernel that cannot handle its arguments raises ``NotImplementedError`` and
 its branch runs XLA instead. Which kernel serves an op is listed in
@@ -45,13 +51,13 @@ import jax.numpy as jnp
 from ..cpu import loader
 from ..pallas import triton_backend
 from ..xla.bounds import collect_checks, report_out_of_range
-from .backends import CPU, GPU_DEFAULT_PALLAS, PALLAS
+from .backends import CPU, GPU_DEFAULT_PALLAS, MOSAIC_GPU, PALLAS
 
-Implementation = Literal["xla", "pallas", "cpu"] | None
+Implementation = Literal["xla", "pallas", "cpu", "mosaic_gpu"] | None
 """Which kernels a lookup or update runs: ``None`` (chosen per lowering platform:
-C++ on CPU, Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
-(see the table of ``jaxrec.ops.dispatch``)."""
-IMPLEMENTATIONS: tuple[Implementation, ...] = (None, "xla", "pallas", "cpu")
+C++ on CPU, Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"``, ``"cpu"`` or
+``"mosaic_gpu"`` (see the table of ``jaxrec.ops.dispatch``)."""
+IMPLEMENTATIONS: tuple[Implementation, ...] = (None, "xla", "pallas", "cpu", "mosaic_gpu")
 GPU_PLATFORMS = ("cuda", "rocm")
 # Whether ``implementation=None`` picks the C++ kernels on the CPU platform.
 CPU_BY_DEFAULT = True
@@ -79,13 +85,19 @@ def _check(implementation: Implementation) -> None:
 
 
 def _wants_cpu(implementation: Implementation) -> bool:
-    return implementation == "cpu" or (implementation is None and CPU_BY_DEFAULT)
+    default = implementation is None or implementation == "mosaic_gpu"  # as None on CPU
+    return implementation == "cpu" or (default and CPU_BY_DEFAULT)
 
 
 def _kernel_for(op: str, implementation: Implementation, platform: str) -> Callable | None:
     """The kernel ``op`` runs on ``platform`` (``"default"``: any other), None for XLA."""
     if implementation == "xla":
         return None
+    if implementation == "mosaic_gpu":
+        kernel = MOSAIC_GPU.get(op)
+        if kernel is not None and platform in GPU_PLATFORMS:
+            return lambda *a, **k: kernel(*a, interpret=False, **k)
+        implementation = None  # no Mosaic GPU kernel, or not a GPU: as the default
     if platform == "cpu" and _wants_cpu(implementation):
         return _cpu_kernel(op, explicit=implementation == "cpu")
     on_gpu = platform in GPU_PLATFORMS
@@ -113,7 +125,8 @@ def _gpu_default(op: str) -> bool:
 def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, **kwargs):
     """``op``'s kernel for the lowering platform, else ``xla_fn``.
 
-    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"``, as in the
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+    ``"mosaic_gpu"``, as in the
     table above.
     """
     _check(implementation)
@@ -131,6 +144,7 @@ def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, *
         return xla_fn(*args, **kwargs)
     # An op that runs XLA on GPUs too: one branch, traced once.
     xla_on_gpu = op not in PALLAS or (implementation is None and not _gpu_default(op))
+    xla_on_gpu = xla_on_gpu and not (implementation == "mosaic_gpu" and op in MOSAIC_GPU)
     return by_platform(run, inputs=(args, kwargs), gpu_as_default=xla_on_gpu)
 
 
@@ -139,8 +153,8 @@ def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, 
 
     For entry points whose only accelerated form is a CPU kernel (no Pallas
     twin); ``fallback`` also runs when the kernel declines its arguments.
-    ``implementation``: ``None`` or ``"cpu"`` try the kernel; ``"xla"`` and
-    ``"pallas"`` run ``fallback()``.
+    ``implementation``: ``None``, ``"cpu"`` or ``"mosaic_gpu"`` try the kernel;
+    ``"xla"`` and ``"pallas"`` run ``fallback()``.
     """
     _check(implementation)
     if not _wants_cpu(implementation) or _cpu_kernel(op, implementation == "cpu") is None:

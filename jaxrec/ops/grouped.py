@@ -42,7 +42,8 @@ def grouped_pooled_lookup(
         bounds_check_mode: how out-of-range ids, invalid bags and (if weighted)
             non-finite weights are reported (see ``BoundsCheckMode``).
         implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
-            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"``
             (one C++ call reading the KJT directly; see ``jaxrec.cpu``).
 
     Returns:
@@ -114,7 +115,8 @@ def grouped_sequence_lookup(
 
     Rows of invalid bags (``jaxrec.sparse.bags``) are zero too; they are
     reported by ``bounds_check_mode`` as in :func:`grouped_pooled_lookup`.
-    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+    ``"mosaic_gpu"`` (no C++
     kernel gathers: ``"cpu"`` runs XLA), as in :func:`grouped_pooled_lookup`.
     """
     if not slots:

@@ -30,7 +30,8 @@ def embedding_bag(
         num_segments: static number of output rows ``S``.
         per_value_scale: optional ``[C]`` float multiplier (per-sample weights).
         implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
-            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"``
             (``jaxrec.ops.dispatch``).
 
     Returns:
@@ -53,7 +54,8 @@ def embedding_gather(
 ) -> jax.Array:
     """``[C, D]`` rows ``weights[rows]`` with invalid positions zeroed (sequence lookup).
 
-    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` as in
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+    ``"mosaic_gpu"`` as in
     :func:`embedding_bag` (no C++ kernel gathers: ``"cpu"`` runs XLA).
     """
     return dispatch("embedding_gather", implementation, embedding_gather_xla, weights, rows, valid)

@@ -36,7 +36,8 @@ def pooled_lookup(
             length, or past ``C``) and non-finite weights are reported; all of
             them contribute zero (see ``BoundsCheckMode``).
         implementation: ``None`` (per lowering platform: the C++ kernel on CPU,
-            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"`` or ``"cpu"``
+            Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"``, ``"cpu"`` or
+            ``"mosaic_gpu"``
             (``jaxrec.ops.dispatch``).
 
     Returns:
@@ -76,7 +77,8 @@ def sequence_lookup(
     """``torch.nn.Embedding`` over a jagged buffer: ``[C, D]``, padding rows zero.
 
     Rows of invalid bags (a negative length, or past ``C``) are zero too.
-    ``implementation``: ``None``, ``"xla"``, ``"pallas"`` or ``"cpu"`` (no C++
+    ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
+    ``"mosaic_gpu"`` (no C++
     kernel gathers: ``"cpu"`` runs XLA), as in :func:`pooled_lookup`.
     """
     b, c = lengths.shape[0], values.shape[0]

@@ -181,3 +181,23 @@ def test_gpu_default_follows_the_measured_table(monkeypatch):
     assert TRITON not in lowered(None)
     assert TRITON in lowered("pallas")
     assert set(backends.GPU_DEFAULT_PALLAS) <= set(backends.PALLAS)
+
+
+def test_mosaic_gpu_runs_the_mosaic_forward_and_the_default_elsewhere():
+    """``"mosaic_gpu"``: the pooled lookup is the Mosaic GPU kernel in a GPU program; an op
+    without one (the sequence lookup) runs as with ``None`` (Triton there)."""
+    from jaxrec.ops import embedding_bag, embedding_gather
+
+    w, rows, seg = jnp.ones((16, 32)), jnp.array([1, 2, 3]), jnp.array([0, 0, 1])
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    bag = lowered(
+        lambda w, r, s: embedding_bag(w, r, s, 2, implementation="mosaic_gpu"), w, rows, seg
+    )
+    assert "mosaic_gpu" in bag and TRITON not in bag
+    gather = lowered(
+        lambda w, r: embedding_gather(w, r, r < 8, implementation="mosaic_gpu"), w, rows
+    )
+    assert TRITON in gather and "mosaic_gpu" not in gather
