@@ -17,7 +17,8 @@ REQUIRED |= {"ids", "unique_rows", "bags", "max_dups", "table_init"}
 def test_tiny_presets_run_and_agree(capsys):
     # fp32 Zipf ids with weights; fp16 MEAN (subnormal table values: rounding near zero)
     argv = ["--preset", "tiny_weighted,tiny_mean_fp16", "--reps", "1", "--warmup", "1"]
-    argv += ["--impl", "pallas,xla,torch", "--optimizer", "sgd,rowwise_adagrad,adam"]
+    # (row-wise Adagrad's float64 maths are tested in test_exact_reference)
+    argv += ["--impl", "pallas,xla,torch", "--optimizer", "sgd,adam"]
     assert gpu_lookup.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[0]["pass"] == "copy" and lines[0]["gbps"] > 0
@@ -25,8 +26,7 @@ def test_tiny_presets_run_and_agree(capsys):
     assert {(x["impl"], x["pass"], x.get("optimizer")) for x in timed} == {
         (i, p, o)
         for i in ("pallas", "xla")
-        for p, o in [("fwd", None), ("seq", None)]
-        + [("bwd_update", o) for o in ("sgd", "rowwise_adagrad", "adam")]
+        for p, o in [("fwd", None), ("seq", None)] + [("bwd_update", o) for o in ("sgd", "adam")]
     }
     assert all(set(x) >= REQUIRED for x in timed)
     assert {(x["dtype"], x["pooling"]) for x in timed} == {("fp32", "SUM"), ("fp16", "MEAN")}
@@ -38,11 +38,11 @@ def test_tiny_presets_run_and_agree(capsys):
         assert x["per_id_bytes"] == gpu_lookup.per_id_bytes(spec, x["pass"], opt)
     checks = [x for x in lines if "within_bound" in x and "agree" not in x]
     # per preset: fwd, seq (pallas, xla) + table and state fields per optimizer and impl
-    assert len(checks) == 2 * (2 * 2 + 2 * (1 + 2 + 3))
+    assert len(checks) == 2 * (2 * 2 + 2 * (1 + 3))
     assert all(x["within_bound"] and x["within_prob_bound"] for x in checks)
     assert all(x["max_bound"] > 0 for x in checks if x["pass"] != "seq")
     agree = [x for x in lines if "agree" in x]
-    assert len(agree) == 10 and all(x["agree"] and x["ok"] for x in agree)  # 2 x (2 + 3)
+    assert len(agree) == 8 and all(x["agree"] and x["ok"] for x in agree)  # 2 x (2 + 2)
     assert any(x.get("skipped") for x in lines if x.get("impl") == "torch") or any(
         x["impl"] == "torch" for x in timed
     )
