@@ -88,3 +88,20 @@ def test_spill_limits_separate_jaxrec_kernels_from_xla_fusions():
     ):
         with pytest.raises(AssertionError, match="spilled"):
             assert_compiled(CaseResult(name="c", error=None, spills=spills), case)
+
+
+def test_fused_backward_temporaries_at_the_target_size(results):
+    """10.5M ids, D=128, compiled for an H100: the load-balanced fused backward's
+    temporaries are its partial buffer (sized for the worst case: 676K rows, 346 MB)
+    and the sort's per-id arrays (measured 37 bytes an id), a fraction of the
+    ``[C, D]`` per-id gradients XLA's path materialises (5.4 GB)."""
+    from jaxrec.pallas.runs import DEFAULT_PIECE_LEN, piece_layout
+
+    ids, dim = kernel_cases.IDS, 128
+    name = f"fused-rowwise_adagrad-float32-d{dim}-t8w4-ids{ids}"
+    result = results[name]
+    assert result.ok, result.error
+    partial = piece_layout(ids, DEFAULT_PIECE_LEN).total * dim * 4
+    temp = result.memory["temp"]
+    assert partial <= temp <= partial + 48 * ids, (temp, partial)
+    assert temp < ids * dim * 4 / 4
