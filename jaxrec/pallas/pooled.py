@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .tiling import Tiling, check_table, check_vector, next_pow2
+from .tiling import Tiling, check_table, check_vector, next_pow2, out_struct
 from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
@@ -143,7 +143,7 @@ def pooled_lookup(
     args += [ends.astype(jnp.int32)] + ([segment_ids] if segment_ids is not None else [])
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((s, dim), jnp.float32),
+        out_shape=out_struct((s, dim), jnp.float32, *args),
         grid=(pl.cdiv(s, block),),
         compiler_params=tiling.compiler_params(),
         interpret=interpret,

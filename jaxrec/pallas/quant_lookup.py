@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from ..xla.quantize import dequantize_rows
 from .pooled import ranges_from_segments
-from .tiling import Tiling, check_vector, next_pow2
+from .tiling import Tiling, check_vector, next_pow2, out_struct
 from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
@@ -170,7 +170,7 @@ def quant_pooled_lookup(
     args += [ends.astype(jnp.int32)] + ([segment_ids] if segment_ids is not None else [])
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((s, dim), jnp.float32),
+        out_shape=out_struct((s, dim), jnp.float32, *args),
         grid=(pl.cdiv(s, block),),
         compiler_params=tiling.compiler_params(),
         interpret=interpret,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .tiling import Tiling, check_table, check_vector, next_pow2
+from .tiling import Tiling, check_table, check_vector, next_pow2, out_struct
 from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=16, num_warps=4, num_stages=2)
@@ -82,7 +82,7 @@ def sequence_lookup(
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((c, dim), weights.dtype),
+        out_shape=out_struct((c, dim), weights.dtype, weights, rows),
         grid=(pl.cdiv(c, tiling.block_rows),),
         compiler_params=tiling.compiler_params(),
         interpret=interpret,

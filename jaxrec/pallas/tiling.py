@@ -52,6 +52,22 @@ class Tiling:
         return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A kernel output's type, varying over every mesh axis one of ``inputs`` varies over.
+
+    Inside a ``jax.shard_map`` that checks varying axes (``check_vma=True``, its
+    default) Pallas must be told how outputs vary; elsewhere (and under
+    ``check_vma=False``, as jaxrec's sharded collections run) no input varies
+    and the type is the plain one.
+    """
+    mats = [jax.typeof(x).manual_axis_type for x in inputs if isinstance(x, jax.Array)]
+    varying = frozenset().union(*(getattr(m, "varying", frozenset()) for m in mats))
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = mats[0].update(varying=varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 

@@ -154,13 +154,16 @@ def check_ids(
     mode = BoundsCheckMode(mode)
     if mode is BoundsCheckMode.NONE:
         return valid
+    ids = jnp.asarray(ids)  # numpy ids could not be indexed by the traced argmax
     in_range = ids_in_range(ids, num_embeddings)
     if mode is not BoundsCheckMode.IGNORE:
         bad = valid & ~in_range
         count = jnp.sum(bad, dtype=jnp.int32)
         example = jnp.zeros((), ids.dtype)
         if ids.shape[0]:  # the argmax pass only when an id is bad
-            example = jax.lax.cond(count > 0, lambda: ids[jnp.argmax(bad)], lambda: example)
+            # (zeros_like(ids[0]) varies over the mesh axes ids do, inside a shard_map)
+            first_bad = lambda: ids[jnp.argmax(bad)]
+            example = jax.lax.cond(count > 0, first_bad, lambda: jnp.zeros_like(ids[0]))
         report_out_of_range(count, example, mode, where)
     return valid & in_range
 
