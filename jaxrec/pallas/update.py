@@ -186,10 +186,12 @@ def _check_optimizer(optimizer, state, dim):
             )
 
 
-def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, tiling, interpret):
-    """The update launch; ``runs``: None (one summed gradient per row) or
-    ``(start, length, src, scale)`` plus ``(partial, partial_buffer)`` when runs
-    may read partial rows."""
+def _launch(
+    optimizer, table, state, grad_src, run_rows, run_state_rows, tiling, interpret,
+    plan: RunPlan | None = None, partials: jax.Array | None = None,
+):  # fmt: skip
+    """The update launch: one summed gradient per row (no ``plan``), or each run of
+    ``plan`` summed from its occurrences and, where given, ``partials`` rows."""
     dim = table.shape[1]
     fields = row_fields(state)
     num_state_rows = getattr(state, fields[0]).shape[0] if fields else table.shape[0]
@@ -205,11 +207,14 @@ def _launch(optimizer, table, state, grad_src, run_rows, run_state_rows, runs, t
         num_state_rows=num_state_rows,
         dim=dim,
         block_runs=tiling.block_rows,
-        runs=runs is not None,
-        partials=runs is not None and len(runs) == 6,
+        runs=plan is not None,
+        partials=partials is not None,
     )
     inputs = [grad_src.astype(jnp.float32), run_rows, run_state_rows, count.reshape(1)]
-    inputs += list(runs) if runs is not None else []
+    if plan is not None:
+        inputs += [plan.start, plan.length, plan.src, plan.scale]
+    if partials is not None:
+        inputs += [plan.partial, partials]
     buffers = [table] + [getattr(state, f) for f in fields]
     first = len(inputs)
     out = pl.pallas_call(
@@ -311,7 +316,7 @@ def sparse_update(
     if u == 0:
         return table, state._replace(count=state.count + 1)
     rows, state_rows = rows.astype(jnp.int32), state_rows.astype(jnp.int32)
-    return _launch(optimizer, table, state, grads, rows, state_rows, None, tiling, interpret)
+    return _launch(optimizer, table, state, grads, rows, state_rows, tiling, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer", "tiling", "piece_len", "interpret"))
@@ -367,10 +372,10 @@ def fused_backward_update(
     layout = piece_layout(c, piece_len)
     plan = plan_runs(rows, valid, segment_ids, scale, table.shape[0], layout)
     grad = out_grad.astype(jnp.float32)
-    runs: tuple = (plan.start, plan.length, plan.src, plan.scale)
-    if layout.total:
-        runs += (plan.partial, _reduce(grad, plan, layout, tiling, interpret))
-    return _launch(optimizer, table, state, grad, plan.row, plan.row, runs, tiling, interpret)
+    partials = _reduce(grad, plan, layout, tiling, interpret) if layout.total else None
+    return _launch(
+        optimizer, table, state, grad, plan.row, plan.row, tiling, interpret, plan, partials
+    )
 
 
 def sparse_update_reference(optimizer, table, state, rows, grads, state_rows=None):
