@@ -69,7 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..xla.lookup import embedding_bag_xla
 from ..xla.vjp import with_xla_vjp
 from .pooled import ranges_from_segments
-from .tiling import check_table, check_vector
+from .tiling import check_bags, check_table
 
 ROWS = 64  # rows of the WGMMA register layout: one warpgroup's accumulator height
 COPY_BYTES = 128  # a Lane-level copy_gmem_to_smem moves a multiple of this (one byte per thread)
@@ -345,14 +345,7 @@ def pooled_lookup_mosaic(
     """
     dim = check_table(weights)
     c, s = rows.shape[0], starts.shape[0]
-    check_vector(rows, "rows")
-    check_vector(starts, "starts")
-    check_vector(ends, "ends", s)
-    scale = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-    check_vector(scale, "scale", c, kind="f")
-    if segment_ids is not None:
-        check_vector(segment_ids, "segment_ids", c)
-        segment_ids = segment_ids.astype(jnp.int32)
+    scale, segment_ids = check_bags(rows, starts, ends, scale, segment_ids)
     cols = block_cols_for(weights, tiling)
     if c == 0 or s == 0 or weights.shape[0] == 0:
         return jnp.zeros((s, dim), jnp.float32)

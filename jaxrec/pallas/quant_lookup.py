@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from ..xla.quantize import dequantize_rows
 from .pooled import ranges_from_segments
-from .tiling import Tiling, check_vector, next_pow2, out_struct
+from .tiling import Tiling, check_bags, next_pow2, out_struct
 from .triton_backend import pl_triton
 
 DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
@@ -146,14 +146,7 @@ def quant_pooled_lookup(
     """
     _check(qweights, dim, dtype)
     c, s = rows.shape[0], starts.shape[0]
-    check_vector(rows, "rows")
-    check_vector(starts, "starts")
-    check_vector(ends, "ends", s)
-    scale = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-    check_vector(scale, "scale", c, kind="f")
-    if segment_ids is not None:
-        check_vector(segment_ids, "segment_ids", c)
-        segment_ids = segment_ids.astype(jnp.int32)
+    scale, segment_ids = check_bags(rows, starts, ends, scale, segment_ids)
     if c == 0 or s == 0 or qweights.shape[0] == 0:
         return jnp.zeros((s, dim), jnp.float32)
     block = tiling.block_rows

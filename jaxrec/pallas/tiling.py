@@ -93,6 +93,21 @@ def check_table(weights: jax.Array, name: str = "weights") -> int:
     return d
 
 
+def check_bags(rows, starts, ends, scale, segment_ids):
+    """Validates a pooled lookup's bag arguments; returns ``scale`` (float32, ones
+    when None) and ``segment_ids`` (int32 or None)."""
+    c, s = rows.shape[0], starts.shape[0]
+    check_vector(rows, "rows")
+    check_vector(starts, "starts")
+    check_vector(ends, "ends", s)
+    scale = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    check_vector(scale, "scale", c, kind="f")
+    if segment_ids is not None:
+        check_vector(segment_ids, "segment_ids", c)
+        segment_ids = segment_ids.astype(jnp.int32)
+    return scale, segment_ids
+
+
 def check_vector(x: jax.Array, name: str, length: int | None = None, kind: str = "i") -> None:
     if x.ndim != 1 or (length is not None and x.shape[0] != length):
         want = f"[{length}]" if length is not None else "1-D"
