@@ -1,0 +1,237 @@
+"""The slot map on the device: a set-associative cache state and one step's plan.
+
+FBGEMM keeps a cache's state on the GPU (``lxu_cache_state``, ``lru_state``,
+``lfu_state``) and finds, replaces and rewrites ids there (``lxu_cache_lookup``,
+``lru_cache_populate`` / ``lfu_cache_populate``). This module is that, as arrays
+and one pure function that ``jax.jit`` compiles for any backend:
+
+- a row shard's ``slots`` are cut into ``sets`` of up to :data:`WAYS` (32, as
+  FBGEMM on NVIDIA GPUs) consecutive slots, as equal as they divide; a row may
+  only sit in the set its hash picks (a cache of at most 32 slots is one set:
+  fully associative). Memory: 8 bytes per slot (its row, its last use), and with
+  LFU 4 bytes per row (each row's count since the start: FBGEMM's ``lfu_state``
+  is 8), never the table;
+- :func:`plan_sets` takes a batch's ids of one table and, in one program, finds
+  the cached rows (hits), gives each distinct missed row a slot of its set, the
+  victims being the set's slots the batch does not use (never used first, then
+  LRU: the one used longest ago; LFU: the row looked up least often, then the
+  one used longest ago; ties: the lowest slot), and rewrites every id as its
+  slot. The missed rows are taken in (set, row) order. It lists the fills
+  and the evictions (each a slot and a logical row) for the rows to move;
+- a batch whose rows do not fit (a set would need more slots than it has) is
+  refused: ``overflow`` is set and the state returned is the one given.
+
+``SlotState`` is what :func:`plan_sets` takes and returns (donate it). The tests'
+oracle is a plain loop over the same rules (``tests/cache/sets_reference.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..distributed.types import CacheAlgorithm
+
+WAYS = 32  # FBGEMM's associativity on NVIDIA GPUs (``kWarpSize``)
+_MAX = np.iinfo(np.int32).max
+
+
+class SetLayout(NamedTuple):
+    """The static shape of a table's slot map (hashable: a ``jax.jit`` static argument).
+
+    ``rows`` logical rows in ``shards`` row shards of ``shard_rows`` (the last may be
+    shorter), each with ``slots`` slots in ``sets`` sets: set ``h`` of a shard holds
+    its slots ``[h*q + min(h, r), ...)``, ``q + (h < r)`` of them (``q, r =
+    divmod(slots, sets)``)."""
+
+    rows: int
+    shard_rows: int
+    shards: int
+    slots: int  # per shard
+    sets: int  # per shard
+    algorithm: CacheAlgorithm
+
+    @property
+    def ways(self) -> int:
+        """Slots of the largest set."""
+        return -(-self.slots // self.sets)
+
+    @property
+    def total_slots(self) -> int:
+        return self.shards * self.slots
+
+
+def set_layout(rows: int, shards: int, slots: int, algorithm: CacheAlgorithm) -> SetLayout:
+    """The layout of a table of ``rows`` rows in ``shards`` row shards of ``slots`` slots."""
+    if slots < 1 or shards < 1:
+        raise ValueError(f"a cache needs slots and shards, got {slots} slots, {shards} shards")
+    if shards * slots > _MAX or rows > _MAX:
+        raise ValueError(
+            f"{rows} rows and {shards} x {slots} slots exceed the int32 slot map: shard the "
+            "table over more processes or lower CacheParams.load_factor"
+        )
+    return SetLayout(rows, -(-rows // shards), shards, slots, -(-slots // WAYS),
+                     CacheAlgorithm(algorithm))  # fmt: skip
+
+
+class SlotState(NamedTuple):
+    """A table's slot map (device arrays; FBGEMM's ``lxu_cache_state``, ``lru_state``,
+    ``lfu_state``)."""
+
+    rows: jax.Array  # int32 [total_slots]: the shard-local row each slot holds, -1 none
+    stamps: jax.Array  # int32 [total_slots]: the step that last used it, 0 never
+    counts: jax.Array  # int32 [rows] (LFU; [0] for LRU): lookups since the start, saturating
+    clock: jax.Array  # int32 []: steps planned
+
+
+def empty_state(layout: SetLayout) -> SlotState:
+    n = layout.total_slots
+    lfu = layout.algorithm is CacheAlgorithm.LFU
+    return SlotState(
+        jnp.full((n,), -1, jnp.int32),
+        jnp.zeros((n,), jnp.int32),
+        jnp.zeros((layout.rows if lfu else 0,), jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
+
+
+class SetPlan(NamedTuple):
+    """One batch's plan (:func:`plan_sets`). Moves are packed at the front in (set, row)
+    order; an eviction's slot is refilled by the fill of the same slot."""
+
+    state: SlotState  # after the batch (the one given when ``overflow``)
+    slots: jax.Array  # int32 [N]: each valid id's slot in the table (every shard's slots
+    #   in a row); -1 for ids < 0, total_slots for ids >= rows; other entries unchanged
+    fill_slots: jax.Array  # int32 [N], first ``n_fill``: slots that receive a missed row
+    fill_rows: jax.Array  # int32 [N]: those rows (logical)
+    evict_slots: jax.Array  # int32 [N], first ``n_evict``: slots whose row goes back first
+    evict_rows: jax.Array  # int32 [N]: those rows (logical)
+    n_fill: jax.Array  # int32 []
+    n_evict: jax.Array  # int32 []
+    n_ids: jax.Array  # int32 []: valid ids in range
+    n_rows: jax.Array  # int32 []: distinct rows among them
+    overflow: jax.Array  # bool []: the batch does not fit; nothing changed
+
+
+def set_hash(x: jax.Array) -> jax.Array:
+    """A 32-bit integer mix (uint32 in, uint32 out): neighbouring rows land in
+    unrelated sets."""
+    x = x.astype(jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _set_of(layout: SetLayout, local: jax.Array, shard: jax.Array):
+    """``(first slot, slots)`` of each row's set (table-wide slot numbers)."""
+    h = (set_hash(local) % jnp.uint32(layout.sets)).astype(jnp.int32)
+    q, r = divmod(layout.slots, layout.sets)
+    start = shard * layout.slots + h * q + jnp.minimum(h, r)
+    return start, q + (h < r).astype(jnp.int32)
+
+
+def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array) -> SetPlan:
+    """The plan of one batch's ids of a table (``ids`` int32 [N], logical rows; only
+    entries with ``valid`` are looked up, the rest are padding). Pure: ``jax.jit`` it
+    with ``layout`` static (and ``state`` donated)."""
+    n, w = ids.shape[0], layout.ways
+    total = layout.total_slots
+    clock = state.clock + 1
+    ok = valid & (ids >= 0) & (ids < layout.rows)
+    row = jnp.where(ok, ids, 0)
+    shard = row // layout.shard_rows
+    local = row - shard * layout.shard_rows
+    start, size = _set_of(layout, local, shard)
+    way = jnp.arange(w, dtype=jnp.int32)
+    inset = way[None, :] < size[:, None]  # [N, W]
+    at = jnp.minimum(start[:, None] + way[None, :], total - 1)
+
+    # lookup: hits stamped now (the batch's slots are no victims)
+    hitw = (state.rows[at] == local[:, None]) & inset & ok[:, None]
+    hit = hitw.any(axis=1)
+    hit_slot = start + jnp.argmax(hitw, axis=1).astype(jnp.int32)
+    stamps = state.stamps.at[jnp.where(hit, hit_slot, total)].set(clock, mode="drop")
+
+    # the distinct missed rows in (set, row) order, each's rank among its set's misses
+    miss = ok & ~hit
+    ss, sr, order = jax.lax.sort(
+        (jnp.where(miss, start, _MAX), jnp.where(miss, local, 0), jnp.arange(n, dtype=jnp.int32)),
+        num_keys=2,
+    )
+    m = ss != _MAX
+    prev_s, prev_r = jnp.roll(ss, 1).at[0].set(-1), jnp.roll(sr, 1).at[0].set(-1)
+    new = m & ((ss != prev_s) | (sr != prev_r))
+    seen = jnp.cumsum(new, dtype=jnp.int32)  # distinct misses so far (inclusive)
+    set_first = m & (ss != prev_s)
+    rank = seen - 1 - jax.lax.cummax(jnp.where(set_first, seen - 1, 0))
+
+    # victims: the set's slots the batch does not use, in the policy's order
+    ss_c = jnp.where(m, ss, 0)
+    ssize = jnp.where(m, jnp.take(size, order), 0)
+    vat = jnp.minimum(ss_c[:, None] + way[None, :], total - 1)
+    taken = (way[None, :] >= ssize[:, None]) | (stamps[vat] == clock)
+    keys = [taken.astype(jnp.int32)]
+    if layout.algorithm is CacheAlgorithm.LFU:
+        held = state.rows[vat]
+        owner = vat // layout.slots  # the shard of each slot
+        cnt = state.counts[jnp.clip(owner * layout.shard_rows + held, 0, layout.rows - 1)]
+        keys.append(jnp.where(held >= 0, cnt, -1))
+    keys += [stamps[vat], jnp.broadcast_to(way, vat.shape)]
+    ranked = jax.lax.sort(tuple(keys), dimension=1, num_keys=len(keys))
+    pick = jnp.clip(rank, 0, w - 1)[:, None]
+    v_way = jnp.take_along_axis(ranked[-1], pick, axis=1)[:, 0]
+    v_taken = jnp.take_along_axis(ranked[0], pick, axis=1)[:, 0] == 1
+    overflow = jnp.any(new & ((rank >= w) | v_taken))
+    v_slot = ss_c + v_way
+    old = state.rows[v_slot]
+    drop = jnp.where(new, v_slot, total)
+    rows_new = state.rows.at[drop].set(sr, mode="drop")
+    stamps = stamps.at[drop].set(clock, mode="drop")
+
+    # every id as its slot
+    last = jax.lax.cummax(jnp.where(new, jnp.arange(n, dtype=jnp.int32), 0))
+    miss_slot = jnp.zeros(n, jnp.int32).at[order].set(v_slot[last])
+    slot = jnp.where(hit, hit_slot, miss_slot)
+    slot = jnp.where(ok, slot, jnp.where(ids < 0, -1, total))
+    slot = jnp.where(valid, slot, ids)
+
+    # the moves, packed
+    shard_of = ss_c // layout.slots
+    fill_at = jnp.where(new, seen - 1, n)
+    fill_slots = jnp.full(n, -1, jnp.int32).at[fill_at].set(v_slot, mode="drop")
+    fill_rows = jnp.full(n, -1, jnp.int32).at[fill_at].set(shard_of * layout.shard_rows + sr,
+                                                           mode="drop")  # fmt: skip
+    ev = new & (old >= 0)
+    ev_seen = jnp.cumsum(ev, dtype=jnp.int32)
+    ev_at = jnp.where(ev, ev_seen - 1, n)
+    evict_slots = jnp.full(n, -1, jnp.int32).at[ev_at].set(v_slot, mode="drop")
+    evict_rows = jnp.full(n, -1, jnp.int32).at[ev_at].set(shard_of * layout.shard_rows + old,
+                                                          mode="drop")  # fmt: skip
+    n_fill = seen[-1] if n else jnp.int32(0)
+    n_evict = ev_seen[-1] if n else jnp.int32(0)
+
+    counts = state.counts
+    if layout.algorithm is CacheAlgorithm.LFU:  # every lookup counts, saturating
+        add = jnp.zeros_like(counts).at[jnp.where(ok, row, layout.rows)].add(1, mode="drop")
+        counts = counts + jnp.minimum(add, _MAX - counts)
+    hits_distinct = jnp.sum(stamps == clock, dtype=jnp.int32) - n_fill
+    new_state = SlotState(rows_new, stamps, counts, clock)
+    kept = jax.tree.map(lambda a, b: jnp.where(overflow, a, b), state, new_state)
+    return SetPlan(kept, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
+                   jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
+
+
+def set_hash_np(x: np.ndarray) -> np.ndarray:
+    """:func:`set_hash` in numpy."""
+    x = np.asarray(x).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))

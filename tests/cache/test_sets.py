@@ -1,0 +1,106 @@
+"""The device slot map (``jaxrec.cache.sets``) against a plain loop over its rules."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sets_reference import ReferenceSets
+
+from jaxrec.cache import sets
+from jaxrec.distributed.types import CacheAlgorithm
+
+
+def _program(layout):
+    return jax.jit(functools.partial(sets.plan_sets, layout))
+
+
+def _check_step(program, layout, state, ref, ids, valid):
+    plan = program(state, jnp.asarray(ids), jnp.asarray(valid))
+    slots, fills, evicts, n_rows, overflow = ref.plan(ids.tolist(), valid.tolist())
+    assert bool(plan.overflow) == overflow
+    got = np.asarray(plan.state.rows)
+    np.testing.assert_array_equal(got, ref.held)
+    np.testing.assert_array_equal(np.asarray(plan.state.stamps), ref.stamp)
+    np.testing.assert_array_equal(np.asarray(plan.state.counts), ref.counts)
+    assert int(plan.state.clock) == ref.clock
+    if overflow:
+        return plan
+    np.testing.assert_array_equal(np.asarray(plan.slots), slots)
+    nf, ne = int(plan.n_fill), int(plan.n_evict)
+    assert nf == len(fills) and ne == len(evicts)
+    got_fills = list(zip(np.asarray(plan.fill_slots)[:nf], np.asarray(plan.fill_rows)[:nf],
+                         strict=True))  # fmt: skip
+    assert [tuple(map(int, f)) for f in got_fills] == fills
+    got_ev = zip(np.asarray(plan.evict_slots)[:ne], np.asarray(plan.evict_rows)[:ne], strict=True)
+    assert [tuple(map(int, e)) for e in got_ev] == evicts
+    assert int(plan.n_rows) == n_rows
+    assert int(plan.n_ids) == int(np.sum(valid & (ids >= 0) & (ids < layout.rows)))
+    return plan
+
+
+@pytest.mark.parametrize("algorithm", ["lru", "lfu"])
+@pytest.mark.parametrize(
+    ("rows", "shards", "slots", "alpha"),
+    [(500, 1, 24, None), (3000, 1, 300, 1.05), (4001, 3, 130, 1.2), (2000, 2, 97, None)],
+)
+def test_steps_match_the_reference(algorithm, rows, shards, slots, alpha):
+    """Several steps of Zipf or uniform ids, with padding and ids out of range: the
+    state, the slots, the moves and the counts as the loop's, step by step."""
+    layout = sets.set_layout(rows, shards, slots, CacheAlgorithm(algorithm))
+    state = sets.empty_state(layout)
+    ref = ReferenceSets(rows, shards, slots, layout.sets, algorithm == "lfu")
+    program = _program(layout)
+    rng = np.random.default_rng(rows + slots)
+    refused = done = 0
+    for _ in range(8):
+        n = min(96, slots // 2)
+        if alpha is None:
+            ids = rng.integers(0, rows, n)
+        else:
+            ids = rng.permutation(rows)[np.minimum(rng.zipf(alpha, n) - 1, rows - 1)]
+        ids = ids.astype(np.int32)
+        ids[:3] = [-2, rows, rows + 7]  # out of range: kept out of range
+        valid = rng.random(n) < 0.9  # padding
+        plan = _check_step(program, layout, state, ref, ids, valid)
+        state = plan.state
+        refused += bool(plan.overflow)
+        done += not bool(plan.overflow)
+    assert done >= 4  # the cases mostly fit: the check is of real plans
+
+
+def test_a_batch_over_a_set_is_refused_and_changes_nothing():
+    layout = sets.set_layout(10_000, 1, 64, CacheAlgorithm.LRU)  # 2 sets of 32
+    state = sets.empty_state(layout)
+    program = _program(layout)
+    ids = np.arange(0, 40, dtype=np.int32)
+    plan = program(state, jnp.asarray(ids), jnp.ones(40, bool))
+    assert not bool(plan.overflow) and int(plan.n_fill) == 40
+    state = plan.state
+    # 33 rows of one set: more than its 32 slots
+    h = sets.set_hash_np(np.arange(10_000)) % layout.sets
+    one = np.flatnonzero(h == 0)[:33].astype(np.int32)
+    again = program(state, jnp.asarray(one), jnp.ones(33, bool))
+    assert bool(again.overflow)
+    for a, b in zip(jax.tree.leaves(again.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_layout_sets_split_slots_evenly():
+    layout = sets.set_layout(10**7, 4, 100_003, CacheAlgorithm.LRU)
+    assert layout.sets == 3126 and layout.ways == 32
+    q, r = divmod(layout.slots, layout.sets)
+    sizes = [q + (h < r) for h in range(layout.sets)]
+    assert sum(sizes) == layout.slots and max(sizes) <= sets.WAYS
+    small = sets.set_layout(200, 1, 20, CacheAlgorithm.LRU)
+    assert small.sets == 1 and small.ways == 20  # fully associative
+    with pytest.raises(ValueError, match="int32 slot map"):
+        sets.set_layout(10**10, 1, 10, CacheAlgorithm.LRU)
+
+
+def test_hash_matches_numpy():
+    x = np.array([0, 1, 2, 12345, 2**31 - 1], np.int32)
+    np.testing.assert_array_equal(np.asarray(sets.set_hash(jnp.asarray(x))), sets.set_hash_np(x))
