@@ -40,6 +40,7 @@ from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
 from . import exchange, owned
+from .device_maps import DeviceSlotMaps
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .mover import Mover, Pending, Staged, columns
@@ -95,6 +96,12 @@ class RowCache:
             used; the slot counts are the device tables').
         threads: tables planned at once by :meth:`prepare` (their C++ passes release
             the GIL); default: one per table, up to the machine's cores.
+        slot_maps: where each table's slot map lives and a batch is planned.
+            ``"device"`` (the default with one process): a set-associative map of 32-way
+            sets on the device (``jaxrec.cache.sets``, as FBGEMM's), planned by one
+            program per batch; the host reads back only the moves. ``"host"`` (the
+            default, and the only choice, with several processes): fully associative
+            maps on the host (``SlotMap``), planned by C++ passes over every id.
 
     A model-parallel state is supported for any sharding type but data parallel;
     row shards keep their own caches. With several processes, each holds the host rows
@@ -121,12 +128,15 @@ class RowCache:
         *,
         threads: int | None = None,
         timeout_s: float = 600.0,
+        slot_maps: str | None = None,
     ):
         self.graphdef, self.optimizer = graphdef, optimizer
         layout = table_buffers(graphdef, optimizer, state)
         self.tables: dict[str, CachedTable] = {}
         found, readers = _find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
+        on_host = _on_host(slot_maps)
+        algorithms = {}
         for name, host in host_tables.items():
             key, device = found[name]
             p = params if isinstance(params, CacheParams) else params[name]
@@ -151,14 +161,16 @@ class RowCache:
                     f"devices cache rows {list(held)}: build it with rows=host_rows(...)"
                 )
             owners = owned.shard_owners(weights, key, slots, n_shards)
-            maps = [  # this process's shards only
+            maps = [  # this process's shards only (on the host)
                 SlotMap(max(0, min(shard_rows, rows - s * shard_rows)), slots, p.algorithm)
-                if owners[s] == jax.process_index() else None
+                if owners[s] == jax.process_index() and on_host else None
                 for s in range(n_shards)
             ]  # fmt: skip
+            algorithms[name] = p.algorithm
             feats = tuple(host.config.feature_names) or (name,)
             self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps,
                                             owners)  # fmt: skip
+        self._maps = None if on_host else DeviceSlotMaps(self.tables, algorithms)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         names = {t.key: t.name for t in self.tables.values()}
@@ -202,15 +214,10 @@ class RowCache:
         shard's cache cannot hold the batch's rows."""
         with self._lock, _annotate("prepare"):
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
-            values = [np.asarray(k.values()) for k in kjts]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
             for i, kjt in enumerate(kjts):
                 for f, lo, hi in feature_spans(kjt, self._feature_table):
                     spans[self._feature_table[f].name].append((i, lo, hi))
-            new = [v.copy() for v in values]  # the ids as slots
-            # each table's id parts, and where their slots go: every process's, in order
-            parts = {n: [values[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
-            outs = {n: [new[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
             error = None
             try:  # before anything changes
                 self._check_host()
@@ -221,12 +228,29 @@ class RowCache:
                     )
             except ValueError as e:
                 error = e
-            if jax.process_count() > 1:  # every process refuses the batch, or none
-                moves = self._plan_owned(parts, outs, error)
-            elif error is not None:
+            if error is not None and self._maps is not None:
                 raise error
+            if self._maps is not None:  # on the device: the values stay there, as slots
+                planned = self._maps.plan([k.values() for k in kjts], spans)
+                new = [k.values() if v is None else v for k, v in zip(kjts, planned.values,
+                                                                      strict=True)]  # fmt: skip
+                moves = planned.moves
+                for name, c in planned.counts.items():
+                    st = self.stats[name]
+                    st.ids, st.rows = st.ids + c.ids, st.rows + c.rows
+                    st.misses, st.evictions = st.misses + c.fills, st.evictions + c.evictions
             else:
-                moves = self._plan_here(parts, outs)
+                values = [np.asarray(k.values()) for k in kjts]
+                new = [v.copy() for v in values]  # the ids as slots
+                # each table's id parts, and where their slots go: every process's, in order
+                parts = {n: [values[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
+                outs = {n: [new[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
+                if jax.process_count() > 1:  # every process refuses the batch, or none
+                    moves = self._plan_owned(parts, outs, error)
+                elif error is not None:
+                    raise error
+                else:
+                    moves = self._plan_here(parts, outs)
             self._prepared += 1
             if self._mover.inplace:  # moves read the host in program order: never late
                 staged = self._mover.stage(moves, self._host)
@@ -469,15 +493,7 @@ class RowCache:
             later = [m for _, (m, _) in sorted(self._unloaded.items())]  # (not loaded yet)
             moves = {}
             for t in self.tables.values():
-                slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-                for s, m in enumerate(t.maps):
-                    if m is None:  # another process's shard
-                        continue
-                    sl, r = m.cached()
-                    slots.append(sl + s * t.slots)
-                    rows.append(r + s * t.shard_rows)
-                moves[t.key] = device_rows(np.concatenate(slots), np.concatenate(rows),
-                                           [m[t.key] for m in later])  # fmt: skip
+                moves[t.key] = device_rows(*self.cached(t.name), [m[t.key] for m in later])
             wheres = [b.where for b in self._mover.buffers]
             none = np.zeros(0, np.int64)
             most = max([0, *(len(es) for es, _ in moves.values())])
@@ -489,6 +505,20 @@ class RowCache:
                     pending = self._mover.copy_out(_arrays(state, wheres), staged, self._host)
                     pending.write_back()
             return state
+
+    def cached(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, logical rows)`` of table ``name``'s occupied slots as the slot maps
+        say (this process's shards; batches prepared and not loaded yet included)."""
+        if self._maps is not None:
+            return self._maps.cached(name)
+        t = self.tables[name]
+        slots, rows = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for s, m in enumerate(t.maps):
+            if m is not None:
+                sl, r = m.cached()
+                slots.append(sl + s * t.slots)
+                rows.append(r + s * t.shard_rows)
+        return np.concatenate(slots), np.concatenate(rows)
 
     def discard_prefetched(self, state: TrainState) -> TrainState:
         """Loads every prepared batch not loaded yet, without its step: the batches a
@@ -523,6 +553,8 @@ class RowCache:
         for inflight in self._inflight.values():
             inflight.fill(0)
         self._prepared = self._loaded = 0
+        if self._maps is not None:
+            self._maps.clear()
         for t in self.tables.values():
             for m in t.maps:
                 if m is not None:
@@ -601,6 +633,21 @@ def _pool(n: int) -> ThreadPoolExecutor:
         if key not in _POOLS:
             _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="jaxrec-cache")
         return _POOLS[key]
+
+
+def _on_host(slot_maps: str | None) -> bool:
+    """Whether the slot maps are the host's (``"host"``; several processes) or the
+    device's (``"device"``; the default with one process)."""
+    if slot_maps is None:
+        return jax.process_count() > 1
+    if slot_maps not in ("device", "host"):
+        raise ValueError(f'RowCache slot_maps must be "device", "host" or None, got {slot_maps!r}')
+    if slot_maps == "device" and jax.process_count() > 1:
+        raise ValueError(
+            'RowCache(slot_maps="device") plans on one process\'s devices only: with '
+            f'{jax.process_count()} processes use slot_maps="host" (the default there)'
+        )
+    return slot_maps == "host"
 
 
 def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:

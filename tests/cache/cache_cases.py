@@ -99,7 +99,7 @@ def fused(plan):
         for k, p in plan.items()})  # fmt: skip
 
 
-def cached_twin(opt, graphdef, state, params, plan=None, mesh=None):
+def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps=None):
     """The cached model holding the same values as the all-device ``state``:
     ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables."""
     if plan is None:
@@ -120,7 +120,7 @@ def cached_twin(opt, graphdef, state, params, plan=None, mesh=None):
     tables = {k: (l2.tables[k] if k.split(".")[-1] in CACHED else v)
               for k, v in logical.tables.items()}  # fmt: skip
     s2 = ckpt.place_state(g2, opt, s2, logical._replace(tables=tables))
-    return g2, s2, jc.RowCache(g2, opt, s2, hosts, params)
+    return g2, s2, jc.RowCache(g2, opt, s2, hosts, params, slot_maps=slot_maps)
 
 
 def logical_tables(graphdef, opt, state, cache=None):

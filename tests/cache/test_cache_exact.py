@@ -31,9 +31,10 @@ OPTS = {
 }
 
 
-def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False):
+def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False, slot_maps=None):
     graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    slot_maps = "host" if numpy_only else slot_maps
+    g2, s2, cache = cached_twin(opt, graphdef, state, params, slot_maps=slot_maps)
     if numpy_only:  # the passes without the C++ extension
         for t in cache.tables.values():
             for m in t.maps:
@@ -51,18 +52,21 @@ def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False):
 
 
 # each optimizer once, each policy at least once (the policy only picks which rows
-# move; test_slots checks both policies against a model of them)
+# move; test_slots and test_sets check the policies against models of them); the slot
+# maps on the device (the default), on the host with the C++ passes and with numpy
 @pytest.mark.parametrize(
-    "name,algorithm,numpy_only",
-    [("sgd", "lru", False), ("rowwise_adagrad", "lfu", False), ("adam", "lru", False),
-     ("rowwise_adagrad", "lfu", True)],
+    "name,algorithm,maps",
+    [("sgd", "lru", "device"), ("rowwise_adagrad", "lfu", "device"), ("adam", "lru", "device"),
+     ("rowwise_adagrad", "lru", "host"), ("rowwise_adagrad", "lfu", "numpy")],
 )  # fmt: skip
-def test_unsharded_exact(name, algorithm, numpy_only, monkeypatch):
+def test_unsharded_exact(name, algorithm, maps, monkeypatch):
+    numpy_only = maps == "numpy"
     if numpy_only:
         monkeypatch.setattr(native, "AVAILABLE", False)
     opt = optimizer(OPTS[name]())
     params = {t: jc.CacheParams(algorithm=algorithm, load_factor=0.3) for t in CACHED}
-    (g, s), (g2, s2), cache = run_pair(opt, params, numpy_only=numpy_only)
+    (g, s), (g2, s2), cache = run_pair(opt, params, numpy_only=numpy_only,
+                                       slot_maps="host" if maps == "host" else None)  # fmt: skip
     want = logical_tables(g, opt, s)
     got = logical_tables(g2, opt, s2, cache)
     assert_tables_equal(got, want)

@@ -232,10 +232,10 @@ def test_planning_threads_give_the_same_batches(monkeypatch):
     rng = np.random.default_rng(8)
     batches = [local_batch(rng) for _ in range(6)]
     runs = []
-    for threads in (1, 4):
+    for threads in (1, 4):  # (host slot maps: the device's plan every table at once)
         g2, s2, cache = cached_twin(opt, graphdef, state, params)
         cache = jc.RowCache(g2, opt, s2, {t.name: t.host for t in cache.tables.values()},
-                            params, threads=threads)  # fmt: skip
+                            params, threads=threads, slot_maps="host")  # fmt: skip
         assert cache._threads == (1 if threads == 1 else len(CACHED))
         step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
         ids = []

@@ -137,7 +137,7 @@ def test_cache_too_small_leaves_state_valid(monkeypatch, threaded):
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params, slot_maps="host")
     step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
     rng = np.random.default_rng(0)
     s2, _, _ = step(s2, local_batch(rng))

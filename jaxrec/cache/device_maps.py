@@ -1,0 +1,167 @@
+"""A ``RowCache``'s slot maps on the device, and the one program that plans a batch.
+
+Each cached table's slot map is a :class:`~jaxrec.cache.sets.SlotState` on the
+device. A batch's KJT values go to the device once; one jitted program plans
+every cached table (:func:`~jaxrec.cache.sets.plan_sets`), rewrites the ids as
+slots in the values (still on the device) and packs each table's moves. The host
+then reads only the moves (a few numbers per missed row) and the counts: it does
+no work per id. A batch that does not fit in some table's cache changes no table.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..distributed.types import CacheAlgorithm
+from .ids import CachedTable
+from .sets import SetLayout, SlotState, empty_state, plan_sets, set_layout
+from .slots import CacheTooSmallError
+
+
+class TableCounts(NamedTuple):
+    """What one table's plan of a batch did (for ``CacheStats``)."""
+
+    ids: int  # ids in range
+    rows: int  # distinct rows
+    fills: int
+    evictions: int
+
+
+class DevicePlan(NamedTuple):
+    """A planned batch: its KJTs' values with the cached tables' ids as slots (device
+    arrays, ``None`` for a KJT without cached features), each table's moves by
+    checkpoint key (``(fill_slots, fill_rows, evict_slots, evict_rows)``, int64 numpy)
+    and counts by table name."""
+
+    values: list[jax.Array | None]
+    moves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    counts: dict[str, TableCounts]
+
+
+class _Route(NamedTuple):
+    """Static: where a table's ids are in a batch (hashable, a program's key)."""
+
+    name: str
+    layout: SetLayout
+    kjts: tuple[int, ...]  # the KJT of each of its spans (features), in order
+
+
+class DeviceSlotMaps:
+    """The device slot maps of ``tables`` (every row shard of each: one process),
+    with ``algorithms`` by table name, on ``device`` (default: JAX's first)."""
+
+    def __init__(
+        self,
+        tables: Mapping[str, CachedTable],
+        algorithms: Mapping[str, CacheAlgorithm],
+        device: jax.Device | None = None,
+    ):
+        self.tables = dict(tables)
+        self.device = device or jax.devices()[0]
+        self.layouts = {
+            name: set_layout(t.host.config.num_embeddings, len(t.maps), t.slots, algorithms[name])
+            for name, t in self.tables.items()
+        }
+        self.states = {n: self._empty(lay) for n, lay in self.layouts.items()}
+        self._programs: dict = {}
+
+    def _empty(self, layout: SetLayout) -> SlotState:
+        return jax.device_put(empty_state(layout), self.device)
+
+    def plan(self, values: Sequence[Any], spans: Mapping[str, list[tuple[int, int, int]]]
+             ) -> DevicePlan:  # fmt: skip
+        """Plans a batch: ``values`` of each KJT (host or device arrays), ``spans[name]``
+        the ``(kjt, lo, hi)`` of each cached table's ids. Raises ``CacheTooSmallError``
+        (no slot map changed) when a table's rows do not fit in its cache's sets."""
+        routes = tuple(_Route(n, self.layouts[n], tuple(i for i, _, _ in spans[n]))
+                       for n in self.tables if spans[n])  # fmt: skip
+        used = sorted({i for r in routes for i in r.kjts})
+        none = np.zeros(0, np.int64)
+        counts = {n: TableCounts(0, 0, 0, 0) for n in self.tables}
+        moves = {t.key: (none, none, none, none) for t in self.tables.values()}
+        if not routes:
+            return DevicePlan([None] * len(values), moves, counts)
+        bounds = np.array([[lo, hi] for r in routes for _, lo, hi in spans[r.name]], np.int32)
+        program = self._programs.get((routes, tuple(used)))
+        if program is None:
+            program = jax.jit(functools.partial(_plan_batch, routes, tuple(used)),
+                              donate_argnums=0)  # fmt: skip
+            self._programs[(routes, tuple(used))] = program
+        states = tuple(self.states[r.name] for r in routes)
+        new_states, new_values, summary, packed = program(
+            states, tuple(values[i] for i in used), bounds
+        )
+        for r, s in zip(routes, new_states, strict=True):  # the same state when refused
+            self.states[r.name] = s
+        summary = np.asarray(summary)  # [tables, 5]: the step's one wait for the device
+        for r, row in zip(routes, summary, strict=True):
+            if row[4]:
+                lay = r.layout
+                raise CacheTooSmallError(
+                    f"cached table {r.name!r}: the batch's distinct rows need more than the "
+                    f"{lay.ways} slots of one of its cache's {lay.sets} sets per shard "
+                    f"({lay.slots} slots per shard, {row[1]} distinct rows in the batch); "
+                    "raise CacheParams.load_factor (each set then gets more of a batch's "
+                    "rows' worth of slots) or use smaller batches"
+                )
+        for r, row, p in zip(routes, summary, packed, strict=True):
+            n_fill, n_evict = int(row[2]), int(row[3])
+            counts[r.name] = TableCounts(int(row[0]), int(row[1]), n_fill, n_evict)
+            got = np.asarray(p)[:, : max(n_fill, n_evict)].astype(np.int64)
+            moves[self.tables[r.name].key] = (got[0, :n_fill], got[1, :n_fill],
+                                              got[2, :n_evict], got[3, :n_evict])  # fmt: skip
+        out = [None] * len(values)
+        for i, v in zip(used, new_values, strict=True):
+            out[i] = v
+        return DevicePlan(out, moves, counts)
+
+    def cached(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, logical rows)`` of every occupied slot of table ``name``."""
+        lay = self.layouts[name]
+        held = np.asarray(self.states[name].rows)
+        slots = np.flatnonzero(held >= 0)
+        return slots, held[slots].astype(np.int64) + (slots // lay.slots) * lay.shard_rows
+
+    def clear(self) -> None:
+        """Empties every cache; LFU counts stay (as FBGEMM's ``lfu_state``)."""
+        for name, lay in self.layouts.items():
+            counts = self.states[name].counts
+            self.states[name] = self._empty(lay)._replace(counts=counts)
+
+
+def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, values, bounds):
+    """The program: every table's plan; all of them kept, or none (one refused)."""
+    at = {k: j for j, k in enumerate(used)}
+    new_values = [jnp.asarray(v) for v in values]
+    plans, span = [], 0
+    for r, state in zip(routes, states, strict=True):
+        parts, masks = [], []
+        for k in r.kjts:
+            v = new_values[at[k]]
+            i = jnp.arange(v.shape[0], dtype=jnp.int32)
+            masks.append((i >= bounds[span, 0]) & (i < bounds[span, 1]))
+            parts.append(jnp.asarray(values[at[k]]).astype(jnp.int32))  # the raw ids
+            span += 1
+        plan = plan_sets(r.layout, state, jnp.concatenate(parts), jnp.concatenate(masks))
+        lo = 0
+        for k, part, mask in zip(r.kjts, parts, masks, strict=True):
+            got = plan.slots[lo : lo + part.shape[0]]
+            new_values[at[k]] = jnp.where(mask, got, new_values[at[k]]).astype(
+                new_values[at[k]].dtype
+            )
+            lo += part.shape[0]
+        plans.append(plan)
+    refused = jnp.any(jnp.stack([p.overflow for p in plans]))
+    new_states = tuple(jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state)
+                       for s, p in zip(states, plans, strict=True))  # fmt: skip
+    summary = jnp.stack([jnp.stack([p.n_ids, p.n_rows, p.n_fill, p.n_evict,
+                                    p.overflow.astype(jnp.int32)]) for p in plans])  # fmt: skip
+    packed = tuple(jnp.stack([p.fill_slots, p.fill_rows, p.evict_slots, p.evict_rows])
+                   for p in plans)  # fmt: skip
+    return new_states, tuple(new_values), summary, packed
