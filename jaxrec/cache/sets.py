@@ -27,6 +27,7 @@ oracle is a plain loop over the same rules (``tests/cache/sets_reference.py``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -157,62 +158,40 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     hit_slot = start + jnp.argmax(hitw, axis=1).astype(jnp.int32)
     stamps = state.stamps.at[jnp.where(hit, hit_slot, total)].set(clock, mode="drop")
 
-    # the distinct missed rows in (set, row) order, each's rank among its set's misses
+    # the misses: resolved in a branch sized for them (their work is per miss)
     miss = ok & ~hit
-    ss, sr, order = jax.lax.sort(
-        (jnp.where(miss, start, _MAX), jnp.where(miss, local, 0), jnp.arange(n, dtype=jnp.int32)),
-        num_keys=2,
-    )
-    m = ss != _MAX
-    prev_s, prev_r = jnp.roll(ss, 1).at[0].set(-1), jnp.roll(sr, 1).at[0].set(-1)
-    new = m & ((ss != prev_s) | (sr != prev_r))
-    seen = jnp.cumsum(new, dtype=jnp.int32)  # distinct misses so far (inclusive)
-    set_first = m & (ss != prev_s)
-    rank = seen - 1 - jax.lax.cummax(jnp.where(set_first, seen - 1, 0))
-
-    # victims: the set's slots the batch does not use, in the policy's order
-    ss_c = jnp.where(m, ss, 0)
-    ssize = jnp.where(m, jnp.take(size, order), 0)
-    vat = jnp.minimum(ss_c[:, None] + way[None, :], total - 1)
-    taken = (way[None, :] >= ssize[:, None]) | (stamps[vat] == clock)
-    keys = [taken.astype(jnp.int32)]
-    if layout.algorithm is CacheAlgorithm.LFU:
-        held = state.rows[vat]
-        owner = vat // layout.slots  # the shard of each slot
-        cnt = state.counts[jnp.clip(owner * layout.shard_rows + held, 0, layout.rows - 1)]
-        keys.append(jnp.where(held >= 0, cnt, -1))
-    keys += [stamps[vat], jnp.broadcast_to(way, vat.shape)]
-    ranked = jax.lax.sort(tuple(keys), dimension=1, num_keys=len(keys))
-    pick = jnp.clip(rank, 0, w - 1)[:, None]
-    v_way = jnp.take_along_axis(ranked[-1], pick, axis=1)[:, 0]
-    v_taken = jnp.take_along_axis(ranked[0], pick, axis=1)[:, 0] == 1
-    overflow = jnp.any(new & ((rank >= w) | v_taken))
-    v_slot = ss_c + v_way
-    old = state.rows[v_slot]
-    drop = jnp.where(new, v_slot, total)
-    rows_new = state.rows.at[drop].set(sr, mode="drop")
-    stamps = stamps.at[drop].set(clock, mode="drop")
+    n_miss = jnp.sum(miss, dtype=jnp.int32)
+    at_miss = jnp.where(miss, jnp.cumsum(miss, dtype=jnp.int32) - 1, n)
+    miss_at = jnp.full(n, n, jnp.int32).at[at_miss].set(jnp.arange(n, dtype=jnp.int32),
+                                                         mode="drop")  # fmt: skip
+    sizes = sorted({max(1, n // 16), max(1, n // 4), max(n, 1)})
+    branches = [functools.partial(_resolve, layout, state, stamps, clock, start, local, size,
+                                  miss_at, k) for k in sizes]  # fmt: skip
+    pick = sum((n_miss > k).astype(jnp.int32) for k in sizes[:-1])
+    r = jax.lax.switch(pick, branches) if len(sizes) > 1 else branches[0]()
+    p_new = jnp.arange(n, dtype=jnp.int32) < r.n_new
+    overflow = jnp.any(p_new & r.bad)
+    v_slot = jnp.where(p_new, r.start + r.way, total)
+    old = jnp.where(p_new, state.rows[jnp.minimum(v_slot, total - 1)], -1)
+    rows_new = state.rows.at[v_slot].set(r.row, mode="drop")
+    stamps = stamps.at[v_slot].set(clock, mode="drop")
+    miss_slot = jnp.where(miss, jnp.take(v_slot, jnp.clip(r.index, 0, n - 1)), 0)
 
     # every id as its slot
-    last = jax.lax.cummax(jnp.where(new, jnp.arange(n, dtype=jnp.int32), 0))
-    miss_slot = jnp.zeros(n, jnp.int32).at[order].set(v_slot[last])
     slot = jnp.where(hit, hit_slot, miss_slot)
     slot = jnp.where(ok, slot, jnp.where(ids < 0, -1, total))
     slot = jnp.where(valid, slot, ids)
 
     # the moves, packed
-    shard_of = ss_c // layout.slots
-    fill_at = jnp.where(new, seen - 1, n)
-    fill_slots = jnp.full(n, -1, jnp.int32).at[fill_at].set(v_slot, mode="drop")
-    fill_rows = jnp.full(n, -1, jnp.int32).at[fill_at].set(shard_of * layout.shard_rows + sr,
-                                                           mode="drop")  # fmt: skip
-    ev = new & (old >= 0)
+    p_global = (r.start // layout.slots) * layout.shard_rows  # the shard's first row
+    fill_slots = jnp.where(p_new, v_slot, -1)
+    fill_rows = jnp.where(p_new, p_global + r.row, -1)
+    ev = p_new & (old >= 0)
     ev_seen = jnp.cumsum(ev, dtype=jnp.int32)
     ev_at = jnp.where(ev, ev_seen - 1, n)
     evict_slots = jnp.full(n, -1, jnp.int32).at[ev_at].set(v_slot, mode="drop")
-    evict_rows = jnp.full(n, -1, jnp.int32).at[ev_at].set(shard_of * layout.shard_rows + old,
-                                                          mode="drop")  # fmt: skip
-    n_fill = seen[-1] if n else jnp.int32(0)
+    evict_rows = jnp.full(n, -1, jnp.int32).at[ev_at].set(p_global + old, mode="drop")
+    n_fill = r.n_new
     n_evict = ev_seen[-1] if n else jnp.int32(0)
 
     counts = state.counts
@@ -224,6 +203,69 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     kept = jax.tree.map(lambda a, b: jnp.where(overflow, a, b), state, new_state)
     return SetPlan(kept, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
                    jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
+
+
+class _Misses(NamedTuple):
+    """The distinct missed rows of a batch packed at the front (``n_new`` of them, in
+    (set, row) order), each's set and victim, and each id's distinct miss."""
+
+    start: jax.Array  # int32 [N]: first slot of the set
+    row: jax.Array  # int32 [N]: shard-local row
+    way: jax.Array  # int32 [N]: the victim's way in the set
+    bad: jax.Array  # bool [N]: no way left in the set (the batch overflows it)
+    n_new: jax.Array  # int32 []
+    index: jax.Array  # int32 [N]: for each missed id, its distinct miss
+
+
+def _resolve(layout, state, stamps, clock, start, local, size, miss_at, k: int) -> _Misses:
+    """The first ``k`` missed ids (``miss_at``: their positions, ``N`` past the last)
+    resolved; every array padded to ``N``."""
+    n, w = miss_at.shape[0], layout.ways
+    total = layout.total_slots
+    way = jnp.arange(w, dtype=jnp.int32)
+    pos = miss_at[:k]
+    live = pos < n
+    pc = jnp.minimum(pos, n - 1)
+    ss, sr, order = jax.lax.sort(
+        (jnp.where(live, start[pc], _MAX), jnp.where(live, local[pc], 0),
+         jnp.arange(k, dtype=jnp.int32)),
+        num_keys=2,
+    )  # fmt: skip
+    m = ss != _MAX
+    prev_s, prev_r = jnp.roll(ss, 1).at[0].set(-1), jnp.roll(sr, 1).at[0].set(-1)
+    new = m & ((ss != prev_s) | (sr != prev_r))
+    seen = jnp.cumsum(new, dtype=jnp.int32)  # distinct misses so far (inclusive)
+    set_first = m & (ss != prev_s)
+    rank = seen - 1 - jax.lax.cummax(jnp.where(set_first, seen - 1, 0))
+    at_new = jnp.where(new, seen - 1, k)
+
+    def pack(x):
+        return jnp.zeros(k, jnp.int32).at[at_new].set(x, mode="drop")
+
+    p_start, p_row, p_rank = pack(jnp.where(m, ss, 0)), pack(sr), pack(rank)
+    p_size = pack(jnp.take(size, jnp.take(pc, order)))
+
+    # victims: the set's slots the batch does not use, in the policy's order
+    vat = jnp.minimum(p_start[:, None] + way[None, :], total - 1)
+    taken = (way[None, :] >= p_size[:, None]) | (stamps[vat] == clock)
+    keys = [taken.astype(jnp.int32)]
+    if layout.algorithm is CacheAlgorithm.LFU:
+        held = state.rows[vat]
+        owner = vat // layout.slots  # the shard of each slot
+        cnt = state.counts[jnp.clip(owner * layout.shard_rows + held, 0, layout.rows - 1)]
+        keys.append(jnp.where(held >= 0, cnt, -1))
+    keys += [stamps[vat], jnp.broadcast_to(way, vat.shape)]
+    ranked = jax.lax.sort(tuple(keys), dimension=1, num_keys=len(keys))
+    choice = jnp.clip(p_rank, 0, w - 1)[:, None]
+    v_way = jnp.take_along_axis(ranked[-1], choice, axis=1)[:, 0]
+    bad = (jnp.take_along_axis(ranked[0], choice, axis=1)[:, 0] == 1) | (p_rank >= w)
+    # each missed id's distinct miss, at its position in the batch
+    index = (
+        jnp.zeros(n, jnp.int32).at[jnp.where(m, jnp.take(pc, order), n)].set(seen - 1, mode="drop")
+    )
+    pad = (0, n - k)
+    return _Misses(jnp.pad(p_start, pad), jnp.pad(p_row, pad), jnp.pad(v_way, pad),
+                   jnp.pad(bad, pad), seen[-1], index)  # fmt: skip
 
 
 def set_hash_np(x: np.ndarray) -> np.ndarray:
