@@ -187,3 +187,16 @@ def test_plan_without_donation_keeps_the_given_state():
     assert int(plan.n_fill) == 100 and int(plan.state.clock) == 1
     assert int(state.clock) == 0 and bool(jnp.all(state.rows == -1))
     assert int(jnp.sum(state.counts)) == 0
+
+
+def test_an_older_build_plans_with_xla(monkeypatch):
+    """A build without the target: plan() runs plan_sets, saying so (a warning for "cpu")."""
+    monkeypatch.setitem(loader._STATE, "optional", ())
+    monkeypatch.setattr(sets, "_STALE_WARNED", [])
+    layout = sets.set_layout(3000, 1, 300, CacheAlgorithm.LRU)
+    args = (sets.empty_state(layout), jnp.arange(50, dtype=jnp.int32), jnp.ones(50, bool))
+    with pytest.warns(loader.CpuKernelWarning, match="older build"):
+        text = jax.jit(functools.partial(sets.plan, layout, implementation="cpu")).lower(*args)
+    assert sets.CPU_TARGET not in text.as_text()
+    with pytest.raises(RuntimeError, match="not registered"):
+        sets.plan_sets_cpu(layout, *args)
