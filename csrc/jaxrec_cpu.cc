@@ -13,12 +13,14 @@
 //   scale[c] in id order, apply the update maths of jaxrec.optim.
 // * jaxrec_cache_move: jaxrec.cache's row moves between a host table and the
 //   cache slots of a (donated) buffer, in place on both.
+// * jaxrec_cache_plan_sets: jaxrec.cache.sets.plan_sets (a set-associative slot map's
+//   plan of one batch: hits, victims, slots, moves), bit for bit, in place on the state.
 // * jaxrec_uniform_rows: a buffer of initial table values, Philox4x32-10
 //   uniform draws addressed by (stream, row, col), bit for bit those of
 //   jaxrec.xla.philox.uniform_rows_xla (float32, bfloat16, float16), rows
 //   split over threads, counters vectorized across the rows of a piece.
 //
-// The kernels live in jaxrec_cpu/{common,lookup,update,cache,init}.h, included below;
+// The kernels live in jaxrec_cpu/{common,lookup,update,cache,sets,init}.h, included below;
 // this file binds them as FFI handlers and exports them to Python.
 //
 // Floating-point order follows the XLA reference (products rounded before the
@@ -55,6 +57,7 @@ namespace ffi = xla::ffi;
 #include "jaxrec_cpu/update.h"
 #include "jaxrec_cpu/roofline.h"
 #include "jaxrec_cpu/cache.h"
+#include "jaxrec_cpu/sets.h"
 #include "jaxrec_cpu/init.h"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
@@ -157,6 +160,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCacheMove, CacheMoveImpl,
                                   .Attr<int64_t>("host_offset")
                                   .Attr<int64_t>("nbytes"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCachePlanSets, PlanSetsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // stamps
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // clock
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // stamps
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // clock
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // slots
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // fill_slots
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // fill_rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // evict_slots
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // evict_rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // n_fill
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // n_evict
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // n_ids
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // n_rows
+                                  .Ret<ffi::Buffer<ffi::PRED>>()  // overflow
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("shard_rows")
+                                  .Attr<int64_t>("shards")
+                                  .Attr<int64_t>("slots")
+                                  .Attr<int64_t>("sets")
+                                  .Attr<int64_t>("lfu"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecUniformRows, UniformRowsImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()  // key
@@ -186,6 +218,7 @@ PyObject* Handlers(PyObject*, PyObject*) {
       {"jaxrec_kjt_backward_update_adagrad",
        reinterpret_cast<void*>(JaxrecKjtBackwardUpdateAdagrad)},
       {"jaxrec_cache_move", reinterpret_cast<void*>(JaxrecCacheMove)},
+      {"jaxrec_cache_plan_sets", reinterpret_cast<void*>(JaxrecCachePlanSets)},
       {"jaxrec_uniform_rows", reinterpret_cast<void*>(JaxrecUniformRows)},
   };
   for (const Entry& e : entries) {

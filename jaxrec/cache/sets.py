@@ -277,3 +277,92 @@ def set_hash_np(x: np.ndarray) -> np.ndarray:
         x = x ^ (x >> np.uint32(15))
         x = x * np.uint32(0x846CA68B)
         return x ^ (x >> np.uint32(16))
+
+
+# ----- the C++ twin on CPU (jaxrec_cache_plan_sets) and the per-platform choice -----
+
+CPU_TARGET = "jaxrec_cache_plan_sets"
+
+
+def plan_sets_cpu(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array) -> SetPlan:
+    """:func:`plan_sets` as jaxrec's C++ CPU kernel ``jaxrec_cache_plan_sets``: the same
+    outputs bit for bit (the state, the slots, the packed moves, the counts), the state
+    updated in place (its buffers aliased to the new state's: donate it). Only for
+    programs that run on the CPU platform with the kernels registered
+    (``jaxrec.cpu.loader.has_target``; it loads them or raises ``RuntimeError``);
+    :func:`plan` chooses. ``ids`` are taken as int32."""
+    from ..cpu import loader
+
+    if not loader.has_target(CPU_TARGET):
+        why = loader.unavailable_reason() or "an older build of jaxrec.cpu"
+        raise RuntimeError(f"{CPU_TARGET} is not registered: {why}")
+    n, total = ids.shape[0], layout.total_slots
+    lfu = layout.algorithm is CacheAlgorithm.LFU
+    want = (total, total, layout.rows if lfu else 0)
+    got = (state.rows.shape, state.stamps.shape, state.counts.shape)
+    if ids.ndim != 1 or valid.shape != ids.shape or got != tuple((k,) for k in want):
+        raise ValueError(f"plan_sets_cpu: state shapes {got} (want {want}), ids {ids.shape}, "
+                         f"valid {valid.shape}")  # fmt: skip
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    outs = (i32(total), i32(total), i32(want[2]), i32(), *[i32(n)] * 5, *[i32()] * 4,
+            jax.ShapeDtypeStruct((), jnp.bool_))  # fmt: skip
+    call = jax.ffi.ffi_call(CPU_TARGET, outs, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})
+    res = call(state.rows.astype(jnp.int32), state.stamps.astype(jnp.int32),
+               state.counts.astype(jnp.int32), state.clock.astype(jnp.int32),
+               ids.astype(jnp.int32), valid.astype(jnp.bool_),
+               rows=np.int64(layout.rows), shard_rows=np.int64(layout.shard_rows),
+               shards=np.int64(layout.shards), slots=np.int64(layout.slots),
+               sets=np.int64(layout.sets), lfu=np.int64(lfu))  # fmt: skip
+    return SetPlan(SlotState(*res[:4]), *res[4:])
+
+
+def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
+         implementation=None) -> SetPlan:  # fmt: skip
+    """:func:`plan_sets`, run by the C++ kernel (:func:`plan_sets_cpu`) where the program is
+    lowered for CPU and the kernel is built, by :func:`plan_sets` elsewhere (chosen per
+    lowering platform with ``jax.lax.platform_dependent``, as ``jaxrec.ops.dispatch``: a
+    CPU host still compiles it for GPUs). ``implementation``: as in ``jaxrec.ops``
+    (``None``, ``"cpu"`` or ``"mosaic_gpu"`` try the kernel, ``"xla"`` and ``"pallas"`` run
+    :func:`plan_sets`). The same results either way; ``jax.jit`` it with ``layout``
+    static and ``state`` donated."""
+    from ..cpu import loader
+    from ..ops import dispatch
+
+    if implementation not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")  # fmt: skip
+    explicit = implementation == "cpu"
+    wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
+    if not wants or not _kernel_ready(loader, explicit):
+        return plan_sets(layout, state, ids, valid)
+
+    def run(platform):
+        fn = plan_sets_cpu if platform == "cpu" else plan_sets
+        return fn(layout, state, ids, valid)
+
+    return dispatch.by_platform(run, inputs=(state, ids, valid))
+
+
+def _kernel_ready(loader, explicit: bool) -> bool:
+    """Whether the C++ plan is registered (saying once why not)."""
+    if loader.load() is not None:
+        loader.warn_unavailable(explicit)
+        return False
+    if loader.has_target(CPU_TARGET):
+        return True
+    if not _STALE_WARNED:
+        _STALE_WARNED.append(True)
+        msg = (
+            f"jaxrec's C++ extension has no {CPU_TARGET} (an older build): the slot map "
+            "plans with XLA on CPU (the same plans, slower); rebuild it: pip install -e ."
+        )
+        if explicit:
+            import warnings
+
+            warnings.warn(msg, loader.CpuKernelWarning, stacklevel=4)
+        else:
+            loader.logger.warning(msg)
+    return False
+
+
+_STALE_WARNED: list = []

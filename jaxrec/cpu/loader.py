@@ -22,9 +22,12 @@ TARGETS = (
     "jaxrec_cache_move",
     "jaxrec_uniform_rows",
 )
+# Registered when the build has them (an older build still registers TARGETS; their
+# callers ask has_target and run XLA without).
+OPTIONAL_TARGETS = ("jaxrec_cache_plan_sets",)
 
 _LOCK = threading.Lock()
-_STATE: dict = {"done": False, "reason": None, "info": None, "warned": False}
+_STATE: dict = {"done": False, "reason": None, "info": None, "warned": False, "optional": ()}
 
 
 class CpuKernelWarning(RuntimeWarning):
@@ -58,6 +61,10 @@ def _load() -> str | None:
         handlers = _kernels.handlers()
         for name in TARGETS:
             jax.ffi.register_ffi_target(name, handlers[name], platform="cpu")
+        optional = tuple(name for name in OPTIONAL_TARGETS if name in handlers)
+        for name in optional:
+            jax.ffi.register_ffi_target(name, handlers[name], platform="cpu")
+        _STATE["optional"] = optional
         _STATE["info"] = dict(_kernels.info())
     except Exception as e:  # noqa: BLE001  (any failure: use XLA)
         return f"registering the FFI targets failed ({type(e).__name__}: {e})"
@@ -67,6 +74,12 @@ def _load() -> str | None:
 def available() -> bool:
     """Whether the C++ CPU kernels are loaded and registered."""
     return load() is None
+
+
+def has_target(name: str) -> bool:
+    """Whether the kernels are registered and the build has FFI target ``name`` (one of
+    :data:`OPTIONAL_TARGETS` may be missing from an older build)."""
+    return load() is None and (name in TARGETS or name in _STATE["optional"])
 
 
 def unavailable_reason() -> str | None:
