@@ -2,7 +2,8 @@
 
 Each cached table's slot map is a :class:`~jaxrec.cache.sets.SlotState` on the
 device. A batch's KJT values go to the device once; one jitted program plans
-every cached table (:func:`~jaxrec.cache.sets.plan_sets`), rewrites the ids as
+every cached table (:func:`~jaxrec.cache.sets.plan`: C++ on the CPU, XLA
+elsewhere), rewrites the ids as
 slots in the values (still on the device) and packs each table's moves. The host
 then reads only the moves (a few numbers per missed row) and the counts: it does
 no work per id. A batch that does not fit in some table's cache changes no table.
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..distributed.types import CacheAlgorithm
 from .ids import CachedTable
-from .sets import SetLayout, SlotState, empty_state, plan_sets, set_layout
+from .sets import SetLayout, SlotState, empty_state, plan, set_layout
 from .slots import CacheTooSmallError
 
 
@@ -148,15 +149,15 @@ def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, value
             masks.append((i >= bounds[span, 0]) & (i < bounds[span, 1]))
             parts.append(jnp.asarray(values[at[k]]).astype(jnp.int32))  # the raw ids
             span += 1
-        plan = plan_sets(r.layout, state, jnp.concatenate(parts), jnp.concatenate(masks))
+        planned = plan(r.layout, state, jnp.concatenate(parts), jnp.concatenate(masks))
         lo = 0
         for k, part, mask in zip(r.kjts, parts, masks, strict=True):
-            got = plan.slots[lo : lo + part.shape[0]]
+            got = planned.slots[lo : lo + part.shape[0]]
             new_values[at[k]] = jnp.where(mask, got, new_values[at[k]]).astype(
                 new_values[at[k]].dtype
             )
             lo += part.shape[0]
-        plans.append(plan)
+        plans.append(planned)
     refused = jnp.any(jnp.stack([p.overflow for p in plans]))
     new_states = tuple(jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state)
                        for s, p in zip(states, plans, strict=True))  # fmt: skip

@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cpu import loader
 from ..distributed.types import CacheAlgorithm
+from ..ops import dispatch
 
 WAYS = 32  # FBGEMM's associativity on NVIDIA GPUs (``kWarpSize``)
 _MAX = np.iinfo(np.int32).max
@@ -291,8 +293,6 @@ def plan_sets_cpu(layout: SetLayout, state: SlotState, ids: jax.Array, valid: ja
     programs that run on the CPU platform with the kernels registered
     (``jaxrec.cpu.loader.has_target``; it loads them or raises ``RuntimeError``);
     :func:`plan` chooses. ``ids`` are taken as int32."""
-    from ..cpu import loader
-
     if not loader.has_target(CPU_TARGET):
         why = loader.unavailable_reason() or "an older build of jaxrec.cpu"
         raise RuntimeError(f"{CPU_TARGET} is not registered: {why}")
@@ -325,9 +325,6 @@ def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
     (``None``, ``"cpu"`` or ``"mosaic_gpu"`` try the kernel, ``"xla"`` and ``"pallas"`` run
     :func:`plan_sets`). The same results either way; ``jax.jit`` it with ``layout``
     static and ``state`` donated."""
-    from ..cpu import loader
-    from ..ops import dispatch
-
     if implementation not in dispatch.IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
                          f"got {implementation!r}")  # fmt: skip
