@@ -26,6 +26,7 @@ from .options import ShardSpec, TableInfo
 from .perf import Perf, cache_miss_seconds, replicated_perf, sharded_perf
 from .storage import (
     cache_host_bytes,
+    cache_map_bytes,
     cache_slots,
     cache_staging_bytes,
     replicated_memory,
@@ -107,8 +108,9 @@ class GroupCost:
         if not self.cached:
             return p
         fetched = self.topology.world_size * fetch  # every source's misses on the rank
+        ids = self.topology.world_size * capacity  # the ids the rank's slot maps plan
         return p._replace(prefetch_compute=cache_miss_seconds(self.topology, fetched,
-                                                              self.mem_row))  # fmt: skip
+                                                              self.mem_row, ids))  # fmt: skip
 
     def time(self, capacity, slots, row_sum_sent=0.0, fetch=0.0):
         return self.perf(capacity, slots, row_sum_sent, fetch).total
@@ -125,16 +127,22 @@ class GroupCost:
         slots in a cached group, of ``rows`` rows in others)."""
         buffers = float(self.buffers(capacity, slots, split, row_sum_values))
         held = cache if self.cached else rows
+        if self.cached:  # the slot maps count with the buffers
+            buffers += float(cache_map_bytes(rows, cache, self.topology.num_hosts == 1))
         return held * self.weight_row, held * self.state_row, buffers
 
     def hbm(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
         """Device bytes (arrays ok): rows or cache slots, and buffers."""
         held = cache if self.cached else rows
-        return held * self.mem_row + self.buffers(capacity, slots, split, row_sum_values)
+        maps = cache_map_bytes(rows, cache, self.topology.num_hosts == 1) if self.cached else 0
+        return held * self.mem_row + maps + self.buffers(capacity, slots, split, row_sum_values)
 
     def host(self, rows, cache):
-        """Host bytes per rank: a cached group's rows and cache metadata, else 0."""
-        return cache_host_bytes(rows, cache, self.mem_row) if self.cached else 0.0
+        """Host bytes per rank: a cached group's rows (and, with several hosts, the slot
+        maps), else 0."""
+        if not self.cached:
+            return 0.0
+        return cache_host_bytes(rows, cache, self.mem_row, self.topology.num_hosts == 1)
 
 
 class CostModel:

@@ -89,12 +89,14 @@ def sharded_perf(
     )
 
 
-def cache_miss_seconds(topo: Topology, fetched, row_bytes: int):
+def cache_miss_seconds(topo: Topology, fetched, row_bytes: int, ids=0):
     """Seconds to fetch ``fetched`` rows of ``row_bytes`` (columns and optimizer state)
     from host memory and write as many evicted rows back; they also pass through the
-    device cache once each way."""
+    device cache once each way. With the slot maps on the device (one host), the plan
+    of the ``ids`` received reads each id's set (32 int32 rows) and writes its slot."""
     moved = 2 * fetched * row_bytes
-    return moved / topo.hbm_to_ddr_mem_bw + moved / topo.hbm_mem_bw
+    plan = ids * (32 * 4 + 3 * 4) if topo.num_hosts == 1 else 0
+    return moved / topo.hbm_to_ddr_mem_bw + (moved + plan) / topo.hbm_mem_bw
 
 
 def replicated_perf(

@@ -46,8 +46,16 @@ F32 = 4
 # off) the compiler's figures lack it, so it is counted here explicitly.
 SORT_BYTES = 8
 CUB_SCRATCH_BYTES = 8
-# A cached shard's metadata in host memory: the slot of every table row (int32, -1 when
-# not cached), and per slot its row (int64) and LRU stamp or LFU count (int64).
+# A cached shard's slot map. With one host (jaxrec.cache's default, slot_maps="device")
+# it is on the device, set-associative (jaxrec.cache.sets): per slot its row and last
+# use (int32 each), per row an LFU count (int32; counted for either policy), and the
+# plan's temporaries per id received: its set's 32 rows read and compared (int32 + bool
+# each) and a sort of (set, row, position). With several hosts the maps stay on the host:
+# the slot of every table row (int32, -1 when not cached), and per slot its row (int64)
+# and LRU stamp or LFU count (int64).
+SLOT_MAP_BYTES = 8
+SLOT_MAP_ROW_BYTES = 4
+SLOT_PLAN_ID_BYTES = 32 * (4 + 1) + 12
 ROW_TO_SLOT_BYTES = 4
 SLOT_META_BYTES = 16
 
@@ -220,16 +228,27 @@ def row_sum_calls(optimizer: SparseOptimizer, cache: dict | None = None) -> int:
     return len(calls)
 
 
-def cache_host_bytes(rows, slots, row_bytes: int):
+def cache_host_bytes(rows, slots, row_bytes: int, device_maps: bool = True):
     """Host bytes of cached shards: ``rows`` rows of ``row_bytes`` (columns and optimizer
-    state) with their row -> slot map, and the metadata of ``slots`` slots."""
+    state), and with the slot maps on the host (``device_maps=False``: several hosts)
+    their row -> slot map and the metadata of ``slots`` slots."""
+    if device_maps:
+        return rows * row_bytes
     return rows * (row_bytes + ROW_TO_SLOT_BYTES) + slots * SLOT_META_BYTES
+
+
+def cache_map_bytes(rows, slots, device_maps: bool = True):
+    """Device bytes of cached shards' slot maps (none when they are on the host)."""
+    return rows * SLOT_MAP_ROW_BYTES + slots * SLOT_MAP_BYTES if device_maps else 0
 
 
 def cache_staging_bytes(topo: Topology, capacity, row_bytes: int):
     """Device bytes staging a cached group's copies: the rows fetched on misses and
-    the rows evicted, each as many as the ids received (``N * C``; shapes are static)."""
-    return 2 * topo.world_size * capacity * row_bytes
+    the rows evicted, each as many as the ids received (``N * C``; shapes are static),
+    and with the slot maps on the device their plan's temporaries per id."""
+    ids = topo.world_size * capacity
+    plan = ids * SLOT_PLAN_ID_BYTES if topo.num_hosts == 1 else 0
+    return 2 * ids * row_bytes + plan
 
 
 def replicated_memory(
