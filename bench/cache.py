@@ -117,7 +117,9 @@ def stream(cfg: Config, alpha: float | None, n: int, seed: int = 0):
 
 def copy_rates(cfg: Config) -> dict:
     """GB/s of a random-row gather on the host and of copies between host and device
-    (64 MiB of rows, medians of 5)."""
+    (64 MiB of rows, medians of 5): pageable (``jax.device_put`` of a numpy array, and
+    ``np.asarray`` of a device array, which adds one on-device ``+ 0`` pass so the copy
+    is not cached) and pinned (:func:`pinned_rates`)."""
     rows = max(1, (64 << 20) // (cfg.D * 4))
     table = np.random.default_rng(0).random((min(cfg.E, 4 * rows), cfg.D), np.float32)
     idx = np.random.default_rng(1).integers(0, len(table), rows)
@@ -135,8 +137,57 @@ def copy_rates(cfg: Config) -> dict:
             time_ms(lambda: jax.device_put(block, dev).block_until_ready(), 5, 0)
         ),  # fmt: skip
         "device_to_host_GBps": gb_s(time_ms(lambda: np.asarray(on_device + 0), 5, 0)),
+        **pinned_rates(block, dev, gb_s),
         "copy_MiB": round(nbytes / 2**20, 1),
     }
+
+
+def pinned_rates(block: np.ndarray, dev, gb_s) -> dict:
+    """GB/s of copies between a ``pinned_host`` array and the ``device`` memory kind
+    (``jax.device_put`` to a ``SingleDeviceSharding`` of that kind, each way), the
+    copies the cache's staged moves make off the CPU (``jaxrec.cache.mover._staging``).
+    Null, with ``pinned_reason``, where the device lacks either kind. On the CPU both
+    kinds are host memory: the figures are memcpy rates, not a link's."""
+    kinds = sorted(m.kind for m in dev.addressable_memories())
+    out = {"memory_kinds": kinds, "pinned_host_to_device_GBps": None,
+           "device_to_pinned_host_GBps": None, "pinned_reason": None}  # fmt: skip
+    missing = [k for k in ("pinned_host", "device") if k not in kinds]
+    if missing:
+        out["pinned_reason"] = f"no {' / '.join(missing)} memory kind on {dev.platform}"
+        return out
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    try:
+        src = jax.device_put(block, pinned).block_until_ready()
+        on_dev = jax.device_put(src, device).block_until_ready()
+        out["pinned_host_to_device_GBps"] = gb_s(
+            time_ms(lambda: jax.device_put(src, device).block_until_ready(), 5, 1)
+        )
+        out["device_to_pinned_host_GBps"] = gb_s(
+            time_ms(lambda: jax.device_put(on_dev, pinned).block_until_ready(), 5, 1)
+        )
+    except Exception as e:  # noqa: BLE001 (a backend that lists the kind but cannot copy)
+        out["pinned_reason"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def row_bytes(cache) -> dict[str, int]:
+    """Bytes a move copies per row of each cached table (by name): the weight row and
+    every optimizer state row (row-wise Adagrad: one float more)."""
+    return {name: sum(a.itemsize * int(np.prod(a.shape[1:])) for a in t.host.fields.values())
+            for name, t in cache.tables.items()}  # fmt: skip
+
+
+def moved(stats, per_row: dict[str, int], steps: int) -> dict:
+    """Bytes moved per step over ``steps`` steps (rows in + out, by ``CacheStats``,
+    times each table's row bytes)."""
+    total = sum((s.misses + s.evictions) * per_row[name] for name, s in stats.items())
+    return {"row_bytes": per_row, "moved_MB_per_step": round(total / steps / 1e6, 3)}
+
+
+def rate_GBps(moved_mb: float, ms: float) -> float | None:
+    """The copy rate a step of ``ms`` implies for ``moved_mb`` MB moved."""
+    return round(moved_mb * 1e6 / (ms * 1e-3) / 1e9, 3) if ms > 0 else None
 
 
 def pipelined_ms(step, state, data, reps: int, to_device) -> float:
@@ -163,10 +214,12 @@ def optimizer() -> CombinedOptimizer:
     return CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
 
 
-def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None):
+def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None,
+                 slot_maps: str = "device", threads: int | None = None):  # fmt: skip
     """``(state, cache, step)``: the model with every table cached (``cfg.algorithm``,
-    load factor ``lf``), host tables from ``weights`` (by table name), or drawn here
-    (large tables: drawn rather than copied)."""
+    load factor ``lf``, the slot maps ``slot_maps``, ``threads`` planning threads), host
+    tables from ``weights`` (by table name), or drawn here (large tables: drawn rather
+    than copied)."""
     params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
               for t in configs(cfg)}  # fmt: skip
     graphdef, state = train.init_train_state(
@@ -177,14 +230,15 @@ def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None):
         if weights is not None else jc.HostTable.create(t, opt.for_table(t.name))
         for t in configs(cfg)
     }  # fmt: skip
-    cache = jc.RowCache(graphdef, opt, state, hosts, params)
+    cache = jc.RowCache(graphdef, opt, state, hosts, params, slot_maps=slot_maps,
+                        threads=threads)  # fmt: skip
     return state, cache, jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), cache)
 
 
-def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
+def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device") -> dict:
     """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
     timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
-    s2, cache, step = cached_model(cfg, opt, lf, weights)
+    s2, cache, step = cached_model(cfg, opt, lf, weights, slot_maps)
     hosts = {name: t.host for name, t in cache.tables.items()}
     box = {"s": s2, "i": 0}
 
@@ -197,7 +251,8 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
         one(batch)
     cache.reset_stats()
     ms = time_ms(one, cfg.reps, 0)
-    stats = [dataclasses.replace(s) for s in cache.stats.values()]  # the timed steps' alone
+    by_name = {n: dataclasses.replace(s) for n, s in cache.stats.items()}  # the timed steps'
+    stats = list(by_name.values())
     t0 = time.perf_counter()
     prepared = cache.prepare(data[box["i"]])  # host planning alone
     prep = (time.perf_counter() - t0) * 1e3
@@ -207,7 +262,10 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
     ids = sum(s.ids for s in stats)
     floor = move_floor_ms(hosts, cache.tables["t0"].slots,
                           sum(s.misses for s in stats) // (cfg.reps * cfg.T))  # fmt: skip
+    mv = moved(by_name, row_bytes(cache), cfg.reps)
+    cached = statistics.median(ms)
     return {
+        "slot_maps": slot_maps,
         "load_factor": lf,
         "slots_per_table": cache.tables["t0"].slots,
         "hit_rate": round(1 - sum(s.misses for s in stats) / ids, 4),
@@ -215,10 +273,13 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
         "rows_in_per_step": sum(s.misses for s in stats) / cfg.reps,
         "rows_out_per_step": sum(s.evictions for s in stats) / cfg.reps,
         "distinct_rows_per_step": sum(s.rows for s in stats) / cfg.reps,
-        "cached_step_ms": round(statistics.median(ms), 2),
+        "cached_step_ms": round(cached, 2),
         "pipelined_step_ms": round(pipelined, 2),
         "prepare_ms": round(prep, 2),
         "move_floor_ms": floor,
+        **mv,  # beside the first line's copy rates: the rate the moves reach in a step
+        "moved_GBps_at_cached_step": rate_GBps(mv["moved_MB_per_step"], cached),
+        "moved_GBps_at_pipelined_step": rate_GBps(mv["moved_MB_per_step"], pipelined),
     }
 
 
@@ -282,6 +343,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--staged", action="store_true",
                    help="moves staged in pinned host memory, as off the CPU (the GPU "
                         "path's host side, timed on the CPU)")  # fmt: skip
+    p.add_argument("--slot-maps", default=None,
+                   help="RowCache(slot_maps=...): device (planned by one device program, "
+                        "the default), host (the C++ planner), or a comma list of both "
+                        "(default: device; with --host-scaling, device,host)")  # fmt: skip
     p.add_argument("--policy-only", action="store_true",
                    help="only the policies' hit rates (no training)")  # fmt: skip
     return p.parse_args(argv)
@@ -347,6 +412,9 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
     if a.staged:
         jc.mover.INPLACE, jc.mover.PINNED = False, True
+    slot_maps = (a.slot_maps or "device").split(",")
+    if any(x not in ("device", "host") for x in slot_maps):
+        raise SystemExit(f"--slot-maps: device, host or both, got {a.slot_maps!r}")
     dev = jax.devices()[0]
     base = {
         "bench": "cache",
@@ -357,6 +425,7 @@ def main(argv=None) -> int:
         **machine(),
         "config": dataclasses.asdict(cfg),
         "staged": a.staged,
+        "slot_maps": ",".join(slot_maps),  # each case line: its own
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
     if a.policy_rows:
@@ -395,8 +464,8 @@ def main(argv=None) -> int:
         device_ms = statistics.median(time_ms(one, cfg.reps, 3))
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
         del box, one
-        for lf in cfg.load_factors:
-            r = run_case(cfg, opt, weights, data, alpha, lf)
+        for lf, sm in [(lf, sm) for lf in cfg.load_factors for sm in slot_maps]:
+            r = run_case(cfg, opt, weights, data, alpha, lf, sm)
             r.update(
                 alpha=alpha or "uniform",
                 device_step_ms=round(device_ms, 2),
