@@ -9,8 +9,41 @@ of the pipelined one (``TrainPipeline`` with ``prefetching``: the next batch is
 planned while a step runs) and of the all-device step (waited for, and in a
 ``TrainPipeline``), and their ratios (pipelined over pipelined), and the raw
 copies of the step's moved rows (``move_floor_ms``: no cached step beats the
-all-device step plus that). A first line gives the machine and the copy rates
-that bound a miss: host gather (numpy), host -> device and device -> host.
+all-device step plus that), and the bytes the moves copy per step (rows in + out
+times the weight row and its optimizer rows) with the rate that implies at the
+step times. A first line gives the machine and the copy rates that bound a miss:
+host gather (numpy), host -> device and device -> host from pageable numpy
+memory, and the same copies between a ``pinned_host`` array and device memory
+(the cache's staging off the CPU; null with a reason where a memory kind is
+missing). ``--slot-maps device|host`` picks ``RowCache``'s planner (a comma list
+runs both on each case); each line records it.
+
+``--host-scaling`` (only that, after the copy rates): does the host's work per
+step grow with the missed rows or with the ids? With ``slot_maps="device"`` the
+ids are planned on the device and the host handles only the moves (a few numbers
+and a row copy per miss); with ``"host"`` it runs C++ passes over every id. The
+cache (``--hs-load-factor`` of ``--rows`` rows per table) is first filled with
+rows never used again, so every later miss evicts a row. Then, at each scale
+``s`` (``--hs-scales``, default 1, 2, 4), each table's batch has ``s * --hs-ids``
+ids: ``--hs-misses`` rows never looked up before (each one miss) and a pool of
+``(s * ids - misses) / --hs-repeats`` rows repeated ``--hs-repeats`` times. The
+pool is loaded by untimed warm-up steps and every step looks up all of it, so
+LRU never evicts it: the timed steps miss exactly the fresh rows (each line
+checks ``CacheStats``: ``misses_as_built``) while ids and distinct rows grow
+with ``s``. Per step it times ``prepare`` and ``load`` by ``time.thread_time()``
+of the calling thread (``host_cpu_ms``; ``host_cpu_prepare_ms`` /
+``host_cpu_load_ms``): the host's own work, which a wait for the device does
+not count (a blocked thread uses no CPU; JAX runs programs on its own threads).
+Planning runs on the calling thread alone (``RowCache(threads=1)``), or the C++
+passes' pool threads would escape the count. Beside it: ``process_cpu_ms``
+(every thread of the process, so on the CPU it includes the device programs: the
+device plan and the in-place moves) and ``wall_ms`` (until the moves end, the
+evicted rows written back), medians over ``--reps`` steps per scale, the scales
+timed in turn (a busy machine's drift falls on all alike); no train step runs.
+Expected: ``host_cpu_ms`` flat across scales with device maps, growing with
+host maps. Off the CPU the row copies of a staged move partly run on the C++
+copy's threads (``native.kernels.cache_rows``), which ``host_cpu_ms`` misses
+and ``process_cpu_ms`` counts.
 
     python bench/cache.py --preset tiny            # seconds, a check that it runs
     python bench/cache.py                          # CPU figures (~5 min on 2 cores)
@@ -21,6 +54,10 @@ that bound a miss: host gather (numpy), host -> device and device -> host.
         --algorithm lfu                            # 10 GB tables, one model at a time
     python bench/cache.py --preset gpu             # on a GPU machine
     python bench/cache.py --preset gpu --staged --alphas 1.05  # its host side, on the CPU
+    python bench/cache.py --preset tiny --host-scaling         # seconds
+    python bench/cache.py --host-scaling --tables 1 --hs-ids 20480 --hs-misses 2048 \
+        --reps 7                                   # 1M rows, 20K..80K ids, 2048 misses
+    python bench/cache.py --preset gpu --host-scaling --slot-maps device,host
 """
 
 from __future__ import annotations
@@ -311,6 +348,128 @@ def move_floor_ms(hosts, slots: int, rows: int) -> float | None:
     return round(statistics.median(time_ms(run, 7, 1)), 2)
 
 
+def scaling_kjt(cfg: Config, ids_per_table: list[np.ndarray]) -> jr.KeyedJaggedTensor:
+    """One host batch: table ``t`` reads ``ids_per_table[t]`` (equal lengths) in bags of
+    ``cfg.L`` ids (the last bag shorter)."""
+    n = len(ids_per_table[0])
+    lengths = np.full(-(-n // cfg.L), cfg.L, np.int32)
+    lengths[-1] = n - cfg.L * (len(lengths) - 1)
+    keys = [f"f{i}" for i in range(cfg.T)]
+    values = np.concatenate(ids_per_table).astype(np.int32)
+    return jr.KeyedJaggedTensor(keys, values, lengths=np.tile(lengths, cfg.T),
+                                capacities=[n] * cfg.T)  # fmt: skip
+
+
+def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses: int,
+                 scales: tuple[int, ...], repeats: int, lf: float) -> None:  # fmt: skip
+    """Host CPU time of ``prepare`` + ``load`` per step at a fixed number of missed rows
+    as the ids per step grow (see the module docstring): per table, ``scale * ids`` ids
+    a step, of which ``misses`` rows never seen before and the rest a pool of rows
+    already cached, each repeated ``repeats`` times. One JSON line per slot maps and
+    scale."""
+    opt = optimizer()
+    perm = np.random.default_rng(7).permutation(cfg.E)
+    pools = [(ids * s - misses) // repeats for s in scales]
+    if min(pools) < 1:
+        raise SystemExit(f"--hs-ids {ids} leaves no cached pool beside {misses} misses")
+    pool = perm[: max(pools)]  # each scale's pool: its first rows
+    for sm in slot_maps:
+        run = ScalingRun(cfg, cached_model(cfg, opt, lf, None, sm, threads=1), perm[max(pools) :])
+        slots = run.cache.tables["t0"].slots
+        if max(pools) + 2 * misses > slots // 2:
+            raise SystemExit(f"{max(pools) + 2 * misses} rows a step against {slots} slots: "
+                             "raise --hs-load-factor")  # fmt: skip
+        run.fill(max(1, slots // 4), 8)  # every miss then evicts a row
+        steps = [(ids * scale, pool[:n]) for scale, n in zip(scales, pools, strict=True)]
+        for k, p in steps:  # each pool loaded, each shape's programs compiled
+            for _ in range(max(2, cfg.warmup // 10)):
+                run.step(run.batch(p, repeats, k, misses))
+        got = [[] for _ in steps]  # per scale: (times, stats) of each timed step
+        for _ in range(cfg.reps):  # the scales in turn: the machine's drift spread evenly
+            for g, (k, p) in zip(got, steps, strict=True):
+                g.append(run.timed(p, repeats, k, misses))
+        first = None
+        for scale, g in zip(scales, got, strict=True):
+            med = {key: round(statistics.median(t[key] for t, _ in g), 3) for key in g[0][0]}
+            st = {name: jc.CacheStats() for name in run.cache.stats}
+            for _, x in g:
+                for name, c in x.items():
+                    for f in dataclasses.fields(c):
+                        setattr(st[name], f.name, getattr(st[name], f.name) + getattr(c, f.name))
+            first = first or med
+            mv = moved(st, row_bytes(run.cache), cfg.reps)
+            n_miss = sum(x.misses for x in st.values()) / cfg.reps
+            print(json.dumps({
+                **base, "host_scaling": True, "slot_maps": sm, "load_factor": lf,
+                "slots_per_table": slots, "tables": cfg.T, "scale": scale,
+                "repeats": repeats, "ids_per_table_step": ids * scale,
+                "ids_per_step": sum(x.ids for x in st.values()) / cfg.reps,
+                "distinct_rows_per_step": sum(x.rows for x in st.values()) / cfg.reps,
+                "misses_per_step": n_miss,
+                "evictions_per_step": sum(x.evictions for x in st.values()) / cfg.reps,
+                "misses_as_built": all(sum(x.misses for x in s.values()) == misses * cfg.T
+                                       for _, s in g),
+                "host_cpu_ms": med["cpu"], "host_cpu_prepare_ms": med["cpu_prepare"],
+                "host_cpu_load_ms": med["cpu_load"], "process_cpu_ms": med["process_cpu"],
+                "wall_ms": med["wall"],
+                "host_cpu_over_x1": round(med["cpu"] / first["cpu"], 3),
+                "wall_over_x1": round(med["wall"] / first["wall"], 3),
+                **mv, "moved_GBps_at_wall": rate_GBps(mv["moved_MB_per_step"], med["wall"]),
+            }), flush=True)  # fmt: skip
+        del run
+
+
+class ScalingRun:
+    """One cache of :func:`host_scaling` and its batches; ``fresh``: rows no batch has
+    looked up, taken in order (the same for every table)."""
+
+    def __init__(self, cfg: Config, model: tuple, fresh: np.ndarray):
+        self.cfg, (self.state, self.cache, _), self.fresh = cfg, model, fresh
+        self.rng, self.at = np.random.default_rng(8), 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.at + n > len(self.fresh):
+            raise SystemExit(f"--rows {self.cfg.E}: too few rows never seen left; raise it")
+        self.at += n
+        return self.fresh[self.at - n : self.at]
+
+    def step(self, batch) -> None:
+        self.state = self.cache.load(self.state, self.cache.prepare(batch))
+
+    def fill(self, rows: int, batches: int) -> None:
+        """``batches`` batches of ``rows`` fresh rows: the cache full before timing."""
+        for _ in range(batches):
+            self.step(scaling_kjt(self.cfg, [self.take(rows)] * self.cfg.T))
+
+    def batch(self, pool: np.ndarray, repeats: int, k: int, misses: int):
+        """``k`` ids per table: each pool row ``repeats`` times, ``misses`` fresh rows,
+        and pool rows again for the rounding's few ids; shuffled."""
+        new = self.take(misses)
+        v = np.concatenate([np.repeat(pool, repeats), new])
+        v = np.concatenate([v, pool[: k - len(v)]])
+        return scaling_kjt(self.cfg, [self.rng.permutation(v) for _ in range(self.cfg.T)])
+
+    def timed(self, pool, repeats: int, k: int, misses: int) -> tuple[dict, dict]:
+        """One step's ms (thread CPU of prepare, of load, of both; process CPU and wall
+        until the moves end) and its ``CacheStats``."""
+        cache = self.cache
+        b = self.batch(pool, repeats, k, misses)  # drawn before the clocks start
+        jax.block_until_ready(self.state)
+        cache.write_back()
+        cache.reset_stats()
+        c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        prepared = cache.prepare(b)
+        c1 = time.thread_time()
+        self.state = cache.load(self.state, prepared)
+        c2 = time.thread_time()
+        jax.block_until_ready(self.state)
+        cache.write_back()  # the moves' end (in place: the evicted rows written)
+        w1, p1 = time.perf_counter(), time.process_time()
+        ms = {"cpu_prepare": c1 - c0, "cpu_load": c2 - c1, "cpu": c2 - c0,
+              "process_cpu": p1 - p0, "wall": w1 - w0}  # fmt: skip
+        return {key: v * 1e3 for key, v in ms.items()}, dict(cache.stats)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -347,6 +506,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="RowCache(slot_maps=...): device (planned by one device program, "
                         "the default), host (the C++ planner), or a comma list of both "
                         "(default: device; with --host-scaling, device,host)")  # fmt: skip
+    p.add_argument("--host-scaling", action="store_true",
+                   help="only the host CPU time of prepare + load at fixed misses as the "
+                        "ids per step grow (see the module docstring)")  # fmt: skip
+    p.add_argument("--hs-ids", type=int, default=None,
+                   help="ids per table per step at scale 1 (default: preset B * L)")  # fmt: skip
+    p.add_argument(
+        "--hs-misses",
+        type=int,
+        default=None,
+        help="missed rows per table per step (default: a tenth of --hs-ids)",
+    )
+    p.add_argument("--hs-scales", default="1,2,4", help="multiples of --hs-ids")
+    p.add_argument("--hs-repeats", type=int, default=4,
+                   help="ids per cached pool row per step")  # fmt: skip
+    p.add_argument("--hs-load-factor", type=float, default=0.1)
     p.add_argument("--policy-only", action="store_true",
                    help="only the policies' hit rates (no training)")  # fmt: skip
     return p.parse_args(argv)
@@ -412,7 +586,7 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
     if a.staged:
         jc.mover.INPLACE, jc.mover.PINNED = False, True
-    slot_maps = (a.slot_maps or "device").split(",")
+    slot_maps = (a.slot_maps or ("device,host" if a.host_scaling else "device")).split(",")
     if any(x not in ("device", "host") for x in slot_maps):
         raise SystemExit(f"--slot-maps: device, host or both, got {a.slot_maps!r}")
     dev = jax.devices()[0]
@@ -428,6 +602,12 @@ def main(argv=None) -> int:
         "slot_maps": ",".join(slot_maps),  # each case line: its own
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
+    if a.host_scaling:
+        ids = a.hs_ids or cfg.B * cfg.L
+        host_scaling(cfg, base, slot_maps, ids, a.hs_misses or max(1, ids // 10),
+                     tuple(int(x) for x in a.hs_scales.split(",")), a.hs_repeats,
+                     a.hs_load_factor)  # fmt: skip
+        return 0
     if a.policy_rows:
         policy_hit_rates(a.policy_rows, cfg, base, a.policy_batches,
                          tuple(a.policy_algorithms.split(",")))  # fmt: skip
