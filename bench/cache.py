@@ -9,8 +9,41 @@ of the pipelined one (``TrainPipeline`` with ``prefetching``: the next batch is
 planned while a step runs) and of the all-device step (waited for, and in a
 ``TrainPipeline``), and their ratios (pipelined over pipelined), and the raw
 copies of the step's moved rows (``move_floor_ms``: no cached step beats the
-all-device step plus that). A first line gives the machine and the copy rates
-that bound a miss: host gather (numpy), host -> device and device -> host.
+all-device step plus that), and the bytes the moves copy per step (rows in + out
+times the weight row and its optimizer rows) with the rate that implies at the
+step times. A first line gives the machine and the copy rates that bound a miss:
+host gather (numpy), host -> device and device -> host from pageable numpy
+memory, and the same copies between a ``pinned_host`` array and device memory
+(the cache's staging off the CPU; null with a reason where a memory kind is
+missing). ``--slot-maps device|host`` picks ``RowCache``'s planner (a comma list
+runs both on each case); each line records it.
+
+``--host-scaling`` (only that, after the copy rates): does the host's work per
+step grow with the missed rows or with the ids? With ``slot_maps="device"`` the
+ids are planned on the device and the host handles only the moves (a few numbers
+and a row copy per miss); with ``"host"`` it runs C++ passes over every id. The
+cache (``--hs-load-factor`` of ``--rows`` rows per table) is first filled with
+rows never used again, so every later miss evicts a row. Then, at each scale
+``s`` (``--hs-scales``, default 1, 2, 4), each table's batch has ``s * --hs-ids``
+ids: ``--hs-misses`` rows never looked up before (each one miss) and a pool of
+``(s * ids - misses) / --hs-repeats`` rows repeated ``--hs-repeats`` times. The
+pool is loaded by untimed warm-up steps and every step looks up all of it, so
+LRU never evicts it: the timed steps miss exactly the fresh rows (each line
+checks ``CacheStats``: ``misses_as_built``) while ids and distinct rows grow
+with ``s``. Per step it times ``prepare`` and ``load`` by ``time.thread_time()``
+of the calling thread (``host_cpu_ms``; ``host_cpu_prepare_ms`` /
+``host_cpu_load_ms``): the host's own work, which a wait for the device does
+not count (a blocked thread uses no CPU; JAX runs programs on its own threads).
+Planning runs on the calling thread alone (``RowCache(threads=1)``), or the C++
+passes' pool threads would escape the count. Beside it: ``process_cpu_ms``
+(every thread of the process, so on the CPU it includes the device programs: the
+device plan and the in-place moves) and ``wall_ms`` (until the moves end, the
+evicted rows written back), medians over ``--reps`` steps per scale, the scales
+timed in turn (a busy machine's drift falls on all alike); no train step runs.
+Expected: ``host_cpu_ms`` flat across scales with device maps, growing with
+host maps. Off the CPU the row copies of a staged move partly run on the C++
+copy's threads (``native.kernels.cache_rows``), which ``host_cpu_ms`` misses
+and ``process_cpu_ms`` counts.
 
     python bench/cache.py --preset tiny            # seconds, a check that it runs
     python bench/cache.py                          # CPU figures (~5 min on 2 cores)
@@ -21,6 +54,10 @@ that bound a miss: host gather (numpy), host -> device and device -> host.
         --algorithm lfu                            # 10 GB tables, one model at a time
     python bench/cache.py --preset gpu             # on a GPU machine
     python bench/cache.py --preset gpu --staged --alphas 1.05  # its host side, on the CPU
+    python bench/cache.py --preset tiny --host-scaling         # seconds
+    python bench/cache.py --host-scaling --tables 1 --hs-ids 20480 --hs-misses 2048 \
+        --reps 7                                   # 1M rows, 20K..80K ids, 2048 misses
+    python bench/cache.py --preset gpu --host-scaling --slot-maps device,host
 """
 
 from __future__ import annotations
@@ -117,7 +154,9 @@ def stream(cfg: Config, alpha: float | None, n: int, seed: int = 0):
 
 def copy_rates(cfg: Config) -> dict:
     """GB/s of a random-row gather on the host and of copies between host and device
-    (64 MiB of rows, medians of 5)."""
+    (64 MiB of rows, medians of 5): pageable (``jax.device_put`` of a numpy array, and
+    ``np.asarray`` of a device array, which adds one on-device ``+ 0`` pass so the copy
+    is not cached) and pinned (:func:`pinned_rates`)."""
     rows = max(1, (64 << 20) // (cfg.D * 4))
     table = np.random.default_rng(0).random((min(cfg.E, 4 * rows), cfg.D), np.float32)
     idx = np.random.default_rng(1).integers(0, len(table), rows)
@@ -135,8 +174,57 @@ def copy_rates(cfg: Config) -> dict:
             time_ms(lambda: jax.device_put(block, dev).block_until_ready(), 5, 0)
         ),  # fmt: skip
         "device_to_host_GBps": gb_s(time_ms(lambda: np.asarray(on_device + 0), 5, 0)),
+        **pinned_rates(block, dev, gb_s),
         "copy_MiB": round(nbytes / 2**20, 1),
     }
+
+
+def pinned_rates(block: np.ndarray, dev, gb_s) -> dict:
+    """GB/s of copies between a ``pinned_host`` array and the ``device`` memory kind
+    (``jax.device_put`` to a ``SingleDeviceSharding`` of that kind, each way), the
+    copies the cache's staged moves make off the CPU (``jaxrec.cache.mover._staging``).
+    Null, with ``pinned_reason``, where the device lacks either kind. On the CPU both
+    kinds are host memory: the figures are memcpy rates, not a link's."""
+    kinds = sorted(m.kind for m in dev.addressable_memories())
+    out = {"memory_kinds": kinds, "pinned_host_to_device_GBps": None,
+           "device_to_pinned_host_GBps": None, "pinned_reason": None}  # fmt: skip
+    missing = [k for k in ("pinned_host", "device") if k not in kinds]
+    if missing:
+        out["pinned_reason"] = f"no {' / '.join(missing)} memory kind on {dev.platform}"
+        return out
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    try:
+        src = jax.device_put(block, pinned).block_until_ready()
+        on_dev = jax.device_put(src, device).block_until_ready()
+        out["pinned_host_to_device_GBps"] = gb_s(
+            time_ms(lambda: jax.device_put(src, device).block_until_ready(), 5, 1)
+        )
+        out["device_to_pinned_host_GBps"] = gb_s(
+            time_ms(lambda: jax.device_put(on_dev, pinned).block_until_ready(), 5, 1)
+        )
+    except Exception as e:  # noqa: BLE001 (a backend that lists the kind but cannot copy)
+        out["pinned_reason"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def row_bytes(cache) -> dict[str, int]:
+    """Bytes a move copies per row of each cached table (by name): the weight row and
+    every optimizer state row (row-wise Adagrad: one float more)."""
+    return {name: sum(a.itemsize * int(np.prod(a.shape[1:])) for a in t.host.fields.values())
+            for name, t in cache.tables.items()}  # fmt: skip
+
+
+def moved(stats, per_row: dict[str, int], steps: int) -> dict:
+    """Bytes moved per step over ``steps`` steps (rows in + out, by ``CacheStats``,
+    times each table's row bytes)."""
+    total = sum((s.misses + s.evictions) * per_row[name] for name, s in stats.items())
+    return {"row_bytes": per_row, "moved_MB_per_step": round(total / steps / 1e6, 3)}
+
+
+def rate_GBps(moved_mb: float, ms: float) -> float | None:
+    """The copy rate a step of ``ms`` implies for ``moved_mb`` MB moved."""
+    return round(moved_mb * 1e6 / (ms * 1e-3) / 1e9, 3) if ms > 0 else None
 
 
 def pipelined_ms(step, state, data, reps: int, to_device) -> float:
@@ -163,10 +251,12 @@ def optimizer() -> CombinedOptimizer:
     return CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
 
 
-def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None):
+def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None,
+                 slot_maps: str = "device", threads: int | None = None):  # fmt: skip
     """``(state, cache, step)``: the model with every table cached (``cfg.algorithm``,
-    load factor ``lf``), host tables from ``weights`` (by table name), or drawn here
-    (large tables: drawn rather than copied)."""
+    load factor ``lf``, the slot maps ``slot_maps``, ``threads`` planning threads), host
+    tables from ``weights`` (by table name), or drawn here (large tables: drawn rather
+    than copied)."""
     params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
               for t in configs(cfg)}  # fmt: skip
     graphdef, state = train.init_train_state(
@@ -177,14 +267,15 @@ def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None):
         if weights is not None else jc.HostTable.create(t, opt.for_table(t.name))
         for t in configs(cfg)
     }  # fmt: skip
-    cache = jc.RowCache(graphdef, opt, state, hosts, params)
+    cache = jc.RowCache(graphdef, opt, state, hosts, params, slot_maps=slot_maps,
+                        threads=threads)  # fmt: skip
     return state, cache, jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), cache)
 
 
-def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
+def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device") -> dict:
     """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
     timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
-    s2, cache, step = cached_model(cfg, opt, lf, weights)
+    s2, cache, step = cached_model(cfg, opt, lf, weights, slot_maps)
     hosts = {name: t.host for name, t in cache.tables.items()}
     box = {"s": s2, "i": 0}
 
@@ -197,7 +288,8 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
         one(batch)
     cache.reset_stats()
     ms = time_ms(one, cfg.reps, 0)
-    stats = [dataclasses.replace(s) for s in cache.stats.values()]  # the timed steps' alone
+    by_name = {n: dataclasses.replace(s) for n, s in cache.stats.items()}  # the timed steps'
+    stats = list(by_name.values())
     t0 = time.perf_counter()
     prepared = cache.prepare(data[box["i"]])  # host planning alone
     prep = (time.perf_counter() - t0) * 1e3
@@ -207,7 +299,10 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
     ids = sum(s.ids for s in stats)
     floor = move_floor_ms(hosts, cache.tables["t0"].slots,
                           sum(s.misses for s in stats) // (cfg.reps * cfg.T))  # fmt: skip
+    mv = moved(by_name, row_bytes(cache), cfg.reps)
+    cached = statistics.median(ms)
     return {
+        "slot_maps": slot_maps,
         "load_factor": lf,
         "slots_per_table": cache.tables["t0"].slots,
         "hit_rate": round(1 - sum(s.misses for s in stats) / ids, 4),
@@ -215,10 +310,13 @@ def run_case(cfg, opt, weights, data, alpha, lf) -> dict:
         "rows_in_per_step": sum(s.misses for s in stats) / cfg.reps,
         "rows_out_per_step": sum(s.evictions for s in stats) / cfg.reps,
         "distinct_rows_per_step": sum(s.rows for s in stats) / cfg.reps,
-        "cached_step_ms": round(statistics.median(ms), 2),
+        "cached_step_ms": round(cached, 2),
         "pipelined_step_ms": round(pipelined, 2),
         "prepare_ms": round(prep, 2),
         "move_floor_ms": floor,
+        **mv,  # beside the first line's copy rates: the rate the moves reach in a step
+        "moved_GBps_at_cached_step": rate_GBps(mv["moved_MB_per_step"], cached),
+        "moved_GBps_at_pipelined_step": rate_GBps(mv["moved_MB_per_step"], pipelined),
     }
 
 
@@ -248,6 +346,128 @@ def move_floor_ms(hosts, slots: int, rows: int) -> float | None:
 
     run()
     return round(statistics.median(time_ms(run, 7, 1)), 2)
+
+
+def scaling_kjt(cfg: Config, ids_per_table: list[np.ndarray]) -> jr.KeyedJaggedTensor:
+    """One host batch: table ``t`` reads ``ids_per_table[t]`` (equal lengths) in bags of
+    ``cfg.L`` ids (the last bag shorter)."""
+    n = len(ids_per_table[0])
+    lengths = np.full(-(-n // cfg.L), cfg.L, np.int32)
+    lengths[-1] = n - cfg.L * (len(lengths) - 1)
+    keys = [f"f{i}" for i in range(cfg.T)]
+    values = np.concatenate(ids_per_table).astype(np.int32)
+    return jr.KeyedJaggedTensor(keys, values, lengths=np.tile(lengths, cfg.T),
+                                capacities=[n] * cfg.T)  # fmt: skip
+
+
+def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses: int,
+                 scales: tuple[int, ...], repeats: int, lf: float) -> None:  # fmt: skip
+    """Host CPU time of ``prepare`` + ``load`` per step at a fixed number of missed rows
+    as the ids per step grow (see the module docstring): per table, ``scale * ids`` ids
+    a step, of which ``misses`` rows never seen before and the rest a pool of rows
+    already cached, each repeated ``repeats`` times. One JSON line per slot maps and
+    scale."""
+    opt = optimizer()
+    perm = np.random.default_rng(7).permutation(cfg.E)
+    pools = [(ids * s - misses) // repeats for s in scales]
+    if min(pools) < 1:
+        raise SystemExit(f"--hs-ids {ids} leaves no cached pool beside {misses} misses")
+    pool = perm[: max(pools)]  # each scale's pool: its first rows
+    for sm in slot_maps:
+        run = ScalingRun(cfg, cached_model(cfg, opt, lf, None, sm, threads=1), perm[max(pools) :])
+        slots = run.cache.tables["t0"].slots
+        if max(pools) + 2 * misses > slots // 2:
+            raise SystemExit(f"{max(pools) + 2 * misses} rows a step against {slots} slots: "
+                             "raise --hs-load-factor")  # fmt: skip
+        run.fill(max(1, slots // 4), 8)  # every miss then evicts a row
+        steps = [(ids * scale, pool[:n]) for scale, n in zip(scales, pools, strict=True)]
+        for k, p in steps:  # each pool loaded, each shape's programs compiled
+            for _ in range(max(2, cfg.warmup // 10)):
+                run.step(run.batch(p, repeats, k, misses))
+        got = [[] for _ in steps]  # per scale: (times, stats) of each timed step
+        for _ in range(cfg.reps):  # the scales in turn: the machine's drift spread evenly
+            for g, (k, p) in zip(got, steps, strict=True):
+                g.append(run.timed(p, repeats, k, misses))
+        first = None
+        for scale, g in zip(scales, got, strict=True):
+            med = {key: round(statistics.median(t[key] for t, _ in g), 3) for key in g[0][0]}
+            st = {name: jc.CacheStats() for name in run.cache.stats}
+            for _, x in g:
+                for name, c in x.items():
+                    for f in dataclasses.fields(c):
+                        setattr(st[name], f.name, getattr(st[name], f.name) + getattr(c, f.name))
+            first = first or med
+            mv = moved(st, row_bytes(run.cache), cfg.reps)
+            n_miss = sum(x.misses for x in st.values()) / cfg.reps
+            print(json.dumps({
+                **base, "host_scaling": True, "slot_maps": sm, "load_factor": lf,
+                "slots_per_table": slots, "tables": cfg.T, "scale": scale,
+                "repeats": repeats, "ids_per_table_step": ids * scale,
+                "ids_per_step": sum(x.ids for x in st.values()) / cfg.reps,
+                "distinct_rows_per_step": sum(x.rows for x in st.values()) / cfg.reps,
+                "misses_per_step": n_miss,
+                "evictions_per_step": sum(x.evictions for x in st.values()) / cfg.reps,
+                "misses_as_built": all(sum(x.misses for x in s.values()) == misses * cfg.T
+                                       for _, s in g),
+                "host_cpu_ms": med["cpu"], "host_cpu_prepare_ms": med["cpu_prepare"],
+                "host_cpu_load_ms": med["cpu_load"], "process_cpu_ms": med["process_cpu"],
+                "wall_ms": med["wall"],
+                "host_cpu_over_x1": round(med["cpu"] / first["cpu"], 3),
+                "wall_over_x1": round(med["wall"] / first["wall"], 3),
+                **mv, "moved_GBps_at_wall": rate_GBps(mv["moved_MB_per_step"], med["wall"]),
+            }), flush=True)  # fmt: skip
+        del run
+
+
+class ScalingRun:
+    """One cache of :func:`host_scaling` and its batches; ``fresh``: rows no batch has
+    looked up, taken in order (the same for every table)."""
+
+    def __init__(self, cfg: Config, model: tuple, fresh: np.ndarray):
+        self.cfg, (self.state, self.cache, _), self.fresh = cfg, model, fresh
+        self.rng, self.at = np.random.default_rng(8), 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.at + n > len(self.fresh):
+            raise SystemExit(f"--rows {self.cfg.E}: too few rows never seen left; raise it")
+        self.at += n
+        return self.fresh[self.at - n : self.at]
+
+    def step(self, batch) -> None:
+        self.state = self.cache.load(self.state, self.cache.prepare(batch))
+
+    def fill(self, rows: int, batches: int) -> None:
+        """``batches`` batches of ``rows`` fresh rows: the cache full before timing."""
+        for _ in range(batches):
+            self.step(scaling_kjt(self.cfg, [self.take(rows)] * self.cfg.T))
+
+    def batch(self, pool: np.ndarray, repeats: int, k: int, misses: int):
+        """``k`` ids per table: each pool row ``repeats`` times, ``misses`` fresh rows,
+        and pool rows again for the rounding's few ids; shuffled."""
+        new = self.take(misses)
+        v = np.concatenate([np.repeat(pool, repeats), new])
+        v = np.concatenate([v, pool[: k - len(v)]])
+        return scaling_kjt(self.cfg, [self.rng.permutation(v) for _ in range(self.cfg.T)])
+
+    def timed(self, pool, repeats: int, k: int, misses: int) -> tuple[dict, dict]:
+        """One step's ms (thread CPU of prepare, of load, of both; process CPU and wall
+        until the moves end) and its ``CacheStats``."""
+        cache = self.cache
+        b = self.batch(pool, repeats, k, misses)  # drawn before the clocks start
+        jax.block_until_ready(self.state)
+        cache.write_back()
+        cache.reset_stats()
+        c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        prepared = cache.prepare(b)
+        c1 = time.thread_time()
+        self.state = cache.load(self.state, prepared)
+        c2 = time.thread_time()
+        jax.block_until_ready(self.state)
+        cache.write_back()  # the moves' end (in place: the evicted rows written)
+        w1, p1 = time.perf_counter(), time.process_time()
+        ms = {"cpu_prepare": c1 - c0, "cpu_load": c2 - c1, "cpu": c2 - c0,
+              "process_cpu": p1 - p0, "wall": w1 - w0}  # fmt: skip
+        return {key: v * 1e3 for key, v in ms.items()}, dict(cache.stats)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -282,6 +502,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--staged", action="store_true",
                    help="moves staged in pinned host memory, as off the CPU (the GPU "
                         "path's host side, timed on the CPU)")  # fmt: skip
+    p.add_argument("--slot-maps", default=None,
+                   help="RowCache(slot_maps=...): device (planned by one device program, "
+                        "the default), host (the C++ planner), or a comma list of both "
+                        "(default: device; with --host-scaling, device,host)")  # fmt: skip
+    p.add_argument("--host-scaling", action="store_true",
+                   help="only the host CPU time of prepare + load at fixed misses as the "
+                        "ids per step grow (see the module docstring)")  # fmt: skip
+    p.add_argument("--hs-ids", type=int, default=None,
+                   help="ids per table per step at scale 1 (default: preset B * L)")  # fmt: skip
+    p.add_argument(
+        "--hs-misses",
+        type=int,
+        default=None,
+        help="missed rows per table per step (default: a tenth of --hs-ids)",
+    )
+    p.add_argument("--hs-scales", default="1,2,4", help="multiples of --hs-ids")
+    p.add_argument("--hs-repeats", type=int, default=4,
+                   help="ids per cached pool row per step")  # fmt: skip
+    p.add_argument("--hs-load-factor", type=float, default=0.1)
     p.add_argument("--policy-only", action="store_true",
                    help="only the policies' hit rates (no training)")  # fmt: skip
     return p.parse_args(argv)
@@ -347,6 +586,9 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
     if a.staged:
         jc.mover.INPLACE, jc.mover.PINNED = False, True
+    slot_maps = (a.slot_maps or ("device,host" if a.host_scaling else "device")).split(",")
+    if any(x not in ("device", "host") for x in slot_maps):
+        raise SystemExit(f"--slot-maps: device, host or both, got {a.slot_maps!r}")
     dev = jax.devices()[0]
     base = {
         "bench": "cache",
@@ -357,8 +599,15 @@ def main(argv=None) -> int:
         **machine(),
         "config": dataclasses.asdict(cfg),
         "staged": a.staged,
+        "slot_maps": ",".join(slot_maps),  # each case line: its own
     }
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
+    if a.host_scaling:
+        ids = a.hs_ids or cfg.B * cfg.L
+        host_scaling(cfg, base, slot_maps, ids, a.hs_misses or max(1, ids // 10),
+                     tuple(int(x) for x in a.hs_scales.split(",")), a.hs_repeats,
+                     a.hs_load_factor)  # fmt: skip
+        return 0
     if a.policy_rows:
         policy_hit_rates(a.policy_rows, cfg, base, a.policy_batches,
                          tuple(a.policy_algorithms.split(",")))  # fmt: skip
@@ -395,8 +644,8 @@ def main(argv=None) -> int:
         device_ms = statistics.median(time_ms(one, cfg.reps, 3))
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
         del box, one
-        for lf in cfg.load_factors:
-            r = run_case(cfg, opt, weights, data, alpha, lf)
+        for lf, sm in [(lf, sm) for lf in cfg.load_factors for sm in slot_maps]:
+            r = run_case(cfg, opt, weights, data, alpha, lf, sm)
             r.update(
                 alpha=alpha or "uniform",
                 device_step_ms=round(device_ms, 2),

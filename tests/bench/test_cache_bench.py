@@ -82,3 +82,33 @@ def test_cache_model_against_simulation():
     big = np.arange(1, 10_000_001, dtype=np.float64) ** -alpha  # past the exact ranks: bins
     exact = big[:2_000_000].sum() / big.sum()
     assert abs(top_rows_hit_rate(len(big), 2_000_000, alpha) - exact) < 1e-4
+
+
+def test_host_scaling_and_slot_maps(capsys):
+    """``--host-scaling``: per slot maps and scale, the misses stay as built while the ids
+    double, with host CPU, process CPU, wall times and bytes moved; the copy line has
+    the pinned rates (or a reason for their absence)."""
+    argv = ["--preset", "tiny", "--host-scaling", "--hs-ids", "320", "--hs-misses", "32",
+            "--hs-scales", "1,2", "--reps", "2"]  # fmt: skip
+    assert cache.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    copy = lines[0]["copy"]
+    assert (copy["pinned_host_to_device_GBps"] is None) == (copy["pinned_reason"] is not None)
+    rows = {(r["slot_maps"], r["scale"]): r for r in lines if r.get("host_scaling")}
+    assert set(rows) == {(sm, s) for sm in ("device", "host") for s in (1, 2)}
+    for (_, s), r in rows.items():
+        assert r["misses_as_built"] and r["misses_per_step"] == 32 * 2  # two tables
+        assert r["ids_per_step"] == 320 * s * 2 and r["evictions_per_step"] > 0
+        assert r["host_cpu_ms"] > 0 and r["wall_ms"] > 0
+        assert r["moved_MB_per_step"] > 0 and r["row_bytes"] == {"t0": 68, "t1": 68}
+
+
+def test_slot_maps_flag(capsys):
+    """``--slot-maps host``: the cases run the host planner and say so, with bytes moved."""
+    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
+            "--slot-maps", "host"]  # fmt: skip
+    assert cache.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (case,) = [r for r in lines if "cached_step_ms" in r]
+    assert case["slot_maps"] == "host" and case["moved_MB_per_step"] > 0
+    assert case["moved_GBps_at_cached_step"] > 0
