@@ -50,7 +50,7 @@ class _Route(NamedTuple):
 
     name: str
     layout: SetLayout
-    kjts: tuple[int, ...]  # the KJT of each of its spans (features), in order
+    slices: tuple[tuple[int, int, int], ...]  # (KJT, start, capacity) of each feature
 
 
 class DeviceSlotMaps:
@@ -75,20 +75,21 @@ class DeviceSlotMaps:
     def _empty(self, layout: SetLayout) -> SlotState:
         return jax.device_put(empty_state(layout), self.device)
 
-    def plan(self, values: Sequence[Any], spans: Mapping[str, list[tuple[int, int, int]]]
-             ) -> DevicePlan:  # fmt: skip
+    def plan(self, values: Sequence[Any],
+             spans: Mapping[str, list[tuple[int, int, int, int]]]) -> DevicePlan:  # fmt: skip
         """Plans a batch: ``values`` of each KJT (host or device arrays), ``spans[name]``
-        the ``(kjt, lo, hi)`` of each cached table's ids. Raises ``CacheTooSmallError``
-        (no slot map changed) when a table's rows do not fit in its cache's sets."""
-        routes = tuple(_Route(n, self.layouts[n], tuple(i for i, _, _ in spans[n]))
+        the ``(kjt, lo, hi, capacity)`` of each cached table's features (ids ``[lo, hi)``
+        in the static slice ``[lo, lo + capacity)``). Raises ``CacheTooSmallError`` (no
+        slot map changed) when a table's rows do not fit in its cache's sets."""
+        routes = tuple(_Route(n, self.layouts[n], tuple((i, lo, c) for i, lo, _, c in spans[n]))
                        for n in self.tables if spans[n])  # fmt: skip
-        used = sorted({i for r in routes for i in r.kjts})
+        used = sorted({i for r in routes for i, _, _ in r.slices})
         none = np.zeros(0, np.int64)
         counts = {n: TableCounts(0, 0, 0, 0) for n in self.tables}
         moves = {t.key: (none, none, none, none) for t in self.tables.values()}
         if not routes:
             return DevicePlan([None] * len(values), moves, counts)
-        bounds = np.array([[lo, hi] for r in routes for _, lo, hi in spans[r.name]], np.int32)
+        lengths = np.array([hi - lo for r in routes for _, lo, hi, _ in spans[r.name]], np.int32)
         program = self._programs.get((routes, tuple(used)))
         if program is None:
             program = jax.jit(functools.partial(_plan_batch, routes, tuple(used)),
@@ -96,7 +97,7 @@ class DeviceSlotMaps:
             self._programs[(routes, tuple(used))] = program
         states = tuple(self.states[r.name] for r in routes)
         new_states, new_values, summary, packed = program(
-            states, tuple(values[i] for i in used), bounds
+            states, tuple(values[i] for i in used), lengths
         )
         for r, s in zip(routes, new_states, strict=True):  # the same state when refused
             self.states[r.name] = s
@@ -136,33 +137,35 @@ class DeviceSlotMaps:
             self.states[name] = self._empty(lay)._replace(counts=counts)
 
 
-def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, values, bounds):
-    """The program: every table's plan; all of them kept, or none (one refused)."""
+def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, values, lengths):
+    """The program: every table's plan on its features' static slices; all of them
+    kept, or none (one refused)."""
     at = {k: j for j, k in enumerate(used)}
     new_values = [jnp.asarray(v) for v in values]
+    raw = [v.astype(jnp.int32) for v in new_values]
     plans, span = [], 0
     for r, state in zip(routes, states, strict=True):
         parts, masks = [], []
-        for k in r.kjts:
-            v = new_values[at[k]]
-            i = jnp.arange(v.shape[0], dtype=jnp.int32)
-            masks.append((i >= bounds[span, 0]) & (i < bounds[span, 1]))
-            parts.append(jnp.asarray(values[at[k]]).astype(jnp.int32))  # the raw ids
+        for k, lo, cap in r.slices:
+            parts.append(jax.lax.slice(raw[at[k]], (lo,), (lo + cap,)))
+            masks.append(jnp.arange(cap, dtype=jnp.int32) < lengths[span])
             span += 1
         planned = plan(r.layout, state, jnp.concatenate(parts), jnp.concatenate(masks))
-        lo = 0
-        for k, part, mask in zip(r.kjts, parts, masks, strict=True):
-            got = planned.slots[lo : lo + part.shape[0]]
-            new_values[at[k]] = jnp.where(mask, got, new_values[at[k]]).astype(
-                new_values[at[k]].dtype
-            )
-            lo += part.shape[0]
+        off = 0
+        for k, lo, cap in r.slices:
+            v = new_values[at[k]]
+            got = planned.slots[off : off + cap].astype(v.dtype)  # padding: unchanged
+            new_values[at[k]] = jax.lax.dynamic_update_slice(v, got, (lo,))
+            off += cap
         plans.append(planned)
-    refused = jnp.any(jnp.stack([p.overflow for p in plans]))
-    new_states = tuple(jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state)
-                       for s, p in zip(states, plans, strict=True))  # fmt: skip
+    if len(plans) > 1:  # a table that fit is put back when another is refused (a copy of
+        # each state: the one temporary of the slot maps' size, only with several tables)
+        refused = jnp.any(jnp.stack([p.overflow for p in plans]))
+        for i, (s, p) in enumerate(zip(states, plans, strict=True)):
+            kept = jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state)
+            plans[i] = p._replace(state=kept)
     summary = jnp.stack([jnp.stack([p.n_ids, p.n_rows, p.n_fill, p.n_evict,
                                     p.overflow.astype(jnp.int32)]) for p in plans])  # fmt: skip
     packed = tuple(jnp.stack([p.fill_slots, p.fill_rows, p.evict_slots, p.evict_rows])
                    for p in plans)  # fmt: skip
-    return new_states, tuple(new_values), summary, packed
+    return tuple(p.state for p in plans), tuple(new_values), summary, packed

@@ -81,8 +81,18 @@ def is_kjt(x) -> bool:
     return isinstance(x, KeyedJaggedTensor)
 
 
+class FeatureSpan(NamedTuple):
+    """A feature's ids in a KJT's ``values``: ``[lo, hi)``, in its static slice
+    ``[lo, lo + capacity)``."""
+
+    feature: str
+    lo: int
+    hi: int
+    capacity: int
+
+
 def feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
-    """``(feature, lo, hi)``: the packed ids of each cached feature in ``values``.
+    """A :class:`FeatureSpan` for each cached feature of ``kjt``.
 
     A per-device KJT stacked by ``shard_batch`` has a leading device axis: not here
     (``prepare`` takes host batches, before stacking)."""
@@ -90,4 +100,5 @@ def feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
     starts = kjt.capacity_offsets()
     for k, f in enumerate(kjt.keys()):
         if f in features:
-            yield f, starts[k], starts[k] + int(lengths[k].sum())
+            yield FeatureSpan(f, starts[k], starts[k] + int(lengths[k].sum()),
+                              starts[k + 1] - starts[k])  # fmt: skip

@@ -216,8 +216,8 @@ class RowCache:
             kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
             for i, kjt in enumerate(kjts):
-                for f, lo, hi in feature_spans(kjt, self._feature_table):
-                    spans[self._feature_table[f].name].append((i, lo, hi))
+                for f, lo, hi, cap in feature_spans(kjt, self._feature_table):
+                    spans[self._feature_table[f].name].append((i, lo, hi, cap))
             error = None
             try:  # before anything changes
                 self._check_host()
@@ -243,8 +243,8 @@ class RowCache:
                 values = [np.asarray(k.values()) for k in kjts]
                 new = [v.copy() for v in values]  # the ids as slots
                 # each table's id parts, and where their slots go: every process's, in order
-                parts = {n: [values[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
-                outs = {n: [new[i][lo:hi] for i, lo, hi in s] for n, s in spans.items()}
+                parts = {n: [values[i][lo:hi] for i, lo, hi, _ in s] for n, s in spans.items()}
+                outs = {n: [new[i][lo:hi] for i, lo, hi, _ in s] for n, s in spans.items()}
                 if jax.process_count() > 1:  # every process refuses the batch, or none
                     moves = self._plan_owned(parts, outs, error)
                 elif error is not None:

@@ -158,6 +158,7 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     hitw = (state.rows[at] == local[:, None]) & inset & ok[:, None]
     hit = hitw.any(axis=1)
     hit_slot = start + jnp.argmax(hitw, axis=1).astype(jnp.int32)
+    hit_stamp = state.stamps[hit_slot]  # to put back if the batch is refused
     stamps = state.stamps.at[jnp.where(hit, hit_slot, total)].set(clock, mode="drop")
 
     # the misses: resolved in a branch sized for them (their work is per miss)
@@ -175,8 +176,14 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     overflow = jnp.any(p_new & r.bad)
     v_slot = jnp.where(p_new, r.start + r.way, total)
     old = jnp.where(p_new, state.rows[jnp.minimum(v_slot, total - 1)], -1)
-    rows_new = state.rows.at[v_slot].set(r.row, mode="drop")
+    fill_stamp = stamps[jnp.minimum(v_slot, total - 1)]
     stamps = stamps.at[v_slot].set(clock, mode="drop")
+    hits_distinct = jnp.sum(stamps == clock, dtype=jnp.int32) - r.n_new
+    # the state is updated in place (donated): a refused batch puts every stamp back
+    # (fills, then hits) and writes no row or count; no copy of the state is made
+    stamps = stamps.at[jnp.where(overflow, v_slot, total)].set(fill_stamp, mode="drop")
+    stamps = stamps.at[jnp.where(overflow & hit, hit_slot, total)].set(hit_stamp, mode="drop")
+    rows_new = state.rows.at[jnp.where(overflow, total, v_slot)].set(r.row, mode="drop")
     miss_slot = jnp.where(miss, jnp.take(v_slot, jnp.clip(r.index, 0, n - 1)), 0)
 
     # every id as its slot
@@ -198,12 +205,13 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
 
     counts = state.counts
     if layout.algorithm is CacheAlgorithm.LFU:  # every lookup counts, saturating
-        add = jnp.zeros_like(counts).at[jnp.where(ok, row, layout.rows)].add(1, mode="drop")
-        counts = counts + jnp.minimum(add, _MAX - counts)
-    hits_distinct = jnp.sum(stamps == clock, dtype=jnp.int32) - n_fill
-    new_state = SlotState(rows_new, stamps, counts, clock)
-    kept = jax.tree.map(lambda a, b: jnp.where(overflow, a, b), state, new_state)
-    return SetPlan(kept, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
+        counted = ok & ~overflow
+        at_row = jnp.where(counted, row, layout.rows)
+        counts = counts.at[at_row].add(1, mode="drop")  # past int32's top it wraps below 0
+        wrapped = counted & (counts[jnp.minimum(at_row, layout.rows - 1)] < 0)
+        counts = counts.at[jnp.where(wrapped, row, layout.rows)].set(_MAX, mode="drop")
+    new_state = SlotState(rows_new, stamps, counts, jnp.where(overflow, state.clock, clock))
+    return SetPlan(new_state, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
                    jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
 
 

@@ -129,7 +129,7 @@ def measured_statistics(args: argparse.Namespace, data, configs) -> dict[str, Mi
             ids = [
                 np.asarray(k.values())[lo:hi]
                 for k in step
-                for _, lo, hi in feature_spans(k, features)
+                for _, lo, hi, _ in feature_spans(k, features)
             ]
             ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
             batches.append(ids[(ids >= 0) & (ids < c.num_embeddings)])  # as the cache does

@@ -82,11 +82,13 @@ def plan_batch(*, tables=2, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOA
     """``device_maps._plan_batch`` over ``tables`` tables, one feature each in one KJT."""
     layout = _layout(rows, load_factor, algorithm)
     mesh = deviceless.mesh(deviceless.topology("1x1x1"))
-    routes = tuple(device_maps._Route(f"t{i}", layout, (0,)) for i in range(tables))
-    n = tables * batch * ids_per_bag  # the KJT's values: every table's ids
+    cap = batch * ids_per_bag  # each table's feature: its static slice of the values
+    routes = tuple(device_maps._Route(f"t{i}", layout, ((0, i * cap, cap),))
+                   for i in range(tables))  # fmt: skip
+    n = tables * cap  # the KJT's values: every table's ids
     states = tuple(_state(layout, mesh) for _ in routes)
     values = (deviceless.abstract((n,), jnp.int32, mesh),)
-    bounds = deviceless.abstract((tables, 2), jnp.int32, mesh)
+    bounds = deviceless.abstract((tables,), jnp.int32, mesh)  # each feature's length
     t0 = time.perf_counter()
     program = jax.jit(functools.partial(device_maps._plan_batch, routes, (0,)), donate_argnums=0)
     compiled = (
@@ -94,7 +96,7 @@ def plan_batch(*, tables=2, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOA
         .lower()
         .compile(compiler_options=deviceless.COMPILER_OPTIONS)
     )
-    return compiled, _facts(layout, tables, tables * n, dim, time.perf_counter() - t0)
+    return compiled, _facts(layout, tables, n, dim, time.perf_counter() - t0)
 
 
 def cached_step(*, tables=4, rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, batch=BATCH,

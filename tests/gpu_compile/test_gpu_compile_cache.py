@@ -65,8 +65,8 @@ def test_plan_memory_is_the_slot_map_and_the_batch(results, name):
 @pytest.mark.parametrize("name", [n for n in PLANS if "lfu" not in n])
 def test_plan_memory_is_far_below_the_table(results, name):
     """LRU: the plan's memory (arguments + outputs + temporaries) is under 1% of the
-    logical tables' bytes. Measured: 0.72% (1 table), 0.91% (2 tables: each table's
-    plan scans the whole KJT's values, so its ids grow with the tables)."""
+    logical tables' bytes. Measured: 0.73% (1 table), 0.48% (2 tables; each plans only
+    its features' static slices of the KJT's values: 0.91% when each scanned them all)."""
     g = _plan_figures(_ok(results, name))
     assert g["total"] < 0.01 * g["table"], (
         f"{name}: {g['total'] / MB:.1f} MB = {100 * g['total'] / g['table']:.2f}% of the "
@@ -85,14 +85,15 @@ def test_lfu_plan_memory_beyond_its_counts_is_far_below_the_table(results):
     assert g["peak"] < 0.02 * g["table"], f"peak {100 * g['peak'] / g['table']:.2f}%: {g}"
 
 
-@pytest.mark.xfail(strict=True, reason="plan_sets adds LFU counts through a zeros_like(counts) "
-                   "scatter-add: a temporary of 4 B per logical row")  # fmt: skip
 def test_lfu_plan_has_no_temporary_per_logical_row(results):
-    """The count update could scatter the batch's distinct rows' counts into the
-    (donated) counts in place: temporaries would then scale with the batch only, as
-    LRU's. Measured: 200.8 MB of temporaries, 200 MB of them the counts' update."""
-    g = _plan_figures(_ok(results, "plan_table_lfu"))
-    assert g["temp"] <= 8 * g["ids_ways"], g  # LRU's temporaries: 0.84 of this
+    """The count update scatters into the (donated) counts in place, and a refused batch
+    writes none: LFU's temporaries exceed LRU's by its victims' count reads (per id), not
+    by a copy of the counts (4 B per logical row: 200 MB here). Measured: 184.4 MB
+    against LRU's 142.1 MB (before, 200.8 MB against 140.3 MB)."""
+    lfu = _plan_figures(_ok(results, "plan_table_lfu"))
+    lru = _plan_figures(_ok(results, "plan_table_lru"))
+    counts = cached_step_cases.ROWS * 4
+    assert lfu["temp"] - lru["temp"] < counts / 4, (lfu, lru)
 
 
 def test_cached_step_arguments_are_the_slot_tables(results):
