@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.types import CacheAlgorithm
+from ..sparse import bucket_capacity
 from .ids import CachedTable
 from .sets import SetLayout, SlotState, empty_state, plan, set_layout
 from .slots import CacheTooSmallError
@@ -115,9 +116,12 @@ class DeviceSlotMaps:
         for r, row, p in zip(routes, summary, packed, strict=True):
             n_fill, n_evict = int(row[2]), int(row[3])
             counts[r.name] = TableCounts(int(row[0]), int(row[1]), n_fill, n_evict)
-            got = np.asarray(p)[:, : max(n_fill, n_evict)].astype(np.int64)
-            moves[self.tables[r.name].key] = (got[0, :n_fill], got[1, :n_fill],
-                                              got[2, :n_evict], got[3, :n_evict])  # fmt: skip
+            got = _prefix(p, max(n_fill, n_evict)).astype(np.int64)
+            # by row: the host table is then read and written in address order (on the
+            # CPU, 26k rows a step of 1M-row tables moved ~10 ms faster than in set order)
+            f = np.argsort(got[1, :n_fill], kind="stable")
+            e = np.argsort(got[3, :n_evict], kind="stable")
+            moves[self.tables[r.name].key] = (got[0, f], got[1, f], got[2, e], got[3, e])
         out = [None] * len(values)
         for i, v in zip(used, new_values, strict=True):
             out[i] = v
@@ -135,6 +139,25 @@ class DeviceSlotMaps:
         for name, lay in self.layouts.items():
             counts = self.states[name].counts
             self.states[name] = self._empty(lay)._replace(counts=counts)
+
+
+def _prefix(packed: jax.Array, n: int) -> np.ndarray:
+    """The first ``n`` columns of a table's packed moves on the host. Off the CPU only a
+    padded prefix crosses (a few programs: ``bucket_capacity`` sizes), not the ``[4, N]``
+    of every id (2.6 MB a table at 164k ids)."""
+    if _on_cpu(packed):
+        return np.asarray(packed)[:, :n]
+    k = min(packed.shape[1], bucket_capacity(max(n, 1), minimum=256))
+    return np.asarray(_slice(packed, k))[:, :n]
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.devices())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _slice(packed: jax.Array, k: int) -> jax.Array:
+    return packed[:, :k]
 
 
 def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, values, lengths):

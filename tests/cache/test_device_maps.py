@@ -60,3 +60,18 @@ def test_prepared_ids_stay_on_the_device():
         out = got[starts[i] : starts[i] + lengths[i]]
         where = dict(zip(slots[table][1].tolist(), slots[table][0].tolist(), strict=True))
         assert out.tolist() == [where[x] for x in ids.tolist()]
+
+
+def test_moves_cross_as_a_padded_prefix_off_the_cpu(monkeypatch):
+    """Off the CPU only a bucket-sized prefix of the packed moves is copied back; the
+    moves are the same as the whole array's."""
+    from jaxrec.cache import device_maps
+
+    packed = jnp.arange(4 * 5000, dtype=jnp.int32).reshape(4, 5000)
+    whole = np.asarray(packed)
+    monkeypatch.setattr(device_maps, "_on_cpu", lambda x: False)
+    sizes = []
+    monkeypatch.setattr(device_maps, "_slice", lambda p, k: sizes.append(k) or p[:, :k])
+    for n in (0, 7, 300, 5000):
+        np.testing.assert_array_equal(device_maps._prefix(packed, n), whole[:, :n])
+    assert sizes == [256, 256, 384, 5000]  # bucket_capacity sizes, capped at the array
