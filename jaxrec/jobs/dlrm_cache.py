@@ -177,7 +177,9 @@ def row_cache(args, data, configs, cached, graphdef, optimizer, state) -> RowCac
             rows = host_rows(graphdef, optimizer, state, c)
             opt = optimizer.for_table(c.name)
             hosts[c.name] = HostTable.create(c, opt, rows=rows, key=key, stream=stream)
-    return RowCache(graphdef, optimizer, state, hosts, cached)
+    return RowCache(
+        graphdef, optimizer, state, hosts, cached, slot_maps=getattr(args, "cache_slot_maps", None)
+    )
 
 
 def slot_view(kjt, configs, plan, cached):

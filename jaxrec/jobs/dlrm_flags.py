@@ -115,6 +115,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="which cached row a miss replaces",
     )
     host.add_argument(
+        "--cache-slot-maps",
+        default=None,
+        choices=("device", "host"),
+        help="where the caches' slot maps live and batches are planned: device "
+        "(set-associative, one program per batch; the default with one process) or host "
+        "(fully associative; the default, and the only choice, with several processes)",
+    )
+    host.add_argument(
         "--cache-scale-up",
         action="store_true",
         help="planner: give the device memory its plan leaves free to the caches (larger "
