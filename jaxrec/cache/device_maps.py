@@ -119,9 +119,9 @@ class DeviceSlotMaps:
             got = _prefix(p, max(n_fill, n_evict)).astype(np.int64)
             # by row: the host table is then read and written in address order (on the
             # CPU, 26k rows a step of 1M-row tables moved ~10 ms faster than in set order)
-            f = np.argsort(got[1, :n_fill], kind="stable")
-            e = np.argsort(got[3, :n_evict], kind="stable")
-            moves[self.tables[r.name].key] = (got[0, f], got[1, f], got[2, e], got[3, e])
+            fr, fs = _by_row(got[1, :n_fill], got[0, :n_fill])
+            er, es = _by_row(got[3, :n_evict], got[2, :n_evict])
+            moves[self.tables[r.name].key] = (fs, fr, es, er)
         out = [None] * len(values)
         for i, v in zip(used, new_values, strict=True):
             out[i] = v
@@ -149,6 +149,13 @@ def _prefix(packed: jax.Array, n: int) -> np.ndarray:
         return np.asarray(packed)[:, :n]
     k = min(packed.shape[1], bucket_capacity(max(n, 1), minimum=256))
     return np.asarray(_slice(packed, k))[:, :n]
+
+
+def _by_row(rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, slots)`` in row order (rows and slots are int32: one int64 key sorts
+    both, a few times faster than an argsort and two gathers)."""
+    key = np.sort((rows << 32) | slots)
+    return key >> 32, key & 0xFFFFFFFF
 
 
 def _on_cpu(x: jax.Array) -> bool:
