@@ -61,10 +61,11 @@ step() {
 #
 # tests: 59 s and 87 s measured (the latter with the cache tests), + the balanced fused
 # backward on Zipf ids (6 compiles, 100K ids) and the Mosaic GPU forward (7 tests, first
-# lowering under JAX 0.11), ~3-5 s each: ~140 s: 150 s.
-step tests 150 python -m pytest -q -p no:cacheprovider \
+# lowering under JAX 0.11), ~3-5 s each: ~140 s; + the device slot map's XLA plan
+# against its reference loop (11 small compiles, ~1 s each): 160 s.
+step tests 160 python -m pytest -q -p no:cacheprovider \
     tests/pallas/test_pallas_gpu.py tests/inference/test_quant_kernel.py tests/pallas/test_pallas_dispatch.py \
-    tests/distributed/test_ragged_gpu.py tests/cache/test_cache_pipeline.py \
+    tests/distributed/test_ragged_gpu.py tests/cache/test_cache_pipeline.py tests/cache/test_sets.py \
     "tests/cache/test_cache_exact.py::test_unsharded_exact"
 # lookup_target: uniform and Zipf 1.15 at T=8, E=1M, D=128, B=65,536, L=20, row-wise
 # Adagrad, every implementation. The target alone took 43-51 s (with three table draws
@@ -79,8 +80,8 @@ step lookup_target 100 python bench/gpu_lookup.py --preset target,target_zipf --
 # start-up 10 s + the table drawn once ~5 s + compiles on the first workload ~65 s (3
 # forwards; 9 updates at 5-9 s) + per workload ~10 s (5.24M ids drawn and sorted ~3 s,
 # float64 checks ~3 s in 8 threads, 3 x 7 forwards and 9 x 7 updates of at most ~50 ms,
-# gathers and restores) x 3 = ~110 s: 150 s.
-step lookup_hbm 150 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,mosaic,xla \
+# gathers and restores) x 3 = ~110 s: 125 s.
+step lookup_hbm 125 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,mosaic,xla \
     --pass fwd,bwd_update --optimizer sgd,rowwise_adagrad,adam --reps 5 --warmup 1
 # init_rows: 2 dims x 11 draws and copies of 2 GiB: under 10 s at 50 GB/s, 44 s at 1 GB/s.
 step init_rows 50 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
@@ -88,8 +89,9 @@ step init_rows 50 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
 step train_step 40 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
 # cache: its gpu preset at Zipf 1.05 and two load factors, shorter warm-up: start-up and
 # 4 GB model ~20 s + 2 cached models (host tables, compile ~10 s each) + 22 steps each of
-# 0.24 s and 0.10 s (measured 2026-11-26) = ~50 s: 70 s.
-step cache 70 python bench/cache.py --preset gpu --alphas 1.05 --load-factors 0.1,1.0 \
+# 0.24 s and 0.10 s (measured 2026-11-26) = ~50 s, + the slot maps' plan on the device
+# (4 tables of 163,840 ids: 21 s deviceless on 2 cores) for each cached model: 85 s.
+step cache 85 python bench/cache.py --preset gpu --alphas 1.05 --load-factors 0.1,1.0 \
     --warmup 10 --reps 5
 # (bench/gpu_lookup.py --preset gpu_sweep, which ran past 150 s, is left to a run of its own.)
 cat "$SUMMARY"
