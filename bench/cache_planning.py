@@ -78,7 +78,8 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
     hosts = {c.name: jc.HostTable.create(c, opt.for_table(c.name),
                                          rows=jc.host_rows(graphdef, opt, state, c))
              for c in configs}  # fmt: skip
-    cache = jc.RowCache(graphdef, opt, state, hosts, params, timeout_s=120)
+    # the host's maps in one process too: the owned planning of several is what is timed
+    cache = jc.RowCache(graphdef, opt, state, hosts, params, timeout_s=120, slot_maps="host")
     perm = np.random.default_rng(0).permutation(a.rows)
     mine = [i for i, dev in enumerate(mesh.devices.flat) if dev.process_index == process_id]
 
