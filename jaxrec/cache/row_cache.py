@@ -3,10 +3,12 @@
 The model is built with each cached table as a table of *slots* (see
 ``cached_configs``); the table itself and its optimizer rows live on the host
 (:class:`~jaxrec.cache.HostTable`). Before a batch runs, :meth:`RowCache.prepare`
-(host only) finds each cached table's rows in the batch, gives the missed ones
-slots (evicting LRU / LFU rows the batch does not use) and rewrites the batch's ids
-as slots; :meth:`RowCache.load` then writes the evicted rows back to the host and
-the missed rows into their slots, in place on the state's buffers. The train step
+finds each cached table's rows in the batch, gives the missed ones slots (evicting
+LRU / LFU rows the batch does not use) and rewrites the batch's ids as slots: with
+one process in one program on the device over set-associative slot maps
+(``device_maps.py``, ``sets.py``), with several on the host (``slots.py``).
+:meth:`RowCache.load` then writes the evicted rows back to the host and the missed
+rows into their slots, in place on the state's buffers. The train step
 runs unchanged on slots, so every step updates exactly the rows and optimizer
 state an all-device-memory step would.
 
