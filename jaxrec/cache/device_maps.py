@@ -98,7 +98,7 @@ class DeviceSlotMaps:
             self._programs[(routes, tuple(used))] = program
         states = tuple(self.states[r.name] for r in routes)
         new_states, new_values, summary, packed = program(
-            states, tuple(values[i] for i in used), lengths
+            states, tuple(_int32(values[i]) for i in used), lengths
         )
         for r, s in zip(routes, new_states, strict=True):  # the same state when refused
             self.states[r.name] = s
@@ -149,6 +149,16 @@ def _prefix(packed: jax.Array, n: int) -> np.ndarray:
         return np.asarray(packed)[:, :n]
     k = min(packed.shape[1], bucket_capacity(max(n, 1), minimum=256))
     return np.asarray(_slice(packed, k))[:, :n]
+
+
+def _int32(values: Any) -> Any:
+    """KJT values as the int32 a device program takes. 64-bit host ids beyond int32 stay
+    out of range (below 0: -1, above: int32's top, past any cached table's rows)
+    rather than wrap into range (a pass over them on the host: int32 ids need none)."""
+    if isinstance(values, np.ndarray) and values.dtype.itemsize == 8 and len(values):
+        info = np.iinfo(np.int32)
+        return np.clip(values, -1, info.max).astype(np.int32)
+    return values
 
 
 def _by_row(rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -75,3 +75,14 @@ def test_moves_cross_as_a_padded_prefix_off_the_cpu(monkeypatch):
     for n in (0, 7, 300, 5000):
         np.testing.assert_array_equal(device_maps._prefix(packed, n), whole[:, :n])
     assert sizes == [256, 256, 384, 5000]  # bucket_capacity sizes, capped at the array
+
+
+def test_64_bit_ids_past_int32_stay_out_of_range():
+    """int64 host ids beyond int32 are not wrapped into a cached table's rows: they
+    stay out of range (the device's bounds check then treats them as without a cache)."""
+    from jaxrec.cache import device_maps
+
+    ids = np.array([5, -3, 2**32 + 5, 2**31, -(2**32) + 7], np.int64)
+    got = device_maps._int32(ids)
+    assert got.dtype == np.int32
+    assert got.tolist() == [5, -1, 2**31 - 1, 2**31 - 1, -1]
