@@ -22,7 +22,7 @@ import numpy as np
 from ..distributed.types import CacheAlgorithm
 from ..sparse import bucket_capacity
 from .ids import CachedTable
-from .sets import SetLayout, SlotState, empty_state, plan, set_layout
+from .sets import SetLayout, SlotState, empty_state, plan_many, set_layout
 from .slots import CacheTooSmallError
 
 
@@ -183,27 +183,26 @@ def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, value
     at = {k: j for j, k in enumerate(used)}
     new_values = [jnp.asarray(v) for v in values]
     raw = [v.astype(jnp.int32) for v in new_values]
-    plans, span = [], 0
-    for r, state in zip(routes, states, strict=True):
-        parts, masks = [], []
+    layouts, ids, masks = [], [], []
+    span = 0
+    for r in routes:
+        parts, valid = [], []
         for k, lo, cap in r.slices:
             parts.append(jax.lax.slice(raw[at[k]], (lo,), (lo + cap,)))
-            masks.append(jnp.arange(cap, dtype=jnp.int32) < lengths[span])
+            valid.append(jnp.arange(cap, dtype=jnp.int32) < lengths[span])
             span += 1
-        planned = plan(r.layout, state, jnp.concatenate(parts), jnp.concatenate(masks))
+        layouts.append(r.layout)
+        ids.append(jnp.concatenate(parts))
+        masks.append(jnp.concatenate(valid))
+    # all tables kept, or none (one refused)
+    plans = plan_many(layouts, states, ids, masks)
+    for r, planned in zip(routes, plans, strict=True):
         off = 0
         for k, lo, cap in r.slices:
             v = new_values[at[k]]
             got = planned.slots[off : off + cap].astype(v.dtype)  # padding: unchanged
             new_values[at[k]] = jax.lax.dynamic_update_slice(v, got, (lo,))
             off += cap
-        plans.append(planned)
-    if len(plans) > 1:  # a table that fit is put back when another is refused (a copy of
-        # each state: the one temporary of the slot maps' size, only with several tables)
-        refused = jnp.any(jnp.stack([p.overflow for p in plans]))
-        for i, (s, p) in enumerate(zip(states, plans, strict=True)):
-            kept = jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state)
-            plans[i] = p._replace(state=kept)
     summary = jnp.stack([jnp.stack([p.n_ids, p.n_rows, p.n_fill, p.n_evict,
                                     p.overflow.astype(jnp.int32)]) for p in plans])  # fmt: skip
     packed = tuple(jnp.stack([p.fill_slots, p.fill_rows, p.evict_slots, p.evict_rows])

@@ -28,6 +28,7 @@ oracle is a plain loop over the same rules (``tests/cache/sets_reference.py``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -142,6 +143,42 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     """The plan of one batch's ids of a table (``ids`` int32 [N], logical rows; only
     entries with ``valid`` are looked up, the rest are padding). Pure: ``jax.jit`` it
     with ``layout`` static (and ``state`` donated)."""
+    return _commit(layout, state, _decide(layout, state, ids, valid), None)
+
+
+def plan_sets_many(
+    layouts: Sequence[SetLayout],
+    states: Sequence[SlotState],
+    ids: Sequence[jax.Array],
+    valid: Sequence[jax.Array],
+) -> list[SetPlan]:
+    """:func:`plan_sets` of several tables' ids in one program, all kept or none: when
+    any table's batch does not fit (its ``overflow``), every state is the one given
+    (put back in place: no copy of a state is made)."""
+    decided = [_decide(*x) for x in zip(layouts, states, ids, valid, strict=True)]
+    refused = jnp.any(jnp.stack([d.overflow for d in decided]))
+    return [_commit(lay, st, d, refused)
+            for lay, st, d in zip(layouts, states, decided, strict=True)]  # fmt: skip
+
+
+class _Decided(NamedTuple):
+    """A batch's plan before it is kept or refused (:func:`_decide`)."""
+
+    stamps: jax.Array  # the hits and fills stamped now (in place)
+    hit: jax.Array
+    hit_slot: jax.Array
+    hit_stamp: jax.Array  # the hits' stamps before
+    v_slot: jax.Array  # each distinct miss's slot (total past them)
+    fill_stamp: jax.Array  # those slots' stamps before the fills
+    fill_row: jax.Array  # the missed rows (shard-local)
+    counted: jax.Array  # the ids in range
+    row: jax.Array  # each id's row (0 where not counted)
+    clock: jax.Array
+    overflow: jax.Array
+    plan: SetPlan  # its outputs (state: the one given, to be replaced)
+
+
+def _decide(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array) -> _Decided:
     n, w = ids.shape[0], layout.ways
     total = layout.total_slots
     clock = state.clock + 1
@@ -179,11 +216,6 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     fill_stamp = stamps[jnp.minimum(v_slot, total - 1)]
     stamps = stamps.at[v_slot].set(clock, mode="drop")
     hits_distinct = jnp.sum(stamps == clock, dtype=jnp.int32) - r.n_new
-    # the state is updated in place (donated): a refused batch puts every stamp back
-    # (fills, then hits) and writes no row or count; no copy of the state is made
-    stamps = stamps.at[jnp.where(overflow, v_slot, total)].set(fill_stamp, mode="drop")
-    stamps = stamps.at[jnp.where(overflow & hit, hit_slot, total)].set(hit_stamp, mode="drop")
-    rows_new = state.rows.at[jnp.where(overflow, total, v_slot)].set(r.row, mode="drop")
     miss_slot = jnp.where(miss, jnp.take(v_slot, jnp.clip(r.index, 0, n - 1)), 0)
 
     # every id as its slot
@@ -203,16 +235,30 @@ def plan_sets(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Ar
     n_fill = r.n_new
     n_evict = ev_seen[-1] if n else jnp.int32(0)
 
+    plan = SetPlan(state, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
+                   jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
+    return _Decided(stamps, hit, hit_slot, hit_stamp, v_slot, fill_stamp, r.row, ok, row,
+                    clock, overflow, plan)  # fmt: skip
+
+
+def _commit(layout: SetLayout, state: SlotState, d: _Decided, refused) -> SetPlan:
+    """The decided plan kept, or (``d.overflow``, or ``refused``: another table's batch
+    did not fit) refused. The state is updated in place (donated): a refused batch puts
+    every stamp back (fills, then hits) and writes no row or count."""
+    total = layout.total_slots
+    undo = d.overflow if refused is None else d.overflow | refused
+    stamps = d.stamps.at[jnp.where(undo, d.v_slot, total)].set(d.fill_stamp, mode="drop")
+    stamps = stamps.at[jnp.where(undo & d.hit, d.hit_slot, total)].set(d.hit_stamp, mode="drop")
+    rows = state.rows.at[jnp.where(undo, total, d.v_slot)].set(d.fill_row, mode="drop")
     counts = state.counts
     if layout.algorithm is CacheAlgorithm.LFU:  # every lookup counts, saturating
-        counted = ok & ~overflow
-        at_row = jnp.where(counted, row, layout.rows)
+        counted = d.counted & ~undo
+        at_row = jnp.where(counted, d.row, layout.rows)
         counts = counts.at[at_row].add(1, mode="drop")  # past int32's top it wraps below 0
         wrapped = counted & (counts[jnp.minimum(at_row, layout.rows - 1)] < 0)
-        counts = counts.at[jnp.where(wrapped, row, layout.rows)].set(_MAX, mode="drop")
-    new_state = SlotState(rows_new, stamps, counts, jnp.where(overflow, state.clock, clock))
-    return SetPlan(new_state, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
-                   jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
+        counts = counts.at[jnp.where(wrapped, d.row, layout.rows)].set(_MAX, mode="drop")
+    clock = jnp.where(undo, state.clock, d.clock)
+    return d.plan._replace(state=SlotState(rows, stamps, counts, clock))
 
 
 class _Misses(NamedTuple):
@@ -346,6 +392,34 @@ def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
         return fn(layout, state, ids, valid)
 
     return dispatch.by_platform(run, inputs=(state, ids, valid))
+
+
+def plan_many(layouts: Sequence[SetLayout], states: Sequence[SlotState],
+              ids: Sequence[jax.Array], valid: Sequence[jax.Array],
+              implementation=None) -> list[SetPlan]:  # fmt: skip
+    """:func:`plan` of several tables' ids, all kept or none (a table whose batch fits
+    keeps its state when another's does not). XLA: :func:`plan_sets_many`, in place; the
+    C++ kernel on CPU: each table planned in place, then every state selected whole when
+    one is refused (a copy of the maps, in host memory)."""
+    if len(layouts) == 1:
+        return [plan(layouts[0], states[0], ids[0], valid[0], implementation)]
+    if implementation not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")  # fmt: skip
+    explicit = implementation == "cpu"
+    wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
+    if not wants or not _kernel_ready(loader, explicit):
+        return plan_sets_many(layouts, states, ids, valid)
+
+    def run(platform):
+        if platform != "cpu":
+            return plan_sets_many(layouts, states, ids, valid)
+        plans = [plan_sets_cpu(*x) for x in zip(layouts, states, ids, valid, strict=True)]
+        refused = jnp.any(jnp.stack([p.overflow for p in plans]))
+        return [p._replace(state=jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state))
+                for s, p in zip(states, plans, strict=True)]  # fmt: skip
+
+    return dispatch.by_platform(run, inputs=(states, ids, valid))
 
 
 def _kernel_ready(loader, explicit: bool) -> bool:

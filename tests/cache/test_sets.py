@@ -104,3 +104,29 @@ def test_layout_sets_split_slots_evenly():
 def test_hash_matches_numpy():
     x = np.array([0, 1, 2, 12345, 2**31 - 1], np.int32)
     np.testing.assert_array_equal(np.asarray(sets.set_hash(jnp.asarray(x))), sets.set_hash_np(x))
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])  # None: the C++ kernel on CPU
+def test_several_tables_are_kept_together_or_refused_together(implementation):
+    """Two tables in one program: when one's batch overflows a set, neither changes;
+    when both fit, each equals its own plan."""
+    a = sets.set_layout(10_000, 1, 64, CacheAlgorithm.LRU)  # 2 sets of 32
+    b = sets.set_layout(5_000, 2, 40, CacheAlgorithm.LFU)
+    program = jax.jit(functools.partial(sets.plan_many, (a, b), implementation=implementation))
+    states = (sets.empty_state(a), sets.empty_state(b))
+    fits = [np.arange(0, 40, dtype=np.int32), np.arange(100, 130, dtype=np.int32)]
+    ones = [jnp.ones(40, bool), jnp.ones(30, bool)]
+    plans = program(states, [jnp.asarray(x) for x in fits], ones)
+    for lay, st, ids, v, p in zip((a, b), states, fits, ones, plans, strict=True):
+        alone = jax.jit(functools.partial(sets.plan_sets, lay))(st, jnp.asarray(ids), v)
+        for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(p), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    states = tuple(p.state for p in plans)
+    h = sets.set_hash_np(np.arange(10_000)) % a.sets
+    over = np.flatnonzero(h == 0)[:33].astype(np.int32)  # 33 rows of one 32-slot set
+    again = program(states, [jnp.asarray(over), jnp.asarray(fits[1] + 1000)],
+                    [jnp.ones(33, bool), ones[1]])  # fmt: skip
+    assert [bool(p.overflow) for p in again] == [True, False]
+    for before, p in zip(states, again, strict=True):  # b fit, and is put back too
+        for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(p.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
