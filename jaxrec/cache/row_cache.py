@@ -99,11 +99,12 @@ class RowCache:
         threads: tables planned at once by :meth:`prepare` (their C++ passes release
             the GIL); default: one per table, up to the machine's cores.
         slot_maps: where each table's slot map lives and a batch is planned.
-            ``"device"`` (the default with one process): a set-associative map of 32-way
-            sets on the device (``jaxrec.cache.sets``, as FBGEMM's), planned by one
-            program per batch; the host reads back only the moves. ``"host"`` (the
-            default, and the only choice, with several processes): fully associative
-            maps on the host (``SlotMap``), planned by C++ passes over every id.
+            ``"device"`` (the default with one process on GPUs): a set-associative map
+            of 32-way sets on the device (``jaxrec.cache.sets``, as FBGEMM's), planned
+            by one program per batch; the host reads back only the moves. ``"host"``
+            (the default on a CPU, where it is faster, and the only choice with several
+            processes): fully associative maps on the host (``SlotMap``), planned by
+            C++ passes over every id.
 
     A model-parallel state is supported for any sharding type but data parallel;
     row shards keep their own caches. With several processes, each holds the host rows
@@ -137,7 +138,8 @@ class RowCache:
         self.tables: dict[str, CachedTable] = {}
         found, readers = _find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
-        on_host = _on_host(slot_maps)
+        on_host = _on_host(slot_maps, {d.platform for b in weights
+                                       for d in b.array.sharding.device_set})  # fmt: skip
         algorithms = {}
         for name, host in host_tables.items():
             key, device = found[name]
@@ -637,11 +639,14 @@ def _pool(n: int) -> ThreadPoolExecutor:
         return _POOLS[key]
 
 
-def _on_host(slot_maps: str | None) -> bool:
-    """Whether the slot maps are the host's (``"host"``; several processes) or the
-    device's (``"device"``; the default with one process)."""
+def _on_host(slot_maps: str | None, platforms: set[str]) -> bool:
+    """Whether the slot maps are the host's (``"host"``) or the device's (``"device"``).
+    Default: the device's with one process whose slot tables are off the CPU; the
+    host's with several processes, and on a CPU, where the device is the host and the
+    host maps' passes plan a batch in less time (4 tables of 41K ids: 7.3 ms against
+    14.8 ms, bench/results/cache_cpu_xeon207_2core_2026-11-29_slot_maps.jsonl)."""
     if slot_maps is None:
-        return jax.process_count() > 1
+        return jax.process_count() > 1 or platforms <= {"cpu"}
     if slot_maps not in ("device", "host"):
         raise ValueError(f'RowCache slot_maps must be "device", "host" or None, got {slot_maps!r}')
     if slot_maps == "device" and jax.process_count() > 1:

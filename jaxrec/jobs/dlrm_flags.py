@@ -119,8 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         choices=("device", "host"),
         help="where the caches' slot maps live and batches are planned: device "
-        "(set-associative, one program per batch; the default with one process) or host "
-        "(fully associative; the default, and the only choice, with several processes)",
+        "(set-associative, one program per batch; the default with one process on GPUs) "
+        "or host (fully associative; the default on a CPU, and the only choice with "
+        "several processes)",
     )
     host.add_argument(
         "--cache-scale-up",

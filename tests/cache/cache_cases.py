@@ -99,9 +99,11 @@ def fused(plan):
         for k, p in plan.items()})  # fmt: skip
 
 
-def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps=None):
+def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="device"):
     """The cached model holding the same values as the all-device ``state``:
-    ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables."""
+    ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables;
+    ``slot_maps``: the device's by default (on a CPU, RowCache's default is the host's:
+    the tests run the device maps unless they ask for the host's)."""
     if plan is None:
         device_configs, device_plan = jc.cached_configs(configs(), params), None
     else:

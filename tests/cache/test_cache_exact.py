@@ -31,7 +31,7 @@ OPTS = {
 }
 
 
-def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False, slot_maps=None):
+def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False, slot_maps="device"):
     graphdef, state = build(opt)
     slot_maps = "host" if numpy_only else slot_maps
     g2, s2, cache = cached_twin(opt, graphdef, state, params, slot_maps=slot_maps)
@@ -65,8 +65,8 @@ def test_unsharded_exact(name, algorithm, maps, monkeypatch):
         monkeypatch.setattr(native, "AVAILABLE", False)
     opt = optimizer(OPTS[name]())
     params = {t: jc.CacheParams(algorithm=algorithm, load_factor=0.3) for t in CACHED}
-    (g, s), (g2, s2), cache = run_pair(opt, params, numpy_only=numpy_only,
-                                       slot_maps="host" if maps == "host" else None)  # fmt: skip
+    where = "host" if maps == "host" else "device"
+    (g, s), (g2, s2), cache = run_pair(opt, params, numpy_only=numpy_only, slot_maps=where)
     want = logical_tables(g, opt, s)
     got = logical_tables(g2, opt, s2, cache)
     assert_tables_equal(got, want)

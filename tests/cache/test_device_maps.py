@@ -86,3 +86,16 @@ def test_64_bit_ids_past_int32_stay_out_of_range():
     got = device_maps._int32(ids)
     assert got.dtype == np.int32
     assert got.tolist() == [5, -1, 2**31 - 1, 2**31 - 1, -1]
+
+
+def test_default_slot_maps_by_platform():
+    """One process: the device's maps off the CPU, the host's on it (faster there);
+    a bad name is refused."""
+    from jaxrec.cache import row_cache
+
+    assert row_cache._on_host(None, {"cpu"})
+    assert not row_cache._on_host(None, {"gpu"})
+    assert not row_cache._on_host("device", {"cpu"})
+    assert row_cache._on_host("host", {"gpu"})
+    with pytest.raises(ValueError, match="slot_maps must be"):
+        row_cache._on_host("hbm", {"gpu"})
