@@ -379,12 +379,7 @@ def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
     (``None``, ``"cpu"`` or ``"mosaic_gpu"`` try the kernel, ``"xla"`` and ``"pallas"`` run
     :func:`plan_sets`). The same results either way; ``jax.jit`` it with ``layout``
     static and ``state`` donated."""
-    if implementation not in dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")  # fmt: skip
-    explicit = implementation == "cpu"
-    wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
-    if not wants or not _kernel_ready(loader, explicit):
+    if not _wants_kernel(implementation):
         return plan_sets(layout, state, ids, valid)
 
     def run(platform):
@@ -403,12 +398,7 @@ def plan_many(layouts: Sequence[SetLayout], states: Sequence[SlotState],
     one is refused (a copy of the maps, in host memory)."""
     if len(layouts) == 1:
         return [plan(layouts[0], states[0], ids[0], valid[0], implementation)]
-    if implementation not in dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")  # fmt: skip
-    explicit = implementation == "cpu"
-    wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
-    if not wants or not _kernel_ready(loader, explicit):
+    if not _wants_kernel(implementation):
         return plan_sets_many(layouts, states, ids, valid)
 
     def run(platform):
@@ -422,7 +412,18 @@ def plan_many(layouts: Sequence[SetLayout], states: Sequence[SlotState],
     return dispatch.by_platform(run, inputs=(states, ids, valid))
 
 
-def _kernel_ready(loader, explicit: bool) -> bool:
+def _wants_kernel(implementation) -> bool:
+    """Whether ``implementation`` (checked: as in ``jaxrec.ops``) asks for the C++ plan on
+    CPU and it is registered (saying once why not)."""
+    if implementation not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")  # fmt: skip
+    explicit = implementation == "cpu"
+    wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
+    return wants and _kernel_ready(explicit)
+
+
+def _kernel_ready(explicit: bool) -> bool:
     """Whether the C++ plan is registered (saying once why not)."""
     if loader.load() is not None:
         loader.warn_unavailable(explicit)
