@@ -10,6 +10,18 @@ from jaxrec.cache.sets import set_hash_np
 INT32_MAX = np.iinfo(np.int32).max
 
 
+def random_batch(rng, rows: int, n: int, alpha: float | None):
+    """``(ids, valid)``: ``n`` int32 ids, uniform (``alpha`` None) or Zipf over a shuffled
+    table, the first three out of range (-2, ``rows``, ``rows + 7``), a tenth padding."""
+    if alpha is None:
+        ids = rng.integers(0, rows, n)
+    else:
+        ids = rng.permutation(rows)[np.minimum(rng.zipf(alpha, n) - 1, rows - 1)]
+    ids = ids.astype(np.int32)
+    ids[:3] = [-2, rows, rows + 7]  # out of range: kept out of range
+    return ids, rng.random(n) < 0.9
+
+
 class ReferenceSets:
     """A table's slot map as Python lists."""
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sets_reference import ReferenceSets
+from sets_reference import ReferenceSets, random_batch
 
 from jaxrec.cache import sets
 from jaxrec.distributed.types import CacheAlgorithm
@@ -58,13 +58,7 @@ def test_steps_match_the_reference(algorithm, rows, shards, slots, alpha):
     refused = done = 0
     for _ in range(8):
         n = min(96, slots // 2)
-        if alpha is None:
-            ids = rng.integers(0, rows, n)
-        else:
-            ids = rng.permutation(rows)[np.minimum(rng.zipf(alpha, n) - 1, rows - 1)]
-        ids = ids.astype(np.int32)
-        ids[:3] = [-2, rows, rows + 7]  # out of range: kept out of range
-        valid = rng.random(n) < 0.9  # padding
+        ids, valid = random_batch(rng, rows, n, alpha)
         plan = _check_step(program, layout, state, ref, ids, valid)
         state = plan.state
         refused += bool(plan.overflow)

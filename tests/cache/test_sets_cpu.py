@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sets_reference import ReferenceSets
+from sets_reference import ReferenceSets, random_batch
 
 from jaxrec.cache import sets
 from jaxrec.cpu import loader
@@ -77,13 +77,7 @@ def test_steps_match_plan_sets_and_the_reference(algorithm, rows, shards, slots,
     rng = np.random.default_rng(rows + slots + n)
     done = 0
     for _ in range(8):
-        if alpha is None:
-            ids = rng.integers(0, rows, n)
-        else:
-            ids = rng.permutation(rows)[np.minimum(rng.zipf(alpha, n) - 1, rows - 1)]
-        ids = ids.astype(np.int32)
-        ids[:3] = [-2, rows, rows + 7]  # out of range: kept out of range
-        valid = rng.random(n) < 0.9  # padding
+        ids, valid = random_batch(rng, rows, n, alpha)
         want = xla(state, jnp.asarray(ids), jnp.asarray(valid))
         got = cpu(state, jnp.asarray(ids), jnp.asarray(valid))
         _assert_same(got, want)
