@@ -32,6 +32,7 @@ from .storage import (
     replicated_memory,
     row_sum_calls,
     sharded_buffer_bytes,
+    slot_maps_on_device,
     state_bytes_per_row,
 )
 from .topology import Topology
@@ -128,13 +129,15 @@ class GroupCost:
         buffers = float(self.buffers(capacity, slots, split, row_sum_values))
         held = cache if self.cached else rows
         if self.cached:  # the slot maps count with the buffers
-            buffers += float(cache_map_bytes(rows, cache, self.topology.num_hosts == 1))
+            buffers += float(cache_map_bytes(rows, cache, slot_maps_on_device(self.topology)))
         return held * self.weight_row, held * self.state_row, buffers
 
     def hbm(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
         """Device bytes (arrays ok): rows or cache slots, and buffers."""
         held = cache if self.cached else rows
-        maps = cache_map_bytes(rows, cache, self.topology.num_hosts == 1) if self.cached else 0
+        maps = (
+            cache_map_bytes(rows, cache, slot_maps_on_device(self.topology)) if self.cached else 0
+        )
         return held * self.mem_row + maps + self.buffers(capacity, slots, split, row_sum_values)
 
     def host(self, rows, cache):
@@ -142,7 +145,7 @@ class GroupCost:
         maps), else 0."""
         if not self.cached:
             return 0.0
-        return cache_host_bytes(rows, cache, self.mem_row, self.topology.num_hosts == 1)
+        return cache_host_bytes(rows, cache, self.mem_row, slot_maps_on_device(self.topology))
 
 
 class CostModel:

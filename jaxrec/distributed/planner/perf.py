@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .storage import F32, I32, id_payload
+from .storage import F32, I32, id_payload, slot_maps_on_device
 from .topology import Topology
 
 SORT_BYTES = 32  # de-duplication: a key/value sort, about four 8-byte passes per id
@@ -95,7 +95,7 @@ def cache_miss_seconds(topo: Topology, fetched, row_bytes: int, ids=0):
     device cache once each way. With the slot maps on the device (one host), the plan
     of the ``ids`` received reads each id's set (32 int32 rows) and writes its slot."""
     moved = 2 * fetched * row_bytes
-    plan = ids * (32 * 4 + 3 * 4) if topo.num_hosts == 1 else 0
+    plan = ids * (32 * 4 + 3 * 4) if slot_maps_on_device(topo) else 0
     return moved / topo.hbm_to_ddr_mem_bw + (moved + plan) / topo.hbm_mem_bw
 
 

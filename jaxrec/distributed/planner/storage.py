@@ -228,6 +228,12 @@ def row_sum_calls(optimizer: SparseOptimizer, cache: dict | None = None) -> int:
     return len(calls)
 
 
+def slot_maps_on_device(topo: Topology) -> bool:
+    """Whether cached tables' slot maps are priced on the device (one host: what
+    ``jaxrec.cache.RowCache`` does with one process off the CPU) or on the host."""
+    return topo.num_hosts == 1
+
+
 def cache_host_bytes(rows, slots, row_bytes: int, device_maps: bool = True):
     """Host bytes of cached shards: ``rows`` rows of ``row_bytes`` (columns and optimizer
     state), and with the slot maps on the host (``device_maps=False``: several hosts)
@@ -247,7 +253,7 @@ def cache_staging_bytes(topo: Topology, capacity, row_bytes: int):
     the rows evicted, each as many as the ids received (``N * C``; shapes are static),
     and with the slot maps on the device their plan's temporaries per id."""
     ids = topo.world_size * capacity
-    plan = ids * SLOT_PLAN_ID_BYTES if topo.num_hosts == 1 else 0
+    plan = ids * SLOT_PLAN_ID_BYTES if slot_maps_on_device(topo) else 0
     return 2 * ids * row_bytes + plan
 
 
