@@ -55,13 +55,12 @@ def test_steps_match_the_reference(algorithm, rows, shards, slots, alpha):
     ref = ReferenceSets(rows, shards, slots, layout.sets, algorithm == "lfu")
     program = _program(layout)
     rng = np.random.default_rng(rows + slots)
-    refused = done = 0
+    done = 0
     for _ in range(8):
         n = min(96, slots // 2)
         ids, valid = random_batch(rng, rows, n, alpha)
         plan = _check_step(program, layout, state, ref, ids, valid)
         state = plan.state
-        refused += bool(plan.overflow)
         done += not bool(plan.overflow)
     assert done >= 4  # the cases mostly fit: the check is of real plans
 
