@@ -17,6 +17,7 @@ from .feature_processor import (
 )
 from .feature_processor import PositionWeightedModule as PositionWeightedModule
 from .feature_processor import PositionWeightedModuleCollection as PositionWeightedModuleCollection
+from .hash_zch import HashZchManagedCollisionModule as HashZchManagedCollisionModule
 from .mc_collection import ManagedCollisionCollection as ManagedCollisionCollection
 from .mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection as ManagedCollisionEmbeddingBagCollection,
@@ -41,3 +42,7 @@ from .mlp import Perceptron as Perceptron
 from .torchrec_state import load_torchrec_state_dict as load_torchrec_state_dict
 from .torchrec_state import torchrec_keys as torchrec_keys
 from .torchrec_state import torchrec_state_dict as torchrec_state_dict
+from .zch_policies import FrequencyAdmission as FrequencyAdmission
+from .zch_policies import HashZchEvictionConfig as HashZchEvictionConfig
+from .zch_policies import HashZchEvictionPolicyName as HashZchEvictionPolicyName
+from .zch_policies import ProbabilityAdmission as ProbabilityAdmission

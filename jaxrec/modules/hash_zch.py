@@ -41,6 +41,7 @@ from .mc_modules import MCState
 from .zch_policies import Admission, HashZchEvictionConfig
 
 COUNTER_NAMES = ("admitted", "evicted", "rejected")
+LRU = HashZchEvictionConfig()  # the default policy
 
 
 def _int(value: Any, name: str, minimum: int) -> int:
@@ -74,7 +75,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         zch_size: int,
         *,
         ways: int = 16,
-        eviction_config: HashZchEvictionConfig = HashZchEvictionConfig(),
+        eviction_config: HashZchEvictionConfig = LRU,
         admission: Admission = None,
         total_num_buckets: int | None = None,
         input_hash_seed: int = 0,
@@ -89,7 +90,9 @@ class HashZchManagedCollisionModule(nnx.Module):
         if zch_size % ways:
             raise ValueError(f"zch_size={zch_size} must be a multiple of ways={ways}")
         if not isinstance(eviction_config, HashZchEvictionConfig):
-            raise TypeError(f"eviction_config must be a HashZchEvictionConfig, got {eviction_config!r}")
+            raise TypeError(
+                f"eviction_config must be a HashZchEvictionConfig, got {eviction_config!r}"
+            )
         buckets = total_num_buckets if total_num_buckets is not None else zch_size // ways
         _int(buckets, "total_num_buckets", zch_size // ways)
         _int(output_global_offset, "output_global_offset", 0)

@@ -10,7 +10,11 @@ from flax import nnx
 
 from ..configs import BaseEmbeddingConfig
 from ..sparse import KeyedJaggedTensor
+from ..sparse.ids64 import narrow_ids
+from .hash_zch import HashZchManagedCollisionModule
 from .mc_modules import MCHManagedCollisionModule
+
+ManagedCollisionModule = MCHManagedCollisionModule | HashZchManagedCollisionModule
 
 
 class ManagedCollisionCollection(nnx.Module):
@@ -44,7 +48,7 @@ class ManagedCollisionCollection(nnx.Module):
 
     def __init__(
         self,
-        managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
+        managed_collision_modules: Mapping[str, ManagedCollisionModule],
         embedding_configs: Sequence[BaseEmbeddingConfig],
     ):
         if not isinstance(managed_collision_modules, Mapping):
@@ -66,8 +70,11 @@ class ManagedCollisionCollection(nnx.Module):
         feature_to_table: dict[str, str] = {}
         for c in configs:
             mc = managed_collision_modules[c.name]
-            if not isinstance(mc, MCHManagedCollisionModule):
-                raise TypeError(f"module of table {c.name!r} is a {type(mc).__name__}")
+            if not isinstance(mc, ManagedCollisionModule):
+                raise TypeError(
+                    f"module of table {c.name!r} is a {type(mc).__name__}; use an "
+                    "MCHManagedCollisionModule or a HashZchManagedCollisionModule"
+                )
             if mc.output_size() != c.num_embeddings:
                 raise ValueError(
                     f"table {c.name!r} has num_embeddings={c.num_embeddings} but its module maps "
@@ -139,7 +146,8 @@ def remap_by_table(
     """
     keys, starts, values = features.keys(), features.capacity_offsets(), features.values()
     valid = features.segment_ids() < len(keys) * features.stride()
-    pieces = [values[starts[i] : starts[i + 1]].astype(jnp.int32) for i in range(len(keys))]
+    plain = narrow_ids(values)  # keys of no table: 64-bit id words become int32 (-1: too wide)
+    pieces = [plain[starts[i] : starts[i + 1]].astype(jnp.int32) for i in range(len(keys))]
     for c in configs:
         idx = [keys.index(name) for name in c.feature_names]
         flat = jnp.concatenate([values[starts[i] : starts[i + 1]] for i in idx])
@@ -150,7 +158,7 @@ def remap_by_table(
             n = starts[i + 1] - starts[i]
             pieces[i] = rows[at : at + n]
             at += n
-    out = jnp.concatenate(pieces) if pieces else values.astype(jnp.int32)
+    out = jnp.concatenate(pieces) if pieces else plain.astype(jnp.int32)
     return KeyedJaggedTensor.from_parts(
         keys, out, features.lengths(), features.weights_or_none(),
         capacities=features.capacity_per_key(), stride=features.stride(),

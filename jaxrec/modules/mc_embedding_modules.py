@@ -33,9 +33,11 @@ import jax
 from flax import nnx
 
 from ..embedding.reset import reset_table_rows
+from ..ops import BoundsCheckMode
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from .embedding_bag_collection import EmbeddingBagCollection
 from .embedding_collection import EmbeddingCollection
+from .hash_zch import HashZchManagedCollisionModule
 from .mc_collection import ManagedCollisionCollection
 
 
@@ -78,7 +80,9 @@ class BaseManagedCollisionEmbeddingCollection(nnx.Module):
                 f"{type(managed_collision_collection).__name__}"
             )
         _check_tables(
-            getattr(embedding_module, self._configs_method)(), managed_collision_collection
+            getattr(embedding_module, self._configs_method)(),
+            managed_collision_collection,
+            embedding_module.bounds_check_mode,
         )
         self._embedding_module = embedding_module
         self._managed_collision_collection = managed_collision_collection
@@ -230,7 +234,7 @@ class ManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddingCollectio
         return super().__call__(features, deterministic=deterministic)
 
 
-def _check_tables(configs: list, mcc: ManagedCollisionCollection) -> None:
+def _check_tables(configs: list, mcc: ManagedCollisionCollection, embedding_bounds) -> None:
     """The collection's tables and the MCC's must agree (TorchRec asserts equal configs)."""
     mine = {c.name: c for c in configs}
     theirs = {c.name: c for c in mcc.embedding_configs()}
@@ -247,6 +251,15 @@ def _check_tables(configs: list, mcc: ManagedCollisionCollection) -> None:
             raise ValueError(
                 f"table {name!r} reads features {list(c.feature_names)} in the embedding "
                 f"collection but {list(other.feature_names)} in the managed collision collection"
+            )
+        if isinstance(modules[name], HashZchManagedCollisionModule) and embedding_bounds not in (
+            BoundsCheckMode.IGNORE,
+        ):
+            raise ValueError(
+                f"table {name!r} is a dynamic table (HashZchManagedCollisionModule): ids it gives "
+                "no slot map out of range on purpose (they read zeros and train nothing, and "
+                "the module counts them), so build the embedding collection with "
+                f"bounds_check_mode=BoundsCheckMode.IGNORE (it has {embedding_bounds})"
             )
         size = modules[name].output_size()
         if c.num_embeddings != size:

@@ -235,9 +235,7 @@ def _admit(layout: ZchLayout, head, occurrences, bucket, h_lo, sketch):
     return head, sketch
 
 
-def train_step(
-    layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictions: int
-) -> ZchStep:
+def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictions: int) -> ZchStep:
     """One training call on ids ``[C]`` (words ``lo``, ``hi``; ``valid`` masks padding).
 
     See the module docs for the rules. ``max_evictions`` (static) sizes the
@@ -285,8 +283,10 @@ def train_step(
     counts = counts.at[at_new].set(occ, mode="drop")
 
     # every occurrence of a missed id gets its head's slot (or none), in input order
-    head_slot = jnp.full((c,), -1, jnp.int32).at[jnp.where(head, seg, c)].set(
-        jnp.where(ok, new_slot, -1), mode="drop"
+    head_slot = (
+        jnp.full((c,), -1, jnp.int32)
+        .at[jnp.where(head, seg, c)]
+        .set(jnp.where(ok, new_slot, -1), mode="drop")
     )
     sorted_slot = jnp.where(m, head_slot[jnp.maximum(seg, 0)], -1)
     miss_slot = jnp.zeros((c,), jnp.int32).at[order].set(sorted_slot)
@@ -298,9 +298,7 @@ def train_step(
 
     filled = jnp.sum(ok & (cls_pick == _FREE), dtype=jnp.int32)
     n_ev = jnp.sum(evicted, dtype=jnp.int32)
-    new_state = ZchState(
-        id_lo, id_hi, last_seen, counts, sketch, now, state.occupancy + filled
-    )
+    new_state = ZchState(id_lo, id_hi, last_seen, counts, sketch, now, state.occupancy + filled)
     tally = ZchCounts(
         admitted=jnp.sum(ok, dtype=jnp.int32),
         evicted=n_ev,
