@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from zch_reference import FILL, ReferenceZch
 
 from jaxrec.modules import (
     FrequencyAdmission,
@@ -16,8 +17,6 @@ from jaxrec.modules import (
 )
 from jaxrec.modules import zch_index as zi
 from jaxrec.sparse.ids64 import from_id_words, to_id_words
-
-from zch_reference import FILL, ReferenceZch
 
 P = HashZchEvictionPolicyName
 POLICIES = {

@@ -55,7 +55,7 @@ class ReferenceZch:
         valid = [True] * len(ids) if valid is None else valid
         return [
             self.r0 + self.slot_of[i] if v and self._local(i) and i in self.slot_of else FILL
-            for i, v in zip(ids, valid)
+            for i, v in zip(ids, valid, strict=True)
         ]
 
     def _order(self, s):
@@ -81,7 +81,7 @@ class ReferenceZch:
         valid = [True] * len(ids) if valid is None else valid
         self.now += 1
         now = self.now
-        real = [i for i, v in zip(ids, valid) if v and self._local(i)]
+        real = [i for i, v in zip(ids, valid, strict=True) if v and self._local(i)]
         for i in real:  # hits
             if i in self.slot_of:
                 s = self.slot_of[i]
