@@ -136,15 +136,14 @@ class ZchStep(NamedTuple):
 
 def empty_state(layout: ZchLayout) -> ZchState:
     s = layout.slots
-    zero = jnp.zeros((), jnp.int32)
     return ZchState(
         id_lo=jnp.zeros((s,), jnp.uint32),
         id_hi=jnp.zeros((s,), jnp.uint32),
         last_seen=jnp.full((s,), -1, jnp.int32),
         counts=jnp.zeros((s,), jnp.int32),
         sketch=jnp.zeros((layout.sketch_size,), jnp.int32),
-        current_iter=zero,
-        occupancy=zero,
+        current_iter=jnp.zeros((), jnp.int32),  # distinct buffers: a train step donates each
+        occupancy=jnp.zeros((), jnp.int32),
     )
 
 
