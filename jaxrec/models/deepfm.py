@@ -24,7 +24,7 @@ from ..modules.deepfm import DeepFM, FactorizationMachine
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.initializers import torch_linear
 from ..sparse import KeyedJaggedTensor, KeyedTensor
-from .dlrm import check_same_dim, sparse_feature_names
+from .dlrm import Pooled, check_same_dim, pooled_lookup, sparse_feature_names
 
 
 class SparseArch(nnx.Module):
@@ -34,7 +34,7 @@ class SparseArch(nnx.Module):
         self.embedding_bag_collection = embedding_bag_collection
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return self.embedding_bag_collection(features)
+        return pooled_lookup(self.embedding_bag_collection, features)
 
 
 class DenseArch(nnx.Module):
@@ -142,7 +142,7 @@ class SimpleDeepFMNN(nnx.Module):
     def __init__(
         self,
         num_dense_features: int,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: Pooled,
         hidden_layer_size: int,
         deep_fm_dimension: int,
         *,

@@ -30,23 +30,44 @@ from flax import nnx
 from ..modules.crossnet import LowRankCrossNet
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.initializers import torch_linear
+from ..modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from ..modules.mlp import MLP
-from ..sparse import KeyedJaggedTensor
+from ..sparse import KeyedJaggedTensor, KeyedTensor
+
+Pooled = EmbeddingBagCollection | ManagedCollisionEmbeddingBagCollection
 
 
-def check_same_dim(ebc: EmbeddingBagCollection, model: str) -> int:
+def bag_collection_of(ebc: Pooled) -> EmbeddingBagCollection:
+    """The EBC holding the tables (the one behind managed collision, if any)."""
+    if isinstance(ebc, ManagedCollisionEmbeddingBagCollection):
+        return ebc.embedding_bag_collection
+    return ebc
+
+
+def pooled_lookup(ebc: Pooled, features: KeyedJaggedTensor) -> KeyedTensor:
+    """``ebc(features)``; a managed-collision EBC's pooled output (its remapped ids dropped)."""
+    if isinstance(ebc, ManagedCollisionEmbeddingBagCollection):
+        return ebc(features)[0]
+    return ebc(features)
+
+
+def check_same_dim(ebc: Pooled, model: str) -> int:
     """The single embedding dim of ``ebc``'s tables; error if they differ."""
-    if not isinstance(ebc, EmbeddingBagCollection):
-        raise TypeError(f"{model} needs a jaxrec EmbeddingBagCollection, got {type(ebc).__name__}")
+    if not isinstance(ebc, Pooled):
+        raise TypeError(
+            f"{model} needs a jaxrec EmbeddingBagCollection (or a "
+            f"ManagedCollisionEmbeddingBagCollection), got {type(ebc).__name__}"
+        )
+    ebc = bag_collection_of(ebc)
     dims = {t.name: t.embedding_dim for t in ebc.embedding_bag_configs()}
     if len(set(dims.values())) != 1:
         raise ValueError(f"{model}: all EmbeddingBagConfigs must have the same dimension, {dims=}")
     return next(iter(dims.values()))
 
 
-def sparse_feature_names(ebc: EmbeddingBagCollection, model: str) -> list[str]:
+def sparse_feature_names(ebc: Pooled, model: str) -> list[str]:
     """Feature names in table order; each must be read by exactly one table."""
-    names = [f for t in ebc.embedding_bag_configs() for f in t.feature_names]
+    names = [f for t in bag_collection_of(ebc).embedding_bag_configs() for f in t.feature_names]
     shared = sorted({f for f in names if names.count(f) > 1})
     if shared:
         raise ValueError(
@@ -60,10 +81,12 @@ class SparseArch(nnx.Module):
     """Pooled lookups of every sparse feature, stacked to ``[B, F, D]``.
 
     Args:
-        embedding_bag_collection: tables of one embedding dim ``D``.
+        embedding_bag_collection: tables of one embedding dim ``D``; a
+            ``ManagedCollisionEmbeddingBagCollection`` (e.g. dynamic tables keyed
+            by raw 64-bit ids) is looked up likewise (its remapped ids dropped).
     """
 
-    def __init__(self, embedding_bag_collection: EmbeddingBagCollection):
+    def __init__(self, embedding_bag_collection: Pooled):
         self.D = check_same_dim(embedding_bag_collection, "SparseArch")
         self._sparse_feature_names = tuple(
             sparse_feature_names(embedding_bag_collection, "SparseArch")
@@ -77,7 +100,7 @@ class SparseArch(nnx.Module):
 
     def __call__(self, features: KeyedJaggedTensor) -> jax.Array:
         """``[B, F, D]`` pooled embeddings in feature order."""
-        kt = self.embedding_bag_collection(features)
+        kt = pooled_lookup(self.embedding_bag_collection, features)
         if tuple(kt.keys()) == self._sparse_feature_names:  # already in order: no copy
             values = kt.values()
         else:
@@ -219,7 +242,8 @@ class DLRM(nnx.Module):
     logits.
 
     Args:
-        embedding_bag_collection: tables of one embedding dim ``D``; each
+        embedding_bag_collection: tables of one embedding dim ``D`` (or a
+            ``ManagedCollisionEmbeddingBagCollection`` over them); each
             feature read by one table.
         dense_in_features: ``num_features``.
         dense_arch_layer_sizes: DenseArch layer sizes; the last must be ``D``.
@@ -245,7 +269,7 @@ class DLRM(nnx.Module):
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: Pooled,
         dense_in_features: int,
         dense_arch_layer_sizes: Sequence[int],
         over_arch_layer_sizes: Sequence[int],
@@ -300,7 +324,7 @@ class DLRM_DCN(DLRM):  # TorchRec's name
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: Pooled,
         dense_in_features: int,
         dense_arch_layer_sizes: Sequence[int],
         over_arch_layer_sizes: Sequence[int],
@@ -345,7 +369,7 @@ class DLRM_Projection(DLRM):  # TorchRec's name
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: Pooled,
         dense_in_features: int,
         dense_arch_layer_sizes: Sequence[int],
         over_arch_layer_sizes: Sequence[int],

@@ -25,10 +25,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.mlp import MLP
 from ..sparse import KeyedJaggedTensor
-from .dlrm import check_same_dim, sparse_feature_names
+from .dlrm import (
+    Pooled,
+    bag_collection_of,
+    check_same_dim,
+    pooled_lookup,
+    sparse_feature_names,
+)
 
 
 class TwoTower(nnx.Module):
@@ -52,14 +57,14 @@ class TwoTower(nnx.Module):
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_bag_collection: Pooled,
         layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
     ):
-        configs = embedding_bag_collection.embedding_bag_configs()
+        configs = bag_collection_of(embedding_bag_collection).embedding_bag_configs()
         if len(configs) != 2:
             raise ValueError(
                 f"TwoTower expects two tables (query, candidate), got {[t.name for t in configs]}"
@@ -75,7 +80,7 @@ class TwoTower(nnx.Module):
 
     def __call__(self, kjt: KeyedJaggedTensor) -> tuple[jax.Array, jax.Array]:
         """``(query_embedding, candidate_embedding)``, each ``[B, layer_sizes[-1]]``."""
-        pooled = self.ebc(kjt)
+        pooled = pooled_lookup(self.ebc, kjt)
         query = jnp.concatenate([pooled[f] for f in self._feature_names_query], axis=1)
         candidate = jnp.concatenate([pooled[f] for f in self._candidate_feature_names], axis=1)
         return self.query_proj(query), self.candidate_proj(candidate)
