@@ -65,7 +65,9 @@ class HashZchManagedCollisionModule(nnx.Module):
         input_hash_seed: seed of the id hash.
         output_global_offset: the first row (row-wise shards).
         max_evictions: static length of :meth:`evict`; default (on
-            :meth:`ensure_buffers`) ``min(input capacity, zch_size)``, which never drops.
+            :meth:`ensure_buffers`) the call's id capacity, which never drops an
+            eviction (smaller values pack them at the front, ``min(capacity,
+            zch_size)`` still never drops one).
         name: informational.
         deterministic: ``True`` = eval (lookup only), flax's convention.
     """
@@ -140,7 +142,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         """Allocates :meth:`evict`'s buffer for calls of up to ``input_capacity`` ids."""
         if self.evicted is None:
             _int(input_capacity, "input_capacity", 0)
-            e = max(min(input_capacity, self.zch_size), 1)
+            e = max(input_capacity, 1)  # >= the call's ids: unpacked, nothing dropped
             self.evicted = MCState(jnp.full((e,), zi.FILL, jnp.int32))
 
     def state(self) -> zi.ZchState:

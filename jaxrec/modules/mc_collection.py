@@ -124,6 +124,14 @@ class ManagedCollisionCollection(nnx.Module):
     def open_slots(self) -> dict[str, jax.Array]:
         return {name: mc.open_slots() for name, mc in self.managed_collision_modules.items()}
 
+    def counters(self) -> dict[str, dict[str, jax.Array]]:
+        """Dynamic table -> its index's counters (``HashZchManagedCollisionModule.counters``)."""
+        return {
+            name: mc.counters()
+            for name, mc in self.managed_collision_modules.items()
+            if isinstance(mc, HashZchManagedCollisionModule)
+        }
+
     def ensure_buffers(self, features: KeyedJaggedTensor) -> None:
         """Allocates every module's history for this KJT's capacities (eagerly, once)."""
         caps = dict(zip(features.keys(), features.capacity_per_key(), strict=True))

@@ -238,7 +238,9 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     """One training call on ids ``[C]`` (words ``lo``, ``hi``; ``valid`` masks padding).
 
     See the module docs for the rules. ``max_evictions`` (static) sizes the
-    evicted rows; ``min(C, S)`` never drops one.
+    evicted rows: ``>= C`` never drops one and keeps each evicted row at its id's
+    place in (bucket, id) order, ``FILL`` elsewhere; below ``C`` they are packed
+    at the front (``min(C, S)`` still never drops one).
     """
     c, s, w = lo.shape[0], layout.slots, layout.ways
     now = state.current_iter + 1
@@ -292,8 +294,12 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     slot = jnp.where(look.hit, look.slot, jnp.where(miss, miss_slot, -1))
     rows = jnp.where(slot >= 0, layout.row_offset + slot, FILL).astype(jnp.int32)
 
-    (pos,) = jnp.nonzero(evicted, size=max_evictions, fill_value=c)
-    ev_rows = jnp.where(pos < c, layout.row_offset + new_slot[jnp.minimum(pos, c - 1)], FILL)
+    ev_rows = jnp.where(evicted, layout.row_offset + new_slot, FILL)  # [C], in sorted order
+    if max_evictions >= c:  # no compaction (a prefix-sum program XLA:CPU compiles slowly)
+        ev_rows = jnp.concatenate([ev_rows, jnp.full((max_evictions - c,), FILL, jnp.int32)])
+    else:
+        (pos,) = jnp.nonzero(evicted, size=max_evictions, fill_value=c)
+        ev_rows = jnp.where(pos < c, ev_rows[jnp.minimum(pos, c - 1)], FILL)
 
     filled = jnp.sum(ok & (cls_pick == _FREE), dtype=jnp.int32)
     n_ev = jnp.sum(evicted, dtype=jnp.int32)
