@@ -211,6 +211,12 @@ def place_tables(args: argparse.Namespace, data, configs):
 
     One device runs unsharded; with ``--hbm-gib`` the planner still decides, on a
     one-device mesh, which tables must be cached."""
+    if args.dynamic_tables:  # on the devices, row-wise by the id's hash; nothing cached
+        if args.devices == 1:
+            return None, None, {}, {}
+        mesh = make_mesh(args)
+        abstract = nnx.eval_shape(lambda: build_model(args, data, configs))
+        return mesh, logical_plan(args, abstract, mesh), {}, {}
     planned = args.sharding == "planner" and (args.devices > 1 or args.hbm_gib is not None)
     if args.devices == 1 and not planned:
         return None, None, {t: cache_params(args) for t in forced(args, configs)}, {}

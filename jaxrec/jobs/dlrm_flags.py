@@ -136,6 +136,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="planner: price caching with each table's miss rates measured on the first N "
         "training steps (this cache's policy, from cold); 0: as if ids were uniform",
     )
+    dyn = p.add_argument_group(
+        "dynamic tables (rows keyed by the raw id: admission and eviction; see "
+        "docs/guides/dynamic-tables.md)"
+    )
+    dyn.add_argument(
+        "--dynamic-tables",
+        type=int,
+        default=0,
+        metavar="SLOTS",
+        help="make every table a dynamic table of SLOTS rows keyed by the raw id (0: off); "
+        "sharded row-wise by the id's hash",
+    )
+    dyn.add_argument("--dynamic-ways", type=int, default=16, help="slots per hash bucket")
+    dyn.add_argument(
+        "--dynamic-eviction", default="lru", choices=("lru", "lfu", "ttl"), help="when full"
+    )
+    dyn.add_argument(
+        "--dynamic-ttl", type=int, default=1000, help="ttl: training steps an unused id lives"
+    )
+    dyn.add_argument(
+        "--dynamic-admission",
+        type=int,
+        default=1,
+        metavar="N",
+        help="an id gets a row on its N-th sighting (1: at once)",
+    )
     procs = p.add_argument_group("processes (multi-host; see jaxrec.distributed.initialize)")
     procs.add_argument(
         "--distributed",

@@ -18,10 +18,12 @@ from ..configs import EmbeddingBagConfig
 from ..distributed import planner
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
+from ..models.dlrm import bag_collection_of
 from ..modules import EmbeddingBagCollection
 from ..optim import rowwise_adagrad
 from ..sparse import KeyedJaggedTensor
 from ..train import InFlight, init_train_state, make_eval_step, make_train_step
+from .dlrm_dynamic import dynamic_collection
 from .shards import rank_batches
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
@@ -136,7 +138,11 @@ def build_model(
 ) -> nnx.Module:
     """DLRM (or DLRM-DCN) over ``tables`` (default :func:`table_configs`; a cached
     model passes its slot tables)."""
-    ebc = EmbeddingBagCollection(tables or table_configs(args, data), rngs=nnx.Rngs(args.seed))
+    tables = tables or table_configs(args, data)
+    if args.dynamic_tables:  # rows keyed by the raw id, behind a hash index per table
+        ebc = dynamic_collection(args, tables, args.seed)
+    else:
+        ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(args.seed))
     dense = [int(x) for x in args.dense_arch.split(",")]
     over = [int(x) for x in args.over_arch.split(",")]
     if dense[-1] != args.embedding_dim:
@@ -154,6 +160,11 @@ def build_model(
     if args.model == "dcn":
         return DLRM_DCN(**common, dcn_num_layers=args.dcn_layers, dcn_low_rank_dim=args.dcn_rank)
     return DLRM(**common)
+
+
+def collection_of(model: nnx.Module):
+    """The model's embedding bag collection (the one behind its dynamic tables' indexes)."""
+    return bag_collection_of(model.sparse_arch.embedding_bag_collection)
 
 
 def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
@@ -174,7 +185,12 @@ def logical_plan(
     (default: what the devices report) and ``constraints`` (``{table:
     ParameterConstraints}``). ``model`` may be abstract (``nnx.eval_shape``)."""
     n = mesh.size
-    ebc = model.sparse_arch.embedding_bag_collection
+    ebc = collection_of(model)
+    if args.dynamic_tables:  # whole hash buckets per device: the row-wise blocks
+        names = [t.name for t in ebc.table_configs]
+        return dist.construct_module_sharding_plan(
+            ebc, {t: dist.row_wise() for t in names}, world_size=n
+        )
     if args.sharding != "planner":
         names = [t.name for t in ebc.table_configs]
         gens = {
@@ -219,7 +235,7 @@ def shard(args: argparse.Namespace, model, mesh=None, plan=None):
     model = dist.DistributedModelParallel(
         model, dist.ShardingPlan({EBC_PATH: plan}), mesh, qcomms=qcomms
     )
-    sharded = model.sparse_arch.embedding_bag_collection
+    sharded = collection_of(model)
     kinds = sorted(
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
     )
@@ -228,7 +244,7 @@ def shard(args: argparse.Namespace, model, mesh=None, plan=None):
 
 def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(table, sharding type, ranks)`` of a sharded model's embedding tables."""
-    plan = model.sparse_arch.embedding_bag_collection.plan
+    plan = collection_of(model).plan
     return [
         (name, str(getattr(p.sharding_type, "value", p.sharding_type)), tuple(p.ranks))
         for name, p in plan.items()
@@ -243,7 +259,7 @@ def fit_capacities(
     rows gets more than its share, which would cost extra exchange rounds every step).
     ``view``: host KJT -> the KJT the collection sees (cached tables' ids as slots).
     Returns ``{width group: capacity}``."""
-    sharded = model.sparse_arch.embedding_bag_collection
+    sharded = collection_of(model)
     # The one-process stream on every process: each must compile the same program.
     sample = data.batches(
         args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
@@ -270,12 +286,18 @@ def bce(model, batch):
 
 
 def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.Namespace):
+    eval_graphdef = None
+    if args.dynamic_tables:  # eval looks ids up, never admits: a deterministic twin
+        model.eval()
+        eval_graphdef = nnx.graphdef(model)
+        model.train()
     graphdef, state = init_train_state(model, optimizer)
     # A batch with a NaN/inf (label, dense feature) is skipped and counted, not trained on:
     # one such batch would otherwise leave NaN in the MLPs and in the touched rows for good.
     step = make_train_step(graphdef, optimizer, bce, skip_nonfinite=True)
     eval_step = make_eval_step(
-        graphdef, lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0])
+        eval_graphdef or graphdef,
+        lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0]),
     )
     return graphdef, state, step, eval_step
 

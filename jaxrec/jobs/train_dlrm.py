@@ -73,6 +73,12 @@ from .dlrm_cache import (
     row_cache,
     slot_view,
 )
+from .dlrm_dynamic import (
+    check_dynamic_flags,
+    dynamic_summary,
+    dynamic_text,
+    ensure_dynamic_buffers,
+)
 from .dlrm_flags import parse_args
 from .dlrm_parts import (
     build_model,
@@ -111,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     log = Progress(quiet=args.quiet or not lead)
     _check_run_dir_flags(args)
     check_cache_flags(args)
+    check_dynamic_flags(args)
     # Optional libraries: a run without them says once what it skips.
     tensorboard = (
         args.tensorboard
@@ -139,10 +146,13 @@ def _run(args: argparse.Namespace) -> int:
         log.note(f"sharding plan over {args.devices} devices ({args.sharding}):")
         log.note(plan_table(plan_rows(model)))
         view = (lambda kjt: slot_view(kjt, configs, plan, cached)) if cached else None
-        fit_capacities(model, train_data, args, view=view)
+        if not args.dynamic_tables:  # (a dynamic table's rows are known only in the step)
+            fit_capacities(model, train_data, args, view=view)
     if cached:
         log.note(cached_text(configs, cached, stats))
     optimizer = build_optimizer(args)
+    if args.dynamic_tables:
+        ensure_dynamic_buffers(model, train_data, args)
     graphdef, state, step, eval_step = make_steps(model, optimizer, args)
     rc = (
         row_cache(args, train_data, configs, cached, graphdef, optimizer, state) if cached else None
@@ -251,6 +261,8 @@ def _run(args: argparse.Namespace) -> int:
                 log.note(
                     f"step {step_i}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                 )
+                if args.dynamic_tables:
+                    log.note(dynamic_text(dynamic_summary(graphdef, pipeline.state)))
                 t0 = time.perf_counter()
             if saves and step_i % saves == 0:
                 save(step_i)
@@ -285,6 +297,11 @@ def _run(args: argparse.Namespace) -> int:
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
         "huge_pages": started_with_huge_pages(),  # glibc.malloc.hugetlb (the CLI's restart)
         **({} if rc is None else {"cached_tables": cache_summary(rc, stats)}),
+        **(
+            {"dynamic_tables": dynamic_summary(graphdef, pipeline.state)}
+            if args.dynamic_tables
+            else {}
+        ),
         "eval": history[-1],
         **train_data.reference_metrics(eval_data),
     }

@@ -1,0 +1,116 @@
+"""The DLRM job's dynamic tables (``--dynamic-tables SLOTS``): every table keyed by the
+raw id through a hash index with admission and eviction (``HashZchManagedCollisionModule``
+behind a ``ManagedCollisionEmbeddingBagCollection``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from ..configs import EmbeddingBagConfig
+from ..modules import (
+    EmbeddingBagCollection,
+    FrequencyAdmission,
+    HashZchEvictionConfig,
+    HashZchEvictionPolicyName,
+    HashZchManagedCollisionModule,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+)
+from ..ops import BoundsCheckMode
+
+POLICIES = {
+    "lru": HashZchEvictionPolicyName.LRU_EVICTION,
+    "lfu": HashZchEvictionPolicyName.LFU_EVICTION,
+    "ttl": HashZchEvictionPolicyName.SINGLE_TTL_EVICTION,
+}
+
+
+def check_dynamic_flags(args: argparse.Namespace) -> None:
+    """Fails early on dynamic-table flags that cannot work together."""
+    if not args.dynamic_tables:
+        return
+    slots, ways, n = args.dynamic_tables, args.dynamic_ways, args.devices
+    unit = max(ways, 1) * n
+    if slots < 0 or ways < 1 or slots % unit:
+        raise SystemExit(
+            f"--dynamic-tables {slots}: a multiple of --dynamic-ways ({ways}) x --devices "
+            f"({n}) (whole hash buckets on every device), e.g. {max(1, slots // unit) * unit}"
+        )
+    if args.sharding not in ("planner", "row_wise"):
+        raise SystemExit(
+            f"--dynamic-tables shard row-wise by the id's hash; --sharding {args.sharding} "
+            "cannot apply (leave the default or pass row_wise)"
+        )
+    if args.cache_tables or args.hbm_gib is not None:
+        raise SystemExit("--dynamic-tables keep their rows on the devices: drop --cache-tables "
+                         "and --hbm-gib")  # fmt: skip
+    if args.dynamic_admission < 1 or args.dynamic_ttl < 1:
+        raise SystemExit("--dynamic-admission and --dynamic-ttl must be >= 1")
+
+
+def dynamic_configs(configs: list[EmbeddingBagConfig], slots: int) -> list[EmbeddingBagConfig]:
+    """The tables with ``slots`` rows each (the ids' range no longer sizes them)."""
+    return [dataclasses.replace(c, num_embeddings=slots) for c in configs]
+
+
+def dynamic_collection(
+    args: argparse.Namespace, configs: list[EmbeddingBagConfig], seed: int
+) -> ManagedCollisionEmbeddingBagCollection:
+    """An EBC of ``configs`` behind one hash index per table."""
+    tables = dynamic_configs(configs, args.dynamic_tables)
+    ttl = args.dynamic_ttl if args.dynamic_eviction == "ttl" else None
+    eviction = HashZchEvictionConfig(policy=POLICIES[args.dynamic_eviction], single_ttl=ttl)
+    admission = (
+        FrequencyAdmission(threshold=args.dynamic_admission) if args.dynamic_admission > 1 else None
+    )
+    modules = {
+        c.name: HashZchManagedCollisionModule(
+            c.num_embeddings, ways=args.dynamic_ways, eviction_config=eviction,
+            admission=admission, input_hash_seed=i, name=c.name,
+        )
+        for i, c in enumerate(tables)
+    }  # fmt: skip
+    ebc = EmbeddingBagCollection(
+        tables, rngs=nnx.Rngs(seed), bounds_check_mode=BoundsCheckMode.IGNORE
+    )
+    return ManagedCollisionEmbeddingBagCollection(
+        ebc, ManagedCollisionCollection(modules, tables), rngs=nnx.Rngs(seed + 7)
+    )
+
+
+def dynamic_counters(collection: Any) -> dict[str, dict[str, int]]:
+    """Table -> the latest training step's ``admitted``/``evicted``/``rejected`` and the
+    ``occupancy`` (host ints) of a model's dynamic tables (unsharded or sharded)."""
+    mcc = collection.managed_collision_collection
+    return {
+        table: {k: int(np.asarray(v).sum()) for k, v in counts.items()}
+        for table, counts in mcc.counters().items()
+    }
+
+
+def ensure_dynamic_buffers(model: nnx.Module, data: Any, args: argparse.Namespace) -> None:
+    """Allocates the indexes' eviction buffers for one local batch (eagerly, before the
+    train state is made: a jitted step cannot add variables)."""
+    batch = next(iter(data.batches(args.batch_size, shuffle=False)))
+    model.sparse_arch.embedding_bag_collection.ensure_buffers(batch.sparse_features)
+
+
+def dynamic_summary(graphdef: Any, state: Any) -> dict[str, dict[str, int]]:
+    """:func:`dynamic_counters` of the model in a train ``state``."""
+    model = nnx.merge(graphdef, state.params, state.tables, state.rest)
+    return dynamic_counters(model.sparse_arch.embedding_bag_collection)
+
+
+def dynamic_text(counters: dict[str, dict[str, int]]) -> str:
+    """One log line: each dynamic table's occupancy and the last step's counts."""
+    parts = [
+        f"{t} occupancy {c['occupancy']:,}, last step +{c['admitted']} -{c['evicted']} "
+        f"rejected {c['rejected']}"
+        for t, c in counters.items()
+    ]
+    return "dynamic tables: " + "; ".join(parts)
