@@ -199,23 +199,36 @@ def _sketch_cells(layout: ZchLayout, bucket, h_lo) -> tuple[jax.Array, jax.Array
     return base + first.astype(jnp.int32), base + second.astype(jnp.int32)
 
 
-def _candidates(layout: ZchLayout, last_seen, counts, bucket, now) -> tuple[jax.Array, jax.Array]:
-    """Each entry's bucket's ways in take order: ``(class [C, W], way [C, W])``."""
-    ways = jnp.arange(layout.ways, dtype=jnp.int32)
-    cells = bucket[:, None] * layout.ways + ways
+def _pick(layout: ZchLayout, last_seen, counts, bucket, rank, now) -> tuple[jax.Array, jax.Array]:
+    """The ``rank``-th way of each entry's bucket in take order: ``(class [C], way [C])``.
+
+    Take order is (class, policy keys, way): free ways, then evictable ones by the
+    policy, then taken ones. No sort: each way's place is the number of ways
+    before it (``[C, W, W]`` compares), and the way whose place is ``rank`` is picked.
+    """
+    w = layout.ways
+    ways = jnp.arange(w, dtype=jnp.int32)
+    cells = bucket[:, None] * w + ways
     seen, uses = last_seen[cells], counts[cells]
     free, busy = seen < 0, seen == now
     policy = layout.eviction.policy
     if policy is HashZchEvictionPolicyName.SINGLE_TTL_EVICTION:
         expired = now - seen > layout.eviction.single_ttl
         cls = jnp.where(free, _FREE, jnp.where(expired & ~busy, _EVICTABLE, _TAKEN))
-        keys = (seen, seen)
+        keys = (cls, seen)
     else:
         cls = jnp.where(free, _FREE, jnp.where(busy, _TAKEN, _EVICTABLE))
-        keys = (uses, seen) if policy is HashZchEvictionPolicyName.LFU_EVICTION else (seen, seen)
+        lfu = policy is HashZchEvictionPolicyName.LFU_EVICTION
+        keys = (cls, uses, seen) if lfu else (cls, seen)
     way = jnp.broadcast_to(ways, cls.shape)
-    cls, _, _, way = jax.lax.sort((cls, *keys, way), dimension=1, num_keys=4)
-    return cls, way
+    before = way[:, :, None] < way[:, None, :]  # [C, i, j]: way i before way j by the last key
+    for k in reversed(keys):  # lexicographic, most significant key last
+        a, b = k[:, :, None], k[:, None, :]
+        before = (a < b) | ((a == b) & before)
+    place = jnp.sum(before, axis=1, dtype=jnp.int32)  # [C, j]: ways before way j
+    hit = place == jnp.minimum(rank, w - 1)[:, None]
+    pick = jnp.argmax(hit, axis=1).astype(jnp.int32)
+    return jnp.take_along_axis(cls, pick[:, None], axis=1)[:, 0], pick
 
 
 def _admit(layout: ZchLayout, head, occurrences, bucket, h_lo, sketch):
@@ -252,10 +265,10 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     # distinct misses in (bucket, hi, lo) order; everything else sorts after them
     miss = look.valid & ~look.hit
     idx = jnp.arange(c, dtype=jnp.int32)
-    rest, b, shi, slo, order = jax.lax.sort(
-        ((~miss).astype(jnp.int32), look.bucket, hi, lo, idx), num_keys=4
-    )
-    m = rest == 0
+    key = jnp.where(miss, look.bucket, layout.buckets)  # the rest sort after the misses
+    b, shi, slo, order = jax.lax.sort((key, hi, lo, idx), num_keys=3)
+    m = b < layout.buckets
+    b = jnp.minimum(b, layout.buckets - 1)  # entries past the misses: any bucket, unused
     first = idx == 0
     prev = lambda x: jnp.roll(x, 1)  # noqa: E731
     new_bucket = first | (b != prev(b))
@@ -269,10 +282,7 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     before = jnp.cumsum(a) - a  # admitted entries before this one
     start = jax.lax.cummax(jnp.where(new_bucket, before, 0))
     rank = before - start
-    cls, way = _candidates(layout, last_seen, counts, b, now)
-    col = jnp.minimum(rank, w - 1)[:, None]
-    cls_pick = jnp.take_along_axis(cls, col, axis=1)[:, 0]
-    way_pick = jnp.take_along_axis(way, col, axis=1)[:, 0]
+    cls_pick, way_pick = _pick(layout, last_seen, counts, b, rank, now)
     ok = admit & (rank < w) & (cls_pick != _TAKEN)
     new_slot = b * w + way_pick
     evicted = ok & (cls_pick == _EVICTABLE)
