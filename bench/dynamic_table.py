@@ -381,7 +381,16 @@ def run_breakdown(spec, stream, args, mc, out) -> None:
         key = (lo & 1).astype(jnp.int32)
         return jax.lax.sort((key, b, hi, lo, jnp.arange(c, dtype=jnp.int32)), num_keys=4)[4]
 
+    def candidate_sort(s, lo, hi):  # train_step's per-id sort of its bucket's W ways
+        b, _ = zi.buckets_of(lay, lo, hi)
+        cells = b[:, None] * lay.ways + jnp.arange(lay.ways, dtype=jnp.int32)
+        seen, uses = s.last_seen[cells], s.counts[cells]
+        cls = jnp.where(seen < 0, 0, 1)
+        way = jnp.broadcast_to(jnp.arange(lay.ways, dtype=jnp.int32), cls.shape)
+        return jax.lax.sort((cls, seen, uses, way), dimension=1, num_keys=4)[3]
+
     parts = {
+        "candidate_sort_[C,W]": jax.jit(candidate_sort),
         "hash": jax.jit(lambda s, lo, hi: zi.buckets_of(lay, lo, hi)[0]),
         "hash_and_probe (eval remap)": jax.jit(lambda s, lo, hi: zi.remap(lay, s, lo, hi, ok)),
         "sort_4_keys": jax.jit(lambda s, lo, hi: sort4(lo, hi)),
