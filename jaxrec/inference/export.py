@@ -344,10 +344,9 @@ def _feature_tables(model: nnx.Module) -> dict[str, int]:
 
 
 def _sample_kjt(keys, caps, values, lengths, weights):
-    """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``."""
-    return KeyedJaggedTensor(
-        keys, values, weights, lengths=lengths, stride=1, capacities=caps, validate=False
-    )
+    """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``
+    (``values`` ``[C]`` int32 or ``[C, 2]`` uint32 id words)."""
+    return KeyedJaggedTensor.from_parts(keys, values, lengths, weights, capacities=caps, stride=1)
 
 
 def _write(
