@@ -11,7 +11,10 @@ one ``.npz`` file. Inputs are validated on the host, so a bad request gets a
 :class:`InputError` (a ``ValueError``) naming the feature and the limit,
 never a silent wrong answer: in particular ids outside ``[0, num_embeddings)``
 are rejected here, because the exported lookup drops them (bounds checks in
-the compiled module cannot report).
+the compiled module cannot report). Features read through managed collision
+(manifest ``"raw_id_features"``) take raw ids instead: any int32, or, in an
+artifact of 64-bit ids (``"ids_dtype": "uint32x2"``), any int64 or uint64,
+which the loader packs into ``uint32[..., 2]`` id words.
 
 The artifact is verified before use: the sha256 of the module, of the weights
 and of every manifest field must match those recorded at export, and the

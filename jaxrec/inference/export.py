@@ -10,7 +10,8 @@ An artifact is a directory::
                         weight-independent (weights are arguments)
     weights.npz         the weights, one array per state leaf (w0000, w0001, ... in
                         the module's argument order; non-numpy dtypes such as
-                        bfloat16 stored as same-width unsigned ints)
+                        bfloat16 stored as same-width unsigned ints; PRNG keys as
+                        their uint32 key data, "key_impl" in their manifest entry)
 
 **The symbolic batch and ragged ids.** A ``KeyedJaggedTensor``'s per-key
 capacities are static Python ints, and its helpers do host-side (numpy)
@@ -22,6 +23,9 @@ over the batch with ``jax.vmap``: for a symbolic batch ``b`` its inputs are ::
     values   [b, C]           int32    C = sum(max_ids_per_sample); feature k owns
                                        columns [start_k, start_k + max_ids_k),
                                        its ids packed at the front of that slot
+          or [b, C, 2]        uint32   64-bit ids as id words (lo, hi), when the
+                                       example KJT's values are id words
+                                       (manifest "ids_dtype": "uint32x2")
     lengths  [b, F]           int32    ids per sample and feature (<= max_ids_k)
     weights  [b, C]           float32  only for weighted collections
 
@@ -44,6 +48,16 @@ guarantees"), and need static grids while the batch is symbolic here, so
 ``implementation="pallas"`` is refused. Bounds checking is set to ``IGNORE`` (the WARNING/FATAL
 modes use a host callback, which cannot be serialized); the loader checks ids
 against ``num_embeddings`` on the host instead.
+
+**Managed collision (dynamic and MCH tables).** Export runs on a copy in eval
+mode (``model.eval()``, and ``deterministic=True`` set on every managed-collision
+module and wrapper): the artifact remaps ids through the index held in the
+modules' ``MCState`` variables, which are weights like any other, and never
+admits or evicts. The reset key of a managed-collision wrapper (a PRNG key leaf)
+is passed as its key data and re-wrapped in the function. Features read through
+managed collision take raw ids, so the loader checks them against the layout's
+integer range (int32, or 64 bits for id words), not ``num_embeddings``
+(manifest ``"raw_id_features"``).
 
 One artifact serves every batch size, but XLA still compiles once per
 concrete batch size at load time: callers pad to a few sizes (the loader
@@ -110,10 +124,14 @@ def export(
 
     Args:
         model: an ``nnx.Module`` called as ``model(dense [B, N], kjt)``
-            (unsharded; samples independent).
+            (unsharded; samples independent). A copy of it is exported in eval
+            mode (``deterministic=True``: dropout off, managed-collision modules
+            only remap, with the index they hold); ``model`` is not changed.
         example_batch: a ``Batch`` or ``(dense_features, sparse_features)``:
-            gives feature names, the dense width and dtypes, weightedness and
-            (by default) ``max_ids_per_sample``. Its values are not recorded.
+            gives feature names, the dense width and dtypes, weightedness, the
+            id layout (int32 values, or ``uint32[C, 2]`` id words for 64-bit
+            ids) and (by default) ``max_ids_per_sample``. Its values are not
+            recorded.
         path: the artifact directory (created; must be empty unless
             ``overwrite``).
         max_ids_per_sample: ids one sample may have per feature (a mapping or
