@@ -11,7 +11,10 @@ one ``.npz`` file. Inputs are validated on the host, so a bad request gets a
 :class:`InputError` (a ``ValueError``) naming the feature and the limit,
 never a silent wrong answer: in particular ids outside ``[0, num_embeddings)``
 are rejected here, because the exported lookup drops them (bounds checks in
-the compiled module cannot report).
+the compiled module cannot report). Features read through managed collision
+(manifest ``"raw_id_features"``) take raw ids instead: any int32, or, in an
+artifact of 64-bit ids (``"ids_dtype": "uint32x2"``), any int64 or uint64,
+which the loader packs into ``uint32[..., 2]`` id words.
 
 The artifact is verified before use: the sha256 of the module, of the weights
 and of every manifest field must match those recorded at export, and the
@@ -46,6 +49,10 @@ import jax
 import numpy as np
 
 FORMAT = "jaxrec.export/2"  # /2 adds the "integrity" section
+WIDE_IDS = "uint32x2"  # manifest "ids_dtype" of 64-bit ids as id words (values [b, C, 2])
+ID32 = (-(2**31), 2**31)  # raw ids of the int32 layout, [lo, hi)
+ID64 = (-(2**63), 2**64)  # raw ids of the id-word layout: int64 or uint64
+_MASK64 = 2**64 - 1
 LEGACY_FORMATS = ("jaxrec.export/1",)
 MANIFEST = "manifest.json"
 MODULE = "module.jaxexport"
@@ -116,6 +123,15 @@ class ExportedModel:
         self.features: tuple[str, ...] = tuple(m["features"])
         self.max_ids = tuple(int(m["max_ids_per_sample"][k]) for k in self.features)
         self.num_embeddings = tuple(int(m["num_embeddings"][k]) for k in self.features)
+        self.wide_ids = m.get("ids_dtype", "int32") == WIDE_IDS
+        raw = set(m.get("raw_id_features", ()))
+        self.raw_ids = tuple(k in raw for k in self.features)
+        # ids allowed per feature, [lo, hi): a table's rows, or raw ids (managed
+        # collision) of the layout's width
+        self.id_bounds = tuple(
+            (ID64 if self.wide_ids else ID32) if r else (0, n)
+            for r, n in zip(self.raw_ids, self.num_embeddings, strict=True)
+        )
         self.starts = np.concatenate([[0], np.cumsum(self.max_ids)]).astype(np.int64)
         self.num_dense = int(m["num_dense"])
         self.dense_dtype = np.dtype(jax.numpy.dtype(m["dense_dtype"]))
@@ -213,9 +229,9 @@ class ExportedModel:
             raise InputError("this model reads weighted features: pass weights={feature: [...]}")
         if weights is not None and not self.weighted:
             raise InputError("this model reads unweighted features; pass weights=None")
-        values = np.zeros((b, int(self.starts[-1])), np.int32)
+        values = empty_values(self, b)
         lengths = np.zeros((b, len(self.features)), np.int32)
-        wts = np.zeros(values.shape, np.float32) if self.weighted else None
+        wts = np.zeros((b, int(self.starts[-1])), np.float32) if self.weighted else None
         for k, key in enumerate(self.features):
             samples = sparse[key]
             if not isinstance(samples, Sequence) or isinstance(samples, str | bytes):
@@ -250,18 +266,34 @@ class ExportedModel:
         where = f"feature {key!r} sample {i}"
         if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
             raise InputError(f"{where}: ids must be a list of integers, got {type(ids).__name__}")
-        if any(isinstance(x, bool) for x in ids):
-            raise InputError(f"{where}: ids must be integers, got a bool")
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return np.zeros((0,), np.int32)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise InputError(
-                f"{where}: ids must be a flat list of integers, got dtype {arr.dtype.name} "
-                f"shape {arr.shape}"
-            )
+        if isinstance(ids, np.ndarray):
+            arr = ids
+            if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+                raise InputError(
+                    f"{where}: ids must be a flat list of integers, got dtype {arr.dtype.name} "
+                    f"shape {arr.shape}"
+                )
+        else:
+            bad = next((x for x in ids if not _is_int(x)), None)
+            if isinstance(bad, bool | np.bool_):
+                raise InputError(f"{where}: ids must be integers, got a bool")
+            if bad is not None:
+                what = (
+                    f"dtype {np.asarray(bad).dtype.name}"
+                    if isinstance(bad, float | complex | np.number)
+                    else type(bad).__name__
+                )
+                raise InputError(
+                    f"{where}: ids must be a flat list of integers, got {what} {bad!r:.40}"
+                )
+            try:
+                arr = np.asarray(ids, np.int64).reshape(-1)
+            except OverflowError:  # past int64 (uint64, or too wide: the check says)
+                arr = np.array([int(x) for x in ids], dtype=object)
+        if not arr.size:
+            arr = np.zeros((0,), np.int64)
         self._check_ids(key, k, arr, where, arr.shape[0])
-        return arr.astype(np.int32)
+        return pack_ids(arr, self.wide_ids)
 
     def _check_ids(self, key: str, k: int, ids: np.ndarray, where: str, count: int) -> None:
         limit = self.max_ids[k]
@@ -272,12 +304,9 @@ class ExportedModel:
             )
         if ids.size:
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_embeddings[k]:
-                bad = lo if lo < 0 else hi
-                raise InputError(
-                    f"{where}: id {bad} is outside [0, {self.num_embeddings[k]}) "
-                    f"(num_embeddings of the table reading {key!r})"
-                )
+            first, end = self.id_bounds[k]
+            if lo < first or hi >= end:
+                raise InputError(f"{where}: {id_range_error(self, k, lo if lo < first else hi)}")
 
     def _from_kjt(self, kjt: Any, b: int) -> tuple:
         keys = list(kjt.keys())
@@ -285,8 +314,13 @@ class ExportedModel:
         if kjt.stride() != b:
             raise InputError(f"the KJT has batch size {kjt.stride()} but dense features have {b}")
         all_vals = np.asarray(kjt.values())
-        if all_vals.dtype.kind not in "iu":
-            raise InputError(f"KJT values must be integer ids, got dtype {all_vals.dtype.name}")
+        if all_vals.ndim == 2 and all_vals.shape[1] == 2 and all_vals.dtype == np.uint32:
+            all_vals = _from_words(all_vals)  # id words: as int64 (uint64 past 2**63)
+        if all_vals.ndim != 1 or all_vals.dtype.kind not in "iu":
+            raise InputError(
+                "KJT values must be integer ids or uint32[N, 2] id words, got dtype "
+                f"{all_vals.dtype.name} shape {all_vals.shape}"
+            )
         all_lens = np.asarray(kjt.lengths()).reshape(len(keys), b)
         offs = kjt.capacity_offsets()
         w_all = kjt.weights_or_none()
@@ -294,9 +328,9 @@ class ExportedModel:
             need = "weighted" if self.weighted else "unweighted"
             raise InputError(f"this model reads {need} features; the KJT does not match")
         w_all = None if w_all is None else np.asarray(w_all, np.float32)
-        values = np.zeros((b, int(self.starts[-1])), np.int32)
+        values = empty_values(self, b)
         lengths = np.zeros((b, len(self.features)), np.int32)
-        wts = np.zeros(values.shape, np.float32) if self.weighted else None
+        wts = np.zeros((b, int(self.starts[-1])), np.float32) if self.weighted else None
         for k, key in enumerate(self.features):
             j = keys.index(key)
             lens = all_lens[j].astype(np.int64)
@@ -312,7 +346,7 @@ class ExportedModel:
             )
             row = np.repeat(np.arange(b), lens)
             col = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens) + int(self.starts[k])
-            values[row, col] = ids
+            values[row, col] = pack_ids(ids, self.wide_ids)
             lengths[:, k] = lens
             if wts is not None:
                 wts[row, col] = w_all[offs[j] : offs[j] + n]
@@ -327,6 +361,54 @@ class ExportedModel:
         if not fits:
             raise InputError(f"batch of {b} samples exceeds the largest bucket {max(self.buckets)}")
         return min(fits)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def empty_values(model: ExportedModel, b: int) -> np.ndarray:
+    """Zero ``values`` for ``b`` samples: ``[b, C]`` int32, or ``[b, C, 2]`` uint32 words."""
+    c = int(model.starts[-1])
+    return np.zeros((b, c, 2), np.uint32) if model.wide_ids else np.zeros((b, c), np.int32)
+
+
+def pack_ids(ids: Any, wide: bool) -> np.ndarray:
+    """Checked integer ids (numpy, or Python ints as an object array) as the layout's
+    values: int32 ``[N]``, or ``uint32[N, 2]`` id words (low word first; signed ids as
+    two's complement, unsigned by value), as ``jaxrec.sparse.ids64.to_id_words``."""
+    a = np.asarray(ids)
+    if not wide:
+        return a.astype(np.int32)
+    if a.dtype == object:
+        u = np.array([int(x) & _MASK64 for x in a], np.uint64)
+    elif a.dtype.kind == "i":
+        u = a.astype(np.int64).view(np.uint64)
+    else:
+        u = a.astype(np.uint64)
+    return np.stack([u & np.uint64(0xFFFFFFFF), u >> np.uint64(32)], axis=-1).astype(np.uint32)
+
+
+def _from_words(words: np.ndarray) -> np.ndarray:
+    """``uint32[N, 2]`` id words as host ids: int64, or uint64 if any is past ``2**63 - 1``."""
+    u = (words[:, 1].astype(np.uint64) << np.uint64(32)) | words[:, 0].astype(np.uint64)
+    return u if u.size and int(u.max()) >= 2**63 else u.view(np.int64)
+
+
+def id_range_error(model: ExportedModel, k: int, bad: int) -> str:
+    """Why id ``bad`` of feature ``k`` is refused (bounds: ``model.id_bounds[k]``)."""
+    key, (lo, hi) = model.features[k], model.id_bounds[k]
+    if not model.raw_ids[k]:
+        return f"id {bad} is outside [0, {hi}) (num_embeddings of the table reading {key!r})"
+    if model.wide_ids:
+        return (
+            f"id {bad} does not fit 64 bits; raw ids of {key!r} (a managed-collision "
+            f"feature) are int64 or uint64, in [{lo}, {hi})"
+        )
+    return (
+        f"id {bad} does not fit int32; this artifact takes int32 ids (export it with a "
+        "batch of uint32[C, 2] id words, jaxrec.sparse.ids64.to_id_words, for 64-bit ids)"
+    )
 
 
 def _buckets(spec) -> str | tuple[int, ...] | None:
@@ -508,6 +590,14 @@ def check_facts(path: Path, m: Mapping, exported: Any, npz: Any) -> None:
             f"takes lengths for {lengths.shape[1]} features; {MANIFEST} lists {len(feats)}",
         )
     slots = sum(int(m["max_ids_per_sample"][k]) for k in feats)
+    wide = m.get("ids_dtype", "int32") == WIDE_IDS
+    layout = ([2], "uint32") if wide else ([], "int32")
+    if ([int(d) for d in values.shape[2:]], np.dtype(values.dtype).name) != layout:
+        raise _tampered(
+            path,
+            MODULE,
+            f"takes id values {_shape(values)}; {MANIFEST} says ids_dtype={m.get('ids_dtype')!r}",
+        )
     if values.shape[1] != slots:
         raise _tampered(
             path,

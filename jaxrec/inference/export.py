@@ -10,7 +10,8 @@ An artifact is a directory::
                         weight-independent (weights are arguments)
     weights.npz         the weights, one array per state leaf (w0000, w0001, ... in
                         the module's argument order; non-numpy dtypes such as
-                        bfloat16 stored as same-width unsigned ints)
+                        bfloat16 stored as same-width unsigned ints; PRNG keys as
+                        their uint32 key data, "key_impl" in their manifest entry)
 
 **The symbolic batch and ragged ids.** A ``KeyedJaggedTensor``'s per-key
 capacities are static Python ints, and its helpers do host-side (numpy)
@@ -22,6 +23,9 @@ over the batch with ``jax.vmap``: for a symbolic batch ``b`` its inputs are ::
     values   [b, C]           int32    C = sum(max_ids_per_sample); feature k owns
                                        columns [start_k, start_k + max_ids_k),
                                        its ids packed at the front of that slot
+          or [b, C, 2]        uint32   64-bit ids as id words (lo, hi), when the
+                                       example KJT's values are id words
+                                       (manifest "ids_dtype": "uint32x2")
     lengths  [b, F]           int32    ids per sample and feature (<= max_ids_k)
     weights  [b, C]           float32  only for weighted collections
 
@@ -45,6 +49,16 @@ guarantees"), and need static grids while the batch is symbolic here, so
 modes use a host callback, which cannot be serialized); the loader checks ids
 against ``num_embeddings`` on the host instead.
 
+**Managed collision (dynamic and MCH tables).** Export runs on a copy in eval
+mode (``model.eval()``, and ``deterministic=True`` set on every managed-collision
+module and wrapper): the artifact remaps ids through the index held in the
+modules' ``MCState`` variables, which are weights like any other, and never
+admits or evicts. The reset key of a managed-collision wrapper (a PRNG key leaf)
+is passed as its key data and re-wrapped in the function. Features read through
+managed collision take raw ids, so the loader checks them against the layout's
+integer range (int32, or 64 bits for id words), not ``num_embeddings``
+(manifest ``"raw_id_features"``).
+
 One artifact serves every batch size, but XLA still compiles once per
 concrete batch size at load time: callers pad to a few sizes (the loader
 rounds up to powers of two by default).
@@ -66,7 +80,15 @@ from flax import nnx
 
 from ..datasets import Batch
 from ..embedding import EmbeddingCollectionInterface
+from ..modules import (
+    HashZchManagedCollisionModule,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    MCHManagedCollisionModule,
+)
 from ..sparse import KeyedJaggedTensor
+from ..sparse.ids64 import is_wide
 from ..xla.bounds import BoundsCheckMode
 from .artifact import FORMAT, MANIFEST, MODULE, WEIGHTS, integrity_section
 from .quant_modules import QuantStorage
@@ -76,6 +98,13 @@ TRITON_TARGET = "__gpu$xla.gpu.triton"
 # tables bound the ids: every collection with trainable tables (the contract) and
 # the unsharded quantized ones (inference-only, outside the contract).
 COLLECTIONS = (EmbeddingCollectionInterface, QuantStorage)
+# The modules whose mode flag export sets to eval (``deterministic=True``).
+MANAGED = (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    HashZchManagedCollisionModule,
+    MCHManagedCollisionModule,
+)
 
 
 def export(
@@ -95,10 +124,14 @@ def export(
 
     Args:
         model: an ``nnx.Module`` called as ``model(dense [B, N], kjt)``
-            (unsharded; samples independent).
+            (unsharded; samples independent). A copy of it is exported in eval
+            mode (``deterministic=True``: dropout off, managed-collision modules
+            only remap, with the index they hold); ``model`` is not changed.
         example_batch: a ``Batch`` or ``(dense_features, sparse_features)``:
-            gives feature names, the dense width and dtypes, weightedness and
-            (by default) ``max_ids_per_sample``. Its values are not recorded.
+            gives feature names, the dense width and dtypes, weightedness, the
+            id layout (int32 values, or ``uint32[C, 2]`` id words for 64-bit
+            ids) and (by default) ``max_ids_per_sample``. Its values are not
+            recorded.
         path: the artifact directory (created; must be empty unless
             ``overwrite``).
         max_ids_per_sample: ids one sample may have per feature (a mapping or
@@ -140,8 +173,17 @@ def export(
     weighted = kjt.weights_or_none() is not None
     num_dense = int(dense.shape[1])
     dense_dtype = np.dtype(dense.dtype)
+    wide = is_wide(kjt.values())
+    if not wide and np.dtype(kjt.values().dtype) != np.int32:
+        raise TypeError(
+            "the example batch's KJT values must be int32 ids or uint32[C, 2] id words "
+            f"(64-bit ids, jaxrec.sparse.ids64.to_id_words), got {kjt.values().dtype=} "
+            f"{kjt.values().shape=}"
+        )
+    values_dtype = jnp.uint32 if wide else jnp.int32
     model = _inference_copy(model, implementation)
     tables = _feature_tables(model)
+    raw = _raw_id_features(model)
     missing = [k for k in keys if k not in tables]
     if missing:
         raise ValueError(
@@ -151,19 +193,27 @@ def export(
     graphdef, state = nnx.split(model)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     leaves = [leaf for _, leaf in paths_leaves]
-    for p, leaf in paths_leaves:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-            raise ValueError(
-                f"model state leaf {jax.tree_util.keystr(p)} is a PRNG key; inference export "
-                "needs a deterministic model (drop rngs or replace them before export)"
-            )
+    # PRNG keys (a managed-collision wrapper's reset stream) travel as their uint32
+    # key data and are re-wrapped inside the exported function: jax.export takes
+    # no key-typed arguments.
+    key_impls = [_key_impl(leaf) for leaf in leaves]
+    leaves = [leaf if impl is None else jax.random.key_data(leaf) for leaf, impl in zip(
+        leaves, key_impls, strict=True)]  # fmt: skip
+    paths_leaves = [(p, leaf) for (p, _), leaf in zip(paths_leaves, leaves, strict=True)]
     caps = tuple(max_ids[k] for k in keys)
     apply_fn = apply_fn or (lambda m, d, s: m(d, s))
 
     def forward(weights, dense, values, lengths, *maybe_weights):
-        m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, weights))
+        weights = [
+            w if impl is None else jax.random.wrap_key_data(w, impl=impl)
+            for w, impl in zip(weights, key_impls, strict=True)
+        ]
 
         def one(d, v, n, *w):
+            # built inside the vmap: an eval forward may still advance state (a managed-
+            # collision wrapper draws its reset key on every call), which nnx allows only
+            # at the trace level its variables were made at; the updates are dropped
+            m = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, weights))
             sample = _sample_kjt(keys, caps, v, n, w[0] if w else None)
             return apply_fn(m, d[None, :], sample)[0]
 
@@ -175,7 +225,7 @@ def export(
     args = [
         [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves],
         jax.ShapeDtypeStruct((b, num_dense), dense_dtype),
-        jax.ShapeDtypeStruct((b, total), jnp.int32),
+        jax.ShapeDtypeStruct((b, total, 2) if wide else (b, total), values_dtype),
         jax.ShapeDtypeStruct((b, len(keys)), jnp.int32),
     ]
     if weighted:
@@ -192,7 +242,8 @@ def export(
         "weighted": weighted,
         "num_dense": num_dense,
         "dense_dtype": dense_dtype.name,
-        "ids_dtype": "int32",
+        "ids_dtype": "uint32x2" if wide else "int32",
+        "raw_id_features": [k for k in keys if k in raw],
         "output": {
             "name": output_name,
             "shape": ["batch", *(int(d) for d in out.shape[1:])],
@@ -205,8 +256,15 @@ def export(
         "calling_convention_version": exported.calling_convention_version,
         "weights": [],
     }
-    _write(Path(path), manifest, exported.serialize(), paths_leaves, overwrite)
+    _write(Path(path), manifest, exported.serialize(), paths_leaves, key_impls, overwrite)
     return manifest
+
+
+def _key_impl(leaf: Any) -> str | None:
+    """The PRNG implementation's name of a key leaf (``None`` for other leaves)."""
+    if not jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        return None
+    return str(jax.random.key_impl(leaf))
 
 
 def _verify(exported, leaves, args) -> None:
@@ -269,13 +327,28 @@ def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
 
 
 def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
-    """A copy whose embedding collections use ``implementation`` and IGNORE bounds checks."""
+    """A copy in eval mode whose embedding collections use ``implementation`` and
+    IGNORE bounds checks, and whose managed-collision modules only remap."""
     model = nnx.clone(model)
+    model.eval()  # deterministic=True (dropout off, managed collision remaps only)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, COLLECTIONS):
             node.implementation = implementation
             node.bounds_check_mode = BoundsCheckMode.IGNORE
+        if isinstance(node, MANAGED):  # explicit: their eval mode keeps the index fixed
+            node.deterministic = True
     return model
+
+
+def _raw_id_features(model: nnx.Module) -> set[str]:
+    """Features read through a managed-collision collection: raw ids, not rows."""
+    return {
+        f
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, ManagedCollisionCollection)
+        for c in node.embedding_configs()
+        for f in c.feature_names
+    }
 
 
 def _feature_tables(model: nnx.Module) -> dict[str, int]:
@@ -289,28 +362,30 @@ def _feature_tables(model: nnx.Module) -> dict[str, int]:
 
 
 def _sample_kjt(keys, caps, values, lengths, weights):
-    """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``."""
-    return KeyedJaggedTensor(
-        keys, values, weights, lengths=lengths, stride=1, capacities=caps, validate=False
-    )
+    """One sample as a stride-1 KeyedJaggedTensor with static capacities ``caps``
+    (``values`` ``[C]`` int32 or ``[C, 2]`` uint32 id words)."""
+    return KeyedJaggedTensor.from_parts(keys, values, lengths, weights, capacities=caps, stride=1)
 
 
-def _write(path: Path, manifest: dict, module: bytearray, paths_leaves, overwrite: bool) -> None:
+def _write(
+    path: Path, manifest: dict, module: bytearray, paths_leaves, key_impls, overwrite: bool
+) -> None:
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} is not empty; pass overwrite=True or a new path")
     path.mkdir(parents=True, exist_ok=True)
     arrays = {}
-    for i, (p, leaf) in enumerate(paths_leaves):
+    for i, ((p, leaf), impl) in enumerate(zip(paths_leaves, key_impls, strict=True)):
         arr = np.asarray(jax.device_get(leaf))
         name = f"w{i:04d}"
-        manifest["weights"].append(
-            {
-                "name": name,
-                "path": jax.tree_util.keystr(p),
-                "shape": list(arr.shape),
-                "dtype": np.dtype(arr.dtype).name,
-            }
-        )
+        entry = {
+            "name": name,
+            "path": jax.tree_util.keystr(p),
+            "shape": list(arr.shape),
+            "dtype": np.dtype(arr.dtype).name,
+        }
+        if impl is not None:  # key data, re-wrapped in the module with this impl
+            entry["key_impl"] = impl
+        manifest["weights"].append(entry)
         if arr.dtype.char not in np.typecodes["All"]:  # e.g. ml_dtypes' bfloat16
             arr = arr.view(f"u{arr.dtype.itemsize}")
         arrays[name] = arr

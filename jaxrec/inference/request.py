@@ -16,7 +16,11 @@ no ``NaN``/``Infinity`` literals; the object has exactly the key
 ``instances``; each instance exactly ``dense``, ``sparse`` (and ``weights``
 for a weighted model); dense values and weights are JSON numbers (not
 booleans) finite in the model's dense dtype; ids are JSON integers in
-``[0, num_embeddings)``, at most ``max_ids_per_sample`` per feature.
+``[0, num_embeddings)``, at most ``max_ids_per_sample`` per feature. A feature
+read through managed collision (a dynamic or MCH table) takes raw ids instead,
+not bounded by its table: any int32 (``"ids_dtype": "int32"`` artifacts), or
+any 64-bit integer, signed or unsigned (``"uint32x2"`` artifacts, whose ids
+travel as id words).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .artifact import InputError
+from .artifact import InputError, id_range_error, pack_ids
 
 MAX_JSON_DEPTH = 32  # a valid request nests 5 deep
 # A JSON string (escapes included): removed before counting brackets.
@@ -112,7 +116,8 @@ def decode_request(
     Args:
         model: an :class:`~jaxrec.inference.ExportedModel` (its ``features``,
             ``num_dense``, ``dense_dtype``, ``max_ids``, ``num_embeddings``,
-            ``weighted`` are read).
+            ``weighted`` and, if it has them, ``id_bounds``, ``raw_ids`` and
+            ``wide_ids`` are read).
         body: the raw body.
         max_instances: instances allowed (more: :class:`RequestTooLarge`).
         max_depth: nesting allowed.
@@ -238,10 +243,16 @@ def _finite(rows: list[list[float]], dtype: Any, what: str, ragged: bool = False
     return out
 
 
+def _bounds(model: Any, k: int) -> tuple[int, int]:
+    """Feature ``k``'s ids ``[lo, hi)``: its table's rows, or raw ids (managed collision)."""
+    bounds = getattr(model, "id_bounds", None)  # a stub model may give only num_embeddings
+    return (0, model.num_embeddings[k]) if bounds is None else bounds[k]
+
+
 def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
     if not isinstance(x, list):
         raise RequestError(f"{where}: ids must be a list of integers, got {_kind(x)}")
-    limit, rows = model.max_ids[k], model.num_embeddings[k]
+    limit, (lo, hi) = model.max_ids[k], _bounds(model, k)
     if len(x) > limit:
         raise RequestError(
             f"{where} has {len(x)} ids; this artifact allows at most {limit} "
@@ -250,20 +261,25 @@ def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
     for v in x:
         if isinstance(v, bool) or not isinstance(v, int):
             raise RequestError(f"{where}: ids must be integers, got {_kind(v)} {v!r:.40}")
-        if not 0 <= v < rows:
-            raise RequestError(
-                f"{where}: id {v} is outside [0, {rows}) (num_embeddings of its table)"
+        if not lo <= v < hi:
+            raw = getattr(model, "raw_ids", None)
+            why = (
+                id_range_error(model, k, v)
+                if raw and raw[k]
+                else f"id {v} is outside [0, {hi}) (num_embeddings of its table)"
             )
+            raise RequestError(f"{where}: {why}")
     return list(x)
 
 
 def batch_arrays(model: Any, batch: DecodedBatch) -> tuple:
     """``(dense, values, lengths[, weights])`` for ``ExportedModel.run``: the
     per-sample layout, built without re-checking what the decoder checked."""
-    b = batch.dense.shape[0]
-    values = np.zeros((b, int(model.starts[-1])), np.int32)
+    b, wide = batch.dense.shape[0], bool(getattr(model, "wide_ids", False))
+    c = int(model.starts[-1])
+    values = np.zeros((b, c, 2), np.uint32) if wide else np.zeros((b, c), np.int32)
     lengths = np.zeros((b, len(model.features)), np.int32)
-    wts = np.zeros(values.shape, np.float32) if batch.weights is not None else None
+    wts = np.zeros((b, c), np.float32) if batch.weights is not None else None
     for k, key in enumerate(model.features):
         lens = np.fromiter(map(len, batch.sparse[key]), np.int64, b)
         n = int(lens.sum())
@@ -271,7 +287,11 @@ def batch_arrays(model: Any, batch: DecodedBatch) -> tuple:
             continue
         row = np.repeat(np.arange(b), lens)
         col = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens) + int(model.starts[k])
-        values[row, col] = np.fromiter((v for ids in batch.sparse[key] for v in ids), np.int64, n)
+        flat = [v for ids in batch.sparse[key] for v in ids]
+        if wide:  # raw 64-bit ids, possibly past int64 (uint64): packed as id words
+            values[row, col] = pack_ids(np.array(flat, dtype=object), wide=True)
+        else:
+            values[row, col] = np.fromiter(flat, np.int64, n)
         lengths[:, k] = lens
         if wts is not None:
             flat = (v for w in batch.weights[key] for v in w)
