@@ -136,13 +136,15 @@ class ShardedHashZchTable(nnx.Module):
         self.deterministic = module.deterministic if deterministic is None else deterministic
         slots = NamedSharding(mesh, P(axes))
         repl = NamedSharding(mesh, P())
+        # own buffers: a module's fields may share one (its zero scalars), and a train step
+        # donates each variable's buffer (device_put keeps device 0's, even with may_alias=False)
         for f in SLOT_FIELDS:
-            setattr(self, f, MCState(jax.device_put(getattr(module, f)[...], slots)))
+            setattr(self, f, MCState(_placed(getattr(module, f)[...], slots)))
         for f in SCALAR_FIELDS:
-            setattr(self, f, MCState(jax.device_put(getattr(module, f)[...], repl)))
+            setattr(self, f, MCState(_placed(getattr(module, f)[...], repl)))
         self.evicted = nnx.data(None)
         if module.evicted is not None:
-            self.evicted = MCState(jax.device_put(module.evicted[...], repl))
+            self.evicted = MCState(_placed(module.evicted[...], repl))
         self._replicated = repl
 
     def local_layout(self) -> zi.ZchLayout:
@@ -370,6 +372,11 @@ class ShardedHashZchCollection(nnx.Module):
         back = jax.lax.all_to_all(_shift(rows, row0).reshape(n, cap), axis, 0, 0, tiled=True)
         got = back[jnp.minimum(dest, n - 1), pos]
         return jnp.where(dest < n, got, zi.FILL).astype(jnp.int32), new
+
+
+def _placed(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` on ``sharding`` in buffers of its own."""
+    return jax.device_put(jnp.copy(x), sharding)
 
 
 def _shift(rows: jax.Array, offset: jax.Array) -> jax.Array:
