@@ -138,8 +138,9 @@ class ShardedHashZchTable(nnx.Module):
         repl = NamedSharding(mesh, P())
         # own buffers: a module's fields may share one (its zero scalars), and a train step
         # donates each variable's buffer (device_put keeps device 0's, even with may_alias=False)
-        for f in SLOT_FIELDS:
-            setattr(self, f, MCState(_placed(getattr(module, f)[...], slots)))
+        for f in SLOT_FIELDS:  # (an empty sketch is replicated: shard_map returns it so)
+            x = getattr(module, f)[...]
+            setattr(self, f, MCState(_placed(x, slots if x.shape[0] else repl)))
         for f in SCALAR_FIELDS:
             setattr(self, f, MCState(_placed(getattr(module, f)[...], repl)))
         self.evicted = nnx.data(None)
@@ -215,7 +216,7 @@ class ShardedHashZchCollection(nnx.Module):
     table the evicted global rows of all shards, replicated, as the unsharded
     module gives them for the global batch; pass them to a sharded
     collection's ``reset_table_rows``. Its tables are
-    ``managed_collision_modules`` (:class:`ShardedHashZchTable`).
+    ``managed_collision_modules`` (``ShardedHashZchTable`` s).
 
     Example:
         >>> smcc = ShardedHashZchCollection(mcc, mesh)
@@ -315,7 +316,10 @@ class ShardedHashZchCollection(nnx.Module):
 
     def _forward(self, state, features, train):
         spec = P(self.axis)
-        specs = {n: {f: (spec if f in SLOT_FIELDS else P()) for f in d} for n, d in state.items()}
+        specs = {
+            n: {f: (spec if f in SLOT_FIELDS and x.shape[0] else P()) for f, x in d.items()}
+            for n, d in state.items()
+        }
         return jax.shard_map(
             lambda s, f: self._local(s, f, train),
             mesh=self.mesh,
