@@ -2,6 +2,8 @@
 rows, evicted rows, counters and index state; in a model under DistributedModelParallel,
 losses and tables; and a checkpoint taken on 8 devices restores on 4."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ import jaxrec.modules as jm
 from jaxrec import checkpoint as ckpt
 from jaxrec import distributed as d
 from jaxrec import optim, train
-from jaxrec.distributed.sharded_zch import SCALAR_FIELDS, SLOT_FIELDS
+from jaxrec.distributed.sharded_zch import SCALAR_FIELDS, SLOT_FIELDS, is_dynamic
 from jaxrec.embedding import CombinedOptimizer
 from jaxrec.ops import BoundsCheckMode
 from jaxrec.sparse.ids64 import to_id_words
@@ -150,6 +152,10 @@ def test_bad_collections_say_what_to_fix():
                                        eviction_interval=1)  # fmt: skip
     with pytest.raises(TypeError, match="dynamic tables only"):
         d.ShardedHashZchCollection(jm.ManagedCollisionCollection({"t": mch}, cfg), mesh)
+    two = [dataclasses.replace(cfg[0], name="u", feature_names=["b"]), *cfg]
+    mixed = {"t": mch, "u": jm.HashZchManagedCollisionModule(24, ways=4)}
+    with pytest.raises(ValueError, match="put them in two collections"):
+        is_dynamic(jm.ManagedCollisionCollection(mixed, two))  # DMP asks this first
     model = Model()
     plan = d.construct_module_sharding_plan(
         model.mc.embedding_bag_collection, {"t": d.table_wise(0), "u": d.row_wise()}, world_size=8
