@@ -33,7 +33,7 @@ over the slot dim (``NamedSharding(mesh, P(axes))``), and replicated scalars
 (``current_iter``, ``occupancy``, the last call's counters summed over shards)
 and evicted rows. The variables keep the unsharded module's names and shapes,
 none depends on ``N``: a checkpoint restores under any world size that
-divides the bucket count (and into the unsharded model).
+divides the bucket count.
 """
 
 from __future__ import annotations
