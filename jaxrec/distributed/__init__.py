@@ -17,6 +17,7 @@ from .sharded_fp import (
     ShardedFeatureProcessedEmbeddingBagCollection as ShardedFeatureProcessedEmbeddingBagCollection,
 )
 from .sharded_mc import ShardedManagedCollisionCollection as ShardedManagedCollisionCollection
+from .sharded_zch import ShardedHashZchCollection as ShardedHashZchCollection
 from .sharding_plan import column_wise as column_wise
 from .sharding_plan import construct_module_sharding_plan as construct_module_sharding_plan
 from .sharding_plan import data_parallel as data_parallel

@@ -26,6 +26,7 @@ from .sharded_base import ShardedCollection
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .sharded_fp import ShardedFeatureProcessedEmbeddingBagCollection
+from .sharded_zch import ShardedHashZchCollection, check_row_wise_plan, is_dynamic
 from .types import EmbeddingComputeKernel, ShardingPlan
 
 SHARDERS = {
@@ -70,7 +71,10 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     (as TorchRec's plans do); the feature-processed one becomes a
     :class:`ShardedFeatureProcessedEmbeddingBagCollection`, the managed-collision
     one remaps the global batch with its replicated modules
-    (:class:`~jaxrec.distributed.global_mc.GlobalBatchManagedCollision`). With ``plan=None`` the
+    (:class:`~jaxrec.distributed.global_mc.GlobalBatchManagedCollision`), or, when its
+    modules are all ``HashZchManagedCollisionModule`` s (dynamic tables, which the plan
+    must shard ``row_wise()``), shards their index by the id's hash
+    (:class:`~jaxrec.distributed.ShardedHashZchCollection`). With ``plan=None`` the
     planner (:func:`jaxrec.distributed.planner.plan_for_model`) plans every
     ``EmbeddingBagCollection`` and ``EmbeddingCollection``, sizing optimizer
     state for ``optimizer`` (the sparse or combined optimizer you will train
@@ -149,8 +153,13 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     if init_keys:
         draw_unsharded(model, init_keys, mesh)
     replicated = NamedSharding(mesh, P())
+    placed = {  # a dynamic table's index, sharded over its slots already
+        id(v) for _, m in nnx.iter_modules(model) if isinstance(m, ShardedHashZchCollection)
+        for _, v in nnx.to_flat_state(nnx.state(m))
+    }  # fmt: skip
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Not(_is_sharded_table))):
-        var.set_value(jax.device_put(var.get_value(), replicated))
+        if id(var) not in placed:
+            var.set_value(jax.device_put(var.get_value(), replicated))
     return model
 
 
@@ -185,7 +194,13 @@ def _adapt(model, path, module, attr, plan, mesh, options, found, init_keys) -> 
         replace_collection(model, path, ShardedFeatureProcessedEmbeddingBagCollection(module))
     else:
         mcc = module._managed_collision_collection
-        module._managed_collision_collection = GlobalBatchManagedCollision(mcc)
+        if is_dynamic(mcc):  # dynamic tables: the index sharded by the id's hash
+            module_plan = plan.plan.get(name) or plan.plan[f"{name}.{attr}"]
+            for c in mcc.embedding_configs():
+                check_row_wise_plan(c.name, c.num_embeddings, module_plan[c.name], mesh.size)
+            module._managed_collision_collection = ShardedHashZchCollection(mcc, mesh)
+        else:
+            module._managed_collision_collection = GlobalBatchManagedCollision(mcc)
 
 
 def _own(module, options: dict, init_key=None) -> dict:
