@@ -73,9 +73,7 @@ def to_id_words(ids: Any) -> np.ndarray:
     if a.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {a.shape}")
     u = a.astype(np.int64).view(np.uint64) if a.dtype.kind == "i" else a.astype(np.uint64)
-    return np.stack([(u & np.uint64(_MASK32)), u >> np.uint64(WORD_BITS)], axis=1).astype(
-        np.uint32
-    )
+    return np.stack([(u & np.uint64(_MASK32)), u >> np.uint64(WORD_BITS)], axis=1).astype(np.uint32)
 
 
 def from_id_words(words: Any, *, signed: bool = False) -> np.ndarray:
