@@ -101,8 +101,7 @@ class KeyedJaggedTensor:
             weights = v.as_float_array(weights, "weights")
             if weights.shape != values.shape[:1]:
                 raise ValueError(
-                    f"weights must match values' leading size: {weights.shape=} vs "
-                    f"{values.shape=}"
+                    f"weights must match values' leading size: {weights.shape=} vs {values.shape=}"
                 )
         stride = _resolve_stride(len(keys), lengths.shape[0], stride)
         if capacities is None:
@@ -589,7 +588,8 @@ def _narrow(values: Any) -> Any:
 def _concat_values(values: list) -> jax.Array:
     """Ids of several features in one buffer: id words for all if any feature has them."""
     if any(x.ndim == 2 and is_wide(x) for x in values):
-        values = [x if x.ndim == 2 else jnp.stack(id_words(jnp.asarray(x)), axis=-1) for x in values]
+        as_words = lambda x: jnp.stack(id_words(jnp.asarray(x)), axis=-1)
+        values = [x if x.ndim == 2 else as_words(x) for x in values]
     return jnp.concatenate([jnp.asarray(x) for x in values])
 
 

@@ -78,9 +78,9 @@ def host_ids_array(x: Any, name: str) -> np.ndarray:
     it for a whole stream. Under x64 the dtype is kept.
     """
     a = untyped_empty_as_int(np.asarray(x), x)
-    if np.issubdtype(a.dtype, np.integer) and a.ndim == 1 and a.dtype.itemsize == 8:
-        if not jax.config.jax_enable_x64 and not _int32_ok(a):
-            return to_id_words(a)
+    wide64 = np.issubdtype(a.dtype, np.integer) and a.ndim == 1 and a.dtype.itemsize == 8
+    if wide64 and not jax.config.jax_enable_x64 and not _int32_ok(a):
+        return to_id_words(a)
     a = host_int_array(a, name)
     if a.ndim != 1 and not is_wide(a):
         raise ValueError(
