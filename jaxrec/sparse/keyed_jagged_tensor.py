@@ -379,7 +379,7 @@ class KeyedJaggedTensor:
         lpk = lens.reshape(len(keys), stride).sum(axis=1) if keys else np.zeros(0, np.int64)
         caps = resolve_capacities(keys, lpk.tolist(), capacities)
         w = None if weights is None else np.asarray(v.as_float_array(v.to_host(weights), "weights"))
-        if w is not None and w.shape != vals.shape:
+        if w is not None and w.shape != vals.shape[:1]:
             raise ValueError(f"weights must match values: {w.shape=} vs {vals.shape=}")
         if w is not None:
             v.check_finite_weights(w)
