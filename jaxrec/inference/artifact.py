@@ -285,6 +285,10 @@ class ExportedModel:
         if kjt.stride() != b:
             raise InputError(f"the KJT has batch size {kjt.stride()} but dense features have {b}")
         all_vals = np.asarray(kjt.values())
+        if all_vals.ndim == 2 and all_vals.shape[1] == 2 and all_vals.dtype == np.uint32:
+            # id words (jaxrec.sparse.ids64): the int64 ids, checked in full below
+            hi, lo = all_vals[:, 1].astype(np.uint64), all_vals[:, 0].astype(np.uint64)
+            all_vals = ((hi << np.uint64(32)) | lo).view(np.int64)
         if all_vals.dtype.kind not in "iu":
             raise InputError(f"KJT values must be integer ids, got dtype {all_vals.dtype.name}")
         all_lens = np.asarray(kjt.lengths()).reshape(len(keys), b)
