@@ -217,7 +217,8 @@ class RowCache:
         ids rewritten as slots. Raises ``CacheTooSmallError`` (nothing changed) when a
         shard's cache cannot hold the batch's rows."""
         with self._lock, _annotate("prepare"):
-            kjts = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
+            originals = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
+            kjts = [k.narrow_ids() for k in originals]  # id words -> int32, wide ids out of range
             spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
             for i, kjt in enumerate(kjts):
                 for f, lo, hi, cap in feature_spans(kjt, self._feature_table):
@@ -266,7 +267,7 @@ class RowCache:
                         self._inflight[k][rows] += 1  # distinct rows: one add each
                     self._unsaved.append((self._prepared, evicted))
             self._unloaded[self._prepared] = (moves, staged)
-            by_id = {id(k): with_values(k, v) for k, v in zip(kjts, new, strict=True)}
+            by_id = {id(o): with_values(k, v) for o, k, v in zip(originals, kjts, new, strict=True)}
             out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
                                is_leaf=is_kjt)  # fmt: skip
             return Prepared(out, staged, self._prepared)

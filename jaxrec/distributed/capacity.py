@@ -121,6 +121,7 @@ def check_capacity(capacity: Any) -> None:
 
 def measured_loads(group: WidthGroup, kjt) -> list[int]:
     """Ids one device's batch ``kjt`` (a host KJT) sends each destination of ``group``."""
+    kjt = kjt.narrow_ids()  # id words -> int32 rows: a wide id is sent nowhere
     keys = list(kjt.keys())
     offsets = kjt.capacity_offsets()
     values = np.asarray(kjt.values())

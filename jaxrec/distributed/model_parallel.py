@@ -16,7 +16,7 @@ from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
 from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
-from ..sparse import KeyedJaggedTensor
+from ..sparse import KeyedJaggedTensor, to_id_words
 from .abstract_build import build_abstract, draw_unsharded, is_abstract
 from .capacity import CAPACITY_FACTOR
 from .global_mc import GlobalBatchManagedCollision
@@ -268,12 +268,29 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
                     "every device's KeyedJaggedTensor needs the same keys, capacities and stride; "
                     f"got {sorted(metas)}"
                 )
+            xs = _one_id_representation(xs)
             return jax.tree.map(
                 lambda *ls: _put(put, np.stack([np.asarray(v) for v in ls]), spec), *xs
             )
         return _put(put, np.concatenate([np.asarray(x) for x in xs]), spec)
 
     return jax.tree.map(stack, local_batches[0], *local_batches[1:], is_leaf=is_kjt)
+
+
+def _one_id_representation(kjts: Sequence[KeyedJaggedTensor]) -> Sequence[KeyedJaggedTensor]:
+    """The devices' KJTs with id words for all when any holds them (64-bit ids need
+    more than int32 in one device's batch only): the stacked values need one shape."""
+    if not any(k.is_wide() for k in kjts) or all(k.is_wide() for k in kjts):
+        return kjts
+    out = []
+    for k in kjts:
+        if not k.is_wide():
+            children, aux = k.tree_flatten()
+            ids = np.asarray(children[0])
+            words = to_id_words(ids) if ids.dtype.kind in "iu" else ids
+            k = KeyedJaggedTensor.tree_unflatten(aux, (words, *children[1:]))
+        out.append(k)
+    return out
 
 
 def _put(put, x: np.ndarray, spec: NamedSharding) -> jax.Array:

@@ -365,6 +365,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return values, overflow
 
     def __call__(self, features):
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         if input_dist.is_recording():  # a pipelined step distributing the next batch
             return input_dist.record(self, features)
         kjt, features = features, input_dist.fed(self, features)  # + ids sent ahead, if any

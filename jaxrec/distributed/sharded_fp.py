@@ -69,6 +69,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(nnx.Module):
         return self._embedding_bag_collection
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         processors = self._feature_processors
         processed = jax.vmap(lambda kjt: apply_processors(processors, kjt))(features)
         weights = processed.weights()

@@ -182,6 +182,7 @@ class QuantEmbeddingBagCollection(QuantStorage):
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         pieces: list = [None] * len(self.embedding_names)
         for g in self.groups:
             p = quant_grouped_pooled_lookup(
@@ -254,6 +255,7 @@ class QuantEmbeddingCollection(QuantStorage):
     def __call__(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         rows: list = [None] * len(self.embedding_names)
         for g in self.groups:
             per_slot = quant_grouped_sequence_lookup(

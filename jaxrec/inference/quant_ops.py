@@ -98,6 +98,7 @@ def quant_grouped_pooled_lookup(
     """
     if not slots:
         raise ValueError("quant_grouped_pooled_lookup needs at least one slot")
+    features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
     b, s = features.stride(), len(slots)
     ids, w, slot_of, bag, valid, _ = slot_positions(features, slots)
     if is_weighted and w is None:
@@ -127,6 +128,7 @@ def quant_grouped_sequence_lookup(
     """Unpooled lookup: one dequantized ``[capacity_k, D]`` float32 array per slot."""
     if not slots:
         raise ValueError("quant_grouped_sequence_lookup needs at least one slot")
+    features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
     ids, _, slot_of, _, valid, caps = slot_positions(features, slots)
     where = f"quantized sequence lookup of {[sl.key for sl in slots]}"
     rows, valid = rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)

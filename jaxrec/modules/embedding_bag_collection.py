@@ -80,6 +80,7 @@ class EmbeddingBagCollection(TableStorage):
         """Pooled embeddings ``[B, sum(D)]`` as a KeyedTensor keyed by embedding name."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         pooled = [
             grouped_pooled_lookup(
                 self.weights[g.name].get_value(),

@@ -62,6 +62,7 @@ class EmbeddingCollection(TableStorage):
     def __call__(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         rows: list = [None] * len(self.embedding_names)
         for g in self.groups:
             per_slot = grouped_sequence_lookup(

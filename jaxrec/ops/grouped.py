@@ -53,6 +53,7 @@ def grouped_pooled_lookup(
     """
     if not slots:
         raise ValueError("grouped_pooled_lookup needs at least one slot")
+    features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
     if is_weighted and features.weights_or_none() is None:
         raise ValueError(
             "is_weighted=True but the features carry no weights; build the KJT with weights="
@@ -121,6 +122,7 @@ def grouped_sequence_lookup(
     """
     if not slots:
         raise ValueError("grouped_sequence_lookup needs at least one slot")
+    features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
     where = f"sequence lookup of {[sl.key for sl in slots]}"
     check_keys(features, slots)
     report_layout(features, [sl.key for sl in slots], bounds_check_mode, where)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from ..configs import PoolingType
 from ..sparse.bags import finite_weights, valid_bags
+from ..sparse.ids64 import narrow_ids
 from ..sparse.jagged_tensor import segment_ids_from_lengths
 from ..xla.bounds import BoundsCheckMode, check_ids
 from .dispatch import Implementation
@@ -28,7 +29,8 @@ def pooled_lookup(
 
     Args:
         table: ``[V, D]``.
-        values: ``[C]`` ids; entries past ``sum(lengths)`` are padding.
+        values: ``[C]`` ids (or ``uint32[C, 2]`` id words: an id past 31 bits is
+            out of range); entries past ``sum(lengths)`` are padding.
         lengths: ``[B]`` bag lengths.
         weights: optional ``[C]`` per-sample weights.
         pooling: SUM or MEAN (MEAN of an empty bag is zero).
@@ -48,6 +50,7 @@ def pooled_lookup(
         >>> pooled_lookup(t, jnp.array([1, 3]), jnp.array([2]), pooling=PoolingType.MEAN).tolist()
         [[4.0, 5.0]]
     """
+    values = narrow_ids(values)  # id words -> int32 rows; wide ids out of range
     b, c = lengths.shape[0], values.shape[0]
     seg = segment_ids_from_lengths(lengths, c)  # invalid bags: b, like padding
     report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "pooled_lookup", None)
@@ -81,6 +84,7 @@ def sequence_lookup(
     ``"mosaic_gpu"`` (no C++
     kernel gathers: ``"cpu"`` runs XLA), as in :func:`pooled_lookup`.
     """
+    values = narrow_ids(values)  # id words -> int32 rows; wide ids out of range
     b, c = lengths.shape[0], values.shape[0]
     report_bags(~valid_bags(lengths, (c,), b), bounds_check_mode, "sequence_lookup", None)
     valid = segment_ids_from_lengths(lengths, c) < b

@@ -13,6 +13,7 @@ from . import validation as v
 from .bags import checked_lengths
 from .capacity import bucket_capacity
 from .formatting import jagged_repr
+from .ids64 import from_id_words, is_wide
 
 
 @jax.tree_util.register_pytree_node_class
@@ -26,8 +27,10 @@ class JaggedTensor:
                  bag0 bag1
 
     Args:
-        values: ``[C, ...]`` ids (integer) or embeddings (floating). Entries past
+        values: ``[C, ...]`` ids (integer; ``uint32[C, 2]`` for id words, see
+            ``jaxrec.sparse.ids64``) or embeddings (floating). Entries past
             ``sum(lengths)`` are padding and never contribute to a result.
+            Without x64, host int64 ids that do not fit int32 become id words.
         weights: optional ``[C]`` floating per-value weights.
         lengths: ``[B]`` integer bag lengths. Give ``lengths`` or ``offsets``.
         offsets: ``[B + 1]`` TorchRec offsets (``[0, cumsum(lengths)]``).
@@ -238,7 +241,10 @@ class JaggedTensor:
         if any(v.is_traced(x) for x in (self._values, self._lengths)):
             return f"JaggedTensor(capacity={self.capacity()}, num_bags={self.num_bags()}, traced)"
         w = None if self._weights is None else np.asarray(self._weights)
-        return jagged_repr(np.asarray(self._values), np.asarray(self._lengths), w)
+        values = np.asarray(self._values)
+        if values.ndim == 2 and is_wide(values):  # id words: print the 64-bit ids
+            values = from_id_words(values, signed=True)
+        return jagged_repr(values, np.asarray(self._lengths), w)
 
 
 def lengths_to_offsets(lengths: jax.Array) -> jax.Array:

@@ -13,6 +13,7 @@ from . import validation as v
 from .bags import checked_lengths
 from .capacity import resolve_capacities
 from .formatting import keyed_jagged_repr
+from .ids64 import from_id_words, id_words, is_wide, narrow_ids
 from .jagged_tensor import JaggedTensor, lengths_to_offsets, segment_ids_from_ends
 
 Capacities = Mapping[str, int] | Sequence[int] | int | None
@@ -38,9 +39,19 @@ class KeyedJaggedTensor:
     ``to_dict()`` or ``segment_ids()`` to address this buffer). Keys,
     capacities and the stride are static pytree metadata.
 
+    Ids wider than 32 bits travel as **id words** (``jaxrec.sparse.ids64``):
+    ``values`` is then ``uint32[sum(capacities), 2]`` (low word, high word)
+    and every method works on it as on plain ids. Without x64, host int64 /
+    uint64 ids that fit int32 become int32 and an array holding a wider id
+    becomes id words, so the representation follows the batch's values (and
+    a new one retraces a jitted step): pass ``to_id_words(ids)`` to fix it for
+    a whole stream. Under x64 int64 ids stay int64. Lookups into plain tables
+    call :meth:`narrow_ids` first: a wide id is out of range there.
+
     Args:
         keys: feature names, unique.
-        values: ``[sum(capacities)]`` integer ids.
+        values: ``[sum(capacities)]`` integer ids, or ``uint32[sum(capacities), 2]``
+            id words (``to_id_words``).
         weights: optional ``[sum(capacities)]`` floating weights.
         lengths: ``[F * B]`` integer bag lengths, key-major. Or ``offsets``.
         offsets: ``[F * B + 1]`` TorchRec offsets.
@@ -81,14 +92,17 @@ class KeyedJaggedTensor:
             lengths = v.lengths_from_offsets(offsets)
         host = v.is_host(values) and v.is_host(lengths)
         host_weights = weights is not None and v.is_host(weights)
-        values = v.as_int_array(values, "values")
+        values = v.as_ids_array(values, "values")
         lengths = v.as_int_array(lengths, "lengths")
-        v.check_rank(values, 1, "values")
+        if not (values.ndim == 2 and is_wide(values)):
+            v.check_rank(values, 1, "values")
         v.check_rank(lengths, 1, "lengths")
         if weights is not None:
             weights = v.as_float_array(weights, "weights")
-            if weights.shape != values.shape:
-                raise ValueError(f"weights must match values: {weights.shape=} vs {values.shape=}")
+            if weights.shape != values.shape[:1]:
+                raise ValueError(
+                    f"weights must match values' leading size: {weights.shape=} vs {values.shape=}"
+                )
         stride = _resolve_stride(len(keys), lengths.shape[0], stride)
         if capacities is None:
             caps = _packed_capacities(keys, lengths, stride, values.shape[0])
@@ -142,7 +156,8 @@ class KeyedJaggedTensor:
 
         Args:
             keys: feature names, unique.
-            values: ``[sum(capacities)]`` ids, key ``k`` in its capacity slot.
+            values: ``[sum(capacities)]`` ids (or ``[sum(capacities), 2]`` id
+                words), key ``k`` in its capacity slot.
             lengths: ``[F * stride]`` bag lengths, key-major.
             weights: ``[sum(capacities)]`` or None.
             capacities: per-key capacities, in key order.
@@ -182,7 +197,37 @@ class KeyedJaggedTensor:
 
     # ----- arrays -----
     def values(self) -> jax.Array:
+        """``[sum(capacities)]`` ids, or ``uint32[sum(capacities), 2]`` id words."""
         return self._values
+
+    def is_wide(self) -> bool:
+        """Whether ``values()`` are id words (``uint32[..., 2]``) rather than plain ids.
+
+        Decided by rank: words have one axis more than ``lengths`` (which also
+        holds for KJTs stacked by ``shard_batch``, ``[world, C, 2]``).
+        """
+        return self._values.ndim == self._lengths.ndim + 1 and is_wide(self._values)
+
+    def narrow_ids(self) -> KeyedJaggedTensor:
+        """This KJT with id words narrowed to int32 row ids, for lookups into plain tables.
+
+        An id is kept if it fits 31 bits (high word 0, low word below ``2**31``);
+        every other id becomes ``-1``, which the bounds check reports as out of
+        range (per ``BoundsCheckMode``) and drops, so a wide id never wraps onto
+        a real row. Returns ``self`` when the values are plain ids (they are
+        bounds-checked in their own dtype). Host (numpy) values stay on the host.
+
+        Example:
+            >>> kjt = KeyedJaggedTensor(["f"], np.array([3, 2**40], np.int64), lengths=[2])
+            >>> kjt.is_wide(), kjt.narrow_ids().values().tolist()
+            (True, [3, -1])
+        """
+        if not self.is_wide():
+            return self
+        return KeyedJaggedTensor.from_parts(
+            self._keys, _narrow(self._values), self._lengths, self._weights,
+            capacities=self._caps, stride=self._stride,
+        )  # fmt: skip
 
     def lengths(self) -> jax.Array:
         return self._lengths
@@ -269,11 +314,17 @@ class KeyedJaggedTensor:
         if any(weighted) and not all(weighted):
             raise ValueError("either every JaggedTensor has weights or none does")
         for k, jt in jt_dict.items():
-            if jt.values().ndim != 1:
-                raise ValueError(f"feature {k!r} values must be 1-D ids, got {jt.values().shape=}")
-        values = jnp.concatenate([jnp.asarray(jt.values()) for jt in jts])
-        if not jnp.issubdtype(values.dtype, jnp.integer):
-            raise TypeError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype=}")
+            vals = jt.values()
+            if not (vals.ndim == 1 or (vals.ndim == 2 and is_wide(vals))):
+                raise ValueError(
+                    f"feature {k!r} values must be 1-D ids or uint32[N, 2] id words, "
+                    f"got {vals.dtype} {vals.shape}"
+                )
+            if not jnp.issubdtype(vals.dtype, jnp.integer):
+                raise TypeError(
+                    f"KeyedJaggedTensor values must be integer ids, got {k!r}: {vals.dtype=}"
+                )
+        values = _concat_values([jt.values() for jt in jts])
         lengths = jnp.concatenate([jt.lengths() for jt in jts])
         weights = jnp.concatenate([jt.weights() for jt in jts]) if all(weighted) else None
         caps = tuple(jt.capacity() for jt in jts)
@@ -297,6 +348,8 @@ class KeyedJaggedTensor:
         ``on_host=True`` keeps the leaves as numpy arrays (int32 ids and lengths,
         float32 weights): data loaders build batches on the host and transfer
         them later (``jax.device_put``, ``shard_batch`` or a ``TrainPipeline``).
+        ``values`` may be 1-D ids or ``uint32[N, 2]`` id words; without x64,
+        int64 ids that do not fit int32 become id words (see the class doc).
 
         Example:
             >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3], [1, 0, 2, 0])
@@ -310,8 +363,12 @@ class KeyedJaggedTensor:
             bad = "lengths" if not np.issubdtype(lens.dtype, np.integer) else "values"
             arr = lens if bad == "lengths" else vals
             raise TypeError(f"{bad} must have an integer dtype, got {arr.dtype=}")
-        if vals.ndim != 1 or lens.ndim != 1:
-            raise ValueError(f"values and lengths must be 1-D, got {vals.shape=}, {lens.shape=}")
+        if not (vals.ndim == 1 or (vals.ndim == 2 and is_wide(vals))) or lens.ndim != 1:
+            raise ValueError(
+                f"values (or uint32[N, 2] id words) and lengths must be 1-D, got "
+                f"{vals.dtype} {vals.shape=}, {lens.shape=}"
+            )
+        vals = v.host_ids_array(vals, "values")  # int32, or id words if an id is wider
         stride = _resolve_stride(len(keys), lens.shape[0], stride)
         v.check_lengths_values(lens, vals.shape[0])
         if int(lens.sum()) != vals.shape[0]:  # trailing values would be dropped silently
@@ -322,13 +379,12 @@ class KeyedJaggedTensor:
         lpk = lens.reshape(len(keys), stride).sum(axis=1) if keys else np.zeros(0, np.int64)
         caps = resolve_capacities(keys, lpk.tolist(), capacities)
         w = None if weights is None else np.asarray(v.as_float_array(v.to_host(weights), "weights"))
-        if w is not None and w.shape != vals.shape:
+        if w is not None and w.shape != vals.shape[:1]:
             raise ValueError(f"weights must match values: {w.shape=} vs {vals.shape=}")
         if w is not None:
             v.check_finite_weights(w)
         out_v, out_w = _repack(vals, w, lpk, caps)
-        if on_host:  # validated above; the same narrowing as the device path
-            out_v = v.host_int_array(out_v, "values")
+        if on_host:  # validated above; ids already in their device representation
             return KeyedJaggedTensor.from_parts(
                 keys, out_v, lens.astype(np.int32), out_w, capacities=caps, stride=stride
             )
@@ -372,7 +428,7 @@ class KeyedJaggedTensor:
         w = kjt.weights_or_none()
         return KeyedJaggedTensor.from_parts(
             (),
-            jnp.zeros((0,), kjt.values().dtype),
+            jnp.zeros((0, 2) if kjt.is_wide() else (0,), kjt.values().dtype),
             jnp.zeros((0,), kjt.lengths().dtype),
             None if w is None else jnp.zeros((0,), w.dtype),
             capacities=(),
@@ -450,10 +506,11 @@ class KeyedJaggedTensor:
         items = []
         for k, jt in self.to_dict().items():
             w = jt.weights_or_none()
+            ids = np.asarray(jt.values())
             items.append(
                 (
                     k,
-                    np.asarray(jt.values()),
+                    from_id_words(ids, signed=True) if self.is_wide() else ids,
                     np.asarray(jt.lengths()),
                     None if w is None else np.asarray(w),
                 )
@@ -508,9 +565,8 @@ def _packed_capacities(keys, lengths, stride, num_values) -> tuple[int, ...]:
 
 
 def _repack(vals: np.ndarray, w: np.ndarray | None, lpk: np.ndarray, caps) -> tuple:
-    """Moves each key's packed values into the front of its capacity slot."""
-    dtype = vals.dtype if vals.dtype.itemsize <= 4 or jax.config.jax_enable_x64 else np.int64
-    out_v = np.zeros(sum(caps), dtype)
+    """Moves each key's packed values (ids or id words) into the front of its capacity slot."""
+    out_v = np.zeros((sum(caps), *vals.shape[1:]), vals.dtype)
     out_w = None if w is None else np.zeros(sum(caps), np.float32)
     src = np.concatenate([[0], np.cumsum(lpk)]).astype(np.int64)
     dst = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
@@ -521,10 +577,26 @@ def _repack(vals: np.ndarray, w: np.ndarray | None, lpk: np.ndarray, caps) -> tu
     return out_v, out_w
 
 
+def _narrow(values: Any) -> Any:
+    """:func:`narrow_ids` that keeps host (numpy) words on the host."""
+    if not isinstance(values, np.ndarray):
+        return narrow_ids(values)
+    lo, hi = values[..., 0], values[..., 1]
+    return np.where((hi == 0) & (lo < 2**31), lo.astype(np.int32), np.int32(-1))
+
+
+def _concat_values(values: list) -> jax.Array:
+    """Ids of several features in one buffer: id words for all if any feature has them."""
+    if any(x.ndim == 2 and is_wide(x) for x in values):
+        as_words = lambda x: jnp.stack(id_words(jnp.asarray(x)), axis=-1)
+        values = [x if x.ndim == 2 else as_words(x) for x in values]
+    return jnp.concatenate([jnp.asarray(x) for x in values])
+
+
 def _concat_parts(keys, parts: list[JaggedTensor], stride, weighted, like) -> KeyedJaggedTensor:
     if not parts:
         return KeyedJaggedTensor.empty_like(like)
-    values = jnp.concatenate([p.values() for p in parts])
+    values = _concat_values([p.values() for p in parts])
     lengths = jnp.concatenate([p.lengths() for p in parts])
     weights = jnp.concatenate([p.weights() for p in parts]) if weighted else None
     caps = [p.capacity() for p in parts]

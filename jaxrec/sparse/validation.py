@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .ids64 import is_wide, to_id_words
+
 
 def is_traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
@@ -43,7 +45,8 @@ def as_int_array(x: Any, name: str) -> jax.Array:
     """Converts ids or lengths to a JAX integer array, checking the dtype.
 
     64-bit host integers are narrowed to int32 when JAX runs without x64 (the
-    default); values that do not fit are an error rather than a silent wrap.
+    default); values that do not fit are an error rather than a silent wrap
+    (ids use :func:`as_ids_array`, which makes them id words instead).
     """
     if is_traced(x) or isinstance(x, jax.Array):
         if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -52,6 +55,39 @@ def as_int_array(x: Any, name: str) -> jax.Array:
             )
         return x
     return jnp.asarray(host_int_array(x, name))
+
+
+def as_ids_array(x: Any, name: str) -> jax.Array:
+    """Converts ids to a JAX array: integers, or ``uint32[N, 2]`` id words (``ids64``).
+
+    As :func:`as_int_array`, except that 64-bit host ids that do not fit int32
+    (x64 off) become id words instead of an error.
+    """
+    if is_traced(x) or isinstance(x, jax.Array):
+        return as_int_array(x, name)
+    return jnp.asarray(host_ids_array(x, name))
+
+
+def host_ids_array(x: Any, name: str) -> np.ndarray:
+    """:func:`as_ids_array` for host inputs, staying on the host (numpy).
+
+    Without x64, int64 / uint64 ids that fit int32 narrow to int32 (most callers
+    pass numpy int64 arrays of small ids); if any id of the array does not fit,
+    the whole array becomes id words. The representation then depends on the
+    values (a new one retraces a jitted step): pass ``to_id_words(ids)`` to fix
+    it for a whole stream. Under x64 the dtype is kept.
+    """
+    a = untyped_empty_as_int(np.asarray(x), x)
+    wide64 = np.issubdtype(a.dtype, np.integer) and a.ndim == 1 and a.dtype.itemsize == 8
+    if wide64 and not jax.config.jax_enable_x64 and not _int32_ok(a):
+        return to_id_words(a)
+    a = host_int_array(a, name)
+    if a.ndim != 1 and not is_wide(a):
+        raise ValueError(
+            f"{name} must be 1-D ids or uint32[N, 2] id words (jaxrec.sparse.to_id_words), "
+            f"got {a.dtype} {a.shape}"
+        )
+    return a
 
 
 def untyped_empty_as_int(a: np.ndarray, x: Any) -> np.ndarray:
@@ -71,8 +107,7 @@ def host_int_array(x: Any, name: str) -> np.ndarray:
     if a.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
         if not _int32_ok(a):
             raise ValueError(
-                f"{name} holds values outside int32 range (max {a.max()}) and JAX x64 is off; "
-                "hash or remap ids into the table's range before building the input"
+                f"{name} holds values outside int32 range (max {a.max()}) and JAX x64 is off"
             )
         a = a.astype(np.int32)
     return a
@@ -95,10 +130,12 @@ def as_float_array(x: Any, name: str) -> jax.Array:
 
 
 def as_values_array(x: Any, name: str) -> jax.Array:
-    """Values of a JaggedTensor: ids (integer) or embeddings (floating)."""
+    """Values of a JaggedTensor: ids (integer or id words) or embeddings (floating)."""
     if is_traced(x) or isinstance(x, jax.Array):
         return x
     a = np.asarray(x)
+    if np.issubdtype(a.dtype, np.integer) and a.ndim == 1:
+        return as_ids_array(a, name)  # ids: 64-bit ones may become id words
     if np.issubdtype(a.dtype, np.integer) or (a.size == 0 and a.dtype == np.float64):
         return as_int_array(a if a.size else a.astype(np.int32), name)
     return as_float_array(a, name)

@@ -13,6 +13,7 @@ from sharding_cases import PLANS, Model, batches, loss_fn, mesh_1d, mesh_2d
 from jaxrec import distributed as d
 from jaxrec import optim, train
 from jaxrec.embedding import CombinedOptimizer
+from jaxrec.sparse import KeyedJaggedTensor, to_id_words
 
 
 def sharded_model(name, weighted=False, **kwargs):
@@ -179,3 +180,46 @@ def test_explicit_mesh_axes_are_refused():
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(ValueError, match="Auto axes"):
         d.DistributedModelParallel(Model(rngs=nnx.Rngs(0)), None, mesh)
+
+
+def _with_wide_id(kjt, wide: bool):
+    """``kjt`` with the first id of ``f2`` made wide (``2**32 + id``: its low word is the
+    old id, so a lookup that wrapped would read the old row) or, for the reference,
+    ``-1`` (int32). Returns ``kjt`` unchanged when ``f2`` has no ids."""
+    key = kjt.keys().index("f2")
+    if int(np.asarray(kjt.lengths()).reshape(len(kjt.keys()), -1)[key].sum()) == 0:
+        return kjt
+    ids = np.asarray(kjt.values()).astype(np.int64)
+    p = kjt.capacity_offsets()[key]
+    ids[p] = 2**32 + ids[p] if wide else -1
+    values = to_id_words(ids) if wide else ids.astype(np.int32)
+    return KeyedJaggedTensor.from_parts(
+        kjt.keys(), values, np.asarray(kjt.lengths()), kjt.weights_or_none(),
+        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
+    )  # fmt: skip
+
+
+def test_id_words_batch_equals_wide_ids_dropped():
+    """Some devices' batches hold id words, the others int32 ids: ``shard_batch`` stacks
+    words for all, the forward and a train step drop the wide ids (out of range)."""
+    rng = np.random.default_rng(5)
+    local, _ = batches(rng)
+    wide_on = (0, 3, 6)
+    words = [(_with_wide_id(k, True) if i in wide_on else k, y) for i, (k, y) in enumerate(local)]
+    narrow = [(_with_wide_id(k, False) if i in wide_on else k, y) for i, (k, y) in enumerate(local)]
+    assert sum(k.is_wide() for k, _ in words) == len(wide_on)
+    model, mesh = sharded_model("row_wise")
+    batch_w, batch_n = d.shard_batch(words, mesh), d.shard_batch(narrow, mesh)
+    assert batch_w[0].is_wide() and batch_w[0].values().shape[-1] == 2
+    forward = nnx.jit(lambda m, b: m.ebc(b).values())
+    want = np.asarray(forward(model, batch_n[0]))
+    np.testing.assert_array_equal(np.asarray(forward(model, batch_w[0])), want)
+    assert not np.allclose(np.asarray(forward(model, d.shard_batch(local, mesh)[0])), want)
+    opt = CombinedOptimizer(optax.sgd(0.1), optim.sgd(0.1))
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, loss_fn, donate=False)
+    state_n, loss_n, _ = step(state, batch_n)
+    state_w, loss_w, _ = step(state, batch_w)
+    assert float(loss_n) == float(loss_w)
+    for a, b in zip(jax.tree.leaves(state_n), jax.tree.leaves(state_w), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -90,7 +90,7 @@ def test_pytree_roundtrip_and_jit():
         ({"values": [1, 2]}, ValueError, "lengths or offsets"),
         ({"values": [1, 2], "offsets": [1, 2]}, ValueError, "start at 0"),
         ({"values": [1, 2], "offsets": [0, 2, 1]}, ValueError, "non-decreasing"),
-        ({"values": np.array([2**40]), "lengths": [1]}, ValueError, "int32 range"),
+        ({"values": [1], "lengths": np.array([2**40])}, ValueError, "int32 range"),
     ],
 )
 def test_bad_input(kwargs, error, match):
