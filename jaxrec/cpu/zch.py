@@ -10,7 +10,10 @@ aliased to the new state's, so a donated state is not copied.
 This package sits below ``jaxrec.modules``: the layout comes as plain values
 (:class:`ZchKernelLayout`) and the state as the seven arrays of ``ZchState``, in
 its field order. Only for programs lowered for the CPU platform with the kernels
-registered (:func:`ready`); ``zch_index`` chooses per lowering platform.
+registered (:func:`ready`); ``zch_index`` chooses per lowering platform. Under
+``jax.vmap`` each batch element is one call (``vmap_method="sequential"``). A
+``jax.export`` artifact cannot hold these calls (custom calls without a
+compatibility guarantee): export a program that runs the XLA path.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ def train_step_cpu(
     call = jax.ffi.ffi_call(
         TRAIN_TARGET, (*outs, i32(c), i32(max_evictions), i32(3)),
         input_output_aliases={k: k for k in range(7)},
+        vmap_method="sequential",  # a batch of calls: one call per state and ids
     )  # fmt: skip
     res = call(
         *(x.astype(dt) for x, dt in zip(state, dtypes, strict=True)),
@@ -167,7 +171,9 @@ def remap_cpu(layout: ZchKernelLayout, id_lo, id_hi, last_seen, lo, hi, valid) -
     """``zch_index.remap`` as the C++ kernel: ``[C]`` int32 rows of the ids held, FILL else."""
     _require(REMAP_TARGET)
     lo, hi, valid = _ids(lo, hi, valid)
-    call = jax.ffi.ffi_call(REMAP_TARGET, jax.ShapeDtypeStruct(lo.shape, jnp.int32))
+    call = jax.ffi.ffi_call(
+        REMAP_TARGET, jax.ShapeDtypeStruct(lo.shape, jnp.int32), vmap_method="sequential"
+    )
     return call(
         id_lo.astype(jnp.uint32),
         id_hi.astype(jnp.uint32),

@@ -243,3 +243,25 @@ def test_an_older_build_indexes_with_xla(monkeypatch):
 def test_ids_round_trip():  # the id words the tests build are the ids
     ids = np.array([0, 2**63 + 5, 2**64 - 1], np.uint64)
     np.testing.assert_array_equal(from_id_words(np.asarray(jnp.stack(_words(ids), 1))), ids)
+
+
+def test_vmapped_calls_match_xla():
+    """Under vmap each element is one call: a batch of states and ids (train), a batch of
+    ids on one state (remap)."""
+    layout = _layout(64, 4, 16, 0, 0, 0, "lfu", ("freq", 2))
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 90, (3, 40)).astype(np.uint64) + np.uint64(2**35)
+    w = jnp.asarray(to_id_words(ids.ravel())).reshape(3, 40, 2)
+    lo, hi, valid = w[..., 0], w[..., 1], jnp.asarray(rng.random((3, 40)) > 0.1)
+    states = jax.tree.map(lambda x: jnp.stack([x] * 3), zi.empty_state(layout))
+
+    def run(fn):
+        step = functools.partial(fn, layout, max_evictions=40)
+        out = jax.jit(jax.vmap(step))(states, lo, hi, valid)
+        out2 = jax.jit(jax.vmap(step))(out.state, lo[::-1], hi[::-1], valid)
+        one = jax.tree.map(lambda x: x[1], out2.state)
+        remap = {zi.train_step: zi.remap, zi.train_step_xla: zi.remap_xla}[fn]
+        rows = jax.jit(jax.vmap(functools.partial(remap, layout, one)))(lo, hi, valid)
+        return out, out2, rows
+
+    _assert_same(run(zi.train_step), run(zi.train_step_xla))
