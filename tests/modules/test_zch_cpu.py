@@ -265,3 +265,36 @@ def test_vmapped_calls_match_xla():
         return out, out2, rows
 
     _assert_same(run(zi.train_step), run(zi.train_step_xla))
+
+
+def test_inside_shard_map_matches_xla():
+    """Each of 4 devices indexes its own ids on its own state (a dynamic table's shard runs
+    the index inside shard_map): the kernel's results are XLA's."""
+    from jax.sharding import PartitionSpec as P_
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    layout = _layout(64, 8, 8, 0, 0, 0, "ttl", ("prob", 0.7))
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(to_id_words(rng.integers(0, 2**40, 4 * 48).astype(np.uint64)))
+    lo, hi = w[:, 0], w[:, 1]
+    valid = jnp.asarray(rng.random(4 * 48) > 0.1)
+    states = jax.tree.map(lambda x: jnp.stack([x] * 4), zi.empty_state(layout))
+
+    def run(fn):
+        def body(state, lo, hi, valid):
+            state = jax.tree.map(lambda x: x[0], state)
+            out = fn(layout, state, lo, hi, valid, max_evictions=48)
+            return jax.tree.map(lambda x: x[None], out)
+
+        spec = P_("x")
+        program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        put = functools.partial(jax.device_put, device=jax.NamedSharding(mesh, spec))
+        args = jax.tree.map(put, (states, lo, hi, valid))
+        kernel = cpu_zch.TRAIN_TARGET in program.lower(*args).as_text()
+        assert kernel == (fn is zi.train_step)
+        first = program(*args)
+        return first, program(first.state, *jax.tree.map(put, (hi, lo, valid)))
+
+    _assert_same(run(zi.train_step), run(zi.train_step_xla))
