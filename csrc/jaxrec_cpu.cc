@@ -15,12 +15,15 @@
 //   cache slots of a (donated) buffer, in place on both.
 // * jaxrec_cache_plan_sets: jaxrec.cache.sets.plan_sets (a set-associative slot map's
 //   plan of one batch: hits, victims, slots, moves), bit for bit, in place on the state.
+// * jaxrec_zch_train_step, jaxrec_zch_remap: jaxrec.modules.zch_index.train_step and remap
+//   (a dynamic table's hash index: hits, admission, eviction, rows), bit for bit, in place
+//   on the state.
 // * jaxrec_uniform_rows: a buffer of initial table values, Philox4x32-10
 //   uniform draws addressed by (stream, row, col), bit for bit those of
 //   jaxrec.xla.philox.uniform_rows_xla (float32, bfloat16, float16), rows
 //   split over threads, counters vectorized across the rows of a piece.
 //
-// The kernels live in jaxrec_cpu/{common,lookup,update,cache,sets,init}.h, included below;
+// The kernels live in jaxrec_cpu/{common,lookup,update,cache,sets,zch,init}.h, included below;
 // this file binds them as FFI handlers and exports them to Python.
 //
 // Floating-point order follows the XLA reference (products rounded before the
@@ -58,6 +61,7 @@ namespace ffi = xla::ffi;
 #include "jaxrec_cpu/roofline.h"
 #include "jaxrec_cpu/cache.h"
 #include "jaxrec_cpu/sets.h"
+#include "jaxrec_cpu/zch.h"
 #include "jaxrec_cpu/init.h"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecKjtEmbeddingBag, KjtBagImpl,
@@ -189,6 +193,56 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCachePlanSets, PlanSetsImpl,
                                   .Attr<int64_t>("sets")
                                   .Attr<int64_t>("lfu"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecZchTrainStep, ZchTrainStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // id_lo
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // id_hi
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last_seen
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sketch
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // current_iter
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // occupancy
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // lo
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // hi
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // id_lo
+                                  .Ret<ffi::Buffer<ffi::U32>>()  // id_hi
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // last_seen
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // counts
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // sketch
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // current_iter
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // occupancy
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // evicted
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // [admitted, evicted, rejected]
+                                  .Attr<int64_t>("slots")
+                                  .Attr<int64_t>("ways")
+                                  .Attr<int64_t>("total_buckets")
+                                  .Attr<int64_t>("bucket_offset")
+                                  .Attr<int64_t>("row_offset")
+                                  .Attr<int64_t>("seed")
+                                  .Attr<int64_t>("policy")
+                                  .Attr<int64_t>("single_ttl")
+                                  .Attr<int64_t>("admission")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("cutoff"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecZchRemap, ZchRemapImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // id_lo
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // id_hi
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last_seen
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // lo
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // hi
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // valid
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // rows
+                                  .Attr<int64_t>("slots")
+                                  .Attr<int64_t>("ways")
+                                  .Attr<int64_t>("total_buckets")
+                                  .Attr<int64_t>("bucket_offset")
+                                  .Attr<int64_t>("row_offset")
+                                  .Attr<int64_t>("seed"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecUniformRows, UniformRowsImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()  // key
@@ -219,6 +273,8 @@ PyObject* Handlers(PyObject*, PyObject*) {
        reinterpret_cast<void*>(JaxrecKjtBackwardUpdateAdagrad)},
       {"jaxrec_cache_move", reinterpret_cast<void*>(JaxrecCacheMove)},
       {"jaxrec_cache_plan_sets", reinterpret_cast<void*>(JaxrecCachePlanSets)},
+      {"jaxrec_zch_train_step", reinterpret_cast<void*>(JaxrecZchTrainStep)},
+      {"jaxrec_zch_remap", reinterpret_cast<void*>(JaxrecZchRemap)},
       {"jaxrec_uniform_rows", reinterpret_cast<void*>(JaxrecUniformRows)},
   };
   for (const Entry& e : entries) {

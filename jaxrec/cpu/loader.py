@@ -24,7 +24,7 @@ TARGETS = (
 )
 # Registered when the build has them (an older build still registers TARGETS; their
 # callers ask has_target and run XLA without).
-OPTIONAL_TARGETS = ("jaxrec_cache_plan_sets",)
+OPTIONAL_TARGETS = ("jaxrec_cache_plan_sets", "jaxrec_zch_train_step", "jaxrec_zch_remap")
 
 _LOCK = threading.Lock()
 _STATE: dict = {"done": False, "reason": None, "info": None, "warned": False, "optional": ()}

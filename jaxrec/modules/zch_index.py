@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cpu import zch as cpu_zch
+from ..ops import dispatch
 from ..sparse.ids64 import hash64_words
 from .zch_policies import (
     Admission,
@@ -184,7 +186,26 @@ def _lookup(layout: ZchLayout, state: ZchState, lo, hi, valid) -> _Lookup:
 
 
 def remap(layout: ZchLayout, state: ZchState, lo, hi, valid) -> jax.Array:
-    """Eval: ``[C]`` rows of the ids held, ``FILL`` for the others; no state change."""
+    """Eval: ``[C]`` rows of the ids held, ``FILL`` for the others; no state change.
+
+    Run by the C++ kernel (``jaxrec.cpu.zch``) where the program is lowered for CPU and
+    the kernel is built, by :func:`remap_xla` elsewhere (chosen per lowering platform:
+    a CPU host still compiles the XLA program for GPUs); the same rows either way.
+    """
+    if not _kernel_ready():
+        return remap_xla(layout, state, lo, hi, valid)
+
+    def run(platform):
+        if platform != "cpu":
+            return remap_xla(layout, state, lo, hi, valid)
+        k = _kernel_layout(layout)
+        return cpu_zch.remap_cpu(k, state.id_lo, state.id_hi, state.last_seen, lo, hi, valid)
+
+    return dispatch.by_platform(run, inputs=(state, lo, hi, valid))
+
+
+def remap_xla(layout: ZchLayout, state: ZchState, lo, hi, valid) -> jax.Array:
+    """:func:`remap` as an XLA program (every platform)."""
     look = _lookup(layout, state, lo, hi, valid)
     return jnp.where(look.hit, layout.row_offset + look.slot, FILL).astype(jnp.int32)
 
@@ -254,7 +275,61 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     evicted rows: ``>= C`` never drops one and keeps each evicted row at its id's
     place in (bucket, id) order, ``FILL`` elsewhere; below ``C`` they are packed
     at the front (``min(C, S)`` still never drops one).
+
+    Run by the C++ kernel (``jaxrec.cpu.zch``: the same outputs bit for bit, the
+    state updated in place when donated) where the program is lowered for CPU and
+    the kernel is built, by :func:`train_step_xla` elsewhere (chosen per lowering
+    platform: a CPU host still compiles the XLA program for GPUs).
     """
+    if not _kernel_ready():
+        return train_step_xla(layout, state, lo, hi, valid, max_evictions=max_evictions)
+
+    def run(platform):
+        if platform != "cpu":
+            return train_step_xla(layout, state, lo, hi, valid, max_evictions=max_evictions)
+        k = _kernel_layout(layout)
+        out = cpu_zch.train_step_cpu(k, tuple(state), lo, hi, valid, max_evictions=max_evictions)
+        tally = ZchCounts(out.counts[0], out.counts[1], out.counts[2])
+        return ZchStep(ZchState(*out.state), out.rows, out.evicted, tally)
+
+    return dispatch.by_platform(run, inputs=(state, lo, hi, valid))
+
+
+def _kernel_ready() -> bool:
+    """Whether ``implementation=None`` picks C++ on CPU and the kernels are registered."""
+    return dispatch.CPU_BY_DEFAULT and cpu_zch.ready()
+
+
+def _kernel_layout(layout: ZchLayout) -> cpu_zch.ZchKernelLayout:
+    """The layout as the C++ kernels' attributes."""
+    ev, adm = layout.eviction, layout.admission
+    policy = {
+        HashZchEvictionPolicyName.LRU_EVICTION: "lru",
+        HashZchEvictionPolicyName.LFU_EVICTION: "lfu",
+        HashZchEvictionPolicyName.SINGLE_TTL_EVICTION: "ttl",
+    }[ev.policy]
+    extra = {}
+    if isinstance(adm, FrequencyAdmission):
+        extra = dict(admission="frequency", threshold=adm.threshold)
+    elif isinstance(adm, ProbabilityAdmission):
+        extra = dict(admission="probability", cutoff=adm.cutoff())
+    return cpu_zch.ZchKernelLayout(
+        slots=layout.slots,
+        ways=layout.ways,
+        total_buckets=layout.total_buckets,
+        bucket_offset=layout.bucket_offset,
+        row_offset=layout.row_offset,
+        seed=layout.seed,
+        policy=policy,
+        single_ttl=ev.single_ttl or 0,
+        **extra,
+    )
+
+
+def train_step_xla(
+    layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictions: int
+) -> ZchStep:
+    """:func:`train_step` as an XLA program (every platform)."""
     c, s, w = lo.shape[0], layout.slots, layout.ways
     now = state.current_iter + 1
     look = _lookup(layout, state, lo, hi, valid)
