@@ -66,6 +66,7 @@ rounds up to powers of two by default).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -337,6 +338,8 @@ def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
             node.bounds_check_mode = BoundsCheckMode.IGNORE
         if isinstance(node, MANAGED):  # explicit: their eval mode keeps the index fixed
             node.deterministic = True
+        if isinstance(node, HashZchManagedCollisionModule):  # no C++ custom call
+            node.layout = dataclasses.replace(node.layout, implementation="xla")
     return model
 
 

@@ -70,6 +70,8 @@ class HashZchManagedCollisionModule(nnx.Module):
             zch_size)`` still never drops one).
         name: informational.
         deterministic: ``True`` = eval (lookup only), flax's convention.
+        implementation: ``None`` (on CPU the C++ kernel when built, else XLA) or
+            ``"xla"`` (the XLA program everywhere; ``jax.export`` sets it).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         max_evictions: int | None = None,
         name: str | None = None,
         deterministic: bool = False,
+        implementation: str | None = None,
         _bucket_offset: int = 0,
     ):
         _int(zch_size, "zch_size", 1)
@@ -111,6 +114,7 @@ class HashZchManagedCollisionModule(nnx.Module):
             seed=input_hash_seed,
             eviction=eviction_config,
             admission=admission,
+            implementation=implementation,
         )  # raises on a bad admission / bucket range
         self.zch_size = zch_size
         self.output_global_offset = output_global_offset
@@ -216,6 +220,7 @@ class HashZchManagedCollisionModule(nnx.Module):
             max_evictions=self._max_evictions_arg,
             name=self.name,
             deterministic=self.deterministic,
+            implementation=lay.implementation,
             _bucket_offset=lay.bucket_offset + (start - off) // lay.ways,
         )
 

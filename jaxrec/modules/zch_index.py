@@ -78,6 +78,8 @@ class ZchLayout:
         seed: the id hash's seed.
         eviction: the eviction policy.
         admission: ``None`` (admit every id), or a policy.
+        implementation: ``None`` (the C++ kernel where lowered for CPU, if built) or
+            ``"xla"`` (the XLA program everywhere: what ``jax.export`` can serialize).
     """
 
     slots: int
@@ -88,8 +90,11 @@ class ZchLayout:
     seed: int = 0
     eviction: HashZchEvictionConfig = HashZchEvictionConfig()
     admission: Admission = None
+    implementation: str | None = None  # "xla": never the C++ kernel (e.g. for jax.export)
 
     def __post_init__(self):
+        if self.implementation not in (None, "xla"):
+            raise ValueError(f"implementation must be None or 'xla', got {self.implementation!r}")
         if self.ways < 1 or self.slots < self.ways or self.slots % self.ways:
             raise ValueError(
                 f"slots ({self.slots}) must be a positive multiple of ways ({self.ways})"
@@ -192,7 +197,7 @@ def remap(layout: ZchLayout, state: ZchState, lo, hi, valid) -> jax.Array:
     the kernel is built, by :func:`remap_xla` elsewhere (chosen per lowering platform:
     a CPU host still compiles the XLA program for GPUs); the same rows either way.
     """
-    if not _kernel_ready():
+    if layout.implementation == "xla" or not _kernel_ready():
         return remap_xla(layout, state, lo, hi, valid)
 
     def run(platform):
@@ -281,7 +286,7 @@ def train_step(layout: ZchLayout, state: ZchState, lo, hi, valid, *, max_evictio
     the kernel is built, by :func:`train_step_xla` elsewhere (chosen per lowering
     platform: a CPU host still compiles the XLA program for GPUs).
     """
-    if not _kernel_ready():
+    if layout.implementation == "xla" or not _kernel_ready():
         return train_step_xla(layout, state, lo, hi, valid, max_evictions=max_evictions)
 
     def run(platform):
