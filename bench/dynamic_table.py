@@ -23,7 +23,7 @@ or that many calls), so timed calls evict as in a long run. Then:
 * ``train_step`` lines: ``jaxrec.train.make_train_step`` (row-wise Adagrad,
   ``loss = sum(pooled * R)``) on the dynamic collection and on the plain one;
 * ``breakdown`` lines (``--breakdown``): the index's parts alone on one
-  table's ids (hash, eval probe, training index program, its 4-key sort), to
+  table's ids (hash, eval probe, training index program, and that program as XLA), to
   say where the dynamic table's time goes;
 * a ``memory`` line: bytes of a module's state arrays per slot against
   ``INDEX_BYTES_PER_SLOT`` (+ ``SKETCH_BYTES_PER_SLOT``), and as a share of an
@@ -376,27 +376,18 @@ def run_breakdown(spec, stream, args, mc, out) -> None:
     words = [jnp.asarray(to_id_words(stream.raw(20_000 + i, 1, c))) for i in range(n)]
     ok = jnp.ones((c,), bool)
 
-    def sort4(lo, hi):  # train_step's sort: (missed?, bucket, hi, lo) + positions
-        b, _ = zi.buckets_of(lay, lo, hi)
-        key = (lo & 1).astype(jnp.int32)
-        return jax.lax.sort((key, b, hi, lo, jnp.arange(c, dtype=jnp.int32)), num_keys=4)[4]
-
-    def candidate_sort(s, lo, hi):  # train_step's per-id sort of its bucket's W ways
-        b, _ = zi.buckets_of(lay, lo, hi)
-        cells = b[:, None] * lay.ways + jnp.arange(lay.ways, dtype=jnp.int32)
-        seen, uses = s.last_seen[cells], s.counts[cells]
-        cls = jnp.where(seen < 0, 0, 1)
-        way = jnp.broadcast_to(jnp.arange(lay.ways, dtype=jnp.int32), cls.shape)
-        return jax.lax.sort((cls, seen, uses, way), dimension=1, num_keys=4)[3]
-
+    xla = dataclasses.replace(lay, implementation="xla")
     parts = {
-        "candidate_sort_[C,W]": jax.jit(candidate_sort),
         "hash": jax.jit(lambda s, lo, hi: zi.buckets_of(lay, lo, hi)[0]),
         "hash_and_probe (eval remap)": jax.jit(lambda s, lo, hi: zi.remap(lay, s, lo, hi, ok)),
-        "sort_4_keys": jax.jit(lambda s, lo, hi: sort4(lo, hi)),
         "train_index (full index program)": jax.jit(
             lambda s, lo, hi: (
                 zi.train_step(lay, s, lo, hi, ok, max_evictions=mod.max_evictions).rows
+            )
+        ),
+        "train_index_xla (the XLA program on CPU)": jax.jit(
+            lambda s, lo, hi: (
+                zi.train_step(xla, s, lo, hi, ok, max_evictions=mod.max_evictions).rows
             )
         ),
     }

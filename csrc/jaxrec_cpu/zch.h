@@ -389,8 +389,17 @@ ffi::Error ZchRemapImpl(ffi::Buffer<ffi::U32> id_lo, ffi::Buffer<ffi::U32> id_hi
   const bool* v = valid.typed_data();
   int32_t* out = rows->typed_data();
   uint32_t h_lo;
+  std::vector<int64_t> bucket(c);  // hashes first, then probes with the lines prefetched
+  for (int64_t i = 0; i < c; ++i) bucket[i] = v[i] ? bucket_of(l[i], h[i], &h_lo) : -1;
+  constexpr int64_t kAhead = 8;
   for (int64_t i = 0; i < c; ++i) {
-    const int64_t b = v[i] ? bucket_of(l[i], h[i], &h_lo) : -1;
+    if (i + kAhead < c && bucket[i + kAhead] >= 0) {
+      const int64_t s = bucket[i + kAhead] * L.ways;
+      __builtin_prefetch(il + s, 0, 1);
+      __builtin_prefetch(ih + s, 0, 1);
+      __builtin_prefetch(seen + s, 0, 1);
+    }
+    const int64_t b = bucket[i];
     const int64_t w = b < 0 ? -1 : ZchFind(L, il, ih, seen, b, l[i], h[i]);
     out[i] = w < 0 ? kZchFill : ZchRow(L, b * L.ways + w);
   }
