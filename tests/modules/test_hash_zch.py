@@ -174,3 +174,30 @@ def test_policy_records_check_their_parameters():
         FrequencyAdmission(threshold=0)
     with pytest.raises(ValueError, match="probability"):
         ProbabilityAdmission(probability=1.5)
+
+
+def test_sequence_collection_reads_admitted_rows_and_zeros_for_the_rest():
+    from flax import nnx
+
+    import jaxrec as jr
+    from jaxrec.modules import ManagedCollisionCollection, ManagedCollisionEmbeddingCollection
+
+    cfg = [jr.EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=32, feature_names=["f"])]
+    ec = jr.EmbeddingCollection(cfg, rngs=nnx.Rngs(0), bounds_check_mode=jr.BoundsCheckMode.IGNORE)
+    index = HashZchManagedCollisionModule(32, ways=8, admission=FrequencyAdmission(threshold=2))
+    model = ManagedCollisionEmbeddingCollection(
+        ec, ManagedCollisionCollection({"t": index}, cfg), return_remapped_features=True
+    )
+    first = to_id_words(np.array([2**40 + 1, 2**40 + 1, 5, 2**50, 5], np.int64))
+    second = to_id_words(np.array([2**40 + 1, 7, 5, 2**50, 2**62], np.int64))
+    kjts = [jr.KeyedJaggedTensor.from_lengths_sync(["f"], jnp.asarray(w), [2, 3])
+            for w in (first, second)]  # fmt: skip
+    model.ensure_buffers(kjts[0])
+    for kjt in kjts:  # 2**50 is admitted on its second sighting; 7 and 2**62 are not
+        out, remapped = model(kjt)
+    rows = np.asarray(remapped.values())[:5]
+    assert [r == FILL for r in rows] == [False, True, False, False, True]
+    table = np.asarray(ec.state_dict()["embeddings.t.weight"])
+    got = np.asarray(out["f"].values())[:5]
+    for r, v in zip(rows, got, strict=True):
+        np.testing.assert_array_equal(v, 0.0 if r == FILL else table[r])
