@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..modules import zch_index as zi
-from ..modules.hash_zch import COUNTER_NAMES, HashZchManagedCollisionModule
+from ..modules.hash_zch import COUNTER_NAMES, EvictedRows, HashZchManagedCollisionModule
 from ..modules.mc_collection import ManagedCollisionCollection, remap_by_table
 from ..modules.mc_modules import MCState
 from ..sparse import KeyedJaggedTensor
@@ -145,7 +145,7 @@ class ShardedHashZchTable(nnx.Module):
             setattr(self, f, MCState(_placed(getattr(module, f)[...], repl)))
         self.evicted = nnx.data(None)
         if module.evicted is not None:
-            self.evicted = MCState(_placed(module.evicted[...], repl))
+            self.evicted = EvictedRows(_placed(module.evicted[...], repl))
         self._replicated = repl
 
     def local_layout(self) -> zi.ZchLayout:
@@ -181,7 +181,7 @@ class ShardedHashZchTable(nnx.Module):
         unsharded module's size for that batch: ``min(capacity, zch_size)``)."""
         if self.evicted is None:
             e = max(min(global_capacity, self.zch_size), 1)
-            self.evicted = MCState(jax.device_put(jnp.full((e,), zi.FILL, jnp.int32),
+            self.evicted = EvictedRows(jax.device_put(jnp.full((e,), zi.FILL, jnp.int32),
                                                   self._replicated))  # fmt: skip
 
     def evict(self) -> jax.Array:

@@ -35,12 +35,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..embedding.collection import PlanLocal
 from ..sparse.ids64 import id_words
 from . import zch_index as zi
 from .mc_modules import MCState
 from .zch_policies import Admission, HashZchEvictionConfig
 
 COUNTER_NAMES = ("admitted", "evicted", "rejected")
+
+
+class EvictedRows(PlanLocal):
+    """The latest training call's evicted rows: an output sized by the call's ids (so by
+    the batch and the world size), not state: checkpoints leave it out and a restored
+    state keeps the target's (the next training call overwrites it)."""
+
+
 LRU = HashZchEvictionConfig()  # the default policy
 
 
@@ -127,7 +136,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         self.last_counts = MCState(jnp.stack([zero] * len(COUNTER_NAMES)))
         self.evicted = nnx.data(None)
         if max_evictions is not None:
-            self.evicted = MCState(jnp.full((max_evictions,), zi.FILL, jnp.int32))
+            self.evicted = EvictedRows(jnp.full((max_evictions,), zi.FILL, jnp.int32))
 
     # ----- sizes and buffers -----
     def output_size(self) -> int:
@@ -147,7 +156,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         if self.evicted is None:
             _int(input_capacity, "input_capacity", 0)
             e = max(input_capacity, 1)  # >= the call's ids: unpacked, nothing dropped
-            self.evicted = MCState(jnp.full((e,), zi.FILL, jnp.int32))
+            self.evicted = EvictedRows(jnp.full((e,), zi.FILL, jnp.int32))
 
     def state(self) -> zi.ZchState:
         return zi.ZchState(*(getattr(self, f)[...] for f in zi.ZchState._fields))
