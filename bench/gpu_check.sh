@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command for a GPU machine (under 10 minutes): the GPU tests, the lookup
 # benchmarks at the target size (uniform and Zipf ids) and at HBM-bound sizes (three
-# optimizers), the table initialiser against the device's copy, the train-step benchmark
-# and the cached-table benchmark.
+# optimizers), the table initialiser against the device's copy, the train-step benchmark,
+# the cached-table benchmark and the dynamic tables' forward.
 # Results go to bench/results/ as gpu_check_<device>_<date>*.jsonl, with a summary
 # line per step in gpu_check_<device>_<date>.json. Each step has its own time
 # limit; a failed step is recorded and the rest still run; the exit status is 1
@@ -54,7 +54,7 @@ step() {
         "$DEVICE" "$DATE" "$*" >> "$SUMMARY"
 }
 
-# Time limits: 560 s in all, under ~570 (the device is lent for 15 minutes, start-up
+# Time limits: 570 s in all, under ~570 (the device is lent for 15 minutes, start-up
 # included). Estimates from the H200 run of 2026-11-26 (bench/results/gpu_check_nvidia_h200_*)
 # where a step ran there, otherwise arithmetic; compile times are XLA's deviceless GPU
 # compiles of the same programs on the 2-core development machine (jaxrec.deviceless).
@@ -83,16 +83,23 @@ step lookup_target 100 python bench/gpu_lookup.py --preset target,target_zipf --
 # gathers and restores) x 3 = ~110 s: 125 s.
 step lookup_hbm 125 python bench/gpu_lookup.py --preset hbm_check --impl pallas,pallas_per_run,mosaic,xla \
     --pass fwd,bwd_update --optimizer sgd,rowwise_adagrad,adam --reps 5 --warmup 1
-# init_rows: 2 dims x 11 draws and copies of 2 GiB: under 10 s at 50 GB/s, 44 s at 1 GB/s.
-step init_rows 50 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
-# train_step: 14 s and 19 s measured: 40 s.
-step train_step 40 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
+# init_rows: 2 dims x 11 draws and copies of 2 GiB: under 10 s at 50 GB/s, 44 s at 1 GB/s
+# (the H200 ran far faster than 1 GB/s): 40 s.
+step init_rows 40 python bench/init_rows.py --dims 16 128 --mb 2048 --reps 10
+# train_step: 14 s and 19 s measured: 30 s.
+step train_step 30 python bench/train_step.py --preset default --reps 10 --impl jaxrec,dense
 # cache: its gpu preset at Zipf 1.05 and two load factors, shorter warm-up: start-up and
 # 4 GB model ~20 s + 2 cached models (host tables, compile ~10 s each) + 22 steps each of
 # 0.24 s and 0.10 s (measured 2026-11-26) = ~50 s, + the slot maps' plan on the device
 # (4 tables of 163,840 ids: 21 s deviceless on 2 cores) for each cached model: 85 s.
 step cache 85 python bench/cache.py --preset gpu --alphas 1.05 --load-factors 0.1,1.0 \
     --warmup 10 --reps 5
+# dynamic_table: 2 dynamic tables of 1M slots against plain tables, forward only (eval and
+# the training forward with admission, eviction and reset: the XLA index on a GPU), 10
+# fill calls: start-up ~10 s, 3 compiles (the index's ~2 s each on XLA:CPU) and
+# 10 + 3 x 7 calls of a few ms: 30 s.
+step dynamic_table 30 python bench/dynamic_table.py --preset default --T 2 --reps 5 --warmup 2 \
+    --fill-steps 10 --occ-steps 0 --no-train-step
 # (bench/gpu_lookup.py --preset gpu_sweep, which ran past 150 s, is left to a run of its own.)
 cat "$SUMMARY"
 exit $FAILED
