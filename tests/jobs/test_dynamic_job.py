@@ -12,7 +12,8 @@ from jaxrec.jobs.train_dlrm import main
 
 CODE = "import sys; from jaxrec.jobs.train_dlrm import main; sys.exit(main(sys.argv[1:]))"
 COMMON = ["--num-train", "4096", "--num-eval", "512", "--batch-size", "32", "--quiet",
-          "--dynamic-tables", "2048", "--dynamic-admission", "2", "--dynamic-eviction", "lfu"]  # fmt: skip
+          "--dynamic-tables", "2048", "--dynamic-admission", "2",
+          "--dynamic-eviction", "lfu"]  # fmt: skip
 
 
 def _run(argv):
