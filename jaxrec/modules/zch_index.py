@@ -46,7 +46,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..cpu import zch as cpu_zch
 from ..ops import dispatch
@@ -158,11 +157,6 @@ def buckets_of(layout: ZchLayout, lo: jax.Array, hi: jax.Array) -> tuple[jax.Arr
     """``(global bucket int32, hash low word uint32)`` of ids given as words."""
     h_lo, h_hi = hash64_words(lo, hi, seed=layout.seed)
     return (h_hi % jnp.uint32(layout.total_buckets)).astype(jnp.int32), h_lo
-
-
-def global_buckets_np(ids_hash: np.ndarray, total_buckets: int) -> np.ndarray:
-    """Host twin of :func:`buckets_of` from :func:`~jaxrec.sparse.ids64.hash64_np` hashes."""
-    return ((ids_hash >> np.uint64(32)) % np.uint64(total_buckets)).astype(np.int64)
 
 
 class _Lookup(NamedTuple):
