@@ -14,6 +14,9 @@ from .base import SumMetric as SumMetric
 from .base import validate_inputs as validate_inputs
 from .collection import MetricCollection as MetricCollection
 from .collection import RecMetricModule as RecMetricModule
+from .gauc import GAUCMetric as GAUCMetric
+from .ndcg import NDCGMetric as NDCGMetric
+from .ne import CaliFreeNEMetric as CaliFreeNEMetric
 from .ne import NEMetric as NEMetric
 from .processes import reduce_across_processes as reduce_across_processes
 from .rates import AccuracyMetric as AccuracyMetric
@@ -21,5 +24,12 @@ from .rates import CalibrationMetric as CalibrationMetric
 from .rates import CTRMetric as CTRMetric
 from .regression import MAEMetric as MAEMetric
 from .regression import MSEMetric as MSEMetric
+from .segmented_ne import SegmentedNEMetric as SegmentedNEMetric
+from .session_rates import PrecisionSessionMetric as PrecisionSessionMetric
+from .session_rates import RecallSessionMetric as RecallSessionMetric
+from .sessions import rank_within_session as rank_within_session
 from .streaming_auc import StreamingAUCMetric as StreamingAUCMetric
 from .streaming_auc import StreamingAUPRCMetric as StreamingAUPRCMetric
+from .throughput import ThroughputMetric as ThroughputMetric
+from .window import WindowedMetric as WindowedMetric
+from .window import WindowState as WindowState

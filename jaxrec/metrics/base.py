@@ -105,6 +105,36 @@ class Metric:
         """TorchRec's ``MetricPrefix`` of the results: ``"lifetime_"`` or ``"window_"``."""
         return "lifetime_"
 
+    def input_names(self) -> tuple[str, ...]:
+        """Per-sample inputs `update` needs beside predictions, labels and weights
+        (TorchRec's ``required_inputs``, e.g. ``"session_ids"``), passed by keyword."""
+        return ()
+
+    def take_inputs(self, inputs: dict[str, Any], batch_size: int) -> dict[str, jax.Array]:
+        """Checks the keyword inputs of `update`: exactly `input_names()`, each an
+        integer array of shape `[B]`."""
+        name = type(self).__name__
+        want = self.input_names()
+        missing = [k for k in want if k not in inputs]
+        extra = sorted(set(inputs) - set(want))
+        if missing or extra:
+            raise ValueError(
+                f"{name}.update takes the inputs {list(want)} by keyword; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        out = {}
+        for k in want:
+            x = jnp.asarray(inputs[k])
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name}: {k} must be an integer array, got {x.dtype=}")
+            if x.shape != (batch_size,):
+                raise ValueError(
+                    f"{name}: {k} must have shape [B] = ({batch_size},) (one per sample, "
+                    f"shared by the tasks), got {x.shape=}"
+                )
+            out[k] = x
+        return out
+
     def init(self) -> State:
         raise NotImplementedError
 
@@ -185,18 +215,25 @@ class SumMetric(Metric):
     def state_shape(self) -> tuple[int, ...]:
         return self.task_shape
 
-    def batch_sums(self, p: jax.Array, y: jax.Array, w: jax.Array) -> dict[str, jax.Array]:
+    def state_shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of one state (all `state_shape()` unless a metric says otherwise)."""
+        del name
+        return self.state_shape()
+
+    def batch_sums(
+        self, p: jax.Array, y: jax.Array, w: jax.Array, **inputs: jax.Array
+    ) -> dict[str, jax.Array]:
         raise NotImplementedError
 
     def compute_sums(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
         raise NotImplementedError
 
     def init(self) -> dict[str, Sum]:
-        return {k: sum_zeros(self.state_shape()) for k in self.state_names}
+        return {k: sum_zeros(self.state_shape_of(k)) for k in self.state_names}
 
-    def update(self, state, predictions, labels, weights=None):
+    def update(self, state, predictions, labels, weights=None, **inputs):
         p, y, w = self.prepare(predictions, labels, weights)
-        sums = self.batch_sums(p, y, w)
+        sums = self.batch_sums(p, y, w, **self.take_inputs(inputs, p.shape[-1]))
         return {k: sum_add(state[k], sums[k]) for k in self.state_names}
 
     def merge(self, a, b):

@@ -91,8 +91,24 @@ class MetricCollection:
     def init(self) -> dict[str, Any]:
         return {n: m.init() for n, m in self.metrics}
 
-    def update(self, state, predictions, labels, weights=None):
-        return {n: m.update(state[n], predictions, labels, weights) for n, m in self.metrics}
+    def input_names(self) -> tuple[str, ...]:
+        """Every keyword input some metric needs (`session_ids`, `grouping_keys`, ...)."""
+        return tuple(dict.fromkeys(k for _, m in self.metrics for k in m.input_names()))
+
+    def update(self, state, predictions, labels, weights=None, **inputs):
+        """Updates every metric; `inputs` (keyword, `[B]` each) go to the metrics
+        whose `input_names()` list them."""
+        extra = sorted(set(inputs) - set(self.input_names()))
+        if extra:
+            raise ValueError(
+                f"MetricCollection.update: no metric takes the inputs {extra}; "
+                f"the metrics take {list(self.input_names())}"
+            )
+        out = {}
+        for n, m in self.metrics:
+            mine = {k: inputs[k] for k in m.input_names() if k in inputs}
+            out[n] = m.update(state[n], predictions, labels, weights, **mine)
+        return out
 
     def merge(self, a, b):
         return {n: m.merge(a[n], b[n]) for n, m in self.metrics}
@@ -159,7 +175,8 @@ class RecMetricModule:
         # Distinct buffers: the update donates the state, and init may share constants.
         self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), self.collection.init())
 
-    def update(self, predictions, labels, weights=None) -> None:
+    def update(self, predictions, labels, weights=None, **inputs) -> None:
+        """One batch; `inputs`: the metrics' keyword inputs (`session_ids=...`)."""
         if self.validate:
             ms = [m for _, m in self.collection.metrics]
             binary = all(m.binary_labels for m in ms)
@@ -171,7 +188,7 @@ class RecMetricModule:
                 probabilities=binary and not logits,
                 binary_labels=binary,
             )
-        self.state = self._update(self.state, predictions, labels, weights)
+        self.state = self._update(self.state, predictions, labels, weights, **inputs)
 
     def compute(self) -> dict[str, float | np.ndarray]:
         """Results as Python floats (or numpy arrays with num_tasks); raises if a

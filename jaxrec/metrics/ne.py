@@ -1,4 +1,5 @@
-"""Normalized entropy and log loss (TorchRec's `NEMetric`, `include_logloss=True`)."""
+"""Normalized entropy and log loss (TorchRec's `NEMetric`, `include_logloss=True`),
+and calibration-free NE (TorchRec's `CaliFreeNEMetric`)."""
 
 from __future__ import annotations
 
@@ -71,13 +72,7 @@ class NEMetric(SumMetric):
         return ("ne", "logloss") if self.include_logloss else ("ne",)
 
     def batch_sums(self, p, y, w):
-        if self.from_logits:
-            floor = math.log(self.eta)
-            log_p = jnp.maximum(jax.nn.log_sigmoid(p), floor)
-            log_q = jnp.maximum(jax.nn.log_sigmoid(-p), floor)
-        else:
-            log_p, log_q = log_clamped(p, self.eta), log1m_clamped(p, self.eta)
-        ce = -w * (y * log_p + (1.0 - y) * log_q) / _LN2
+        ce = ne_sums(p, y, w, self.eta, self.from_logits)
         return {
             "cross_entropy_sum": jnp.sum(ce, axis=-1),
             "weighted_num_samples": jnp.sum(w, axis=-1),
@@ -98,3 +93,72 @@ class NEMetric(SumMetric):
         if self.include_logloss:
             out["logloss"] = ce_sum / jnp.maximum(pos + neg, eta)
         return out
+
+
+def ne_sums(p: jax.Array, y: jax.Array, w: jax.Array, eta: float, from_logits: bool):
+    """Per-sample base-2 cross entropy `[*tasks, B]` of `NEMetric`."""
+    if from_logits:
+        floor = math.log(eta)
+        log_p = jnp.maximum(jax.nn.log_sigmoid(p), floor)
+        log_q = jnp.maximum(jax.nn.log_sigmoid(-p), floor)
+    else:
+        log_p, log_q = log_clamped(p, eta), log1m_clamped(p, eta)
+    return -w * (y * log_p + (1.0 - y) * log_q) / _LN2
+
+
+def ne_from_sums(ce_sum, num, pos, neg, eta: float) -> jax.Array:
+    """NE from its four sums (`NEMetric.compute_sums`' formula)."""
+    mean_label = pos / jnp.maximum(num, eta)
+    ce_norm = -(pos * log_clamped(mean_label, eta) + neg * log1m_clamped(mean_label, eta))
+    return ce_sum / ce_norm * _LN2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CaliFreeNEMetric(SumMetric):
+    """Calibration-free NE (TorchRec's `CaliFreeNEMetric`, namespace "cali_free_ne").
+
+    TorchRec's formula: `ne / (-P log2(m) - (W - P) log2(1 - m))` with `ne` as
+    `NEMetric`'s, `P = sum(w * y)`, `W = sum(w)` and `m = sum(w * p) / W` the mean
+    prediction. The denominator is a sum over samples (TorchRec does not divide it
+    by `W`), so the value scales as `1 / W`; it is given here as TorchRec computes it.
+
+    Attributes:
+      eta: TorchRec's clamp, 1e-12.
+      allow_missing_label_with_zero_weight: as TorchRec, report `eta` when a task's
+        total weight is 0.
+
+    Returns (compute): {"cali_free_ne": ...}.
+    """
+
+    eta: float = 1e-12
+    allow_missing_label_with_zero_weight: bool = False
+
+    namespace: ClassVar[str] = "cali_free_ne"
+    output_names: ClassVar[tuple[str, ...]] = ("cali_free_ne",)
+    state_names: ClassVar[tuple[str, ...]] = (
+        "cross_entropy_sum",
+        "weighted_num_samples",
+        "pos_labels",
+        "neg_labels",
+        "weighted_sum_predictions",
+    )
+
+    def batch_sums(self, p, y, w):
+        return {
+            "cross_entropy_sum": jnp.sum(ne_sums(p, y, w, self.eta, False), axis=-1),
+            "weighted_num_samples": jnp.sum(w, axis=-1),
+            "pos_labels": jnp.sum(w * y, axis=-1),
+            "neg_labels": jnp.sum(w * (1.0 - y), axis=-1),
+            "weighted_sum_predictions": jnp.sum(w * p, axis=-1),
+        }
+
+    def compute_sums(self, sums):
+        num, pos = sums["weighted_num_samples"], sums["pos_labels"]
+        ne = ne_from_sums(
+            sums["cross_entropy_sum"], jnp.maximum(num, self.eta), pos, sums["neg_labels"], self.eta
+        )
+        mean_pred = sums["weighted_sum_predictions"] / num
+        out = ne / (-pos * jnp.log2(mean_pred) - (num - pos) * jnp.log2(1.0 - mean_pred))
+        if self.allow_missing_label_with_zero_weight:
+            out = jnp.where(jnp.all(num > 0), out, self.eta)
+        return {"cali_free_ne": out}
