@@ -14,6 +14,7 @@ from .sessions import per_task, segmented_cumsum, sort_sessions
 SESSION_WEIGHTINGS = ("session", "num_samples")
 
 
+@jax.jit  # also when `update` runs eagerly: one compile, not one per primitive
 def session_aucs(p: jax.Array, y: jax.Array, w: jax.Array, session_ids: jax.Array):
     """Weighted ROC AUC of each session of a batch (ties count half).
 

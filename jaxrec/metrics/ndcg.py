@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -12,6 +13,16 @@ from .base import SumMetric
 from .sessions import per_task, sort_sessions
 
 
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "k",
+        "exponential_gain",
+        "decreasing",
+        "remove_single_length_sessions",
+        "scale_by_weights_tensor",
+    ),
+)
 def session_ndcg_terms(
     p: jax.Array,
     y: jax.Array,

@@ -81,6 +81,7 @@ def segmented_cumsum(x: jax.Array, segment: jax.Array) -> jax.Array:
     return jax.lax.associative_scan(combine, (start, x))[1]
 
 
+@jax.jit
 def rank_within_session(values: jax.Array, session_ids: jax.Array) -> jax.Array:
     """TorchRec's `ranking_within_session`: for each sample, the number of samples
     of its session with a strictly greater value (ties share the best rank).
