@@ -9,6 +9,10 @@ import pytest
 from flax import nnx
 from sharding_cases import KEYS as SHARDED_KEYS
 from sharding_cases import Model, batches, loss_fn, mesh_1d
+from test_eviction_reset import FILL as RESET_FILL
+from test_eviction_reset import ResetModel, no_resets
+from test_eviction_reset import loss_fn as reset_loss
+from train_models import random_batch
 
 import jaxrec as jr
 from jaxrec import distributed as d
@@ -124,6 +128,29 @@ def test_accumulated_step_equals_concatenated_step(opt_name, k, reduction):
         assert np.isnan(float(loss))
         jax.tree.map(np.testing.assert_array_equal, host(skipped), init)
         assert accum.skipped_steps() == 1
+
+
+def test_skipped_step_undoes_the_row_resets_of_every_micro_batch():
+    """Micro-batch 0 re-initialises rows (as a managed-collision eviction does), micro-batch
+    1 has a NaN label: the skipped step writes the reset rows back, bit for bit."""
+    rng = np.random.default_rng(5)
+    opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.1))
+    graphdef, state = train.init_train_state(ResetModel(rngs=nnx.Rngs(0)), opt)
+    init = host(state)
+    resets = no_resets()
+    resets["t1"] = jnp.array([3, 5, 29, RESET_FILL], jnp.int32)
+    kjt, y = random_batch(rng)
+    micro = [(*random_batch(rng), resets), (kjt, y.at[2].set(jnp.nan), no_resets())]
+    accum = train.make_accumulating_train_step(
+        graphdef, opt, reset_loss, micro_batches=2, donate=False, skip_nonfinite=True
+    )
+    got, loss, _ = accum(init, train.stack_micro_batches(micro))
+    assert np.isnan(float(loss)) and accum.skipped_steps() == 1
+    jax.tree.map(np.testing.assert_array_equal, host(got), init)
+    micro[1] = (kjt, y, no_resets())  # the same step applies when every micro-batch is finite
+    got, _, _ = accum(init, train.stack_micro_batches(micro))
+    before, after = (x.tables["ebc"]["weights"]["fp32_d4"] for x in (init, host(got)))
+    assert np.all(np.abs(after[[3, 5, 29]] - before[[3, 5, 29]]) > 0)
 
 
 def test_mismatched_micro_batches_are_refused():
