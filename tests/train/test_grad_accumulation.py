@@ -19,6 +19,7 @@ from jaxrec import distributed as d
 from jaxrec import models, optim, train
 from jaxrec.checkpoint import logical_state
 from jaxrec.embedding import CombinedOptimizer
+from jaxrec.train.accumulate import concat_bags
 
 KEYS = ["f1", "f2", "f3"]
 ROWS = {"f1": 40, "f2": 25, "f3": 60}
@@ -153,6 +154,39 @@ def test_skipped_step_undoes_the_row_resets_of_every_micro_batch():
     assert np.all(np.abs(after[[3, 5, 29]] - before[[3, 5, 29]]) > 0)
 
 
+def test_concat_bags_equals_the_concatenated_batch():
+    """The sharded merge's ragged concatenation (weighted, id words, empty bags) against
+    a KJT built from the concatenated bags on the host."""
+    rng = np.random.default_rng(6)
+    caps = {"a": 12, "b": 9}  # bags of 0..3 ids, 3 bags per micro-batch
+    micro_bags = [
+        {f: [rng.integers(0, 2**40, int(rng.integers(0, 4))).tolist() for _ in range(3)]
+         for f in caps}
+        for _ in range(3)
+    ]  # fmt: skip
+
+    def kjt_of_bags(bags, scale):
+        keys = list(caps)
+        vals = [i for f in keys for b in bags[f] for i in b]
+        return jr.KeyedJaggedTensor.from_lengths_sync(
+            keys, np.asarray(vals, np.int64), [len(b) for f in keys for b in bags[f]],
+            weights=np.arange(len(vals), dtype=np.float32) + 0.5,
+            capacities={f: scale * c for f, c in caps.items()},
+        )  # fmt: skip
+
+    kjts = [kjt_of_bags(b, 1) for b in micro_bags]
+    merged = concat_bags(train.stack_micro_batches(kjts))
+    want = kjt_of_bags({f: [x for b in micro_bags for x in b[f]] for f in caps}, 3)
+    assert merged.stride() == 9 and merged.capacity_per_key() == want.capacity_per_key()
+    np.testing.assert_array_equal(merged.lengths(), want.lengths())
+    for f in caps:
+        for got, ref in zip(merged[f].to_dense(), want[f].to_dense(), strict=True):
+            np.testing.assert_array_equal(got, ref)
+        ws = [x for k in kjts for x in k[f].to_dense_weights()]
+        for got, ref in zip(merged[f].to_dense_weights(), ws, strict=True):
+            np.testing.assert_array_equal(got, ref)
+
+
 def test_mismatched_micro_batches_are_refused():
     rng = np.random.default_rng(4)
     micro, _ = micro_and_concat(rng, 2)
@@ -184,21 +218,23 @@ def test_mismatched_micro_batches_are_refused():
 
 
 def sharded_micro_batches(rng, k, mesh):
-    """``k`` sharded micro-batches and their concatenation as one unsharded batch (bag
-    order does not change a step: the loss is a mean over bags)."""
-    micro, bags, ys = [], {f: [] for f in SHARDED_KEYS}, []
+    """``k`` sharded weighted micro-batches and their concatenation as one unsharded batch
+    (bag order does not change a step: the loss is a mean over bags)."""
+    micro, bags, weights, ys = [], {f: [] for f in SHARDED_KEYS}, {f: [] for f in SHARDED_KEYS}, []
     for _ in range(k):
-        local, (kjt, y) = batches(rng)
+        local, (kjt, y) = batches(rng, weighted=True)
         micro.append(d.shard_batch(local, mesh))
         for f in SHARDED_KEYS:
-            offs = np.concatenate([[0], np.cumsum(np.asarray(kjt[f].lengths()))])
-            vals = np.asarray(kjt[f].values())
-            bags[f] += [vals[a:b].tolist() for a, b in zip(offs[:-1], offs[1:], strict=True)]
+            bags[f] += [x.tolist() for x in kjt[f].to_dense()]
+            weights[f] += [x.tolist() for x in kjt[f].to_dense_weights()]
         ys.append(np.asarray(y))
     lengths = [len(x) for f in SHARDED_KEYS for x in bags[f]]
     values = [i for f in SHARDED_KEYS for x in bags[f] for i in x]
+    w = np.asarray([i for f in SHARDED_KEYS for x in weights[f] for i in x], np.float32)
     caps = {f: 8 * k * 16 for f in SHARDED_KEYS}
-    kjt = jr.KeyedJaggedTensor.from_lengths_sync(SHARDED_KEYS, values, lengths, capacities=caps)
+    kjt = jr.KeyedJaggedTensor.from_lengths_sync(
+        SHARDED_KEYS, values, lengths, weights=w, capacities=caps
+    )
     return micro, (kjt, jnp.asarray(np.concatenate(ys)))
 
 
@@ -213,11 +249,11 @@ def test_sharded_accumulation_equals_unsharded_concatenated():
     rng = np.random.default_rng(11)
     micro, concat = sharded_micro_batches(rng, k, mesh)
 
-    graphdef, ref = train.init_train_state(Model(rngs=nnx.Rngs(1)), opt)
+    graphdef, ref = train.init_train_state(Model(weighted=True, rngs=nnx.Rngs(1)), opt)
     ref, ref_loss, _ = train.make_train_step(graphdef, opt, loss_fn)(ref, concat)
     want = logical_state(graphdef, opt, ref)
 
-    model = Model(rngs=nnx.Rngs(1))
+    model = Model(weighted=True, rngs=nnx.Rngs(1))
     plan = d.construct_module_sharding_plan(model.ebc, PLAN, world_size=8)
     model = d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh)
     sgraph, state = train.init_train_state(model, opt)
