@@ -1,5 +1,7 @@
 """Sparse training: the train step that never builds a dense table gradient."""
 
+from .accumulate import make_accumulating_train_step as make_accumulating_train_step
+from .accumulate import stack_micro_batches as stack_micro_batches
 from .guard import BoundsCheckError as BoundsCheckError
 from .guard import CapacityOverflowError as CapacityOverflowError
 from .in_flight import InFlight as InFlight

@@ -28,7 +28,7 @@ from ..embedding.optimizer import CombinedOptimizer, CombinedOptState
 from ..embedding.tables import EmbeddingTable
 from ..ops import Implementation
 from . import guard
-from .forward import differentiate
+from .forward import Forward, differentiate
 from .guard import BoundsCheckError, CapacityOverflowError, StepReport
 from .step_warnings import StepWarnings
 from .table_update import apply_sparse_gradients
@@ -126,6 +126,20 @@ def make_train_step(
 def _step(graphdef, optimizer, loss_fn, has_aux, implementation, skip_nonfinite, state, batch):
     """One step, traced under ``jit``: ``(state, loss, aux, StepReport)``."""
     fwd = differentiate(graphdef, loss_fn, has_aux, state, batch)
+    new, report = apply_forward(optimizer, state, fwd, implementation, skip_nonfinite)
+    return new, fwd.loss, fwd.aux, report
+
+
+def apply_forward(
+    optimizer: CombinedOptimizer,
+    state: TrainState,
+    fwd: Forward,
+    implementation: Implementation,
+    skip_nonfinite: bool,
+) -> tuple[TrainState, StepReport]:
+    """The update half of a step, traced under ``jit``: the dense optax update from
+    ``fwd.g_params`` and every collection's fused sparse update from ``fwd.calls``
+    (masked as ``guard.py`` says). ``(new state, StepReport)``."""
     updates, dense_state = optimizer.dense.update(fwd.g_params, state.opt_state.dense, state.params)
     params = optax.apply_updates(state.params, updates)
     tables, rest, calls, resets = fwd.tables, fwd.rest, fwd.calls, fwd.resets
@@ -148,7 +162,7 @@ def _step(graphdef, optimizer, loss_fn, has_aux, implementation, skip_nonfinite,
         sparse_state = guard.keep_counts(sparse_state, state.opt_state.sparse, ok)
     new = TrainState(params, tables, rest, CombinedOptState(dense_state, sparse_state))
     skipped = None if ok is None else jnp.logical_not(ok)
-    return new, fwd.loss, fwd.aux, StepReport(fwd.dropped, skipped, fwd.fatal, *fwd.warned)
+    return new, StepReport(fwd.dropped, skipped, fwd.fatal, *fwd.warned)
 
 
 class TrainStep:
