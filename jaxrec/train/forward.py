@@ -3,8 +3,10 @@ embedding collection call with the gradient of its output (see ``jaxrec.embeddin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -16,6 +18,22 @@ from ..embedding.tables import EmbeddingTable
 from ..embedding.tape import Reset, Tape
 from . import guard
 from .table_update import CollectionCall
+
+_GIVEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxrec_given_outputs", default=None
+)
+
+
+@contextlib.contextmanager
+def given_outputs(outputs: list) -> Iterator[None]:
+    """Within it, :func:`differentiate` replaces the i-th collection call's output by
+    ``outputs[i]`` (a semi-synchronous step: outputs looked up a step earlier, see
+    ``semi_sync.py``); the gradients are then with respect to those outputs."""
+    token = _GIVEN.set(list(outputs))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 class Forward(NamedTuple):
@@ -39,11 +57,12 @@ def differentiate(
     """Runs ``loss_fn`` on the model of ``state`` under a tape and differentiates it with
     respect to the dense params and a zero probe added to every collection output."""
     probes = _zero_probes(graphdef, state, loss_fn, batch)
+    given = _GIVEN.get()  # None but in a semi-synchronous step
     tape_found: list[Tape] = []
 
     def run(params, probes, tables, rest):  # everything as arguments: nnx may mutate rest
         model = nnx.merge(graphdef, params, tables, rest, copy=True)
-        with Tape(model, probes) as tape:
+        with Tape(model, probes, given) as tape:
             out = loss_fn(model, batch)
         loss, aux = out if has_aux else (out, None)
         _, _, tables, rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)
