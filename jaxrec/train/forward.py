@@ -19,17 +19,28 @@ from ..embedding.tape import Reset, Tape
 from . import guard
 from .table_update import CollectionCall
 
-_GIVEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+
+class Given(NamedTuple):
+    """Collection outputs looked up a step earlier (a semi-synchronous step, see
+    ``semi_sync.py``), with the bounds checks found by that lookup."""
+
+    outputs: list  # one pytree per collection call, in call order
+    fatal: dict  # where -> (count, example) of FATAL checks (guard.merge_reports)
+    warning: dict  # the same for WARNING checks
+
+
+_GIVEN: contextvars.ContextVar[Given | None] = contextvars.ContextVar(
     "jaxrec_given_outputs", default=None
 )
 
 
 @contextlib.contextmanager
-def given_outputs(outputs: list) -> Iterator[None]:
+def given_outputs(given: Given) -> Iterator[None]:
     """Within it, :func:`differentiate` replaces the i-th collection call's output by
-    ``outputs[i]`` (a semi-synchronous step: outputs looked up a step earlier, see
-    ``semi_sync.py``); the gradients are then with respect to those outputs."""
-    token = _GIVEN.set(list(outputs))
+    ``given.outputs[i]``, so that the gradients are with respect to those outputs, and
+    reports ``given``'s bounds checks instead of its own: its own lookups are then dead
+    code, which XLA removes."""
+    token = _GIVEN.set(given._replace(outputs=list(given.outputs)))
     try:
         yield
     finally:
@@ -62,14 +73,16 @@ def differentiate(
 
     def run(params, probes, tables, rest):  # everything as arguments: nnx may mutate rest
         model = nnx.merge(graphdef, params, tables, rest, copy=True)
-        with Tape(model, probes, given) as tape:
+        with Tape(model, probes, None if given is None else given.outputs) as tape:
             out = loss_fn(model, batch)
         loss, aux = out if has_aux else (out, None)
         _, _, tables, rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)
         tape_found.append(tape)
         dropped = sum(tape.overflow) if tape.overflow else None
-        fatal = guard.merge_reports(tape.fatal)
-        warned = guard.warned(guard.merge_reports(tape.warning), tape.overflow_warned)
+        fatal, warning = guard.merge_reports(tape.fatal), guard.merge_reports(tape.warning)
+        if given is not None:  # the checks of the lookup that made the given outputs
+            fatal, warning = given.fatal, given.warning
+        warned = guard.warned(warning, tape.overflow_warned)
         features = [c.features for c in tape.calls]
         reset_rows = [(r.rows, r.old) for r in tape.resets]
         return loss, (aux, features, tables, rest, reset_rows, dropped, fatal, warned)

@@ -2,20 +2,25 @@
 embeddings, looked up by step ``i - 1``, and looks up batch ``i + 1``'s (TorchRec's
 ``TrainPipelineSemiSync``, in one program per step).
 
-``step(state, outputs_i, batch_i, batch_next) -> (state, loss, aux, report, outputs_next)``:
+``step(state, looked_up_i, batch_i, batch_next) -> (state, loss, aux, report,
+looked_up_next)``, where a :class:`LookedUp` holds a batch's collection outputs
+and the bounds checks of their lookup:
 
 1. the lookup of ``batch_next``: the loss function runs with a recording tape
    (``jaxrec.embedding.tape``) and every collection call's output is kept; the
    dense part of that run is dead code, which XLA removes;
 2. the forward and backward of ``batch_i`` (``step.py``'s, unchanged), with the
-   i-th collection call's output replaced by ``outputs_i[i]``
-   (``forward.given_outputs``): dense gradients and the gradient of each output;
+   k-th collection call's output replaced by ``looked_up_i.outputs[k]``
+   (``forward.given_outputs``): dense gradients and the gradient of each output.
+   The collections' own lookups of ``batch_i`` are dead code too: the step
+   reports (and, under ``BoundsCheckMode.FATAL``, skips on) the bounds checks
+   of ``looked_up_i``;
 3. the updates: the dense optimizer, and batch ``i``'s sparse gradients applied
    to the rows its ids name, as in the synchronous step.
 
 The lookup of batch ``i + 1`` reads the tables before batch ``i``'s sparse update:
 embedding gradients land one step late (staleness 1); dense parameters are not
-stale. Nothing of the dense half reads ``outputs_next``, so the two halves are
+stale. Nothing of the dense half reads ``looked_up_next``, so the two halves are
 free to overlap (on GPUs a sharded lookup's ``all_to_all`` runs beside the dense
 compute); only the in-place table update waits for the lookup's reads.
 
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jcore
@@ -41,7 +46,8 @@ from flax import nnx
 
 from ..embedding.tape import Tape
 from ..ops import Implementation
-from .forward import given_outputs
+from .forward import Given, given_outputs
+from .guard import merge_reports
 from .sparse_dist_step import _tainted
 from .step import TrainState, TrainStep, _step
 
@@ -63,9 +69,9 @@ def make_semi_sync_train_step(
     Arguments as ``make_train_step``'s. Run it with
     :class:`~jaxrec.train.TrainPipelineSemiSync`, or by hand::
 
-        outputs = step.lookup(state, batches[0])
+        looked_up = step.lookup(state, batches[0])
         for batch, after in zip(batches, batches[1:] + batches[-1:]):
-            state, loss, _, outputs = step(state, outputs, batch, after)
+            state, loss, _, looked_up = step(state, looked_up, batch, after)
 
     (the last step looks its own batch up again, unused: one program for all).
 
@@ -80,51 +86,64 @@ def make_semi_sync_train_step(
     return SemiSyncTrainStep(jax.jit(run, donate_argnums=(0,) if donate else ()), jax.jit(ahead))
 
 
-def _semi_sync(body, ahead, state, outputs, batch, next_batch):
+def _semi_sync(body, ahead, state, looked_up, batch, next_batch):
     with jax.named_scope(LOOKUP_SCOPE):  # names its ops in the compiled program (op_name)
-        next_outputs = ahead(state, next_batch)
+        ahead_found = ahead(state, next_batch)
     # The tables are updated in place (donated): the loss, on which every row update
     # depends (table_update.py), takes a zero that depends on the lookup ahead, so the
     # lookup's reads come first; without it XLA may copy each table to keep the old one.
     # A non-finite lookup does not reach the loss (the where).
-    total = sum((jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(next_outputs)), 0.0)
+    leaves = jax.tree.leaves(ahead_found.outputs)
+    total = sum((jnp.sum(x, dtype=jnp.float32) for x in leaves), jnp.float32(0))
     zero = 0.0 * jnp.where(jnp.isfinite(total), total, 0.0)
-    outputs = jax.tree.map(lambda x: x + zero.astype(x.dtype), list(outputs))
-    with given_outputs(outputs):
+    outputs = jax.tree.map(lambda x: x + zero.astype(x.dtype), list(looked_up.outputs))
+    with given_outputs(Given(outputs, looked_up.fatal, looked_up.warning)):
         new, loss, aux, report = body(state, batch)
-    return new, loss, aux, report, next_outputs
+    return new, loss, aux, report, ahead_found
+
+
+class LookedUp(NamedTuple):
+    """A batch's embeddings looked up a step ahead, handed from step to step."""
+
+    outputs: list  # one pytree per collection call, in call order (the call's output)
+    fatal: dict  # where -> (count, example): the lookup's FATAL bounds checks
+    warning: dict  # the same for its WARNING checks (logged by the step that trains on it)
 
 
 class SemiSyncTrainStep(TrainStep):
-    """A semi-synchronous train step: ``step(state, outputs, batch, next_batch) ->
-    (state, loss, aux, next_outputs)``.
+    """A semi-synchronous train step: ``step(state, looked_up, batch, next_batch) ->
+    (state, loss, aux, next_looked_up)``.
 
-    ``outputs`` is the list of ``batch``'s collection-call outputs (one pytree per
-    call, in call order), looked up by the step before (or by :attr:`lookup`).
+    ``looked_up`` is the :class:`LookedUp` of ``batch``, from the step before (or
+    from :attr:`lookup`). Its bounds checks are the ones the step reports (and skips
+    on, under ``BoundsCheckMode.FATAL``).
 
     Attributes:
-        jitted: ``(state, outputs, batch, next_batch) -> (state, loss, aux, StepReport,
-            next_outputs)``.
-        lookup: jitted ``(state, batch) -> outputs``, the first batch's lookup.
+        jitted: ``(state, looked_up, batch, next_batch) -> (state, loss, aux, StepReport,
+            next_looked_up)``.
+        lookup: jitted ``(state, batch) -> LookedUp``, the first batch's lookup.
     """
 
     def __init__(self, jitted: Any, lookup: Any):
         super().__init__(jitted)
         self.lookup = lookup
 
-    def __call__(self, state: TrainState, outputs: Any, batch: Any, next_batch: Any) -> tuple:
-        new, loss, aux, report, next_outputs = self.jitted(state, outputs, batch, next_batch)
+    def __call__(
+        self, state: TrainState, looked_up: LookedUp, batch: Any, next_batch: Any
+    ) -> tuple:
+        new, loss, aux, report, ahead = self.jitted(state, looked_up, batch, next_batch)
         self.handle(report, new)
-        return new, loss, aux, next_outputs
+        return new, loss, aux, ahead
 
 
-def lookup_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: Any) -> list:
+def lookup_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: Any) -> LookedUp:
     """Every collection call's output for ``batch`` with ``state``'s tables (traced: runs
     the model under a recording tape; everything but the lookups is dead code).
 
     Returns:
-        a list with one pytree per collection call, in call order, shaped like the
-        call's output (``[B, sum(D)]`` pooled values for an ``EmbeddingBagCollection``).
+        a :class:`LookedUp`: one output pytree per collection call, in call order,
+        shaped like the call's output (``[B, sum(D)]`` pooled values for an
+        ``EmbeddingBagCollection``), and the lookups' bounds checks.
 
     Raises:
         ValueError: a collection's input depends on the model's state, or a module
@@ -135,8 +154,9 @@ def lookup_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: A
     closed, shapes = jax.make_jaxpr(record, return_shape=True)(state, batch)
     n_state = len(jax.tree.leaves(state))
     tainted = _tainted(closed.jaxpr, [i < n_state for i in range(len(closed.jaxpr.invars))])
-    n_out = len(jax.tree.leaves(shapes[0]))
-    keys = [p[0].idx for p, _ in jax.tree_util.tree_flatten_with_path(shapes[1])[0]]
+    found, features = shapes
+    n_out = len(jax.tree.leaves(found))
+    keys = [p[0].idx for p, _ in jax.tree_util.tree_flatten_with_path(features)[0]]
     bad = sorted({_name(paths[k]) for k, t in zip(keys, tainted[n_out:], strict=True) if t})
     if bad:
         raise ValueError(
@@ -146,11 +166,11 @@ def lookup_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: A
             "parameters no gradient; use make_train_step"
         )
     flat = jcore.jaxpr_as_fun(closed)(*jax.tree.leaves((state, batch)))
-    return jax.tree.unflatten(jax.tree.structure(shapes[0]), flat[:n_out])
+    return jax.tree.unflatten(jax.tree.structure(found), flat[:n_out])
 
 
 def _record(graphdef, loss_fn, paths, state, batch):
-    """``(outputs, features)`` of every collection call; ``paths`` gets their module paths."""
+    """``(LookedUp, features)`` of every collection call; ``paths`` gets their module paths."""
     model = nnx.merge(graphdef, state.params, state.tables, state.rest, copy=True)
     with Tape(model) as tape:
         loss_fn(model, batch)
@@ -162,7 +182,10 @@ def _record(graphdef, loss_fn, paths, state, batch):
             "rows up a step ahead; use make_train_step"
         )
     paths[:] = [c.path for c in tape.calls]
-    return [c.output for c in tape.calls], [c.features for c in tape.calls]
+    found = LookedUp(
+        [c.output for c in tape.calls], merge_reports(tape.fatal), merge_reports(tape.warning)
+    )
+    return found, [c.features for c in tape.calls]
 
 
 def _name(path: tuple) -> str:

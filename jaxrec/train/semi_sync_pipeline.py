@@ -53,7 +53,7 @@ class TrainPipelineSemiSync(TrainPipeline):
                 f"{type(train_step).__name__}; use TrainPipeline for other steps"
             )
         super().__init__(train_step, state, to_device=to_device, mesh=mesh, depth=depth)
-        self._ahead: tuple[Any, Any] | None = None  # (outputs, batch) of the next step
+        self._ahead: tuple[Any, Any] | None = None  # (LookedUp, batch) of the next step
         self._end: BaseException | None = None  # StopIteration or the loader's error, deferred
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
@@ -67,16 +67,14 @@ class TrainPipelineSemiSync(TrainPipeline):
             if first is _END:
                 self._finish()
             self._ahead = (self._step.lookup(self.state, first), first)
-        outputs, batch = self._ahead
+        looked_up, batch = self._ahead
         after = self._pull()
         self._ahead = None
         # the last batch: look it up again (unused), so that one program serves all steps
         nxt = batch if after is _END else after
-        self.state, loss, aux, report, next_outputs = self._step.jitted(
-            self.state, outputs, batch, nxt
-        )
+        self.state, loss, aux, report, ahead = self._step.jitted(self.state, looked_up, batch, nxt)
         if after is not _END:
-            self._ahead = (next_outputs, after)
+            self._ahead = (ahead, after)
         self._step.record(report)
         self._check_report()
         self._report = report
