@@ -4,6 +4,7 @@ from .guard import BoundsCheckError as BoundsCheckError
 from .guard import CapacityOverflowError as CapacityOverflowError
 from .in_flight import InFlight as InFlight
 from .pipeline import TrainPipeline as TrainPipeline
+from .semi_sync import LookedUp as LookedUp
 from .semi_sync import SemiSyncTrainStep as SemiSyncTrainStep
 from .semi_sync import make_semi_sync_train_step as make_semi_sync_train_step
 from .semi_sync_pipeline import TrainPipelineSemiSync as TrainPipelineSemiSync
