@@ -14,22 +14,29 @@ median over ``--reps`` runs of ``--steps`` batches:
 The ideal pipelined time is ``max(host_prep, step_only)``, the sequential one
 their sum. Prints one JSON line per mode, then a ``ratios`` line.
 
+``--compare-steps`` instead times the three train pipelines on batches already
+on the device (no host work), one shared state handed from one to the next,
+modes interleaved in each rep: ``sync`` (:class:`TrainPipeline`),
+``sparse_dist`` (:class:`TrainPipelineSparseDist`; on an unsharded model it has
+no ids to send ahead) and ``semi_sync`` (:class:`TrainPipelineSemiSync`:
+embeddings looked up a step ahead), then a ``ratios`` line against ``sync``.
+
 Run from the repository root::
 
     python bench/pipeline.py --preset small --steps 20 --reps 3
+    python bench/pipeline.py --preset small --E 2500000 --alpha 1.15 --compare-steps
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 import optax
-from common import add_spec_args, build_jaxrec, record, specs_from_args  # noqa: E402
+from common import add_spec_args, build_jaxrec, emit, machine, record, specs_from_args  # noqa: E402
 from flax import nnx
 from specs import LookupSpec, zipf_ids  # noqa: E402
 
@@ -37,7 +44,15 @@ from jaxrec import KeyedJaggedTensor
 from jaxrec.embedding import CombinedOptimizer
 from jaxrec.models import DLRM
 from jaxrec.optim import rowwise_adagrad
-from jaxrec.train import TrainPipeline, init_train_state, make_train_step
+from jaxrec.train import (
+    TrainPipeline,
+    TrainPipelineSemiSync,
+    TrainPipelineSparseDist,
+    init_train_state,
+    make_semi_sync_train_step,
+    make_sparse_dist_train_step,
+    make_train_step,
+)
 
 NUM_DENSE = 13
 
@@ -61,7 +76,8 @@ def bce(model, batch):
     return optax.sigmoid_binary_cross_entropy(model(dense, kjt)[:, 0], labels).mean()
 
 
-def build(spec: LookupSpec):
+def build(spec: LookupSpec, makers=(make_train_step,)):
+    """The DLRM's state and one step per factory in ``makers`` (one step when one)."""
     model = DLRM(
         embedding_bag_collection=build_jaxrec(spec),
         dense_in_features=NUM_DENSE,
@@ -71,7 +87,44 @@ def build(spec: LookupSpec):
     )
     opt = CombinedOptimizer(optax.adam(1e-3), rowwise_adagrad(0.05))
     graphdef, state = init_train_state(model, opt)
-    return make_train_step(graphdef, opt, bce), state
+    steps = [make(graphdef, opt, bce) for make in makers]
+    return (steps[0] if len(steps) == 1 else steps), state
+
+
+PIPELINES = {
+    "sync": (make_train_step, TrainPipeline),
+    "sparse_dist": (make_sparse_dist_train_step, TrainPipelineSparseDist),
+    "semi_sync": (make_semi_sync_train_step, TrainPipelineSemiSync),
+}
+
+
+def compare_steps(spec: LookupSpec, steps: int, reps: int, depth: int) -> list[dict]:
+    """Per-step time of each train pipeline over the same device batches."""
+    made, state = build(spec, [make for make, _ in PIPELINES.values()])
+    rng = np.random.default_rng(0)
+    batches = [jax.device_put(host_batch(spec, rng)) for _ in range(steps)]
+    times: dict[str, list[float]] = {m: [] for m in PIPELINES}
+    for rep in range(reps + 1):  # rep 0 compiles
+        for (mode, (_, cls)), step in zip(PIPELINES.items(), made, strict=True):
+            pipeline = cls(step, state, to_device=lambda b: b, depth=depth)
+            it = iter(batches)
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    pipeline.progress(it)
+                except StopIteration:
+                    break
+            jax.block_until_ready(pipeline.state)
+            if rep:
+                times[mode].append((time.perf_counter() - t0) * 1e3 / steps)
+            state = pipeline.state
+    out = [record("pipeline", spec, mode, t, steps=steps) for mode, t in times.items()]
+    med = {r["impl"]: r["median_ms"] for r in out}
+    ratios = {f"{m}_over_sync": round(med[m] / med["sync"], 3) for m in PIPELINES if m != "sync"}
+    out.append(
+        {"bench": "pipeline", "impl": "ratios", **spec.as_dict(), **ratios, "machine": machine()}
+    )
+    return out
 
 
 def run(spec: LookupSpec, steps: int, reps: int, depth: int) -> list[dict]:
@@ -133,10 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="batches per timed run")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--depth", type=int, default=2, help="TrainPipeline depth")
+    p.add_argument(
+        "--compare-steps",
+        action="store_true",
+        help="time sync, sparse-dist and semi-sync pipelines on device batches",
+    )
+    p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
+    bench = compare_steps if args.compare_steps else run
     for spec in specs_from_args(args):
-        for line in run(spec, args.steps, args.reps, args.depth):
-            print(json.dumps(line), flush=True)
+        for line in bench(spec, args.steps, args.reps, args.depth):
+            emit(line, args.out)
     return 0
 
 

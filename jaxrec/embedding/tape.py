@@ -32,6 +32,7 @@ class Call:
     module: Any  # the collection (for its static layout only)
     features: Any  # the KeyedJaggedTensor it looked up
     shapes: Any  # pytree of ShapeDtypeStruct of its tapped output
+    output: Any = None  # the output as the collection looked it up (before any replacement)
 
 
 @dataclasses.dataclass
@@ -46,11 +47,17 @@ class Reset:
 
 
 class Tape:
-    """Records collection calls; adds ``probes[i]`` to the i-th call's output."""
+    """Records collection calls; adds ``probes[i]`` to the i-th call's output.
 
-    def __init__(self, model: nnx.Module, probes: list | None = None):
+    With ``outputs`` (a semi-synchronous step, see ``jaxrec.train.semi_sync``), the
+    i-th call's output is replaced by ``outputs[i]`` (looked up a step earlier)
+    before its probe is added.
+    """
+
+    def __init__(self, model: nnx.Module, probes: list | None = None, outputs: list | None = None):
         self.paths = {id(m): p for p, m in nnx.iter_modules(model)}
         self.probes = probes
+        self.outputs = outputs
         self.calls: list[Call] = []
         self.overflow: list = []  # dropped-id counts of sharded calls that raise
         # (mode, count) of calls whose counts the host logs: dropped ids ("warn") and
@@ -80,10 +87,29 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
         return output
     i = len(tape.calls)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), output)
-    tape.calls.append(Call(_path(tape, module, "was called"), module, features, shapes))
+    tape.calls.append(Call(_path(tape, module, "was called"), module, features, shapes, output))
+    if tape.outputs is not None:
+        output = _given(tape.outputs, i, shapes)
     if tape.probes is None:
         return output
     return jax.tree.map(jnp.add, output, tape.probes[i])
+
+
+def _given(outputs: list, i: int, shapes: Any) -> Any:
+    """``outputs[i]``, checked against the shapes of the output it replaces."""
+    if i >= len(outputs):
+        raise ValueError(
+            f"collection call {i} has no given output ({len(outputs)} given): the model made "
+            "more collection calls than when its outputs were looked up; the calls must not "
+            "depend on the batch's values"
+        )
+    given = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), outputs[i])
+    if given != shapes:
+        raise ValueError(
+            f"collection call {i}: the given output {given} does not match the output "
+            f"{shapes} it replaces; look the outputs up on batches of the same shapes"
+        )
+    return outputs[i]
 
 
 def report_overflow(count: Any, mode: str = "raise") -> bool:

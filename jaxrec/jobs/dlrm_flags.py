@@ -70,6 +70,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     train.add_argument("--seed", type=int, default=0, help="data, initialisation, shuffling")
     train.add_argument("--eval-every", type=int, default=0, help="steps; 0: after each epoch")
+    train.add_argument(
+        "--pipeline",
+        default="sync",
+        choices=("sync", "sparse-dist", "semi-sync"),
+        help="train pipeline: sync (TrainPipeline), sparse-dist (ids sent a step ahead), "
+        "semi-sync (embeddings looked up a step ahead: their updates land one step late)",
+    )
     dist = p.add_argument_group("devices")
     dist.add_argument(
         "--devices",

@@ -22,7 +22,14 @@ from ..models.dlrm import bag_collection_of
 from ..modules import EmbeddingBagCollection
 from ..optim import rowwise_adagrad
 from ..sparse import KeyedJaggedTensor
-from ..train import InFlight, init_train_state, make_eval_step, make_train_step
+from ..train import (
+    InFlight,
+    init_train_state,
+    make_eval_step,
+    make_semi_sync_train_step,
+    make_sparse_dist_train_step,
+    make_train_step,
+)
 from .dlrm_dynamic import dynamic_collection
 from .shards import rank_batches
 
@@ -294,7 +301,12 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
     graphdef, state = init_train_state(model, optimizer)
     # A batch with a NaN/inf (label, dense feature) is skipped and counted, not trained on:
     # one such batch would otherwise leave NaN in the MLPs and in the touched rows for good.
-    step = make_train_step(graphdef, optimizer, bce, skip_nonfinite=True)
+    make = {
+        "sync": make_train_step,
+        "sparse-dist": make_sparse_dist_train_step,
+        "semi-sync": make_semi_sync_train_step,
+    }[getattr(args, "pipeline", "sync")]
+    step = make(graphdef, optimizer, bce, skip_nonfinite=True)
     eval_step = make_eval_step(
         eval_graphdef or graphdef,
         lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0]),

@@ -62,7 +62,7 @@ from ..checkpoint import CheckpointManager
 from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks, shard_batch
-from ..train import TrainPipeline
+from ..train import TrainPipeline, TrainPipelineSemiSync, TrainPipelineSparseDist
 from .dlrm_cache import (
     cache_summary,
     cached_text,
@@ -118,6 +118,8 @@ def _run(args: argparse.Namespace) -> int:
     _check_run_dir_flags(args)
     check_cache_flags(args)
     check_dynamic_flags(args)
+    if args.pipeline == "semi-sync" and args.dynamic_tables:  # ids admitted in the forward
+        raise SystemExit("--pipeline semi-sync does not take --dynamic-tables: use sync")
     # Optional libraries: a run without them says once what it skips.
     tensorboard = (
         args.tensorboard
@@ -158,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         row_cache(args, train_data, configs, cached, graphdef, optimizer, state) if cached else None
     )
     to_device = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
+    if rc is not None and args.pipeline != "sync":
+        raise SystemExit(f"--pipeline {args.pipeline} does not take cached tables: use sync")
     if rc is not None:  # each batch's rows planned and gathered a batch ahead
         step, to_device = CachedTrainStep(step, rc), prefetching(rc, to_device)
     ckpt = None if args.no_checkpoint else _checkpoints(run_dir, args)
@@ -204,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
     history = []
     eval_every = args.eval_every or per_epoch
 
-    pipeline = TrainPipeline(step, state, to_device=to_device)
+    pipelines = {"sparse-dist": TrainPipelineSparseDist, "semi-sync": TrainPipelineSemiSync}
+    pipeline = pipelines.get(args.pipeline, TrainPipeline)(step, state, to_device=to_device)
 
     def evaluate_now() -> dict:
         if rc is None:

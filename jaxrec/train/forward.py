@@ -3,8 +3,10 @@ embedding collection call with the gradient of its output (see ``jaxrec.embeddin
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -16,6 +18,33 @@ from ..embedding.tables import EmbeddingTable
 from ..embedding.tape import Reset, Tape
 from . import guard
 from .table_update import CollectionCall
+
+
+class Given(NamedTuple):
+    """Collection outputs looked up a step earlier (a semi-synchronous step, see
+    ``semi_sync.py``), with the bounds checks found by that lookup."""
+
+    outputs: list  # one pytree per collection call, in call order
+    fatal: dict  # where -> (count, example) of FATAL checks (guard.merge_reports)
+    warning: dict  # the same for WARNING checks
+
+
+_GIVEN: contextvars.ContextVar[Given | None] = contextvars.ContextVar(
+    "jaxrec_given_outputs", default=None
+)
+
+
+@contextlib.contextmanager
+def given_outputs(given: Given) -> Iterator[None]:
+    """Within it, :func:`differentiate` replaces the i-th collection call's output by
+    ``given.outputs[i]``, so that the gradients are with respect to those outputs, and
+    reports ``given``'s bounds checks instead of its own: its own lookups are then dead
+    code, which XLA removes."""
+    token = _GIVEN.set(given._replace(outputs=list(given.outputs)))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 class Forward(NamedTuple):
@@ -39,18 +68,21 @@ def differentiate(
     """Runs ``loss_fn`` on the model of ``state`` under a tape and differentiates it with
     respect to the dense params and a zero probe added to every collection output."""
     probes = _zero_probes(graphdef, state, loss_fn, batch)
+    given = _GIVEN.get()  # None but in a semi-synchronous step
     tape_found: list[Tape] = []
 
     def run(params, probes, tables, rest):  # everything as arguments: nnx may mutate rest
         model = nnx.merge(graphdef, params, tables, rest, copy=True)
-        with Tape(model, probes) as tape:
+        with Tape(model, probes, None if given is None else given.outputs) as tape:
             out = loss_fn(model, batch)
         loss, aux = out if has_aux else (out, None)
         _, _, tables, rest = nnx.split(model, nnx.Param, EmbeddingTable, ...)
         tape_found.append(tape)
         dropped = sum(tape.overflow) if tape.overflow else None
-        fatal = guard.merge_reports(tape.fatal)
-        warned = guard.warned(guard.merge_reports(tape.warning), tape.overflow_warned)
+        fatal, warning = guard.merge_reports(tape.fatal), guard.merge_reports(tape.warning)
+        if given is not None:  # the checks of the lookup that made the given outputs
+            fatal, warning = given.fatal, given.warning
+        warned = guard.warned(warning, tape.overflow_warned)
         features = [c.features for c in tape.calls]
         reset_rows = [(r.rows, r.old) for r in tape.resets]
         return loss, (aux, features, tables, rest, reset_rows, dropped, fatal, warned)

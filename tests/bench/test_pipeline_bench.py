@@ -14,3 +14,12 @@ def test_pipeline_bench_tiny(capsys):
     assert all(v > 0 for v in med.values())
     ratios = lines[-1]
     assert abs(ratios["sequential_over_pipelined"] - med["sequential"] / med["pipelined"]) < 1e-2
+
+
+def test_pipeline_bench_compare_steps_tiny(capsys):
+    args = ["--preset", "tiny", "--steps", "3", "--reps", "1", "--compare-steps"]
+    assert pipeline.main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["impl"] for x in lines] == ["sync", "sparse_dist", "semi_sync", "ratios"]
+    med = {x["impl"]: x["median_ms"] for x in lines[:3]}
+    assert abs(lines[3]["semi_sync_over_sync"] - med["semi_sync"] / med["sync"]) < 1e-2

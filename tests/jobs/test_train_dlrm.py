@@ -201,3 +201,23 @@ def test_criteo_tsv_multi_hot_run(tmp_path, monkeypatch):
     assert json.loads((run / "args.json").read_text())["args"]["run_dir"] == str(run)
     assert summary["steps"] == 600 // 64 and "oracle_auc" not in summary
     assert 0 <= summary["eval"]["auc"] <= 1 and summary["eval"]["ctr"] > 0
+
+
+def test_semi_sync_pipeline_run(tmp_path):
+    """``--pipeline semi-sync`` trains every batch (the drain included) and learns; it
+    refuses dynamic tables (ids admitted in the forward) before reading any data."""
+    _, summary = _run(tmp_path, "semi", "--pipeline", "semi-sync", "--no-checkpoint")
+    assert summary["steps"] == 3072 // 128
+    assert summary["eval"]["auc"] > 0.6
+    with pytest.raises(SystemExit, match="semi-sync does not take --dynamic-tables"):
+        main(
+            [
+                *TINY,
+                "--pipeline",
+                "semi-sync",
+                "--dynamic-tables",
+                "4096",
+                "--run-dir",
+                str(tmp_path / "d"),
+            ]
+        )
