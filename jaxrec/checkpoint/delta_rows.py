@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from ..embedding.collection import embedding_collections
 from ..embedding.touched import ATTRIBUTE, TouchedRows, is_tracked
@@ -89,20 +90,16 @@ def clear_marks(state: TrainState) -> TrainState:
         if not isinstance(v, TouchedRows):
             return v
         x = v.get_value()
-        return v.replace(_jitted(_cleared, x.sharding)(x))
+        return v.replace(_clearer(x.sharding if isinstance(x.sharding, NamedSharding) else None)(x))
 
     return state._replace(rest=jax.tree.map(clear, state.rest, is_leaf=is_variable))
 
 
-def _cleared(x: jax.Array) -> jax.Array:
-    return jnp.zeros_like(x)
-
-
 @functools.cache
-def _jitted(fn, sharding):
-    """``fn`` jitted with its first argument donated and its output on ``sharding``
-    (where the donated array was)."""
-    return jax.jit(fn, donate_argnums=0, out_shardings=sharding)
+def _clearer(sharding: NamedSharding | None):
+    """A donating ``zeros_like`` that keeps the marks' sharding (a mesh's) or, on one
+    device, their committedness: the train step is not compiled again for them."""
+    return jax.jit(jnp.zeros_like, donate_argnums=0, out_shardings=sharding)
 
 
 def bucket(n: int) -> int:
@@ -183,6 +180,7 @@ def join_pieces(pieces: list[RowPiece], rows: int, dim: int, dtype, what: str) -
     return LogicalRows(ids, values)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def _merge_2d(x, rows, values, c0, c1):
     old = x.at[rows].get(mode="fill", fill_value=0)
     cols = jnp.arange(x.shape[1])
@@ -190,6 +188,7 @@ def _merge_2d(x, rows, values, c0, c1):
     return x.at[rows].set(jnp.where(keep, values, old), mode="drop")
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def _merge_1d(x, rows, values):
     return x.at[rows].set(values, mode="drop")
 
@@ -226,8 +225,8 @@ def scatter_rows(buf: Buffer, logical: Mapping[str, LogicalRows]) -> jax.Array |
     v = np.zeros((size, *shape[1:]), np.dtype(array.dtype))
     v[:n] = np.concatenate(vals)
     if not two_d:
-        return _jitted(_merge_1d, array.sharding)(array, r, v)
+        return _merge_1d(array, r, v)
     c0 = np.zeros(size, np.int32)
     c1 = np.zeros(size, np.int32)
     c0[:n], c1[:n] = np.concatenate(c0s), np.concatenate(c1s)
-    return _jitted(_merge_2d, array.sharding)(array, r, v, c0, c1)
+    return _merge_2d(array, r, v, c0, c1)
