@@ -1,5 +1,9 @@
 """Checkpoints in the logical layout: save under one sharding plan, restore under any other."""
 
+from .delta import Link as Link
+from .delta import ModelDeltaTracker as ModelDeltaTracker
+from .delta import Published as Published
+from .delta import Restored as Restored
 from .layout import HostRows as HostRows
 from .logical import LogicalState as LogicalState
 from .logical import logical_state as logical_state

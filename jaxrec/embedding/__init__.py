@@ -19,3 +19,5 @@ from .optimizer import CombinedOptimizer as CombinedOptimizer
 from .optimizer import CombinedOptState as CombinedOptState
 from .tables import EmbeddingTable as EmbeddingTable
 from .tables import TableGroup as TableGroup
+from .touched import TouchedRows as TouchedRows
+from .touched import track_touched_rows as track_touched_rows

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..xla.bounds import FatalReport, collect_checks, logger
+from .touched import mark_touched
 
 _TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
 
@@ -92,6 +93,7 @@ def tap(module: nnx.Module, output: Any, features: Any) -> Any:
         output = _given(tape.outputs, i, shapes)
     if tape.probes is None:
         return output
+    mark_touched(module, features)  # rows this step may change (delta checkpoints; touched.py)
     return jax.tree.map(jnp.add, output, tape.probes[i])
 
 
