@@ -241,3 +241,28 @@ def test_sharded_deltas_restore_under_other_plans(tmp_path):
     assert sorted(got) == sorted(final)
     for k in final:
         np.testing.assert_array_equal(got[k], final[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kind", ["accumulate", "semi_sync"])
+def test_accumulating_and_semi_sync_steps_mark_every_trained_row(kind):
+    """The marks ride in ``rest``: an accumulating step (every micro-batch) and a
+    semi-synchronous step (the batch it trains, not the one it looks up ahead) mark
+    exactly the distinct ids they train on."""
+    graphdef, state = tracked_plain()
+    data = [zipf_batch(10 + i) for i in range(4)]
+    if kind == "accumulate":
+        step = train.make_accumulating_train_step(graphdef, OPT, mse, micro_batches=2)
+        state, _, _ = step(state, train.stack_micro_batches([data[0][0], data[1][0]]))
+        trained = [data[0][1], data[1][1]]
+    else:
+        step = train.make_semi_sync_train_step(graphdef, OPT, mse)
+        looked = step.lookup(state, data[0][0])
+        for j in range(2):  # trains batches 0 and 1; batch 2 is only looked up
+            state, _, _, looked = step(state, looked, data[j][0], data[j + 1][0])
+        trained = [data[0][1], data[1][1]]
+    model = train.merge_model(graphdef, state)
+    got = {
+        f"ebc.embedding_bags.{t}": int(np.sum(np.asarray(model.ebc.touched_rows[t].get_value())))
+        for t in ROWS
+    }
+    assert got == expected_rows(trained)
