@@ -125,7 +125,7 @@ def measured_loads(group: WidthGroup, kjt) -> list[int]:
     keys = list(kjt.keys())
     offsets = kjt.capacity_offsets()
     values = np.asarray(kjt.values())
-    valid = np.asarray(kjt.segment_ids()) < len(keys) * kjt.stride()
+    valid = np.asarray(kjt.segment_ids()) < kjt.bag_offsets()[-1]
     out = []
     for slots in group.slots:
         n = 0
