@@ -156,14 +156,21 @@ class KeyedJaggedTensor:
 
     # ----- pytree -----
     def tree_flatten(self):
-        children = (self._values, self._lengths, self._weights, self._inverse)
+        # Children (values, lengths, weights), plus inverse_indices for VBE only: code
+        # that unpacks a plain KJT's three children keeps working.
+        children = (self._values, self._lengths, self._weights)
+        if self._spk is not None:
+            children += (self._inverse,)
         return children, (self._keys, self._caps, self._stride, self._spk)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
+        if len(aux) == 3:  # a plain KJT's aux data as older code builds it
+            aux = (*aux, None)
         obj._keys, obj._caps, obj._stride, obj._spk = aux
-        obj._values, obj._lengths, obj._weights, obj._inverse = children
+        obj._values, obj._lengths, obj._weights = children[:3]
+        obj._inverse = children[3] if obj._spk is not None else None
         return obj
 
     @classmethod
