@@ -266,8 +266,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
         if not self.exact and group.name in self._column_split:
             return natural_load(caps, group.slots)
+        stride = kjt.stride()
+        if kjt.variable_stride_per_key():  # a user feature's load follows its B_k
+            stride = dict(zip(kjt.keys(), kjt.stride_per_key(), strict=True))
         return group_capacity(
-            caps, kjt.stride(), group, capacity=self.capacity,
+            caps, stride, group, capacity=self.capacity,
             pooling_factors=self.pooling_factors, factor=self.capacity_factor,
         )  # fmt: skip
 
