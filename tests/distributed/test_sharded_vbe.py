@@ -68,7 +68,10 @@ def sharded(name, **kwargs):
     return d.DistributedModelParallel(model, d.ShardingPlan({"ebc": plan}), mesh, **kwargs), mesh
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
+# "mixed" (row-wise, table-wise, column-wise and data-parallel tables) trains below;
+# the host-based types (2-D mesh) are checked forward here: every type is one code
+# path over shards, a compile each (~10-40 s), so the suite stays short.
+@pytest.mark.parametrize("name", ["table_row_wise", "table_column_wise", "grid_shard"])
 def test_forward_equals_unsharded_expanded(name):
     plain, vbe, ys = local_batches(np.random.default_rng(0))
     want = Model(rngs=nnx.Rngs(1)).ebc(global_batch(plain, ys)[0]).values()
@@ -80,10 +83,9 @@ def test_forward_equals_unsharded_expanded(name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mixed", "grid_shard"])
-def test_training_equals_unsharded_expanded(name):
-    """Row-wise Adagrad, 2 steps: losses, tables and dense params agree ("mixed":
-    row-wise, table-wise, column-wise and data-parallel tables; "grid_shard": 2-D mesh)."""
+def test_training_equals_unsharded_expanded(name="mixed"):
+    """Row-wise Adagrad, 2 steps: losses and tables agree ("mixed": row-wise,
+    table-wise, column-wise and data-parallel tables, forward and backward)."""
     opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     ref_graph, ref = train.init_train_state(Model(rngs=nnx.Rngs(1)), opt)
     ref_step = train.make_train_step(ref_graph, opt, loss_fn)
@@ -101,21 +103,20 @@ def test_training_equals_unsharded_expanded(name):
         np.testing.assert_allclose(got_tables[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def all_to_all_bytes(hlo: str) -> int:
-    """Bytes of every all-to-all result in an HLO text (the bytes each device sends)."""
-    size = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+def all_to_all_bytes(stablehlo: str) -> int:
+    """Bytes of every all_to_all result in a lowered (StableHLO) text, per device."""
+    size = {"f32": 4, "i32": 4, "ui32": 4, "bf16": 2, "f16": 2, "i8": 1, "ui8": 1, "i1": 1}
     total = 0
-    for line in hlo.splitlines():
-        if " all-to-all(" not in line or "=" not in line:
+    for line in stablehlo.splitlines():
+        if "all_to_all" not in line or "->" not in line:
             continue
-        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
-            total += size[dtype] * int(np.prod([int(x) for x in dims.split(",") if x]))
+        for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", line.rsplit("->", 1)[1]):
+            total += size[dtype] * int(np.prod([int(x) for x in dims.split("x") if x]))
     return total
 
 
 def test_exchange_bytes_shrink_with_duplication():
-    """Compiled forward of a row-wise plan: ids and pooled blocks of the user features
+    """Lowered forward of a row-wise plan: ids and pooled blocks of the user features
     travel once per user (about 6x fewer here), so the all-to-alls move fewer bytes."""
     plain, vbe, _ = local_batches(np.random.default_rng(2))
     model, mesh = sharded("row_wise", capacity=None)
@@ -124,7 +125,7 @@ def test_exchange_bytes_shrink_with_duplication():
     sizes = {}
     for kind, kjts in (("plain", plain), ("vbe", vbe)):
         batch = d.shard_batch(kjts, mesh)
-        sizes[kind] = all_to_all_bytes(run.lower(state, batch).compile().as_text())
+        sizes[kind] = all_to_all_bytes(run.lower(state, batch).as_text())
     assert 0 < sizes["vbe"] < 0.7 * sizes["plain"], sizes
 
 
