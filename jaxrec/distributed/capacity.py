@@ -62,7 +62,7 @@ def natural_load(caps: Mapping[str, int], slots_per_rank) -> int:
 
 def expected_load(
     caps: Mapping[str, int],
-    stride: int,
+    stride: int | Mapping[str, int],
     slots_per_rank,
     pooling_factors: Mapping[str, float] | None = None,
 ) -> float:
@@ -70,12 +70,16 @@ def expected_load(
 
     A feature's mean ids per device is ``stride * pooling_factors[key]``
     (capped at its capacity), or its whole capacity when no pooling factor is
-    given; a slot receives the share of them its shard's rows hold.
+    given; a slot receives the share of them its shard's rows hold. ``stride``:
+    ``B``, or ``{key: B_k}`` for a variable batch per key (VBE).
     """
     pf = pooling_factors or {}
+    per_key = stride if isinstance(stride, Mapping) else dict.fromkeys(caps, stride)
 
     def mean_ids(key: str) -> float:
-        return min(float(caps[key]), stride * float(pf[key])) if key in pf else float(caps[key])
+        if key not in pf:
+            return float(caps[key])
+        return min(float(caps[key]), per_key[key] * float(pf[key]))
 
     return max(  # fsum: the planner's sum, to the last bit, whatever the order
         math.fsum(mean_ids(s.key) * s.nrows / max(s.table_rows, 1) for s in slots)
@@ -85,7 +89,7 @@ def expected_load(
 
 def group_capacity(
     caps: Mapping[str, int],
-    stride: int,
+    stride: int | Mapping[str, int],
     group: WidthGroup,
     *,
     capacity: int | Mapping[str, int] | None = None,
@@ -125,7 +129,7 @@ def measured_loads(group: WidthGroup, kjt) -> list[int]:
     keys = list(kjt.keys())
     offsets = kjt.capacity_offsets()
     values = np.asarray(kjt.values())
-    valid = np.asarray(kjt.segment_ids()) < len(keys) * kjt.stride()
+    valid = np.asarray(kjt.segment_ids()) < kjt.bag_offsets()[-1]
     out = []
     for slots in group.slots:
         n = 0

@@ -99,18 +99,21 @@ def slot_counts(group: WidthGroup, axis) -> tuple[jax.Array, jax.Array]:
 
 # ----- pooled -----
 def pooled_partials(lookup: Callable, table, rec: Received, spec: Spec) -> jax.Array:
-    """``[N_src, S, B, ncols]`` partial sums of one round's ids.
+    """``[N_src, S, B, ncols]`` partial sums of one round's ids (VBE: ``[N_src, sum_j B_j,
+    ncols]``, slot ``j``'s ``B_j`` bags one after another).
 
     ``lookup(table, rows [K], segments [K], num_segments, scale [K] | None)``
     is the table-batched pooled lookup (``jaxrec.ops.embedding_bag`` or the
     quantized one); ids that are not there (fill) go to a dropped segment.
     """
-    n, sb = spec.n, spec.slots * spec.bags
+    n, sb = spec.n, spec.sb
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     seg = jnp.where(rec.valid & (rec.seg < sb), src * sb + rec.seg, n * sb)
     rows = jnp.where(rec.valid, rec.rows, 0)
     scale = None if rec.weights is None else rec.weights.reshape(-1)
     out = lookup(table, rows.reshape(-1), seg.reshape(-1), n * sb, scale)
+    if spec.vbe_bags is not None:
+        return out.reshape(n, sb, -1)
     return out.reshape(n, spec.slots, spec.bags, -1)
 
 
@@ -132,7 +135,7 @@ def grads_to_ranks(
 
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):
     """Per-received-id row gradients: ``rows [K]``, ``grads [K, ncols]``, ``valid [K]``."""
-    n, sb = spec.n, spec.slots * spec.bags
+    n, sb = spec.n, spec.sb
     valid = rec.valid & (rec.seg < sb)
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     idx = jnp.where(valid, src * sb + rec.seg, 0).reshape(-1)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sparse import KeyedJaggedTensor
+from ..xla.slots import slot_bag_starts
 from .layout import WidthGroup
 
 
@@ -65,11 +66,19 @@ class Spec:
     weighted: bool
     sequence: bool
     ragged: bool = False  # ragged_all_to_all: send only the ids there are (GPU)
+    # VBE: (slot, bag) pairs of the rank with the most, sum_j B_j (its slots' strides);
+    # None: S * B
+    vbe_bags: int | None = None
+
+    @property
+    def sb(self) -> int:
+        """Output blocks' (slot, bag) rows per source: ``S * B``, or VBE's ``vbe_bags``."""
+        return self.slots * self.bags if self.vbe_bags is None else self.vbe_bags
 
     @property
     def by_counts(self) -> bool:
         """Pooled payloads locate bags by counts when ``S * B <= C``, else by segments."""
-        return not self.sequence and self.slots * self.bags <= self.capacity
+        return not self.sequence and self.sb <= self.capacity
 
     @property
     def segments(self) -> bool:
@@ -82,7 +91,7 @@ class Spec:
 
     def meta(self, first: bool) -> int:
         """int32 words before the ids: the per-(slot, bag) counts, in round 0."""
-        return self.slots * self.bags if self.by_counts and first else 0
+        return self.sb if self.by_counts and first else 0
 
     def width(self, first: bool) -> int:
         """int32 words per destination of round 0 (``first``) or a later round."""
@@ -99,8 +108,11 @@ def _entry_tables(kjt: KeyedJaggedTensor, group: WidthGroup):
     """
     offsets = kjt.capacity_offsets()
     keys = {k: i for i, k in enumerate(kjt.keys())}
-    cols = {name: [] for name in ("pos", "row0", "end", "off", "key", "slot", "dest")}
+    bag0, spk = kjt.bag_offsets(), kjt.stride_per_key()
+    names = ("pos", "row0", "end", "off", "key", "slot", "dest", "sbag0", "kbag0", "nb")
+    cols = {name: [] for name in names}
     for p, slots in enumerate(group.slots):
+        starts = slot_bag_starts(kjt, slots)
         for j, sl in enumerate(slots):
             k = keys[sl.key]
             n = offsets[k + 1] - offsets[k]
@@ -112,6 +124,9 @@ def _entry_tables(kjt: KeyedJaggedTensor, group: WidthGroup):
                 ("key", k),
                 ("slot", j),
                 ("dest", p),
+                ("sbag0", starts[j]),  # the slot's first (slot, bag) row: j * B without VBE
+                ("kbag0", bag0[k]),  # the key's first bag in the KJT
+                ("nb", max(spk[k], 1)),  # the key's bags (its stride)
             ):
                 cols[name].append(np.full(n, v))  # fmt: skip
     return {k: np.concatenate(v).astype(np.int32) if v else np.zeros(0, np.int32)
@@ -121,15 +136,15 @@ def _entry_tables(kjt: KeyedJaggedTensor, group: WidthGroup):
 def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
     """Lists this device's ids of ``group`` per destination (see :class:`Outbox`)."""
     e = _entry_tables(kjt, group)
-    f, b, s, n = len(kjt.keys()), kjt.stride(), spec.slots, spec.n
+    sb, s, n = spec.sb, spec.slots, spec.n
     ids = jnp.take(kjt.values(), e["pos"])
     seg = jnp.take(kjt.segment_ids(), e["pos"])
     # Row bounds in the ids' own dtype: mixing uint32 ids with int32 would promote.
     row0, end = e["row0"].astype(ids.dtype), e["end"].astype(ids.dtype)
-    valid = (seg < f * b) & (ids >= row0) & (ids < end)
+    valid = (seg < kjt.bag_offsets()[-1]) & (ids >= row0) & (ids < end)
     local = (ids - row0).astype(jnp.int32) + e["off"]
     rows = jnp.where(valid, local, spec.fill).astype(jnp.int32)
-    bags = e["slot"] * b + jnp.clip(seg - e["key"] * b, 0, b - 1).astype(jnp.int32)
+    bags = e["sbag0"] + jnp.clip(seg - e["kbag0"], 0, e["nb"] - 1).astype(jnp.int32)
     weights = jnp.take(kjt.weights(), e["pos"]).astype(jnp.float32) if spec.weighted else None
     # Payload index: the entry's rank among its destination's valid entries.
     counts = jax.ops.segment_sum(valid.astype(jnp.int32), e["dest"], num_segments=n)
@@ -140,10 +155,10 @@ def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
     part = lambda x: tuple(x[bounds[p] : bounds[p + 1]] for p in range(n))  # noqa: E731
     bag_counts = None
     if spec.by_counts:
-        per_bag = jnp.where(valid, e["dest"] * (s * b) + bags, n * s * b)
+        per_bag = jnp.where(valid, e["dest"] * sb + bags, n * sb)
         bag_counts = jax.ops.segment_sum(
-            valid.astype(jnp.int32), per_bag, num_segments=n * s * b
-        ).reshape(n, s * b)
+            valid.astype(jnp.int32), per_bag, num_segments=n * sb
+        ).reshape(n, sb)
     slot_index = ()
     if spec.sequence:  # the sequence path puts rows back slot by slot
         first = np.searchsorted(e["dest"] * (s + 1) + e["slot"], np.arange(n * (s + 1)))
@@ -184,7 +199,7 @@ def send(box: Outbox, spec: Spec, r, axis, *, first: bool) -> jax.Array:
         t = round_targets(box.index[p], r, c)
         cols = [jnp.full((c,), spec.fill, jnp.int32).at[t].set(box.rows[p], mode="drop")]
         if spec.segments:
-            seg = jnp.full((c,), spec.slots * spec.bags, jnp.int32)
+            seg = jnp.full((c,), spec.sb, jnp.int32)
             cols.append(seg.at[t].set(box.bags[p], mode="drop"))
         if spec.weighted:
             w = jnp.zeros((c,), jnp.float32).at[t].set(box.weights[p], mode="drop")
@@ -201,7 +216,7 @@ def empty(spec: Spec, first: bool) -> jax.Array:
     """``[width]``: what a destination's payload holds where no id is."""
     one = [spec.fill]
     if spec.segments:
-        one.append(spec.slots * spec.bags)
+        one.append(spec.sb)
     if spec.weighted:
         one.append(0)  # the bits of 0.0
     ids = jnp.tile(jnp.asarray(one, jnp.int32), spec.capacity)
@@ -244,7 +259,7 @@ def receive(recv: jax.Array, spec: Spec, r, bag_counts: jax.Array | None, *, fir
     ``bag_counts`` (``[N_src, S * B]``, counts mode) arrive in round 0 and are
     passed back in for later rounds.
     """
-    c, m, sb = spec.capacity, spec.meta(first), spec.slots * spec.bags
+    c, m, sb = spec.capacity, spec.meta(first), spec.sb
     if m:
         bag_counts = recv[:, :m]
     ids = recv[:, m:].reshape(recv.shape[0], c, spec.per_id())

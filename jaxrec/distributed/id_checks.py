@@ -38,7 +38,11 @@ def check_sharded_ids(
     ids = kjt.values()
     info = jnp.iinfo(ids.dtype)
     top = min(int(info.max), int(np.iinfo(np.int64).max))
-    key = kjt.segment_ids() // b  # F where the position holds no id
+    if kjt.variable_stride_per_key():  # the key of each bag, F for padding
+        bag_key = np.append(np.repeat(np.arange(f), kjt.stride_per_key()), f).astype(np.int32)
+        key = jnp.asarray(bag_key)[kjt.segment_ids()]
+    else:
+        key = kjt.segment_ids() // b  # F where the position holds no id
     position = jnp.arange(ids.shape[0], dtype=jnp.int32)
     for layer in layers:
         rows = np.zeros(f + 1, np.int64)

@@ -16,7 +16,7 @@ from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
 from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
-from ..sparse import KeyedJaggedTensor, to_id_words
+from ..sparse import KeyedJaggedTensor, pad_strides, to_id_words
 from .abstract_build import build_abstract, draw_unsharded, is_abstract
 from .capacity import CAPACITY_FACTOR
 from .global_mc import GlobalBatchManagedCollision
@@ -244,6 +244,9 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
     device order): a pytree of KeyedJaggedTensors (same keys, capacities and
     stride on every device) and arrays ``[B, ...]``. KJT leaves become
     ``[world, ...]`` (one local KJT per device); arrays become ``[world * B, ...]``.
+    Variable-batch (VBE) KJTs may hold different numbers of bags per key on each
+    device (TorchRec's ``stride_per_key_per_rank``): each key is padded to the
+    most any device holds (empty bags no sample reads), so they stack.
     Multi-process: pass either every device's batch, or only this process's
     devices' batches (in mesh order); each process then supplies its own.
     """
@@ -262,7 +265,12 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
 
     def stack(*xs):
         if is_kjt(xs[0]):
-            metas = {(tuple(x.keys()), x.capacity_per_key(), x.stride()) for x in xs}
+            if any(x.variable_stride_per_key() for x in xs):
+                xs = _common_strides(xs)
+            metas = {
+                (tuple(x.keys()), x.capacity_per_key(), x.stride(), tuple(x.stride_per_key()))
+                for x in xs
+            }
             if len(metas) != 1:
                 raise ValueError(
                     "every device's KeyedJaggedTensor needs the same keys, capacities and stride; "
@@ -275,6 +283,14 @@ def shard_batch(local_batches: Sequence[Any], mesh: jax.sharding.Mesh) -> Any:
         return _put(put, np.concatenate([np.asarray(x) for x in xs]), spec)
 
     return jax.tree.map(stack, local_batches[0], *local_batches[1:], is_leaf=is_kjt)
+
+
+def _common_strides(kjts: Sequence[KeyedJaggedTensor]) -> list[KeyedJaggedTensor]:
+    """The devices' VBE KJTs padded to each key's largest number of bags (one shape)."""
+    if len({len(k.keys()) for k in kjts}) != 1:
+        return list(kjts)  # the keys differ: the caller's check names them
+    top = np.max([k.stride_per_key() for k in kjts], axis=0).tolist()
+    return [pad_strides(k, top) for k in kjts]
 
 
 def _one_id_representation(kjts: Sequence[KeyedJaggedTensor]) -> Sequence[KeyedJaggedTensor]:

@@ -66,6 +66,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
     """Base of the sharded collections (see their docstrings for the arguments)."""
 
     sequence = False  # one output row per id (EmbeddingCollection) instead of per bag
+    vbe = False  # takes a variable batch per key (pooled collections that expand it)
 
     def __init__(
         self,
@@ -265,8 +266,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         caps = dict(zip(kjt.keys(), kjt.capacity_per_key(), strict=True))
         if not self.exact and group.name in self._column_split:
             return natural_load(caps, group.slots)
+        stride = kjt.stride()
+        if kjt.variable_stride_per_key():  # a user feature's load follows its B_k
+            stride = dict(zip(kjt.keys(), kjt.stride_per_key(), strict=True))
         return group_capacity(
-            caps, kjt.stride(), group, capacity=self.capacity,
+            caps, stride, group, capacity=self.capacity,
             pooling_factors=self.pooling_factors, factor=self.capacity_factor,
         )  # fmt: skip
 
@@ -306,6 +310,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 weighted=self._weighted(),
                 sequence=self.sequence,
                 ragged=self.exchange == "ragged",
+                vbe_bags=_vbe_bags(kjt, g) if kjt.variable_stride_per_key() else None,
             )
             box = input_dist.attach(exchange.outbox(kjt, g, spec), spec, pre, g.name)
             out.append((g, spec, box))
@@ -366,6 +371,10 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     def __call__(self, features):
         features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
+        if features.variable_stride_per_key() and (not self.vbe or self.exchange == "ragged"):
+            features.require_uniform_stride(
+                f"{type(self).__name__}" + (" with exchange='ragged'" if self.vbe else "")
+            )
         if input_dist.is_recording():  # a pipelined step distributing the next batch
             return input_dist.record(self, features)
         kjt, features = features, input_dist.fed(self, features)  # + ids sent ahead, if any
@@ -675,6 +684,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         states = {state_key(path, name, 0): blocks for name, blocks in weights.items()}
         return TableBlocks(weights, states)
+
+
+def _vbe_bags(kjt, group: WidthGroup) -> int:
+    """A VBE batch's ``(slot, bag)`` rows per source: the most any rank's slots hold."""
+    spk, keys = kjt.stride_per_key(), kjt.keys()
+    return max(1, max(sum(spk[keys.index(sl.key)] for sl in slots) for slots in group.slots))
 
 
 def _pass_size(group: WidthGroup, spec: exchange.Spec) -> int:

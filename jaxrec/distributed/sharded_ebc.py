@@ -8,11 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..ops import grouped_pooled_lookup
 from ..sparse import KeyedTensor
 from ..xla.backward import pooled_row_grads
+from ..xla.slots import slot_bag_starts
 from .embedding_dist import column_offsets
 from .sharded_base import OverflowCount as OverflowCount
 from .sharded_base import ShardedCollection
@@ -64,6 +66,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             Compiled for H100s in CI; its results are not yet checked on a GPU.
     """
 
+    vbe = True  # a variable batch per key: looked up per key's bags, expanded in _finish
+
     def __init__(
         self,
         ebc: EmbeddingBagCollection,
@@ -86,6 +90,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return self._is_weighted
 
     def _new_output(self, kjt):
+        if kjt.variable_stride_per_key():  # packed per output: [B_k, D] each, flattened
+            return [jnp.zeros((int(self._vbe_packing(kjt)[1][-1]),), jnp.float32)]
         return [jnp.zeros((kjt.stride(), sum(self.layout.dims)), jnp.float32)]
 
     def _output_value(self, out):
@@ -100,6 +106,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     # One scatter / gather per width group over static column indices, not one
     # slice per slot: trace and compile cost follow groups, not tables.
     def _add_group(self, out, kjt, g, received):
+        if kjt.variable_stride_per_key():  # received [N, sum_j B_j, ncols]
+            idx, factors = self._vbe_targets(kjt, g)
+            values = received * factors[:, :, None]
+            return [out[0].at[idx.reshape(-1)].add(values.reshape(-1), mode="drop")]
         n, s, b, w = received.shape
         cols, factors = self._slot_columns(kjt, g)
         blocks = received.reshape(n * s, b, w) * factors[:, :, None]
@@ -107,6 +117,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return [out[0].at[:, cols].add(values, mode="drop")]
 
     def _group_grads(self, g, kjt, group):
+        if kjt.variable_stride_per_key():  # g: the packed [P] output gradient
+            idx, factors = self._vbe_targets(kjt, group)
+            padded = jnp.concatenate([g.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+            return jnp.take(padded, idx, axis=0) * factors[:, :, None]
         cols, factors = self._slot_columns(kjt, group)
         n, s, b, w = len(group.slots), group.max_slots, kjt.stride(), group.ncols
         # Column ``total`` is a zero column: padding slots and a narrow slot's padding.
@@ -142,10 +156,16 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             table, kjt, rg.slots, is_weighted=self._is_weighted,
             bounds_check_mode=self.bounds_check_mode, implementation=self.implementation,
         )  # fmt: skip
+        if kjt.variable_stride_per_key():  # [sum_j B_j, D] into the packed output
+            out[0] = out[0].at[self._vbe_dp_positions(kjt, rg)].set(pooled.reshape(-1))
+            return
         cols = self._dp_columns(rg)
         out[0] = out[0].at[:, cols].set(pooled.reshape(pooled.shape[0], len(cols)))
 
     def _dp_row_grads(self, g, kjt, rg):
+        if kjt.variable_stride_per_key():
+            gg = jnp.take(g, self._vbe_dp_positions(kjt, rg)).reshape(-1, rg.embedding_dim)
+            return pooled_row_grads(gg, kjt, rg.slots, is_weighted=self._is_weighted)
         cols = self._dp_columns(rg)
         gg = jnp.take(g, cols, axis=1).reshape(g.shape[0], len(rg.slots), rg.embedding_dim)
         return pooled_row_grads(gg, kjt, rg.slots, is_weighted=self._is_weighted)
@@ -156,7 +176,70 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         starts = np.asarray([offsets[o] for o in self._dp_outputs(rg)], np.int64)
         return (starts[:, None] + np.arange(rg.embedding_dim)).reshape(-1)
 
+    # ----- a variable batch per key (VBE): one packed output per device -----
+    def _vbe_packing(self, kjt) -> tuple[list[int], np.ndarray]:
+        """``(key index of each output, [O + 1] start of each output in the packed
+        output)``: output ``o`` holds its key's ``B_k`` bags, ``[B_k, D_o]`` row-major."""
+        keys, spk = kjt.keys(), kjt.stride_per_key()
+        key_of = [keys.index(f) for t in self.table_configs for f in t.feature_names]
+        sizes = [spk[k] * d for k, d in zip(key_of, self.layout.dims, strict=True)]
+        return key_of, np.cumsum([0, *sizes])
+
+    def _vbe_targets(self, kjt, g) -> tuple[np.ndarray, jax.Array]:
+        """Static packed position of every ``(rank, slot bag, col)`` of group ``g``'s
+        blocks ``[N, sum_j B_j, ncols]`` (the packed size for padding), and ``[N, sum_j
+        B_j]`` factors: MEAN bags' ``1 / length``, 1 for SUM, 0 for padding."""
+        _, po = self._vbe_packing(kjt)
+        keys, spk, bag0 = kjt.keys(), kjt.stride_per_key(), kjt.bag_offsets()
+        n, w = len(g.slots), g.ncols
+        sb = max(1, max(sum(spk[keys.index(sl.key)] for sl in slots) for slots in g.slots))
+        idx = np.full((n, sb, w), po[-1], np.int64)
+        length_at = np.zeros((n, sb), np.int32)  # the bag's index in lengths()
+        kind = np.zeros((n, sb), np.int32)  # 0 padding, 1 SUM, 2 MEAN
+        for p, slots in enumerate(g.slots):
+            starts = slot_bag_starts(kjt, slots)
+            for j, sl in enumerate(slots):
+                k, d = keys.index(sl.key), self.layout.dims[sl.output]
+                bags, cols = np.arange(spk[k]), np.arange(sl.ncols)
+                q = starts[j] + bags
+                idx[p, q[:, None], cols] = po[sl.output] + bags[:, None] * d + sl.col0 + cols
+                length_at[p, q], kind[p, q] = bag0[k] + bags, 2 if sl.mean else 1
+        lengths = jnp.take(kjt.lengths(), length_at) if kjt.lengths().size else length_at
+        inv = 1.0 / jnp.maximum(lengths, 1).astype(jnp.float32)
+        factors = jnp.where(kind == 2, inv, (kind == 1).astype(jnp.float32))
+        return idx, factors
+
+    def _vbe_dp_positions(self, kjt, rg) -> np.ndarray:
+        """Static packed positions of a replicated group's ``[sum_j B_j, D]`` lookup."""
+        _, po = self._vbe_packing(kjt)
+        keys, spk, d = kjt.keys(), kjt.stride_per_key(), rg.embedding_dim
+        out = [
+            po[o] + np.arange(spk[keys.index(sl.key)] * d)
+            for sl, o in zip(rg.slots, self._dp_outputs(rg), strict=True)
+        ]
+        return np.concatenate(out).astype(np.int64)
+
+    def _vbe_expand(self, packed, features):
+        """``[world * B, sum(D)]``: each device's packed output expanded to its samples
+        with its own inverse indices (the gradient: a segment sum per bag)."""
+        key_of, po = self._vbe_packing(features)
+        dims = self.layout.dims
+        base = np.concatenate([po[o] + np.arange(d) for o, d in enumerate(dims)])
+        mult = np.repeat(np.asarray(dims, np.int64), dims)
+        key = np.repeat(np.asarray(key_of, np.int32), dims)
+
+        def local(packed, inverse):  # [P], [1, F, B]
+            rows = jnp.take(inverse[0], key, axis=0).T  # [B, sum(D)]
+            return jnp.take(packed, base + rows * mult, axis=0)
+
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(self.axis), P(self.axis)),
+            out_specs=P(self.axis), check_vma=False,
+        )(packed, features.inverse_indices()[1])  # fmt: skip
+
     def _finish(self, values, features):
+        if features.variable_stride_per_key():
+            values = self._vbe_expand(values, features)
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )

@@ -70,6 +70,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(nnx.Module):
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
+        features.require_uniform_stride(type(self).__name__)
         processors = self._feature_processors
         processed = jax.vmap(lambda kjt: apply_processors(processors, kjt))(features)
         weights = processed.weights()

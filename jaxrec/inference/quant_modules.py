@@ -182,6 +182,7 @@ class QuantEmbeddingBagCollection(QuantStorage):
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        features.require_uniform_stride(type(self).__name__)
         features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         pieces: list = [None] * len(self.embedding_names)
         for g in self.groups:

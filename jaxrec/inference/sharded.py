@@ -163,7 +163,7 @@ class _QuantShards:
 
 class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollection):
     """A quantized ``EmbeddingBagCollection`` sharded per a plan (TorchRec's
-    ``ShardedQuantEmbeddingBagCollection``).
+    ``ShardedQuantEmbeddingBagCollection``). No variable batch per key (VBE).
 
     Args:
         module: a :class:`QuantEmbeddingBagCollection` (its rows are reused;
@@ -175,6 +175,8 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
             ``[world * B, sum(D)]`` sharded over the batch).
         dtype, per_table_dtype, row_alignment: quantization of a float ``module``.
     """
+
+    vbe = False  # quantized serving: a plain batch
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ from ..configs import EmbeddingBagConfig, check_tables
 from ..embedding.collection import GradSource, LookupGrad
 from ..embedding.tables import TableGroup, TableStorage
 from ..embedding.tape import tap
-from ..ops import BoundsCheckMode, Implementation, grouped_pooled_lookup
+from ..ops import BoundsCheckMode, Implementation, expand_slots, grouped_pooled_lookup
 from ..ops.dispatch import try_cpu
 from ..sparse import KeyedJaggedTensor, KeyedTensor
 from ..xla.backward import pooled_grad_sources
@@ -27,6 +27,11 @@ class EmbeddingBagCollection(TableStorage):
     ``KeyedTensor`` whose values are ``[B, sum(D)]``: one pooled vector per
     feature, in table order then feature order. A feature read by several
     tables appears once per table as ``"<feature>@<table>"``.
+
+    A variable batch per key (VBE: ``stride_per_key``, ``inverse_indices``; see
+    ``KeyedJaggedTensor``) is looked up on each key's ``B_k`` bags and expanded
+    to the ``B`` samples afterwards, so a train step's backward also runs on
+    the ``B_k`` bags (TorchRec's VBE).
 
     ::
 
@@ -81,6 +86,8 @@ class EmbeddingBagCollection(TableStorage):
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
+        if features.variable_stride_per_key():
+            return self._call_vbe(features)
         pooled = [
             grouped_pooled_lookup(
                 self.weights[g.name].get_value(),
@@ -98,6 +105,28 @@ class EmbeddingBagCollection(TableStorage):
         if order is not None:  # one gather into output order, not a slice per feature
             values = jnp.take(values, order, axis=1)
         values = tap(self, values, features)  # a train step's gradient probe
+        return KeyedTensor(
+            self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
+        )
+
+    def _call_vbe(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled ``[sum_j B_j, D_g]`` per group, tapped small, then expanded to
+        ``[B, sum(D)]`` by one row gather per group (its gradient: a segment sum)."""
+        pooled = {
+            g.name: grouped_pooled_lookup(
+                self.weights[g.name].get_value(), features, g.slots,
+                is_weighted=self._is_weighted, bounds_check_mode=self.bounds_check_mode,
+                implementation=self.implementation,
+            )  # [sum_j B_j, D_g]
+            for g in self.groups
+        }  # fmt: skip
+        pooled = tap(self, pooled, features)  # the step's backward runs on the B_k bags
+        values = jnp.concatenate(
+            [expand_slots(pooled[g.name], features, g.slots) for g in self.groups], axis=1
+        )
+        order = self._group_order()
+        if order is not None:
+            values = jnp.take(values, order, axis=1)
         return KeyedTensor(
             self.embedding_names, self.length_per_embedding, values.astype(self.dtype)
         )
@@ -120,6 +149,12 @@ class EmbeddingBagCollection(TableStorage):
     def grad_source(self, group: TableGroup, call: LookupGrad) -> GradSource:
         """Bag ``b``'s output columns of slot ``j`` are row ``b * S + j`` of the
         source; every id of the bag adds that row (times its scale)."""
+        if call.features.variable_stride_per_key():  # the tapped [sum_j B_j, D] per group
+            rows, seg, scale, valid = pooled_grad_sources(
+                call.features, group.slots, is_weighted=self._is_weighted
+            )
+            out_grad = call.grad[group.name].astype(jnp.float32)
+            return GradSource(out_grad=out_grad, seg=seg, scale=scale, rows=rows, valid=valid)
         cols = self.output_columns()
         idx = np.concatenate([np.arange(cols[o], cols[o + 1]) for o in group.outputs])
         g = jnp.take(call.grad, idx, axis=1)  # one gather, not a slice per feature
@@ -139,7 +174,7 @@ class EmbeddingBagCollection(TableStorage):
             super().fused_backward_update, optimizer, group, table, state, calls, source,
             dep=dep, implementation=implementation,
         )  # fmt: skip
-        if len(calls) != 1:
+        if len(calls) != 1 or calls[0].features.variable_stride_per_key():
             return generic()
         cols = self.output_columns()
         return try_cpu(

@@ -193,6 +193,7 @@ class FeatureProcessedEmbeddingBagCollection(nnx.Module):
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings ``[B, sum(D)]``, as the wrapped collection returns them."""
+        features.require_uniform_stride(type(self).__name__)  # positions need every sample
         features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
         return self._embedding_bag_collection(apply_processors(self._feature_processors, features))
 

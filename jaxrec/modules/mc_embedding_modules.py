@@ -105,6 +105,7 @@ class BaseManagedCollisionEmbeddingCollection(nnx.Module):
                 :class:`~jaxrec.modules.MCHManagedCollisionModule` for 64-bit ids).
             deterministic: overrides the mode for this call (``True``: eval).
         """
+        features.require_uniform_stride(type(self).__name__)
         if deterministic is None:
             deterministic = self.deterministic
         mcc = self._managed_collision_collection

@@ -11,3 +11,4 @@ from .pooled import embedding_bag as embedding_bag
 from .pooled import embedding_gather as embedding_gather
 from .single import pooled_lookup as pooled_lookup
 from .single import sequence_lookup as sequence_lookup
+from .vbe import expand_slots as expand_slots

@@ -16,7 +16,15 @@ import numpy as np
 
 from ..sparse import KeyedJaggedTensor
 from ..xla.bounds import BoundsCheckMode
-from ..xla.slots import FeatureSlot, check_keys, mean_scale, rows_and_mask, slot_positions
+from ..xla.slots import (
+    FeatureSlot,
+    check_keys,
+    mean_scale,
+    rows_and_mask,
+    slot_bag_starts,
+    slot_positions,
+    vbe_mean_scale,
+)
 from .dispatch import Implementation, try_cpu
 from .layout import report_layout
 from .pooled import embedding_bag, embedding_gather
@@ -50,6 +58,9 @@ def grouped_pooled_lookup(
         ``[B, S, D]`` float32; empty bags give zeros, and so do invalid bags (a
         negative length, or past the key's capacity: ``jaxrec.sparse.bags``).
         An id with a NaN or infinite weight contributes zero. ``B`` may be 0.
+        With a variable batch per key (VBE), ``[sum_j B_j, D]``: slot ``j``'s
+        ``B_j`` bags (its key's stride) at rows ``slot_bag_starts(...)[j]`` on,
+        not expanded (the caller expands with the inverse indices).
     """
     if not slots:
         raise ValueError("grouped_pooled_lookup needs at least one slot")
@@ -75,6 +86,9 @@ def grouped_pooled_lookup(
         )
         return xla_fn(weights, features)
 
+    if features.variable_stride_per_key():  # the C++ kernel reads [F * B] lengths
+        return xla_path()
+
     # The C++ kernel checks the layout in its own walk of the lengths.
     return try_cpu(
         "grouped_pooled_lookup",
@@ -96,6 +110,15 @@ def _grouped_pooled_xla(
     b, s = features.stride(), len(slots)
     ids, w, slot_of, bag, valid, _ = slot_positions(features, slots)
     rows, valid = rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
+    if features.variable_stride_per_key():  # output [sum_j B_j, D], slot-major
+        starts = slot_bag_starts(features, slots)
+        seg = jnp.where(valid, starts[slot_of] + bag, starts[-1])
+        pooled = embedding_bag(
+            weights, rows, seg, int(starts[-1]), w if is_weighted else None,
+            implementation=implementation,
+        )  # fmt: skip
+        scale = vbe_mean_scale(features, slots)
+        return pooled if scale is None else pooled * scale[:, None]
     seg = jnp.where(valid, bag * s + slot_of, b * s)  # output order [B, S]
     pooled = embedding_bag(
         weights, rows, seg, b * s, w if is_weighted else None, implementation=implementation
@@ -123,6 +146,7 @@ def grouped_sequence_lookup(
     if not slots:
         raise ValueError("grouped_sequence_lookup needs at least one slot")
     features = features.narrow_ids()  # id words -> int32 rows; wide ids out of range
+    features.require_uniform_stride("a sequence lookup (EmbeddingCollection)")
     where = f"sequence lookup of {[sl.key for sl in slots]}"
     check_keys(features, slots)
     report_layout(features, [sl.key for sl in slots], bounds_check_mode, where)

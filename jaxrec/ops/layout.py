@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sparse import KeyedJaggedTensor
-from ..sparse.bags import valid_bags
+from ..sparse.bags import valid_bags, valid_bags_per_key
 from ..xla.bounds import BoundsCheckMode
 from ..xla.layout import report_bad_bags, report_bad_weights
 
@@ -38,7 +38,18 @@ def report_layout(
     all_keys = features.keys()
     idx = np.asarray([all_keys.index(k) for k in keys], np.int32)
     caps, b = features.capacity_per_key(), features.stride()
-    ok = valid_bags(features.lengths(), caps, b)
+    lengths = features.lengths()
+    if features.variable_stride_per_key():  # [F, max B_k], padded with empty valid bags
+        spk = features.stride_per_key()
+        b = max(spk, default=0)
+        bag0 = np.asarray(features.bag_offsets()[:-1])
+        key_of = np.repeat(np.arange(len(spk)), spk)
+        at = key_of * b + np.arange(len(key_of)) - bag0[key_of]
+        flat = valid_bags_per_key(lengths, caps, spk)
+        ok = jnp.ones((len(spk) * b,), bool).at[at].set(flat).reshape(len(spk), b)
+        lengths = jnp.zeros((len(spk) * b,), lengths.dtype).at[at].set(lengths)
+    else:
+        ok = valid_bags(lengths, caps, b)
     report_bags(~ok[idx], mode, where, keys)
     if weighted:
         # Valid bags are packed at the front of their key's slot, so the ids in
@@ -46,7 +57,7 @@ def report_layout(
         # elementwise pass (no per-id segment ids, no gathers); the first bad
         # position is mapped to its key on the host, in the message.
         f = len(all_keys)
-        used = jnp.sum(jnp.where(ok, features.lengths().reshape(f, b), 0).astype(jnp.int32), 1)
+        used = jnp.sum(jnp.where(ok, lengths.reshape(f, b), 0).astype(jnp.int32), 1)
         starts = features.capacity_offsets()
         end = jnp.concatenate(
             [

@@ -12,3 +12,6 @@ from .ids64 import to_id_words as to_id_words
 from .jagged_tensor import JaggedTensor as JaggedTensor
 from .keyed_jagged_tensor import KeyedJaggedTensor as KeyedJaggedTensor
 from .keyed_tensor import KeyedTensor as KeyedTensor
+from .vbe import dedup_features as dedup_features
+from .vbe import expand_vbe as expand_vbe
+from .vbe import pad_strides as pad_strides

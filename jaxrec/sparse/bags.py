@@ -52,9 +52,36 @@ def valid_bags(lengths: jax.Array, capacities: Sequence[int], stride: int) -> ja
     return ~negative & ((n == 0) | (ends <= caps.astype(np.uint32)))
 
 
-def checked_lengths(lengths: jax.Array, capacities: Sequence[int], stride: int) -> jax.Array:
-    """``[F * B]`` lengths with every invalid bag's length set to zero (same dtype)."""
-    ok = valid_bags(lengths, capacities, stride).reshape(-1)
+def valid_bags_per_key(
+    lengths: jax.Array, capacities: Sequence[int], strides: Sequence[int]
+) -> jax.Array:
+    """``[sum(strides)]`` bool: :func:`valid_bags` of a variable-batch (VBE) layout, where
+    key ``k`` has ``strides[k]`` bags (``lengths``: ``[sum(strides)]``, key-major).
+
+    Each key's bags are padded with empty bags (always valid, moving no end) to the
+    largest stride, checked as :func:`valid_bags`, and read back.
+    """
+    strides = [int(s) for s in strides]
+    top = max(strides, default=0)
+    key_of = np.repeat(np.arange(len(strides)), strides)
+    local = np.arange(sum(strides)) - np.repeat(np.cumsum([0, *strides[:-1]]), strides)
+    flat = (key_of * top + local).astype(np.int32)
+    padded = jnp.zeros((len(strides) * top,), lengths.dtype).at[flat].set(lengths)
+    return valid_bags(padded, capacities, top).reshape(-1)[flat]
+
+
+def checked_lengths(
+    lengths: jax.Array, capacities: Sequence[int], stride: int | Sequence[int]
+) -> jax.Array:
+    """Lengths with every invalid bag's length set to zero (same dtype, same shape).
+
+    ``stride``: ``B`` (``lengths`` ``[F * B]``), or one stride per key (a VBE layout,
+    ``lengths`` ``[sum(stride)]``).
+    """
+    if isinstance(stride, int | np.integer):
+        ok = valid_bags(lengths, capacities, int(stride)).reshape(-1)
+    else:
+        ok = valid_bags_per_key(lengths, capacities, stride)
     return jnp.where(ok, lengths, jnp.zeros((), lengths.dtype))
 
 

@@ -15,6 +15,7 @@ from .capacity import resolve_capacities
 from .formatting import keyed_jagged_repr
 from .ids64 import from_id_words, id_words, is_wide, narrow_ids
 from .jagged_tensor import JaggedTensor, lengths_to_offsets, segment_ids_from_ends
+from .strides import check_inverse, check_strides, host_length_per_key, resolve_vbe
 
 Capacities = Mapping[str, int] | Sequence[int] | int | None
 
@@ -63,6 +64,21 @@ class KeyedJaggedTensor:
             weights); ``None`` checks host inputs only. Unchecked device inputs
             follow ``jaxrec.sparse.bags`` in lookups (invalid bags and
             non-finite weights contribute zero, reported by the bounds check).
+        stride_per_key: variable batch per feature (TorchRec's VBE): key ``k``
+            has ``stride_per_key[k]`` bags (``B_k``, e.g. the distinct users of
+            the batch) and ``lengths`` is ``[sum(B_k)]`` key-major. Needs
+            ``inverse_indices``; ``stride()`` is then the output batch ``B``.
+        inverse_indices: ``int32[F, B]`` (or TorchRec's ``(keys, [F, B])``):
+            sample ``b`` of key ``k`` is bag ``inverse_indices[k, b]`` of that
+            key, in ``[0, B_k)``. A pooled lookup runs on the ``B_k`` bags and
+            expands its output to ``B`` samples with it.
+
+    A VBE batch (``stride_per_key=(2, 3)``, ``B = 3``)::
+
+        #          0       1        2    <-- bags of each key
+        # "user"  [7,8]   [9]               B_0 = 2, inverse [0, 1, 0]
+        # "item"  [3]     [4]      [5,6]    B_1 = 3, inverse [0, 1, 2]
+        # lengths = [2, 1, | 1, 1, 2]                  [sum(B_k)]
 
     Example:
         >>> kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=[0, 1, 2, 3, 4, 5, 6, 7],
@@ -71,7 +87,9 @@ class KeyedJaggedTensor:
         [5, 6, 7]
     """
 
-    __slots__ = ("_keys", "_caps", "_stride", "_values", "_lengths", "_weights")
+    __slots__ = (
+        "_keys", "_caps", "_stride", "_spk", "_values", "_lengths", "_weights", "_inverse"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -84,6 +102,8 @@ class KeyedJaggedTensor:
         *,
         capacities: Capacities = None,
         validate: bool | None = None,
+        stride_per_key: Sequence[int] | None = None,
+        inverse_indices: Any = None,
     ):
         keys = _check_keys(keys)
         if lengths is None:
@@ -103,34 +123,54 @@ class KeyedJaggedTensor:
                 raise ValueError(
                     f"weights must match values' leading size: {weights.shape=} vs {values.shape=}"
                 )
-        stride = _resolve_stride(len(keys), lengths.shape[0], stride)
+        spk, inverse = resolve_vbe(keys, stride_per_key, inverse_indices, stride)
+        if spk is not None:
+            stride = inverse.shape[1]
+            if lengths.shape[0] != sum(spk):
+                raise ValueError(
+                    f"lengths has {lengths.shape[0]} entries but stride_per_key={spk} "
+                    f"sums to {sum(spk)}; a VBE batch's lengths are key-major [sum(B_k)]"
+                )
+        else:
+            stride = _resolve_stride(len(keys), lengths.shape[0], stride)
         if capacities is None:
-            caps = _packed_capacities(keys, lengths, stride, values.shape[0])
+            caps = _packed_capacities(keys, lengths, spk or stride, values.shape[0])
         else:
             caps = resolve_capacities(keys, None, capacities)  # overflow: validate() below
             if sum(caps) != values.shape[0]:
                 raise ValueError(
                     f"sum(capacities)={sum(caps)} must equal the values length {values.shape[0]}"
                 )
-        self._keys, self._caps, self._stride = keys, caps, stride
+        self._keys, self._caps, self._stride, self._spk = keys, caps, stride, spk
         self._values, self._lengths, self._weights = values, lengths, weights
+        self._inverse = inverse
         if validate:
             self.validate()
         elif validate is None:  # host inputs only: no device-to-host copy
             if host:
                 self._check_layout()
+                if spk is not None and v.is_host(inverse_indices):
+                    check_inverse(keys, spk, inverse)
             if host_weights:
                 v.check_finite_weights(weights)
 
     # ----- pytree -----
     def tree_flatten(self):
-        return (self._values, self._lengths, self._weights), (self._keys, self._caps, self._stride)
+        # Children (values, lengths, weights), plus inverse_indices for VBE only: code
+        # that unpacks a plain KJT's three children keeps working.
+        children = (self._values, self._lengths, self._weights)
+        if self._spk is not None:
+            children += (self._inverse,)
+        return children, (self._keys, self._caps, self._stride, self._spk)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         obj = object.__new__(cls)
-        obj._keys, obj._caps, obj._stride = aux
-        obj._values, obj._lengths, obj._weights = children
+        if len(aux) == 3:  # a plain KJT's aux data as older code builds it
+            aux = (*aux, None)
+        obj._keys, obj._caps, obj._stride, obj._spk = aux
+        obj._values, obj._lengths, obj._weights = children[:3]
+        obj._inverse = children[3] if obj._spk is not None else None
         return obj
 
     @classmethod
@@ -143,6 +183,8 @@ class KeyedJaggedTensor:
         *,
         capacities: Sequence[int],
         stride: int,
+        stride_per_key: Sequence[int] | None = None,
+        inverse_indices: jax.Array | None = None,
     ) -> KeyedJaggedTensor:
         """Assembles a KJT from its leaves and its static layout, as ``tree_unflatten``
         does: the cheap constructor for code that already holds a valid layout
@@ -158,10 +200,12 @@ class KeyedJaggedTensor:
             keys: feature names, unique.
             values: ``[sum(capacities)]`` ids (or ``[sum(capacities), 2]`` id
                 words), key ``k`` in its capacity slot.
-            lengths: ``[F * stride]`` bag lengths, key-major.
+            lengths: ``[F * stride]`` bag lengths, key-major (VBE: ``[sum(B_k)]``).
             weights: ``[sum(capacities)]`` or None.
             capacities: per-key capacities, in key order.
-            stride: the batch size ``B``.
+            stride: the batch size ``B`` (VBE: the output batch).
+            stride_per_key: VBE only: ``B_k`` per key (see the class doc).
+            inverse_indices: VBE only: ``int32[F, B]``, given with ``stride_per_key``.
 
         Example:
             >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3], [1, 0, 2, 0])
@@ -179,14 +223,63 @@ class KeyedJaggedTensor:
             raise ValueError(f"capacities must be non-negative, got {caps}")
         if not isinstance(stride, int | np.integer) or stride < 0:
             raise ValueError(f"stride must be a non-negative int, got {stride!r}")
-        return cls.tree_unflatten((keys, caps, int(stride)), (values, lengths, weights))
+        if (stride_per_key is None) != (inverse_indices is None):
+            raise ValueError(
+                "from_parts: a VBE batch needs both stride_per_key and inverse_indices; "
+                f"got {stride_per_key=} and inverse_indices "
+                f"{'None' if inverse_indices is None else 'given'}"
+            )
+        spk = None
+        if stride_per_key is not None:
+            spk = check_strides(keys, stride_per_key)
+        aux = (keys, caps, int(stride), spk)
+        return cls.tree_unflatten(aux, (values, lengths, weights, inverse_indices))
 
     # ----- static metadata -----
     def keys(self) -> list[str]:
         return list(self._keys)
 
     def stride(self) -> int:
+        """The batch size ``B`` (with VBE, the output batch that
+        ``inverse_indices`` expands each key's bags to)."""
         return self._stride
+
+    # ----- variable batch per key (TorchRec's VBE) -----
+    def variable_stride_per_key(self) -> bool:
+        """Whether keys have their own batch sizes (``stride_per_key``)."""
+        return self._spk is not None
+
+    def stride_per_key(self) -> list[int]:
+        """``B_k`` per key: its number of bags (``stride()`` for every key without VBE)."""
+        return list(self._spk) if self._spk is not None else [self._stride] * len(self._keys)
+
+    def inverse_indices(self) -> tuple[list[str], jax.Array]:
+        """TorchRec's ``(keys, inverse_indices [F, B])``: sample ``b`` of key ``k`` is
+        bag ``inverse_indices[k, b]`` of that key."""
+        if self._inverse is None:
+            raise ValueError(
+                "this KeyedJaggedTensor has no inverse_indices (no variable batch per "
+                "key); build it with stride_per_key=... and inverse_indices=..."
+            )
+        return list(self._keys), self._inverse
+
+    def inverse_indices_or_none(self) -> tuple[list[str], jax.Array] | None:
+        return None if self._inverse is None else self.inverse_indices()
+
+    def bag_offsets(self) -> tuple[int, ...]:
+        """``[F + 1]`` static start of each key's bags in ``lengths()`` (``k * B``
+        without VBE), plus the total number of bags."""
+        return tuple(int(x) for x in np.cumsum([0, *self.stride_per_key()]))
+
+    def require_uniform_stride(self, where: str) -> None:
+        """Raises ``NotImplementedError`` for a VBE batch: ``where`` reads every key
+        at one batch size."""
+        if self._spk is not None:
+            raise NotImplementedError(
+                f"{where} does not take a variable batch per key (VBE: "
+                f"stride_per_key={self._spk}); expand it first with "
+                "jaxrec.sparse.expand_vbe(kjt), or use an EmbeddingBagCollection"
+            )
 
     def capacity_per_key(self) -> tuple[int, ...]:
         return self._caps
@@ -224,10 +317,10 @@ class KeyedJaggedTensor:
         """
         if not self.is_wide():
             return self
-        return KeyedJaggedTensor.from_parts(
-            self._keys, _narrow(self._values), self._lengths, self._weights,
-            capacities=self._caps, stride=self._stride,
-        )  # fmt: skip
+        return KeyedJaggedTensor.tree_unflatten(
+            (self._keys, self._caps, self._stride, self._spk),
+            (_narrow(self._values), self._lengths, self._weights, self._inverse),
+        )
 
     def lengths(self) -> jax.Array:
         return self._lengths
@@ -236,7 +329,8 @@ class KeyedJaggedTensor:
         return self._lengths
 
     def offsets(self) -> jax.Array:
-        """``[F * B + 1]`` TorchRec offsets ``[0, cumsum(lengths)]`` (packed layout)."""
+        """``[F * B + 1]`` (VBE: ``[sum(B_k) + 1]``) TorchRec offsets
+        ``[0, cumsum(lengths)]`` (packed layout)."""
         return lengths_to_offsets(self._lengths)
 
     def offsets_or_none(self) -> jax.Array:
@@ -252,7 +346,10 @@ class KeyedJaggedTensor:
 
     def length_per_key(self) -> jax.Array:
         """``[F]`` number of values per key (an array: TorchRec returns a list)."""
-        return self._lengths.reshape(len(self._keys), self._stride).sum(axis=1)
+        if self._spk is None:
+            return self._lengths.reshape(len(self._keys), self._stride).sum(axis=1)
+        key_of = np.repeat(np.arange(len(self._keys), dtype=np.int32), self._spk)
+        return jax.ops.segment_sum(self._lengths, key_of, num_segments=len(self._keys))
 
     def offset_per_key(self) -> jax.Array:
         """``[F + 1]`` packed start of each key, ``[0, cumsum(length_per_key)]``."""
@@ -261,22 +358,32 @@ class KeyedJaggedTensor:
     def segment_ids(self) -> jax.Array:
         """``[C]`` global bag index ``k * B + b`` of every value; padding gets ``F * B``.
 
-        This is how lookups address this buffer: one sorted segment id per
-        value, across all keys. Values of invalid bags (a negative length, or
-        past the key's capacity: see ``jaxrec.sparse.bags``) get ``F * B`` too,
-        so a key that overflows never spills into the next key's bags.
+        With VBE the index is ``bag_offsets()[k] + b`` and padding gets
+        ``sum(B_k)``. This is how lookups address this buffer: one sorted
+        segment id per value, across all keys. Values of invalid bags (a
+        negative length, or past the key's capacity: see ``jaxrec.sparse.bags``)
+        get the padding index too, so a key that overflows never spills into
+        the next key's bags.
         """
-        f, b = len(self._keys), self._stride
+        f = len(self._keys)
+        bag0 = np.asarray(self.bag_offsets(), np.int32)
         starts = np.asarray(self.capacity_offsets()[:-1], np.int32)
         key_of = np.repeat(np.arange(f, dtype=np.int32), self._caps)
         local = np.arange(sum(self._caps), dtype=np.int32) - starts[key_of]
-        per_key = checked_lengths(self._lengths, self._caps, b).reshape(f, b)
-        ends = jnp.cumsum(per_key, axis=1)  # [F, B] local bag ends
-        global_ends = (ends + starts[:, None]).reshape(-1)
-        seg = segment_ids_from_ends(global_ends, sum(self._caps))
-        total = ends[:, -1] if b else jnp.zeros((f,), per_key.dtype)
+        lens = checked_lengths(self._lengths, self._caps, self._spk or self._stride)
+        nbags = np.diff(bag0)
+        bag_key = np.repeat(np.arange(f, dtype=np.int32), nbags)
+        if bag0[-1]:
+            # Local bag ends: one running sum, restarted at each key's first bag.
+            run = jnp.cumsum(lens)
+            first = np.minimum(bag0[:-1], bag0[-1] - 1)
+            ends = run - (run - lens)[first][bag_key]
+            total = jnp.where(nbags > 0, ends[np.maximum(bag0[1:] - 1, 0)], 0)
+        else:
+            ends, total = lens, jnp.zeros((f,), lens.dtype)
+        seg = segment_ids_from_ends(ends + starts[bag_key], sum(self._caps))
         valid = local < total[key_of]
-        return jnp.where(valid, seg, f * b)
+        return jnp.where(valid, seg, int(bag0[-1]))
 
     # ----- per-key views -----
     def to_dict(self) -> dict[str, JaggedTensor]:
@@ -286,9 +393,9 @@ class KeyedJaggedTensor:
     def __getitem__(self, key: str) -> JaggedTensor:
         i = self._key_index(key)
         lo, hi = self.capacity_offsets()[i], self.capacity_offsets()[i + 1]
-        b = self._stride
+        b0, b1 = self.bag_offsets()[i : i + 2]
         w = None if self._weights is None else self._weights[lo:hi]
-        return JaggedTensor.from_parts(self._values[lo:hi], self._lengths[i * b : (i + 1) * b], w)
+        return JaggedTensor.from_parts(self._values[lo:hi], self._lengths[b0:b1], w)
 
     def _key_index(self, key: str) -> int:
         try:
@@ -342,8 +449,13 @@ class KeyedJaggedTensor:
         *,
         capacities: Capacities = None,
         on_host: bool = False,
+        stride_per_key: Sequence[int] | None = None,
+        inverse_indices: Any = None,
     ) -> KeyedJaggedTensor:
         """From TorchRec's packed layout; each key gets a bucketed capacity unless given.
+
+        ``stride_per_key`` and ``inverse_indices`` make a variable batch per key
+        (VBE, see the class doc): ``lengths`` is then ``[sum(B_k)]``.
 
         ``on_host=True`` keeps the leaves as numpy arrays (int32 ids and lengths,
         float32 weights): data loaders build batches on the host and transfer
@@ -369,14 +481,24 @@ class KeyedJaggedTensor:
                 f"{vals.dtype} {vals.shape=}, {lens.shape=}"
             )
         vals = v.host_ids_array(vals, "values")  # int32, or id words if an id is wider
-        stride = _resolve_stride(len(keys), lens.shape[0], stride)
+        spk, inv = resolve_vbe(keys, stride_per_key, inverse_indices, stride)
+        if spk is None:
+            stride = _resolve_stride(len(keys), lens.shape[0], stride)
+        else:
+            inv, stride = v.to_host(inv).astype(np.int32), inv.shape[1]
+            if lens.shape[0] != sum(spk):
+                raise ValueError(
+                    f"lengths has {lens.shape[0]} entries but stride_per_key={spk} sums to "
+                    f"{sum(spk)}; a VBE batch's lengths are key-major [sum(B_k)]"
+                )
+            check_inverse(keys, spk, inv)
         v.check_lengths_values(lens, vals.shape[0])
         if int(lens.sum()) != vals.shape[0]:  # trailing values would be dropped silently
             raise ValueError(
                 f"sum(lengths)={int(lens.sum())} must equal the number of values "
                 f"{vals.shape[0]} (TorchRec's packed layout); pass only the ids of the bags"
             )
-        lpk = lens.reshape(len(keys), stride).sum(axis=1) if keys else np.zeros(0, np.int64)
+        lpk = host_length_per_key(lens, len(keys), spk or stride)
         caps = resolve_capacities(keys, lpk.tolist(), capacities)
         w = None if weights is None else np.asarray(v.as_float_array(v.to_host(weights), "weights"))
         if w is not None and w.shape != vals.shape[:1]:
@@ -384,13 +506,15 @@ class KeyedJaggedTensor:
         if w is not None:
             v.check_finite_weights(w)
         out_v, out_w = _repack(vals, w, lpk, caps)
+        vbe = {"stride_per_key": spk, "inverse_indices": inv}
         if on_host:  # validated above; ids already in their device representation
             return KeyedJaggedTensor.from_parts(
-                keys, out_v, lens.astype(np.int32), out_w, capacities=caps, stride=stride
+                keys, out_v, lens.astype(np.int32), out_w, capacities=caps, stride=stride, **vbe
             )
         return KeyedJaggedTensor(
-            keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False
-        )
+            keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False,
+            **(vbe if spk is None else {**vbe, "inverse_indices": jnp.asarray(inv)}),
+        )  # fmt: skip
 
     @staticmethod
     def from_offsets_sync(
@@ -449,9 +573,11 @@ class KeyedJaggedTensor:
             if not 0 <= i < f:
                 raise ValueError(f"permute index {i} is out of range for {f} keys")
         parts = [self[self._keys[i]] for i in indices]
+        inverse = None if self._inverse is None else [self._inverse[i] for i in indices]
         return _concat_parts(
-            [self._keys[i] for i in indices], parts, self._stride, self._weights is not None, self
-        )
+            [self._keys[i] for i in indices], parts, self._stride, self._weights is not None,
+            self, inverse,
+        )  # fmt: skip
 
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Splits keys into consecutive groups of the given sizes."""
@@ -479,7 +605,15 @@ class KeyedJaggedTensor:
         keys = [key for k in kjt_list for key in k.keys()]
         _check_keys(keys)
         parts = [k[key] for k in kjt_list for key in k.keys()]
-        return _concat_parts(keys, parts, strides.pop(), weighted.pop(), kjt_list[0])
+        b = strides.pop()
+        inverse = None
+        if any(k.variable_stride_per_key() for k in kjt_list):  # identity rows elsewhere
+            same = jnp.arange(b, dtype=jnp.int32)
+            inverse = [
+                k.inverse_indices()[1][i] if k.variable_stride_per_key() else same
+                for k in kjt_list for i in range(len(k.keys()))
+            ]  # fmt: skip
+        return _concat_parts(keys, parts, b, weighted.pop(), kjt_list[0], inverse)
 
     # ----- checks and printing -----
     def validate(self) -> None:
@@ -494,7 +628,7 @@ class KeyedJaggedTensor:
         v.check_lengths_values(lens, sum(self._caps))
         if not self._keys:
             return
-        lpk = lens.reshape(len(self._keys), self._stride).sum(axis=1)
+        lpk = host_length_per_key(lens, len(self._keys), self._spk or self._stride)
         resolve_capacities(self._keys, lpk.tolist(), self._caps)
 
     def __repr__(self) -> str:
@@ -559,7 +693,7 @@ def _packed_capacities(keys, lengths, stride, num_values) -> tuple[int, ...]:
         return ()
     lens = v.to_host(lengths)
     v.check_lengths_values(lens, num_values)
-    caps = [int(x) for x in lens.reshape(len(keys), stride).sum(axis=1)]
+    caps = [int(x) for x in host_length_per_key(lens, len(keys), stride)]
     caps[-1] += num_values - sum(caps)  # trailing padding belongs to the last key
     return tuple(caps)
 
@@ -593,13 +727,22 @@ def _concat_values(values: list) -> jax.Array:
     return jnp.concatenate([jnp.asarray(x) for x in values])
 
 
-def _concat_parts(keys, parts: list[JaggedTensor], stride, weighted, like) -> KeyedJaggedTensor:
+def _concat_parts(
+    keys, parts: list[JaggedTensor], stride, weighted, like, inverse=None
+) -> KeyedJaggedTensor:
+    """``inverse``: each part's ``[B]`` inverse indices (VBE), or None."""
     if not parts:
         return KeyedJaggedTensor.empty_like(like)
     values = _concat_values([p.values() for p in parts])
     lengths = jnp.concatenate([p.lengths() for p in parts])
     weights = jnp.concatenate([p.weights() for p in parts]) if weighted else None
     caps = [p.capacity() for p in parts]
+    vbe = {}
+    if inverse is not None:
+        vbe = {
+            "stride_per_key": [p.num_bags() for p in parts],
+            "inverse_indices": jnp.stack([jnp.asarray(r, jnp.int32) for r in inverse]),
+        }
     return KeyedJaggedTensor.from_parts(
-        keys, values, lengths, weights, capacities=caps, stride=stride
+        keys, values, lengths, weights, capacities=caps, stride=stride, **vbe
     )

@@ -17,7 +17,14 @@ import jax.numpy as jnp
 from ..optim.base import apply_rows
 from ..sparse import KeyedJaggedTensor
 from .bounds import BoundsCheckMode
-from .slots import FeatureSlot, mean_scale, rows_and_mask, slot_positions
+from .slots import (
+    FeatureSlot,
+    mean_scale,
+    rows_and_mask,
+    slot_bag_starts,
+    slot_positions,
+    vbe_mean_scale,
+)
 
 
 def pooled_row_grads(
@@ -30,7 +37,8 @@ def pooled_row_grads(
     """Per-id gradients of a grouped pooled lookup.
 
     Args:
-        out_grad: ``[B, S, D]`` gradient of the loss w.r.t. the pooled output.
+        out_grad: ``[B, S, D]`` gradient of the loss w.r.t. the pooled output
+            (VBE: ``[sum_j B_j, D]``, as ``grouped_pooled_lookup`` returns).
         features: the batch that was looked up.
         slots: the ``S`` slots of the lookup.
         is_weighted: the lookup multiplied rows by per-sample weights.
@@ -42,7 +50,7 @@ def pooled_row_grads(
         divided by the bag length for MEAN.
     """
     rows, seg, scale, valid = pooled_grad_sources(features, slots, is_weighted=is_weighted)
-    flat = out_grad.astype(jnp.float32).reshape(features.stride() * len(slots), out_grad.shape[-1])
+    flat = out_grad.astype(jnp.float32).reshape(-1, out_grad.shape[-1])
     return rows, source_grads(flat, seg, scale, valid), valid
 
 
@@ -52,9 +60,10 @@ def pooled_grad_sources(
     """Where each id's gradient comes from, without forming it.
 
     Returns ``rows [C]``, ``seg [C]`` (the id's row of the output gradient
-    flattened to ``[B * S, D]``), ``scale [C]`` float32 (weight, 1/length for
-    MEAN, 0 where invalid) and ``valid [C]``: id ``c``'s gradient is
-    ``flat[seg[c]] * scale[c]``. The fused backward kernel reads this directly.
+    flattened to ``[B * S, D]``; VBE: of ``[sum_j B_j, D]``), ``scale [C]`` float32
+    (weight, 1/length for MEAN, 0 where invalid) and ``valid [C]``: id ``c``'s
+    gradient is ``flat[seg[c]] * scale[c]``. The fused backward kernel reads this
+    directly.
     """
     b, s = features.stride(), len(slots)
     ids, w, slot_of, bag, valid, _ = slot_positions(features, slots)
@@ -62,6 +71,13 @@ def pooled_grad_sources(
     scale = jnp.where(valid, 1.0, 0.0)
     if is_weighted:
         scale = scale * w.astype(jnp.float32)
+    if features.variable_stride_per_key():
+        starts = slot_bag_starts(features, slots)
+        seg = jnp.where(valid, starts[slot_of] + bag, 0)
+        per_bag = vbe_mean_scale(features, slots)  # [sum_j B_j]
+        if per_bag is not None:
+            scale = scale * per_bag[seg]
+        return rows, seg, scale, valid
     per_bag = mean_scale(features, slots)  # [B, S]
     if per_bag is not None:
         scale = scale * per_bag[jnp.clip(bag, 0, b - 1), slot_of]

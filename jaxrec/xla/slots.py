@@ -43,7 +43,7 @@ class SlotPositions(NamedTuple):
     ids: jax.Array  # [C] the KJT's ids
     weights: jax.Array | None  # [C] per-sample weights (non-finite zeroed), None if unweighted
     slot_of: np.ndarray  # [C] static: the slot each position belongs to
-    bag: jax.Array  # [C] the position's bag (sample) within its key
+    bag: jax.Array  # [C] the position's bag (sample) within its key (VBE: of its B_k)
     valid: jax.Array  # [C] a real id of a valid bag (not padding)
     caps: list[int]  # per slot: its key's capacity
 
@@ -56,7 +56,8 @@ def slot_positions(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) ->
     """
     keys = features.keys()
     check_keys(features, slots)
-    f, b = len(keys), features.stride()
+    f = len(keys)
+    bag0 = np.asarray(features.bag_offsets(), np.int32)  # k * B without VBE
     starts = features.capacity_offsets()
     key_idx = [keys.index(s.key) for s in slots]
     caps = [features.capacity_per_key()[k] for k in key_idx]
@@ -72,9 +73,30 @@ def slot_positions(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) ->
         w = finite_weights(None if features.weights_or_none() is None else take(features.weights()))
     slot_of = np.repeat(np.arange(len(slots), dtype=np.int32), caps)
     key_of = np.repeat(np.asarray(key_idx, np.int32), caps)
-    valid = seg_k < f * b
-    bag = seg_k - key_of * b
+    valid = seg_k < bag0[-1]
+    bag = seg_k - bag0[key_of]
     return SlotPositions(ids, w, slot_of, bag, valid, caps)
+
+
+def slot_bag_starts(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> np.ndarray:
+    """``[S + 1]`` static first row of each slot's bags in a VBE lookup's output
+    ``[sum_j B_j, D]`` (slot-major: slot ``j`` holds its key's ``B_j`` bags)."""
+    keys, spk = features.keys(), features.stride_per_key()
+    return np.cumsum([0] + [spk[keys.index(sl.key)] for sl in slots]).astype(np.int32)
+
+
+def vbe_mean_scale(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> jax.Array | None:
+    """:func:`mean_scale` of a VBE lookup: ``[sum_j B_j]`` float32, slot-major."""
+    is_mean = [PoolingType(sl.pooling) is PoolingType.MEAN for sl in slots]
+    if not any(is_mean):
+        return None
+    keys, bag0 = features.keys(), features.bag_offsets()
+    idx = np.concatenate(
+        [np.arange(bag0[keys.index(sl.key)], bag0[keys.index(sl.key) + 1]) for sl in slots]
+    ).astype(np.int32)
+    mean = np.repeat(np.asarray(is_mean), np.diff(slot_bag_starts(features, slots)))
+    lengths = jnp.take(features.lengths(), idx)
+    return jnp.where(mean, 1.0 / jnp.maximum(lengths, 1).astype(jnp.float32), 1.0)
 
 
 def check_keys(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> None:
@@ -104,6 +126,7 @@ def mean_scale(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> jax
     is_mean = np.asarray([PoolingType(sl.pooling) is PoolingType.MEAN for sl in slots])
     if not is_mean.any():
         return None
+    features.require_uniform_stride("mean_scale (use vbe_mean_scale)")
     keys = features.keys()
     lengths = features.lengths().reshape(len(keys), features.stride())
     per_slot = lengths[np.asarray([keys.index(sl.key) for sl in slots])].T  # [B, S]
