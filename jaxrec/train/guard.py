@@ -121,11 +121,10 @@ def without_ids(features: Any, ok: jax.Array) -> Any:
             f"cannot skip the sparse update of a lookup on {type(features).__name__}; "
             "collections are called with a KeyedJaggedTensor"
         )
-    (values, lengths, weights), aux = features.tree_flatten()
+    children, aux = features.tree_flatten()  # VBE: inverse_indices is a fourth child
+    values, lengths, *rest = children
     lengths = jnp.where(ok, lengths, jnp.zeros_like(lengths))
-    return KeyedJaggedTensor.from_parts(
-        aux[0], values, lengths, weights, capacities=aux[1], stride=aux[2]
-    )
+    return KeyedJaggedTensor.tree_unflatten(aux, (values, lengths, *rest))
 
 
 def mask_sparse_inputs(

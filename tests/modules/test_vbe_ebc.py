@@ -141,3 +141,26 @@ def test_sequence_collection_refuses_vbe():
     _, vbe, _ = batch(np.random.default_rng(4))
     with pytest.raises(NotImplementedError, match="variable batch per key"):
         ec(vbe.permute([0]))
+
+
+def test_a_skipped_step_on_a_vbe_batch_applies_nothing():
+    """``skip_nonfinite``: a VBE batch with a NaN label leaves the state bit-identical
+    (the skip masks the VBE KJT's lengths and keeps its inverse indices), a finite one
+    trains."""
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    graphdef, state = train.init_train_state(Model(rngs=nnx.Rngs(1)), opt)
+    step = train.make_train_step(graphdef, opt, loss_fn, donate=False, skip_nonfinite=True)
+    _, vbe, y = batch(np.random.default_rng(5))
+    bad = y.copy()
+    bad[0] = np.nan
+    after, _, _ = step(state, (vbe, bad))
+    assert step.skipped_steps() == 1
+    for x, want in zip(jax.tree.leaves(after), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(x, want)
+    trained, _, _ = step(state, (vbe, y))
+    assert step.skipped_steps() == 1
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(trained.tables), jax.tree.leaves(state.tables), strict=True)
+    ]
+    assert any(changed)
