@@ -318,7 +318,9 @@ def concat_bags(stacked: KeyedJaggedTensor) -> KeyedJaggedTensor:
     start of a capacity ``k * capacity_f`` (the padding, as any KJT's, is zero).
     Traceable: positions come from the lengths, no host copy.
     """
-    (values, lengths, weights), (keys, caps, stride) = stacked.tree_flatten()
+    stacked.require_uniform_stride("gradient accumulation of a sharded collection's calls")
+    (values, lengths, weights), _ = stacked.tree_flatten()
+    keys, caps, stride = stacked.keys(), stacked.capacity_per_key(), stacked.stride()
     k, f = lengths.shape[0], len(keys)
     per_key = lengths.reshape(k, f, stride).sum(axis=2)  # [k, F] ids of key f in micro-batch i
     start = jnp.cumsum(per_key, axis=0) - per_key  # [k, F] where micro-batch i's ids go
