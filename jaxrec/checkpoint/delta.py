@@ -20,6 +20,11 @@ parent (the full checkpoint or delta it follows) by step and the SHA-256 of
 its ``meta.json``: :meth:`~ModelDeltaTracker.apply_delta` refuses a delta on
 any other state, and :meth:`~ModelDeltaTracker.restore` (the full checkpoint,
 then its deltas in order) gives the trained state bit for bit, under any plan.
+
+Cached tables (``jaxrec.cache``): their slot tables' marks are over slots, so
+``RowCache.save_base`` / ``publish_delta`` / ``restore_deltas`` pass the host tables
+(``host_tables=``, written and read in host memory) and, publishing, each one's
+changed logical rows (``changed_rows=``, found by the cache: ``cache/changes.py``).
 """
 
 from __future__ import annotations
