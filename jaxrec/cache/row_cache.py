@@ -618,11 +618,10 @@ class RowCache:
     def publish_delta(self, tracker: ModelDeltaTracker, step: int, state: TrainState,
                       **kwargs: Any) -> Published:  # fmt: skip
         """Flushes the cache and publishes the delta since the last link
-        (``ModelDeltaTracker.publish``): for a cached table, its rows that a marked slot
-        holds or that loads wrote back since the link (``changes.py``), read from the host
-        tables; the other tables as the tracker finds them. The model must be tracked
-        (``track_touched_rows``, on the model of slots). Train on from the returned
-        ``Published.state`` (its marks cleared).
+        (``ModelDeltaTracker.publish``): a cached table's rows that a marked slot holds or
+        that loads wrote back since the link (``changes.py``), from the host tables. The
+        model of slots must be tracked (``track_touched_rows``). Train on from the
+        returned ``Published.state`` (its marks cleared).
 
         Raises:
             ValueError: no base since the cache was built or cleared (call
@@ -630,9 +629,8 @@ class RowCache:
         """
         if self._changes is None:
             raise ValueError(
-                "publish_delta: the cache has recorded no written-back rows since a delta "
-                "base; call RowCache.save_base (or restore_deltas) first, not the tracker's "
-                "own save_base / restore (and again after RowCache.restore / clear)"
+                "publish_delta: no delta base since the cache was built or cleared (restore, "
+                "clear); call RowCache.save_base (or restore_deltas), not the tracker's own"
             )
         state = self.flush(state)
         with self._lock:  # the maps and the prepared batches hold still
