@@ -35,6 +35,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ..checkpoint.delta import ModelDeltaTracker, Published, Restored
+from ..checkpoint.delta_rows import marked
 from ..checkpoint.layout import HostRows, replace_tables, table_buffers
 from ..checkpoint.paths import components, table_key
 from ..distributed.types import CacheParams
@@ -42,6 +44,7 @@ from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
 from . import exchange, owned
+from .changes import ChangedRows, changed_rows
 from .device_maps import DeviceSlotMaps
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
@@ -208,6 +211,7 @@ class RowCache:
         self._unloaded: dict[int, tuple[dict, Staged | None]] = {}
         self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
         self._unsaved_lock = threading.Lock()
+        self._changes: ChangedRows | None = None  # rows written back since the last delta link
         self.stats = {name: CacheStats() for name in self.tables}
 
     # ----- host: plan a batch -----
@@ -436,7 +440,9 @@ class RowCache:
             raise
         self._held = None
         self._loaded += 1
-        self._unloaded.pop(prepared.serial, None)
+        moves = self._unloaded.pop(prepared.serial, (None, None))[0]
+        if self._changes is not None and moves:  # evicted: changed since the link, maybe
+            self._changes.written_back(moves)
         if prepared.staged is None:
             self._written(prepared.serial)
         return state
@@ -495,10 +501,7 @@ class RowCache:
             if self._held is not None:  # a refused load: its rows are the cache's now
                 state = self.load(state, self._held)
             self.write_back()
-            later = [m for _, (m, _) in sorted(self._unloaded.items())]  # (not loaded yet)
-            moves = {}
-            for t in self.tables.values():
-                moves[t.key] = device_rows(*self.cached(t.name), [m[t.key] for m in later])
+            moves = {t.key: self._device_view(t) for t in self.tables.values()}
             wheres = [b.where for b in self._mover.buffers]
             none = np.zeros(0, np.int64)
             most = max([0, *(len(es) for es, _ in moves.values())])
@@ -510,6 +513,12 @@ class RowCache:
                     pending = self._mover.copy_out(_arrays(state, wheres), staged, self._host)
                     pending.write_back()
             return state
+
+    def _device_view(self, t: CachedTable) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, logical rows)`` of table ``t`` that the device holds: the maps' less
+        the moves of batches prepared and not loaded yet (call under ``_lock``)."""
+        later = [m[t.key] for _, (m, _) in sorted(self._unloaded.items())]
+        return device_rows(*self.cached(t.name), later)
 
     def cached(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, logical rows)`` of table ``name``'s occupied slots as the slot maps
@@ -558,6 +567,7 @@ class RowCache:
         for inflight in self._inflight.values():
             inflight.fill(0)
         self._prepared = self._loaded = 0
+        self._changes = None  # the host tables were replaced: a new delta base is needed
         if self._maps is not None:
             self._maps.clear()
         for t in self.tables.values():
@@ -592,6 +602,57 @@ class RowCache:
                                 host_tables=self.host_fields())  # fmt: skip
         self.clear()  # the host tables were replaced: what the slots held is stale
         return state
+
+    # ----- delta checkpoints (ModelDeltaTracker; see changes.py) -----
+    def save_base(self, tracker: ModelDeltaTracker, step: int, state: TrainState,
+                  **kwargs: Any) -> Published:  # fmt: skip
+        """A full checkpoint of the logical tables (as :meth:`save`) that ``tracker``'s next
+        deltas follow (``ModelDeltaTracker.save_base``); from here on the rows loads write
+        back are recorded. Train on from the returned ``Published.state``."""
+        state = self.flush(state)
+        published = tracker.save_base(step, self.graphdef, self.optimizer, state,
+                                      host_tables=self.host_fields(), **kwargs)  # fmt: skip
+        self._changes = ChangedRows(self.tables.values())
+        return published
+
+    def publish_delta(self, tracker: ModelDeltaTracker, step: int, state: TrainState,
+                      **kwargs: Any) -> Published:  # fmt: skip
+        """Flushes the cache and publishes the delta since the last link
+        (``ModelDeltaTracker.publish``): a cached table's rows that a marked slot holds or
+        that loads wrote back since the link (``changes.py``), from the host tables. The
+        model of slots must be tracked (``track_touched_rows``). Train on from the
+        returned ``Published.state`` (its marks cleared).
+
+        Raises:
+            ValueError: no base since the cache was built or cleared (call
+                :meth:`save_base` or :meth:`restore_deltas`), or as ``publish`` does.
+        """
+        if self._changes is None:
+            raise ValueError(
+                "publish_delta: no delta base since the cache was built or cleared (restore, "
+                "clear); call RowCache.save_base (or restore_deltas), not the tracker's own"
+            )
+        state = self.flush(state)
+        with self._lock:  # the maps and the prepared batches hold still
+            held = {t.key: self._device_view(t) for t in self.tables.values()}
+        rows = changed_rows(self._changes, marked(self.graphdef, state), held)
+        published = tracker.publish(step, self.graphdef, self.optimizer, state,
+                                    host_tables=self.host_fields(), changed_rows=rows,
+                                    **kwargs)  # fmt: skip
+        self._changes.clear()
+        return published
+
+    def restore_deltas(self, tracker: ModelDeltaTracker, target: TrainState, *,
+                       step: int | None = None) -> Restored:  # fmt: skip
+        """``ModelDeltaTracker.restore`` (a full checkpoint, then its deltas, up to ``step``;
+        of this model, cached or not, any plan) into the host tables and ``target``; the
+        cache starts empty, and the next :meth:`publish_delta` follows the restored link."""
+        self.write_back()  # nothing may still write to the host tables
+        restored = tracker.restore(self.graphdef, self.optimizer, target, step=step,
+                                   host_tables=self.host_fields())  # fmt: skip
+        self.clear()
+        self._changes = ChangedRows(self.tables.values())
+        return restored
 
     def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
         """``CheckpointManager.resume`` into the host tables; the cache starts empty when a

@@ -20,6 +20,11 @@ parent (the full checkpoint or delta it follows) by step and the SHA-256 of
 its ``meta.json``: :meth:`~ModelDeltaTracker.apply_delta` refuses a delta on
 any other state, and :meth:`~ModelDeltaTracker.restore` (the full checkpoint,
 then its deltas in order) gives the trained state bit for bit, under any plan.
+
+Cached tables (``jaxrec.cache``): their slot tables' marks are over slots, so
+``RowCache.save_base`` / ``publish_delta`` / ``restore_deltas`` pass the host tables
+(``host_tables=``, written and read in host memory) and, publishing, each one's
+changed logical rows (``changed_rows=``, found by the cache: ``cache/changes.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +42,18 @@ from flax import nnx
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState
 from . import dense, store
-from .delta_rows import RowPiece, clear_marks, gather_pieces, join_pieces, scatter_rows, touched_ids
-from .layout import replace_tables, table_buffers
+from .delta_rows import (
+    RowPiece,
+    clear_marks,
+    gather_pieces,
+    host_pieces,
+    is_host,
+    join_pieces,
+    scatter_host,
+    scatter_rows,
+    touched_ids,
+)
+from .layout import HostTables, replace_tables, table_buffers
 from .logical import common_count, place_dense
 from .manager import (
     PARTIAL,
@@ -120,15 +135,19 @@ class ModelDeltaTracker:
         state: TrainState,
         *,
         metadata: Mapping[str, Any] | None = None,
+        host_tables: HostTables | None = None,
     ) -> Published:
         """A full checkpoint (``manager.save``, forced, waited for) that the next deltas
-        follow; clears the marks.
+        follow; clears the marks. ``host_tables``: as for ``manager.save`` (a cached
+        model: use ``RowCache.save_base``, which passes them).
 
         Raises:
             ValueError: ``step`` is not after the latest full checkpoint.
         """
         step = int(step)
-        if not self.manager.save(step, graphdef, optimizer, state, metadata=metadata, force=True):
+        saved = self.manager.save(step, graphdef, optimizer, state, metadata=metadata, force=True,
+                                  host_tables=host_tables)  # fmt: skip
+        if not saved:
             raise ValueError(
                 f"save_base: step {step} is not after the latest full checkpoint "
                 f"{self.manager.latest_step()} in {self.manager.directory}; pass a later step"
@@ -147,6 +166,8 @@ class ModelDeltaTracker:
         state: TrainState,
         *,
         metadata: Mapping[str, Any] | None = None,
+        host_tables: HostTables | None = None,
+        changed_rows: Mapping[str, np.ndarray] | None = None,
     ) -> Published:
         """Writes the delta of ``state`` since the last link as step ``step`` (synchronous:
         the next, donating, step may run once it returns) and clears the marks.
@@ -155,14 +176,18 @@ class ModelDeltaTracker:
             step: the step number, after the last link's.
             graphdef, optimizer, state: as given to ``make_train_step``.
             metadata: JSON-serialisable extras, stored in the delta's ``meta.json``.
+            host_tables, changed_rows: tables kept in host memory (``jaxrec.cache``,
+                flushed), by table key, and their changed logical rows (ascending int64)
+                in place of their slot tables' marks: ``RowCache.publish_delta`` passes
+                them.
 
         Returns:
             :class:`Published`: train on from its ``state`` (the marks cleared).
 
         Raises:
             ValueError: no base yet (call :meth:`save_base` or :meth:`restore`), ``step``
-                not after the last link, the model is not tracked.
-            NotImplementedError: the model has cached tables (``jaxrec.cache``).
+                not after the last link, the model is not tracked, or it has a device
+                cache (``jaxrec.cache``) without its host table and changed rows.
         """
         step = int(step)
         if self.last is None:
@@ -178,9 +203,14 @@ class ModelDeltaTracker:
             json.dumps(user)
         except TypeError as e:
             raise TypeError(f"metadata must be JSON-serialisable: {e}") from None
-        ids = touched_ids(graphdef, state)
-        layout = table_buffers(graphdef, optimizer, state)
-        spec = state_spec(graphdef, optimizer, state)
+        if set(host_tables or {}) != set(changed_rows or {}):
+            raise ValueError(
+                f"publish: host_tables {sorted(host_tables or {})} and changed_rows "
+                f"{sorted(changed_rows or {})} must name the same tables"
+            )
+        ids = touched_ids(graphdef, state, host=changed_rows)
+        layout = table_buffers(graphdef, optimizer, state, host_tables)
+        spec = state_spec(graphdef, optimizer, state, host_tables)
         table_ids = {key: i for i, key in enumerate(sorted(spec["tables"]))}
         parts = dict(zip(DENSE_PARTS, _dense_parts(state), strict=True))
         meta = {
@@ -205,7 +235,7 @@ class ModelDeltaTracker:
         _barrier(f"jaxrec_delta_start_{step}")
         index: dict = {}
         for buf in layout.buffers:
-            pieces = gather_pieces(buf, ids)
+            pieces = host_pieces(buf, ids) if is_host(buf) else gather_pieces(buf, ids)
             for p, entry in zip(pieces, _write_pieces(partial, buf.field, pieces, table_ids),
                                 strict=True):  # fmt: skip
                 index.setdefault(p.table, {}).setdefault(buf.field, []).append(entry)
@@ -246,10 +276,13 @@ class ModelDeltaTracker:
         state: TrainState,
         *,
         after: Link,
+        host_tables: HostTables | None = None,
     ) -> Restored:
         """``state`` (at link ``after``; any plan) with delta ``step`` applied.
 
         ``state``'s table buffers are donated (updated in place): use the returned one.
+        ``host_tables``: tables kept in host memory (``RowCache.host_fields()``), written
+        in place (``RowCache.restore_deltas`` passes them and empties the cache).
 
         Raises:
             FileNotFoundError: no such delta.
@@ -269,8 +302,9 @@ class ModelDeltaTracker:
                 f"(sha256 {after.digest[:12]}...): apply deltas in order, on the full "
                 "checkpoint they were published after (ModelDeltaTracker.restore finds the chain)"
             )
-        check_compatible(meta["spec"], state_spec(graphdef, optimizer, state), what)
-        layout = table_buffers(graphdef, optimizer, state)
+        expected = state_spec(graphdef, optimizer, state, host_tables)
+        check_compatible(meta["spec"], expected, what)
+        layout = table_buffers(graphdef, optimizer, state, host_tables)
         tables = meta["spec"]["tables"]
         joined: dict = {}
         arrays = {}
@@ -280,6 +314,9 @@ class ModelDeltaTracker:
                 if (t, buf.field) not in joined:
                     joined[t, buf.field] = _read_field(path, meta, tables[t], t, buf.field, what)
                 rows[t] = joined[t, buf.field]
+            if is_host(buf):
+                scatter_host(buf, rows)
+                continue
             new = scatter_rows(buf, rows)
             if new is not None:
                 arrays[buf.where] = new
@@ -307,20 +344,24 @@ class ModelDeltaTracker:
         target: TrainState,
         *,
         step: int | None = None,
+        host_tables: HostTables | None = None,
     ) -> Restored:
         """The state at ``step`` (default: the newest link), in ``target``'s plan: its
         full checkpoint (``manager.restore``) and every delta after it in order. The next
-        :meth:`publish` follows it.
+        :meth:`publish` follows it. ``host_tables``: as for :meth:`apply_delta` (a cached
+        model: use ``RowCache.restore_deltas``).
 
         Raises:
             FileNotFoundError: no chain reaches ``step`` (no such step, or its full
                 checkpoint was removed).
         """
         chain = self.chain(step)
-        state = self.manager.restore(graphdef, optimizer, target, step=chain[0].step)
+        state = self.manager.restore(graphdef, optimizer, target, step=chain[0].step,
+                                     host_tables=host_tables)  # fmt: skip
         at = chain[0]
         for link in chain[1:]:
-            state, at = self.apply_delta(link.step, graphdef, optimizer, state, after=at)
+            state, at = self.apply_delta(link.step, graphdef, optimizer, state, after=at,
+                                         host_tables=host_tables)  # fmt: skip
         self.last = at
         return Restored(clear_marks(state), at)
 

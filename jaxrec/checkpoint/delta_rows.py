@@ -49,14 +49,42 @@ class LogicalRows(NamedTuple):
     values: np.ndarray  # [K, dim] or [K]
 
 
-def touched_ids(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, np.ndarray]:
+def touched_ids(
+    graphdef: nnx.GraphDef, state: TrainState, *, host: Mapping[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """``{table key: ascending int64 rows marked since the marks were cleared}``.
+
+    Args:
+        host: per device cache's table key (``jaxrec.cache``), its changed logical rows
+            (the cache finds them: ``RowCache.publish_delta``); they replace the marks of
+            its slot table, whose ids are slots, not rows.
 
     Raises:
         ValueError: a collection carries no marks (``track_touched_rows`` was not
-            called on the trained model).
-        NotImplementedError: a table is a device cache of a host table
-            (``jaxrec.cache``).
+            called on the trained model), or a table is a device cache of a host
+            table that ``host`` does not name.
+    """
+    host = host or {}
+    out = dict(marked(graphdef, state))
+    cached = sorted(k for k, c in _cached(graphdef, state).items() if c and k not in host)
+    if cached:
+        raise ValueError(
+            f"tables {cached} are device caches of host tables (jaxrec.cache): their marks "
+            "are over slots, not rows; publish with RowCache.publish_delta, which adds the "
+            "rows written back to the host tables"
+        )
+    if extra := sorted(set(host) - set(out)):
+        raise ValueError(f"host rows given for tables the model does not have: {extra}")
+    for key, rows in host.items():
+        out[key] = np.asarray(rows, np.int64)
+    return out
+
+
+def marked(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, np.ndarray]:
+    """``{table key: ascending int64 ids marked}``, slot ids for a device cache's table.
+
+    Raises:
+        ValueError: a collection carries no marks.
     """
     model = merge_model(graphdef, state)
     out = {}
@@ -68,19 +96,19 @@ def touched_ids(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, np.ndarr
                 "jaxrec.embedding.track_touched_rows(model) on the trained model (after "
                 "sharding it) before init_train_state"
             )
-        cached = [t.name for t in module.table_configs if t.cached_rows is not None]
-        if cached:
-            raise NotImplementedError(
-                f"delta checkpoints of cached tables {cached} (jaxrec.cache) are not "
-                "implemented: their changed rows are the touched slots' rows plus the rows "
-                "written back to the host tables, which the cache does not record; save them "
-                "whole with RowCache.save"
-            )
         marks = getattr(module, ATTRIBUTE)
         for t in module.table_configs:
             mask = gathered(marks[t.name].get_value())[: t.num_embeddings]
             out[table_key(path, module, t.name)] = np.flatnonzero(mask).astype(np.int64)
     return out
+
+
+def _cached(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, bool]:
+    """``{table key: whether it is a device cache of a host table}``."""
+    model = merge_model(graphdef, state)
+    return {table_key(path, module, t.name): t.cached_rows is not None
+            for path, module in embedding_collections(model)
+            for t in module.table_configs}  # fmt: skip
 
 
 def clear_marks(state: TrainState) -> TrainState:
@@ -231,3 +259,35 @@ def scatter_rows(buf: Buffer, logical: Mapping[str, LogicalRows]) -> jax.Array |
     c1 = np.zeros(size, np.int32)
     c0[:n], c1[:n] = np.concatenate(c0s), np.concatenate(c1s)
     return _merge_2d(array, r, v, c0, c1)
+
+
+def is_host(buf: Buffer) -> bool:
+    """Whether ``buf`` is a field of a host table (``jaxrec.cache``): a numpy array of
+    logical rows (``table_buffers(..., host)``), not a device buffer."""
+    return buf.where[0] == "host"
+
+
+def host_pieces(buf: Buffer, ids: Mapping[str, np.ndarray]) -> list[RowPiece]:
+    """The piece of a host table field's changed rows that this process writes (the
+    rows it holds; none where another process writes them): read from host memory."""
+    if not buf.where[3]:  # HostRows.writes
+        return []
+    (b,) = buf.blocks
+    t_ids = ids[b.table]
+    a, z = np.searchsorted(t_ids, [b.row, b.row + b.rows])
+    if a == z:
+        return []
+    sel = t_ids[a:z]
+    values = np.ascontiguousarray(buf.array[sel - b.row])
+    return [RowPiece(b.table, sel, 0, b.cols, values)]
+
+
+def scatter_host(buf: Buffer, logical: Mapping[str, LogicalRows]) -> None:
+    """Writes the delta's rows that a host table field holds (its ``[row, row + rows)``)
+    into it, in place (the cache's moves address these arrays)."""
+    (b,) = buf.blocks
+    entry = logical.get(b.table)
+    if entry is None:
+        return
+    a, z = np.searchsorted(entry.ids, [b.row, b.row + b.rows])
+    buf.array[entry.ids[a:z] - b.row] = entry.values[a:z]

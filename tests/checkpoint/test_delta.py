@@ -144,8 +144,8 @@ def test_a_delta_missing_a_row_is_caught(plain_run, tmp_path, monkeypatch):
     state that differs from the trained one."""
     real = delta_module.touched_ids
 
-    def drop_one(graphdef, state):
-        ids = real(graphdef, state)
+    def drop_one(graphdef, state, **kwargs):
+        ids = real(graphdef, state, **kwargs)
         key = "ebc.embedding_bags.big"
         return {**ids, key: ids[key][1:]}
 
