@@ -134,3 +134,31 @@ def test_sequence_and_ragged_refuse_vbe():
     model, mesh = sharded("row_wise", exchange="ragged")
     with pytest.raises(NotImplementedError, match="exchange='ragged'"):
         model.ebc(d.shard_batch(vbe, mesh))
+
+
+def test_sparse_dist_pipeline_on_vbe_batches_equals_plain_steps():
+    """``TrainPipelineSparseDist`` (each VBE batch's ids sent a step ahead, with their
+    per-slot bag starts) gives the plain sharded step's losses and state, bit for bit."""
+    opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
+    rng = np.random.default_rng(5)
+    data = [local_batches(rng)[1:] for _ in range(2)]
+    model, mesh = sharded("row_wise")
+    graphdef, state = train.init_train_state(model, opt)
+    step = train.make_train_step(graphdef, opt, loss_fn)
+    want = []
+    for vbe, ys in data:
+        state, loss, _ = step(state, (d.shard_batch(vbe, mesh), d.shard_batch(ys, mesh)))
+        want.append(float(loss))
+    model, mesh = sharded("row_wise")
+    graphdef, p_state = train.init_train_state(model, opt)
+    p_step = train.make_sparse_dist_train_step(graphdef, opt, loss_fn)
+    pipeline = train.TrainPipelineSparseDist(p_step, p_state, mesh=mesh)
+    it, got = iter([list(zip(vbe, ys, strict=True)) for vbe, ys in data]), []
+    while True:
+        try:
+            got.append(float(pipeline.progress(it)[0]))
+        except StopIteration:
+            break
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(pipeline.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
