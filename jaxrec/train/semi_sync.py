@@ -83,7 +83,10 @@ def make_semi_sync_train_step(
     )
     ahead = functools.partial(lookup_ahead, graphdef, loss_fn)
     run = functools.partial(_semi_sync, body, ahead)
-    return SemiSyncTrainStep(jax.jit(run, donate_argnums=(0,) if donate else ()), jax.jit(ahead))
+    donated = (0,) if donate else ()
+    return SemiSyncTrainStep(
+        jax.jit(run, donate_argnums=donated), jax.jit(ahead), jax.jit(body, donate_argnums=donated)
+    )
 
 
 def _semi_sync(body, ahead, state, looked_up, batch, next_batch):
@@ -123,11 +126,15 @@ class SemiSyncTrainStep(TrainStep):
         jitted: ``(state, looked_up, batch, next_batch) -> (state, loss, aux, StepReport,
             next_looked_up)``.
         lookup: jitted ``(state, batch) -> LookedUp``, the first batch's lookup.
+        sync: jitted ``(state, batch) -> (state, loss, aux, StepReport)``, the
+            synchronous step of the same model (``TrainPipelineSemiSync``'s
+            ``start_batch`` warm-up; compiled only if called).
     """
 
-    def __init__(self, jitted: Any, lookup: Any):
+    def __init__(self, jitted: Any, lookup: Any, sync: Any):
         super().__init__(jitted)
         self.lookup = lookup
+        self.sync = sync
 
     def __call__(
         self, state: TrainState, looked_up: LookedUp, batch: Any, next_batch: Any

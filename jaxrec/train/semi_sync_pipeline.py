@@ -32,6 +32,10 @@ class TrainPipelineSemiSync(TrainPipeline):
     Args:
         train_step: from :func:`~jaxrec.train.make_semi_sync_train_step`.
         state, to_device, mesh, depth: as :class:`TrainPipeline`'s.
+        start_batch: TorchRec's argument: the first ``start_batch`` batches this
+            pipeline trains are trained synchronously (``train_step.sync``, no
+            staleness while the tables are young), then it switches to semi-sync,
+            priming the lookup of the next batch. TorchRec's default is 900; here 0.
 
     A batch stays alive one step longer (it is looked up by the step before the one
     that trains on it), and a loader error is raised one call late, after the batch
@@ -46,7 +50,10 @@ class TrainPipelineSemiSync(TrainPipeline):
         to_device: Callable[[Any], Any] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         depth: int = 2,
+        start_batch: int = 0,
     ):
+        if not isinstance(start_batch, int) or start_batch < 0:
+            raise ValueError(f"start_batch must be a non-negative int, got {start_batch!r}")
         if not isinstance(train_step, SemiSyncTrainStep):
             raise TypeError(
                 "TrainPipelineSemiSync needs a step from make_semi_sync_train_step, got "
@@ -55,6 +62,7 @@ class TrainPipelineSemiSync(TrainPipeline):
         super().__init__(train_step, state, to_device=to_device, mesh=mesh, depth=depth)
         self._ahead: tuple[Any, Any] | None = None  # (LookedUp, batch) of the next step
         self._end: BaseException | None = None  # StopIteration or the loader's error, deferred
+        self._sync_left = start_batch  # batches still to train synchronously
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
         """Runs one step on the next batch; returns ``(loss, aux)`` (not yet synchronised).
@@ -62,6 +70,8 @@ class TrainPipelineSemiSync(TrainPipeline):
         Raises as :meth:`TrainPipeline.progress` does.
         """
         self._attach(dataloader_iter)
+        if self._sync_left and self._ahead is None:
+            return self._sync_step()
         if self._ahead is None:
             first = self._pull() if self._end is None else _END
             if first is _END:
@@ -75,6 +85,19 @@ class TrainPipelineSemiSync(TrainPipeline):
         self.state, loss, aux, report, ahead = self._step.jitted(self.state, looked_up, batch, nxt)
         if after is not _END:
             self._ahead = (ahead, after)
+        self._step.record(report)
+        self._check_report()
+        self._report = report
+        self._window.push(loss)
+        return loss, aux
+
+    def _sync_step(self) -> tuple[jax.Array, Any]:
+        """One synchronous step (``start_batch``); the next semi-sync step primes."""
+        batch = self._pull() if self._end is None else _END
+        if batch is _END:
+            self._finish()
+        self.state, loss, aux, report = self._step.sync(self.state, batch)
+        self._sync_left -= 1
         self._step.record(report)
         self._check_report()
         self._report = report

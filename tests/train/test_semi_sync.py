@@ -147,6 +147,33 @@ def test_semi_sync_pipeline_equals_reference_and_differs_from_sync():
     assert np.max(np.abs(np.subtract(sync_losses[1:], got[1:]))) > 1e-4  # stale embeddings
 
 
+def test_start_batch_trains_the_first_batches_synchronously():
+    """``start_batch=2``: batches 0 and 1 as the synchronous step trains them, then
+    semi-sync from batch 2 on (its lookup primed with the tables after batch 1)."""
+    data = [b for b, _ in make_batches(seed=2)]
+    _, opt, graphdef, state = _model_and_state()
+    sync = train.make_train_step(graphdef, opt, loss_fn)
+    want = []
+    for batch in data[:2]:
+        state, loss, _ = sync(state, batch)
+        want.append(float(loss))
+    step = train.make_semi_sync_train_step(graphdef, opt, loss_fn)
+    looked_up = step.lookup(state, data[2])
+    for batch, after in zip(data[2:], data[3:] + data[-1:], strict=True):
+        state, loss, _, looked_up = step(state, looked_up, batch, after)
+        want.append(float(loss))
+
+    _, opt, graphdef, start = _model_and_state()
+    step = train.make_semi_sync_train_step(graphdef, opt, loss_fn)
+    pipeline = train.TrainPipelineSemiSync(step, start, to_device=lambda b: b, start_batch=2)
+    got = _run(pipeline, data)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(pipeline.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="start_batch"):
+        train.TrainPipelineSemiSync(step, start, start_batch=-1)
+
+
 def test_step_by_hand_and_the_lookup_ahead():
     """``step.lookup`` is the collection's output; the step trains batch ``i`` on the
     outputs it is handed (other outputs change the loss) and returns the next ones."""
