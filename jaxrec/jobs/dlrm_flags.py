@@ -77,6 +77,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="train pipeline: sync (TrainPipeline), sparse-dist (ids sent a step ahead), "
         "semi-sync (embeddings looked up a step ahead: their updates land one step late)",
     )
+    train.add_argument(
+        "--grad-accumulation",
+        type=int,
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step (make_accumulating_train_step): each step "
+        "trains K batches of --batch-size per device and applies one update, as one step on "
+        "their concatenation would (sync pipeline; no cached or dynamic tables)",
+    )
     dist = p.add_argument_group("devices")
     dist.add_argument(
         "--devices",

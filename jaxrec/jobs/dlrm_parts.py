@@ -25,6 +25,7 @@ from ..sparse import KeyedJaggedTensor
 from ..train import (
     InFlight,
     init_train_state,
+    make_accumulating_train_step,
     make_eval_step,
     make_semi_sync_train_step,
     make_sparse_dist_train_step,
@@ -306,7 +307,13 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
         "sparse-dist": make_sparse_dist_train_step,
         "semi-sync": make_semi_sync_train_step,
     }[getattr(args, "pipeline", "sync")]
-    step = make(graphdef, optimizer, bce, skip_nonfinite=True)
+    k = getattr(args, "grad_accumulation", 1)
+    if k > 1:  # one update per k micro-batches (the job refuses the other pipelines)
+        step = make_accumulating_train_step(
+            graphdef, optimizer, bce, micro_batches=k, skip_nonfinite=True
+        )
+    else:
+        step = make(graphdef, optimizer, bce, skip_nonfinite=True)
     eval_step = make_eval_step(
         eval_graphdef or graphdef,
         lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0]),

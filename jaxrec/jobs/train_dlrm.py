@@ -62,7 +62,12 @@ from ..checkpoint import CheckpointManager
 from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks, shard_batch
-from ..train import TrainPipeline, TrainPipelineSemiSync, TrainPipelineSparseDist
+from ..train import (
+    TrainPipeline,
+    TrainPipelineSemiSync,
+    TrainPipelineSparseDist,
+    stack_micro_batches,
+)
 from .dlrm_cache import (
     cache_summary,
     cached_text,
@@ -120,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     check_dynamic_flags(args)
     if args.pipeline == "semi-sync" and args.dynamic_tables:  # ids admitted in the forward
         raise SystemExit("--pipeline semi-sync does not take --dynamic-tables: use sync")
+    _check_accumulation_flags(args)
     # Optional libraries: a run without them says once what it skips.
     tensorboard = (
         args.tensorboard
@@ -160,6 +166,12 @@ def _run(args: argparse.Namespace) -> int:
         row_cache(args, train_data, configs, cached, graphdef, optimizer, state) if cached else None
     )
     to_device = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
+    k = args.grad_accumulation
+    if k > 1:  # a step's k micro-batches, each placed as a plain step's, stacked
+        one = to_device
+        to_device = lambda group: stack_micro_batches([one(b) for b in group])  # noqa: E731
+    if rc is not None and k > 1:
+        raise SystemExit(f"--grad-accumulation {k} does not take cached tables")
     if rc is not None and args.pipeline != "sync":
         raise SystemExit(f"--pipeline {args.pipeline} does not take cached tables: use sync")
     if rc is not None:  # each batch's rows planned and gathered a batch ahead
@@ -185,11 +197,12 @@ def _run(args: argparse.Namespace) -> int:
 
     world = args.devices
     per_epoch = train_data.num_batches(args.batch_size * world, process_index=0, process_count=1)
+    per_epoch //= k  # optimizer steps: k micro-batches each (a partial group is left out)
     if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
         raise SystemExit(
-            f"{train_data.num_rows} training rows: fewer than one global batch of "
-            f"{args.batch_size * world} (--batch-size {args.batch_size} x {world} devices); "
-            "use a smaller --batch-size or more data"
+            f"{train_data.num_rows} training rows: fewer than one step of {k} global "
+            f"batch(es) of {args.batch_size * world} (--batch-size {args.batch_size} x "
+            f"{world} devices, --grad-accumulation {k}); use a smaller --batch-size or more data"
         )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
@@ -236,14 +249,16 @@ def _run(args: argparse.Namespace) -> int:
         if step_i >= total:
             break
         skip = step_i - epoch * per_epoch  # resumed mid-epoch: the same order, minus done batches
-        it = _device_batches(train_data, args, epoch, ranks, world, skip)
+        it = _device_batches(train_data, args, epoch, ranks, world, skip * k)
+        if k > 1:  # k consecutive micro-batches per step
+            it = _groups(it, k)
         while step_i < total:
             # Segments end at each evaluation and checkpoint: the pipeline then holds no
             # batch prefetched past it (a cache has no batch planned but not loaded).
             stop = _next_stop(step_i, total, eval_every, saves)
             for loss in _steps(pipeline, itertools.islice(it, stop - step_i)):
                 step_i += 1
-                samples += args.batch_size * world
+                samples += args.batch_size * world * k
                 losses.append(loss)
                 if step_i % 10 == 0 or step_i == total or step_i == start_step + 1:
                     skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
@@ -316,6 +331,26 @@ def _run(args: argparse.Namespace) -> int:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _check_accumulation_flags(args: argparse.Namespace) -> None:
+    k = args.grad_accumulation
+    if k < 1:
+        raise SystemExit(f"--grad-accumulation must be at least 1, got {k}")
+    if k == 1:
+        return
+    if args.pipeline != "sync":
+        raise SystemExit(f"--grad-accumulation {k} trains with --pipeline sync only")
+    if args.dynamic_tables:  # a later micro-batch may evict a row an earlier one trained
+        raise SystemExit(f"--grad-accumulation {k} does not take --dynamic-tables")
+    if args.cache_tables:  # the cache plans rows per batch (the planner's, checked later)
+        raise SystemExit(f"--grad-accumulation {k} does not take cached tables")
+
+
+def _groups(batches: Iterator, k: int) -> Iterator[list]:
+    """``k`` consecutive batches at a time (a partial group at the end is left out)."""
+    while len(group := list(itertools.islice(batches, k))) == k:
+        yield group
 
 
 def _steps(pipeline: TrainPipeline, batches: Iterator) -> Iterator:

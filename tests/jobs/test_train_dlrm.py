@@ -221,3 +221,27 @@ def test_semi_sync_pipeline_run(tmp_path):
                 str(tmp_path / "d"),
             ]
         )
+
+
+def test_grad_accumulation_run_equals_the_full_batch_run(tmp_path):
+    """``--grad-accumulation 2 --batch-size 64``: each step trains two consecutive
+    micro-batches of 64 rows (the rows one batch of 128 holds) with one update, so the
+    run follows ``--batch-size 128``'s: same steps, samples and eval metrics (float
+    tolerance). Flags it cannot take are refused before any data is read."""
+    _, full = _run(tmp_path, "full", "--max-steps", "6", "--no-checkpoint")
+    _, acc = _run(
+        tmp_path,
+        "acc",
+        *["--batch-size", "64", "--grad-accumulation", "2", "--max-steps", "6"],
+        "--no-checkpoint",
+    )
+    assert acc["steps"] == full["steps"] == 6 and acc["samples"] == full["samples"]
+    for name in ("auc", "ne", "logloss"):
+        np.testing.assert_allclose(acc["eval"][name], full["eval"][name], rtol=1e-4)
+    for bad, says in (
+        (["--pipeline", "semi-sync"], "with --pipeline sync only"),
+        (["--dynamic-tables", "4096"], "does not take --dynamic-tables"),
+        (["--cache-tables", "t_cat_0"], "does not take cached tables"),
+    ):
+        with pytest.raises(SystemExit, match=says):
+            main([*TINY, "--grad-accumulation", "2", *bad, "--run-dir", str(tmp_path / "x")])
