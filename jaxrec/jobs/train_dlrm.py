@@ -199,10 +199,12 @@ def _run(args: argparse.Namespace) -> int:
     per_epoch = train_data.num_batches(args.batch_size * world, process_index=0, process_count=1)
     per_epoch //= k  # optimizer steps: k micro-batches each (a partial group is left out)
     if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
+        batches = "one global batch" if k == 1 else f"one step of {k} global batches"
         raise SystemExit(
-            f"{train_data.num_rows} training rows: fewer than one step of {k} global "
-            f"batch(es) of {args.batch_size * world} (--batch-size {args.batch_size} x "
-            f"{world} devices, --grad-accumulation {k}); use a smaller --batch-size or more data"
+            f"{train_data.num_rows} training rows: fewer than {batches} of "
+            f"{args.batch_size * world} (--batch-size {args.batch_size} x {world} devices"
+            f"{'' if k == 1 else f', --grad-accumulation {k}'}); use a smaller --batch-size "
+            "or more data"
         )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
