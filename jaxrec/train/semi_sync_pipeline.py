@@ -14,14 +14,12 @@ from typing import Any
 
 import jax
 
-from .pipeline import TrainPipeline
+from .ahead_pipeline import AheadPipeline
 from .semi_sync import SemiSyncTrainStep
 from .step import TrainState
 
-_END = object()
 
-
-class TrainPipelineSemiSync(TrainPipeline):
+class TrainPipelineSemiSync(AheadPipeline):
     """TorchRec's ``TrainPipelineSemiSync``: :class:`TrainPipeline` (same arguments and
     ``progress``) whose steps train the dense part on embeddings looked up one step
     earlier, overlapping the next batch's lookup with the dense forward and backward.
@@ -60,9 +58,10 @@ class TrainPipelineSemiSync(TrainPipeline):
                 f"{type(train_step).__name__}; use TrainPipeline for other steps"
             )
         super().__init__(train_step, state, to_device=to_device, mesh=mesh, depth=depth)
-        self._ahead: tuple[Any, Any] | None = None  # (LookedUp, batch) of the next step
-        self._end: BaseException | None = None  # StopIteration or the loader's error, deferred
         self._sync_left = start_batch  # batches still to train synchronously
+
+    def _prime(self, batch: Any) -> Any:
+        return self._step.lookup(self.state, batch)
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:
         """Runs one step on the next batch; returns ``(loss, aux)`` (not yet synchronised).
@@ -70,52 +69,10 @@ class TrainPipelineSemiSync(TrainPipeline):
         Raises as :meth:`TrainPipeline.progress` does.
         """
         self._attach(dataloader_iter)
-        if self._sync_left and self._ahead is None:
-            return self._sync_step()
-        if self._ahead is None:
-            first = self._pull() if self._end is None else _END
-            if first is _END:
-                self._finish()
-            self._ahead = (self._step.lookup(self.state, first), first)
-        looked_up, batch = self._ahead
-        after = self._pull()
-        self._ahead = None
-        # the last batch: look it up again (unused), so that one program serves all steps
-        nxt = batch if after is _END else after
-        self.state, loss, aux, report, ahead = self._step.jitted(self.state, looked_up, batch, nxt)
-        if after is not _END:
-            self._ahead = (ahead, after)
-        self._step.record(report)
-        self._check_report()
-        self._report = report
-        self._window.push(loss)
-        return loss, aux
-
-    def _sync_step(self) -> tuple[jax.Array, Any]:
-        """One synchronous step (``start_batch``); the next semi-sync step primes."""
-        batch = self._pull() if self._end is None else _END
-        if batch is _END:
-            self._finish()
+        if not (self._sync_left and self._ahead is None):
+            return super().progress(dataloader_iter)
+        # start_batch: a synchronous step; the next semi-sync step primes
+        batch = self._next_or_finish()
         self.state, loss, aux, report = self._step.sync(self.state, batch)
         self._sync_left -= 1
-        self._step.record(report)
-        self._check_report()
-        self._report = report
-        self._window.push(loss)
-        return loss, aux
-
-    def _pull(self) -> Any:
-        """The next device batch, or ``_END`` (then ``self._end`` says why)."""
-        try:
-            return next(self._batches)
-        except BaseException as e:  # the end, the loader's error or to_device's
-            self._end = e
-            return _END
-
-    def _finish(self):
-        end, self._end = self._end, None
-        self._source = None
-        if isinstance(end, StopIteration):
-            self._flush_warnings()
-            self._check_report()
-        raise end
+        return self._done(report, loss, aux)
