@@ -69,3 +69,47 @@ def test_readme_python_sample_runs():
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _page_block_matches(expected, actual):
+    """Whether a page's output block is a command's output.
+
+    Lines are compared exactly (trailing spaces aside), in order; a line that is only
+    ``...`` stands for any number of lines. Planning time, the one figure that moves
+    from run to run, is left out of the comparison.
+    """
+    timing = re.compile(r"planned in \d+(\.\d+)? s")
+    parts = []
+    for line in expected.splitlines():
+        line = timing.sub("planned in <t> s", line.rstrip())
+        parts.append(r"(?:[^\n]*\n)*?" if line.strip() == "..." else re.escape(line) + r"\n")
+    lines = [timing.sub("planned in <t> s", line.rstrip()) for line in actual.splitlines()]
+    return re.fullmatch("".join(parts), "".join(f"{line}\n" for line in lines)) is not None
+
+
+def test_planner_dry_run_on_the_page_is_the_commands_output():
+    # docs/guides/planner.md shows a dry run as `$ python -m ...` and its output: run
+    # that command and compare, so a change to the planner that moves a printed
+    # figure fails here until the page is updated.
+    page = (ROOT / "docs" / "guides" / "planner.md").read_text()
+    dry_run = r"^```\n\$ (python -m jaxrec\.distributed\.planner .*?)\n(.*?)^```"
+    blocks = re.findall(dry_run, page, re.M | re.S)
+    assert len(blocks) == 1, "the planner guide shows one dry run"
+    command, expected = blocks[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    argv = [sys.executable, *command.split()[1:]]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _page_block_matches(expected, proc.stdout), (
+        f"docs/guides/planner.md's dry run differs from `{command}`; its output now:\n"
+        + proc.stdout
+    )
+
+
+def test_page_block_matching():
+    out = "a\nplanned in 0.50 s\nb 1\nb 2\nc\n"
+    assert _page_block_matches("a\nplanned in 0.17 s\n...\nc\n", out)
+    assert _page_block_matches("a\nplanned in 1 s\nb 1\n  ...\nc", out)
+    assert not _page_block_matches("a\nplanned in 0.17 s\nb 3\n...\nc\n", out)
+    assert not _page_block_matches("x\n...\n", out)
