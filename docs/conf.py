@@ -7,6 +7,11 @@ and once with the doctest builder, which runs the ``{testcode}`` samples.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The sharding guide's sample runs on 8 CPU devices. XLA reads this flag once, when
+# JAX starts its CPU backend, so it is set here, before any sample imports JAX.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 project = "jaxrec"
 author = "jaxrec authors"
