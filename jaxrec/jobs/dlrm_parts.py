@@ -15,6 +15,7 @@ from flax import nnx
 from .. import datasets, metrics
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
+from ..datasets import Part
 from ..distributed import planner
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
@@ -269,9 +270,7 @@ def fit_capacities(
     Returns ``{width group: capacity}``."""
     sharded = collection_of(model)
     # The one-process stream on every process: each must compile the same program.
-    sample = data.batches(
-        args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
-    )
+    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0, part=Part(0, 1))
     kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
     kjts = kjts if view is None else [view(k) for k in kjts]
     sharded.capacity = sharded.measure_capacities(kjts)
@@ -365,9 +364,7 @@ def _evaluate(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, floa
     ranks = dist.process_ranks(mesh) if mesh is not None else [0]
     groups = rank_batches(data, size, ranks, world, shuffle=False, drop_last=False, capacities=caps)
     # A rank past the last rows gets an empty batch (a first row's keys and dtypes).
-    empty = _pad(
-        next(data.batches(1, shuffle=False, process_index=0, process_count=1)), size, caps, 0
-    )
+    empty = _pad(next(data.batches(1, shuffle=False, part=Part(0, 1))), size, caps, 0)
     window = InFlight()  # never far ahead of the devices: see jaxrec.train.in_flight
     for group in groups:
         rows = [0 if b is None else int(b.labels.shape[0]) for b in group]
