@@ -65,6 +65,10 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     sizes = _multi_hot_sizes(args.multi_hot)
+    # Several processes: each opens the files for its own part, so it holds no rows
+    # beyond its devices' batches (read per batch); batches() is always told its part.
+    count = jax.process_count()
+    part = Part(jax.process_index(), count) if count > 1 else None
     if args.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
             num_train=args.num_train, num_eval=args.num_eval, seed=args.seed, multi_hot_sizes=sizes
@@ -73,7 +77,9 @@ def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
         raise SystemExit("--multi-hot applies to criteo and synthetic data, not movielens")
     if args.data_dir is None:
         if args.dataset == "movielens":
-            return datasets.movielens_split(datasets.fetch_movielens_100k(), seed=args.seed)
+            return datasets.movielens_split(
+                datasets.fetch_movielens_100k(), seed=args.seed, part=part
+            )
         raise SystemExit(
             f"--dataset criteo needs --data-dir (TSV day files or npy files); {CRITEO_SOURCE}"
         )
@@ -82,9 +88,9 @@ def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
         multi = None if sizes is None else datasets.MultiHot(sizes, [n] * len(sizes), method="hash")
         on_error = "skip" if args.skip_malformed else "raise"
         return datasets.criteo_split(
-            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error
+            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error, part=part
         )
-    return datasets.movielens_split(args.data_dir, seed=args.seed)
+    return datasets.movielens_split(args.data_dir, seed=args.seed, part=part)
 
 
 # MLPerf DLRM-DCNv2's multi-hot bag size per Criteo feature.

@@ -4,8 +4,9 @@ and each part reads only its own rows."""
 import numpy as np
 import pytest
 
-from jaxrec.datasets import Part, criteo_split, preprocess_criteo
+from jaxrec.datasets import Part, criteo_split, movielens_split, preprocess_criteo
 from jaxrec.datasets.criteo_index import TsvColumns
+from jaxrec.datasets.movielens import OwnedRagged
 
 
 def fake_rows(n, seed=0):
@@ -141,3 +142,42 @@ def test_a_part_reads_only_its_rows(tmp_path, layout):
     if layout.endswith("tsv"):
         parsed = {id(x): x.rows_parsed for x in indexes}  # the eval day shares one
         assert sum(parsed.values()) == share  # dense, sparse and labels: one parse
+
+
+def _movielens_dir(tmp_path, n=600):
+    """An ml-1m folder: ratings.dat, users.dat (side features), movies.dat (genre bags)."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "ml"
+    root.mkdir()
+    users, items = rng.integers(1, 40, n), rng.integers(1, 60, n)
+    stars, times = rng.integers(1, 6, n), rng.permutation(n) + 10**9
+    rows = zip(users, items, stars, times, strict=True)
+    (root / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows))
+    (root / "users.dat").write_text(
+        "".join(f"{u}::{'MF'[u % 2]}::{u % 7}::{u % 5}::0{u}\n" for u in range(1, 40))
+    )
+    genres = ["Action", "Comedy", "Drama", "Horror"]
+    (root / "movies.dat").write_text(
+        "".join(
+            f"{m}::Film {m}::{'|'.join(genres[: m % 4 + 1] if m % 5 else [])}\n"
+            for m in range(1, 60)
+        )
+    )
+    return root
+
+
+def test_movielens_parts_rebuild_the_one_process_stream(tmp_path):
+    root = _movielens_dir(tmp_path)
+    whole = movielens_split(root)
+    parts = [movielens_split(root, part=Part(p, 2)) for p in (0, 1)]
+    for split in (0, 1):
+        w, ps = whole[split], [p[split] for p in parts]
+        assert w.keys == ps[0].keys and w.max_ids_per_sample == ps[1].max_ids_per_sample
+        for shuffle in (False, True):
+            for epoch in range(3):
+                _check_stream(w, ps, shuffle=shuffle, seed=5, epoch=epoch)
+        _check_stream(w, ps, shuffle=True, seed=5, epoch=1, drop_last=False)
+    # a part holds each rating's two ids (int32); side features once per user and item
+    held = parts[0][0].tables[0].sparse
+    assert [c.dtype for c in held[:2]] == [np.int32, np.int32]
+    assert isinstance(held[-1], OwnedRagged) and len(held[-1].offsets) == 60  # 59 movies + 1
