@@ -6,6 +6,7 @@ with static capacities. TorchRec: ``torchrec.datasets``.
 """
 
 from .batching import Batch as Batch
+from .batching import Part as Part
 from .batching import Ragged as Ragged
 from .batching import Table as Table
 from .batching import TableDataset as TableDataset

@@ -10,6 +10,7 @@ once. Batches stay numpy; the consumer does ``jax.device_put`` or
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -99,11 +100,16 @@ class TableDataset:
     whose ids exceed its capacity raises, or with ``overflow="truncate"`` keeps
     the first ids that fit and adds the dropped count to ``truncated_ids[key]``.
 
-    Sharding over processes: one table -> row level (a global order of rows,
-    batch ``s`` of process ``p`` is global batch ``s * P + p``, as TorchRec's
-    in-memory Criteo pipe); several tables (files) -> file level (process ``p``
-    reads files ``p, p + P, ...``; every process yields the same number of full
-    batches, the smallest one's).
+    Parts (several processes, or a process's devices): ``part=Part(p, n)`` takes
+    the global batches ``s * n + p`` of one global order of rows (the tables'
+    rows one after another, shuffled by ``(seed, epoch)``), so the parts of
+    ``n`` interleaved are the one-part stream (``Part(0, 1)``), whatever ``n``.
+    :meth:`batch_rows` gives those rows. With ``drop_last=False`` the rows after
+    the last full round are split over the parts (``np.array_split``).
+    ``part=None`` is the part the dataset was opened for (``self.part``; the
+    loaders' ``part=`` argument), else the whole stream, which several JAX
+    processes must ask for explicitly (``Part(0, 1)``): ``None`` then raises
+    rather than giving each process an unrelated stream.
 
     Args:
         tables: one :class:`Table` or one per file.
@@ -143,6 +149,7 @@ class TableDataset:
                     f"columns; expected {len(self.keys)} and {self.num_dense}"
                 )
         self.hash_ids = hash_ids
+        self.part: Part | None = None  # the part a loader opened (rows read on demand)
         self.oracle_logits = oracle_logits
         self.truncated_ids = dict.fromkeys(self.keys, 0)
         self._starts = np.cumsum([0] + [len(t) for t in self.tables])
@@ -189,84 +196,78 @@ class TableDataset:
 
     # ----- iteration -----
     def num_batches(
+        self, batch_size: int, *, part: Part | None = None, drop_last: bool = True
+    ) -> int:
+        """How many batches :meth:`batches` yields to ``part``."""
+        full, rest = _plan(self.num_rows, batch_size, self._part(part))
+        return full + (0 if drop_last else int(rest > 0))
+
+    def batch_rows(
         self,
         batch_size: int,
         *,
+        part: Part | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
         drop_last: bool = True,
-        process_index: int | None = None,
-        process_count: int | None = None,
-    ) -> int:
-        """How many batches :meth:`batches` yields to this process."""
-        p, n = _process(process_index, process_count)
-        full, rest = self._plan(batch_size, p, n)
-        return full + (0 if drop_last else int(rest > 0))
+    ) -> list[np.ndarray]:
+        """The global rows (over the tables in order) of each batch ``part`` gets.
+
+        A function of ``(seed, epoch, batch, part)`` only: part ``p`` of ``n``
+        reads these rows and no others.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        p, n = part = self._part(part)
+        if shuffle:
+            order = np.random.default_rng([seed, epoch, 0]).permutation(self.num_rows)
+        else:
+            order = np.arange(self.num_rows)
+        full, rest = _plan(self.num_rows, batch_size, part)
+        out = [order[(s * n + p) * batch_size :][:batch_size] for s in range(full)]
+        if not drop_last and rest:
+            out.append(np.array_split(order[full * batch_size * n :], n)[p])
+        return out
 
     def batches(
         self,
         batch_size: int,
         *,
+        part: Part | None = None,
         shuffle: bool = True,
         seed: int = 0,
         epoch: int = 0,
         drop_last: bool = True,
-        process_index: int | None = None,
-        process_count: int | None = None,
         capacities: Sequence[int] | None = None,
         overflow: str = "raise",
     ) -> Iterator[Batch]:
-        """This process's batches of one epoch, in an order set by ``(seed, epoch)``.
+        """``part``'s batches of one epoch, in an order set by ``(seed, epoch)``.
 
-        With ``drop_last=False`` the last batch is smaller (and has smaller
-        capacities: one more compile). ``capacities`` overrides the static
-        per-key capacities; ``overflow`` is ``"raise"`` or ``"truncate"``.
+        Args:
+            batch_size: rows per batch.
+            part: which batches (see the class docstring); ``None``: ``self.part``,
+                else the whole stream (required with several JAX processes).
+            shuffle, seed, epoch: the order of rows (``np.random.default_rng``).
+            drop_last: ``False`` also yields the smaller last batch (with smaller
+                capacities: one more compile).
+            capacities: overrides the static per-key capacities.
+            overflow: ``"raise"`` or ``"truncate"``.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if overflow not in ("raise", "truncate"):
             raise ValueError(f"overflow must be 'raise' or 'truncate', got {overflow!r}")
-        p, n = _process(process_index, process_count)
-        rows = self._rows(p, n)
-        if shuffle:
-            rng = np.random.default_rng([seed, epoch, p if self._file_level(n) else 0])
-            rows = rows[rng.permutation(len(rows))]
-        full, rest = self._plan(batch_size, p, n)
         caps = list(self.capacities(batch_size) if capacities is None else capacities)
         if len(caps) != len(self.keys):
             raise ValueError(f"capacities has {len(caps)} entries for {len(self.keys)} keys")
-        row_level = not self._file_level(n)
-        for s in range(full):
-            lo = (s * n + p) * batch_size if row_level else s * batch_size
-            yield self._batch(rows[lo : lo + batch_size], caps, overflow)
-        if not drop_last and rest:
-            tail = rows[full * batch_size * (n if row_level else 1) :]
-            if row_level:
-                tail = np.array_split(tail, n)[p]
-            small = self.capacities(len(tail)) if capacities is None else caps
-            yield self._batch(tail, list(small), overflow)
+        plan = self.batch_rows(
+            batch_size, part=part, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last
+        )
+        for rows in plan:
+            small = len(rows) < batch_size and capacities is None
+            yield self._batch(rows, list(self.capacities(len(rows))) if small else caps, overflow)
 
-    def _file_level(self, n: int) -> bool:
-        return len(self.tables) > 1 and n > 1
-
-    def _rows(self, p: int, n: int) -> np.ndarray:
-        if not self._file_level(n):
-            return np.arange(self.num_rows)
-        mine = range(p, len(self.tables), n)
-        return np.concatenate([np.arange(self._starts[i], self._starts[i + 1]) for i in mine])
-
-    def _plan(self, batch_size: int, p: int, n: int) -> tuple[int, int]:
-        """(full batches, rows of the last partial batch) for process ``p`` of ``n``."""
-        if not self._file_level(n):
-            full = self.num_rows // (batch_size * n)
-            rest = self.num_rows - full * batch_size * n
-            return full, len(np.array_split(np.arange(rest), n)[p])
-        if len(self.tables) < n:
-            raise ValueError(
-                f"file-level sharding needs at least one file per process: {len(self.tables)} "
-                f"files for {n} processes; use fewer processes or split the files"
-            )
-        sizes = [sum(len(self.tables[i]) for i in range(q, len(self.tables), n)) for q in range(n)]
-        full = min(s // batch_size for s in sizes)  # every process steps in lockstep
-        return full, sizes[p] - full * batch_size
+    def _part(self, part: Part | None) -> Part:
+        return resolve_part(self.part if part is None else part)
 
     def _batch(self, rows: np.ndarray, caps: list[int], overflow: str) -> Batch:
         b = len(rows)
@@ -364,12 +365,43 @@ def _take_table(t: Table, rows: np.ndarray):
     return dense, labels, cols
 
 
-def _process(index: int | None, count: int | None) -> tuple[int, int]:
-    if index is None or count is None:
-        import jax
+class Part(NamedTuple):
+    """Part ``index`` of ``count`` of a batch stream: the global batches ``s * count + index``.
 
-        index = jax.process_index() if index is None else index
-        count = jax.process_count() if count is None else count
+    A process of a multi-process job passes its own,
+    ``Part(jax.process_index(), jax.process_count())`` (or, feeding several
+    devices, one part per device of ``world``); ``Part(0, 1)`` is the whole stream.
+    """
+
+    index: int
+    count: int
+
+
+WHOLE = Part(0, 1)
+
+
+def resolve_part(part: Part | tuple[int, int] | None) -> Part:
+    """``part`` checked; ``None`` is the whole stream, refused with several JAX processes."""
+    if part is None:
+        jax = sys.modules.get("jax")  # no jax imported: no jax.distributed processes either
+        count = jax.process_count() if jax is not None else 1
+        if count > 1:
+            raise ValueError(
+                f"part: {count} JAX processes are running, so say which batches this one "
+                "reads: part=Part(jax.process_index(), jax.process_count()) for its share, "
+                "or part=Part(0, 1) for the whole stream (the same on every process)"
+            )
+        return WHOLE
+    index, count = (int(x) for x in part)
     if not 0 <= index < count:
-        raise ValueError(f"need 0 <= process_index < process_count, got {index} and {count}")
-    return index, count
+        raise ValueError(f"part: need 0 <= index < count, got {part}")
+    return Part(index, count)
+
+
+def _plan(num_rows: int, batch_size: int, part: Part) -> tuple[int, int]:
+    """(full batches, rows of the last partial batch) of ``part``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    full = num_rows // (batch_size * part.count)
+    rest = num_rows - full * batch_size * part.count
+    return full, rest // part.count + int(part.index < rest % part.count)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .batching import Table, TableDataset
+from .batching import Part, Table, TableDataset, resolve_part
+from .criteo_index import TsvColumns, index_criteo_tsv
 from .criteo_tsv import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
@@ -133,12 +134,14 @@ class CriteoDataset(TableDataset):
         num_embeddings_per_feature: int | Sequence[int],
         multi_hot: MultiHot | None = None,
         mmap: bool = True,
+        part: Part | None = None,
     ) -> CriteoDataset:
         """From ``{prefix}_dense.npy`` / ``_sparse.npy`` / ``_labels.npy`` per file.
 
-        ``mmap`` memory-maps the files (rows are read when batched).
+        ``mmap`` memory-maps the files (rows are read when batched; always so
+        with a ``part``, whose batches then read only that part's rows).
         """
-        parts = [load_npy(p, mmap=mmap) for p in prefixes]
+        parts = [load_npy(p, mmap=mmap or part is not None) for p in prefixes]
         data = cls(
             *zip(*parts, strict=True),
             num_embeddings_per_feature=num_embeddings_per_feature,
@@ -146,6 +149,7 @@ class CriteoDataset(TableDataset):
             sources=[str(p) for p in prefixes],
         )
         data._files = [_npy_names(p) for p in prefixes]
+        data.part = None if part is None else resolve_part(part)
         return data
 
     @classmethod
@@ -157,14 +161,19 @@ class CriteoDataset(TableDataset):
         multi_hot: MultiHot | None = None,
         has_label: bool = True,
         on_error: str = "raise",
+        part: Part | None = None,
     ) -> CriteoDataset:
         """Parses TSV files into memory with TorchRec's npy preprocessing (per file).
 
-        ``parse_stats`` holds one :class:`ParseStats` per file (lines, skipped).
+        With a ``part`` (``Part(index, count)``) the files are read once but only
+        indexed (``jaxrec.datasets.criteo_index``): each batch parses its own rows,
+        so the dataset holds no parsed rows beyond the batch being built, and the
+        batches default to that part. ``parse_stats`` holds one
+        :class:`ParseStats` per file (lines, skipped).
         """
         stats = [ParseStats() for _ in paths]
         parts = [
-            load_tsv(p, has_label=has_label, on_error=on_error, stats=st)
+            _open_tsv(p, part, has_label=has_label, on_error=on_error, stats=st)
             for p, st in zip(paths, stats, strict=True)
         ]
         data = cls(
@@ -175,6 +184,7 @@ class CriteoDataset(TableDataset):
         )
         data.parse_stats = stats
         data.unlabeled = not has_label
+        data.part = None if part is None else resolve_part(part)
         return data
 
     def _take(self, rows: np.ndarray):
@@ -290,12 +300,21 @@ def load_tsv(path: str | os.PathLike, **kwargs) -> tuple[np.ndarray, ...]:
     return dense_log_transform(dense), sparse, labels
 
 
+def _open_tsv(path, part: Part | None, **kwargs) -> tuple:
+    """:func:`load_tsv`'s arrays, or with a ``part`` array-likes parsing rows on demand."""
+    if part is None:
+        return load_tsv(path, **kwargs)
+    index = index_criteo_tsv(path, **kwargs)
+    return tuple(TsvColumns(index, what) for what in ("dense", "sparse", "labels"))
+
+
 def criteo_split(
     data_dir: str | os.PathLike,
     *,
     num_embeddings: int | Sequence[int] = 100_000,
     multi_hot: MultiHot | None = None,
     on_error: str = "raise",
+    part: Part | None = None,
 ) -> tuple[CriteoDataset, CriteoDataset]:
     """``(train, eval)`` from a folder of npy or TSV files (npy preferred when both exist).
 
@@ -303,6 +322,13 @@ def criteo_split(
     the last day (TorchRec's ``stage="val"``). One file (Kaggle's ``train.txt``
     or a single day): the first 6/7 of its rows train, the last 1/7 evaluate
     (Kaggle's seven days, the last held out). TSV files are parsed into memory.
+
+    ``part``: the ``Part(index, count)`` of the batch stream this process reads
+    (with several processes, ``Part(jax.process_index(), jax.process_count())``,
+    or its devices' parts of the job's world). Then no file is held in memory:
+    npy files are memory-mapped and TSV files indexed (each batch parses its
+    rows), so a process reads only the rows of the batches it asks for, and
+    ``batches()`` defaults to that part.
     """
     root = Path(data_dir)
     if not root.is_dir():
@@ -320,7 +346,8 @@ def criteo_split(
         paths = tsv_days or [root / "train.txt"]
         stats = [ParseStats() for _ in paths]
         files = [
-            load_tsv(p, on_error=on_error, stats=st) for p, st in zip(paths, stats, strict=True)
+            _open_tsv(p, part, on_error=on_error, stats=st)
+            for p, st in zip(paths, stats, strict=True)
         ]
     else:
         raise FileNotFoundError(
@@ -353,6 +380,7 @@ def criteo_split(
         if len(files) == 1:
             test._first_rows = [len(files[0][0]) - len(eval_files[0][0])]
     train.parse_stats = test.parse_stats = stats
+    train.part = test.part = None if part is None else resolve_part(part)
     return train, test
 
 

@@ -66,6 +66,14 @@ def iter_criteo_tsv(
         CriteoParseError: a malformed line (``on_error="raise"``), an empty
             file, or a file with no valid line.
     """
+    for out, _lines, _kept in _chunks(path, has_label, chunk_rows, on_error, stats):
+        if len(out[0]):
+            yield out
+
+
+def _chunks(path, has_label, chunk_rows, on_error, stats):
+    """Per chunk: ``((labels, dense, sparse), lines, kept)``, ``kept`` the valid lines'
+    positions in ``lines`` (None: all); the file-level errors of :func:`iter_criteo_tsv`."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     stats = ParseStats() if stats is None else stats
@@ -78,13 +86,12 @@ def iter_criteo_tsv(
             if not lines:
                 break
             stats.lines += len(lines)
-            out = _parse_chunk(lines, has_label)
+            out, kept = _parse_chunk(lines, has_label), None
             if out is None:  # something is wrong: find it line by line
-                out = _parse_lines(lines, fields, has_label, path, first, on_error, stats)
+                *out, kept = _parse_lines(lines, fields, has_label, path, first, on_error, stats)
             first += len(lines)
             rows += len(out[0])
-            if len(out[0]):
-                yield out
+            yield tuple(out), lines, kept
     if stats.lines == lines_before:
         raise CriteoParseError(f"{path}: empty file (expected one sample per line)")
     if rows == 0:
@@ -140,7 +147,7 @@ def _parse_chunk(lines, has_label):
 
 
 def _parse_lines(lines, fields, has_label, path, first, on_error, stats):
-    labels, dense, sparse = [], [], []
+    labels, dense, sparse, kept = [], [], [], []
     for i, line in enumerate(lines):
         try:
             lab, d, s = _parse_line(line, fields, has_label)
@@ -157,10 +164,12 @@ def _parse_lines(lines, fields, has_label, path, first, on_error, stats):
         labels.append(lab)
         dense.append(d)
         sparse.append(s)
+        kept.append(i)
     return (
         np.array(labels, np.int32),
         np.array(dense, np.int64).reshape(-1, INT_FEATURE_COUNT),
         np.array(sparse, np.int64).reshape(-1, CAT_FEATURE_COUNT),
+        np.array(kept, np.int64),
     )
 
 
@@ -194,18 +203,19 @@ def _value(name: str, text: str, pattern: re.Pattern, base: int) -> int:
     return value
 
 
-def dense_log_transform(dense: np.ndarray) -> np.ndarray:
+def dense_log_transform(dense: np.ndarray, *, bounds: tuple[int, int] | None = None) -> np.ndarray:
     """TorchRec's ``tsv_to_npys`` dense transform: ``log(x - min(x) + 2)`` as float32.
 
     ``min`` is over the whole array (the file), not per column: TorchRec's
     quirk, kept so jaxrec's npy files equal TorchRec's. When ``x - min + 2``
     leaves int64 (values near both ends of int64) it is taken in float64
-    instead of wrapping around to NaN.
+    instead of wrapping around to NaN. ``bounds``: the file's ``(min, max)``
+    when ``dense`` is only some of its rows.
     """
     dense = np.asarray(dense, np.int64)
     if dense.size == 0:
         return dense.astype(np.float32)
-    low, high = int(dense.min()), int(dense.max())
+    low, high = (int(dense.min()), int(dense.max())) if bounds is None else bounds
     if high - low + 2 < 2**63 and low - 2 >= -(2**63):
         return np.log(dense - (low - 2), dtype=np.float32)  # TorchRec's integer arithmetic
     # float64 keeps x - min >= 0 (rounding is monotone) and is exact to ~1e-16 relative

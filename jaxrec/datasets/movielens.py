@@ -22,6 +22,7 @@ into ``~/.cache/jaxrec/ml-100k``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batching import Ragged, Table, TableDataset
+from .batching import Part, Ragged, Table, TableDataset, resolve_part
 from .movielens_files import RawRatings, read_movielens
 
 RECBOLE_VERSION = "1.2.1"
@@ -49,11 +50,16 @@ class MovieLensDataset(TableDataset):
     ratings: np.ndarray  # [N] the raw ratings behind the labels
 
 
-def load_movielens(path: str | os.PathLike, *, threshold: float = 4.0) -> MovieLensDataset:
-    """Every rating of a MovieLens folder as one dataset (label ``rating >= threshold``)."""
+def load_movielens(
+    path: str | os.PathLike, *, threshold: float = 4.0, part: Part | None = None
+) -> MovieLensDataset:
+    """Every rating of a MovieLens folder as one dataset (label ``rating >= threshold``).
+
+    ``part``: see :func:`movielens_split`.
+    """
     raw = read_movielens(path)
     cols, meta = _encode(raw)
-    return _dataset(cols, meta, raw, threshold, np.arange(len(raw.ratings)))
+    return _dataset(cols, meta, raw, threshold, np.arange(len(raw.ratings)), part)
 
 
 def movielens_split(
@@ -63,8 +69,17 @@ def movielens_split(
     test_fraction: float = 0.2,
     seed: int = 0,
     threshold: float = 4.0,
+    part: Part | None = None,
 ) -> tuple[MovieLensDataset, MovieLensDataset]:
-    """``(train, test)`` datasets sharing one id mapping; see the module docstring."""
+    """``(train, test)`` datasets sharing one id mapping; see the module docstring.
+
+    ``part``: the ``Part(index, count)`` of the batch stream this process reads
+    (``batches()`` then defaults to it). The whole folder is still read (the id
+    mapping sorts every id, the time split ranks each user's every rating), and
+    a shuffled part's rows change every epoch, so each rating's user and item
+    ids stay (int32); the side features (age, gender, occupation, genres) are
+    held once per user or item and looked up per batch instead of per rating.
+    """
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     raw = read_movielens(path)
@@ -90,8 +105,8 @@ def movielens_split(
                 f"test_fraction={test_fraction}); change test_fraction or use the other split"
             )
     rows = np.arange(n)
-    train = _dataset(cols, meta, raw, threshold, rows[~is_test])
-    return train, _dataset(cols, meta, raw, threshold, rows[is_test])
+    train = _dataset(cols, meta, raw, threshold, rows[~is_test], part)
+    return train, _dataset(cols, meta, raw, threshold, rows[is_test], part)
 
 
 def _vocab(tokens) -> dict:
@@ -104,7 +119,8 @@ def _sort_key(t: str):
 
 
 def _encode(raw: RawRatings):
-    """Per-rating columns (``[N]`` ids or :class:`Ragged`) and ``(keys, sizes, vocab)``."""
+    """Per-rating columns and ``(keys, sizes, vocab)``: ``[N]`` user and item ids, then
+    the side features, each held once per user or item (``_Owned``, :class:`OwnedRagged`)."""
     users, items = _vocab(raw.users), _vocab(raw.items)
     u = np.fromiter((users[x] for x in raw.users), np.int64, len(raw.users))
     it = np.fromiter((items[x] for x in raw.items), np.int64, len(raw.items))
@@ -126,24 +142,29 @@ def _encode(raw: RawRatings):
             per_owner = [[voc[t] for t in by_owner.get(o, [])] for o in owners]
             if all(len(v) == 1 for v in by_owner.values()):  # one token each: a plain id column
                 codes = np.array([v[0] if v else 0 for v in per_owner], np.int64)
-                cols.append(codes[rows])
+                cols.append(_Owned(codes, rows))
             else:
                 bags = Ragged.from_lengths(
                     np.array([t for v in per_owner for t in v], np.int64),
                     [len(v) for v in per_owner],
                 )
-                cols.append(Ragged.from_lengths(*bags.take(rows)))
+                cols.append(OwnedRagged(bags.values, bags.offsets, rows))
             keys.append(key)
             sizes.append(len(voc) + 1)
             vocab[key] = voc
     return cols, (keys, sizes, vocab)
 
 
-def _dataset(cols, meta, raw, threshold, rows) -> MovieLensDataset:
+def _dataset(cols, meta, raw, threshold, rows, part) -> MovieLensDataset:
+    """The dataset of ``rows``; with a ``part``, side features stay per user and item."""
     keys, sizes, vocab = meta
-    sparse = [
-        Ragged.from_lengths(*c.take(rows)) if isinstance(c, Ragged) else c[rows] for c in cols
-    ]
+    if part is None:  # every column per rating
+        sparse = [
+            Ragged.from_lengths(*c.take(rows)) if isinstance(c, Ragged) else c[rows] for c in cols
+        ]
+    else:  # ids per rating (int32), side features looked up per batch
+        small = [c[rows].astype(np.int32) for c in cols[:2]]
+        sparse = small + [c.rows(small[c.owner is cols[1]]) for c in cols[2:]]
     labels = (raw.ratings[rows] >= threshold).astype(np.float32)
     max_ids = {
         k: max(c.max_length(), 1) for k, c in zip(keys, cols, strict=True) if isinstance(c, Ragged)
@@ -156,7 +177,42 @@ def _dataset(cols, meta, raw, threshold, rows) -> MovieLensDataset:
     )
     data.vocab, data.format = vocab, raw.format
     data.ratings = raw.ratings[rows]
+    data.part = None if part is None else resolve_part(part)
     return data
+
+
+class _Owned:
+    """A side feature of the user or item of each row: ``codes[owner[rows]]``, ``[N]``."""
+
+    def __init__(self, codes: np.ndarray, owner: np.ndarray):
+        self.codes, self.owner = codes, owner
+        self.shape, self.ndim, self.dtype = owner.shape, 1, codes.dtype
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def __getitem__(self, rows):
+        return self.codes[self.owner[rows]]
+
+    def rows(self, owner: np.ndarray) -> _Owned:
+        return _Owned(self.codes, owner)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedRagged(Ragged):
+    """A bag per user or item (``values``/``offsets`` per owner) read per row: row ``i``
+    holds owner ``owner[i]``'s bag. Held once per owner, not once per rating."""
+
+    owner: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return super().take(self.owner[rows])
+
+    def rows(self, owner: np.ndarray) -> OwnedRagged:
+        return OwnedRagged(self.values, self.offsets, owner)
 
 
 # ----- fetch -----

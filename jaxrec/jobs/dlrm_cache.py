@@ -32,6 +32,7 @@ from ..cache.configs import slots_per_shard
 from ..cache.ids import feature_spans, with_values
 from ..cache.stats import measure_miss_rates
 from ..configs import EmbeddingBagConfig
+from ..datasets import Part
 from ..distributed import EmbeddingModuleShardingPlan, init_keys
 from ..distributed.planner import MissRateCurve, ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
@@ -116,9 +117,7 @@ def measured_statistics(args: argparse.Namespace, data, configs) -> dict[str, Mi
     n = args.cache_statistics_batches
     if not n:
         return {}
-    sample = data.batches(
-        args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
-    )
+    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0, part=Part(0, 1))
     kjts = [b.sparse_features for b in itertools.islice(sample, n * args.devices)]
     steps = [kjts[i : i + args.devices] for i in range(0, len(kjts), args.devices)]
     out = {}

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from ..configs import EmbeddingBagConfig
+from ..datasets import Part
 from ..modules import (
     EmbeddingBagCollection,
     FrequencyAdmission,
@@ -96,7 +97,7 @@ def dynamic_counters(collection: Any) -> dict[str, dict[str, int]]:
 def ensure_dynamic_buffers(model: nnx.Module, data: Any, args: argparse.Namespace) -> None:
     """Allocates the indexes' eviction buffers for one local batch (eagerly, before the
     train state is made: a jitted step cannot add variables)."""
-    batch = next(iter(data.batches(args.batch_size, shuffle=False)))
+    batch = next(iter(data.batches(args.batch_size, shuffle=False, part=Part(0, 1))))
     model.sparse_arch.embedding_bag_collection.ensure_buffers(batch.sparse_features)
 
 

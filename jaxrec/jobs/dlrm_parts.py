@@ -15,6 +15,7 @@ from flax import nnx
 from .. import datasets, metrics
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
+from ..datasets import Part
 from ..distributed import planner
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
@@ -64,6 +65,10 @@ def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
     sizes = _multi_hot_sizes(args.multi_hot)
+    # Several processes: each opens the files for its own part, so it holds no rows
+    # beyond its devices' batches (read per batch); batches() is always told its part.
+    count = jax.process_count()
+    part = Part(jax.process_index(), count) if count > 1 else None
     if args.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
             num_train=args.num_train, num_eval=args.num_eval, seed=args.seed, multi_hot_sizes=sizes
@@ -72,7 +77,9 @@ def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
         raise SystemExit("--multi-hot applies to criteo and synthetic data, not movielens")
     if args.data_dir is None:
         if args.dataset == "movielens":
-            return datasets.movielens_split(datasets.fetch_movielens_100k(), seed=args.seed)
+            return datasets.movielens_split(
+                datasets.fetch_movielens_100k(), seed=args.seed, part=part
+            )
         raise SystemExit(
             f"--dataset criteo needs --data-dir (TSV day files or npy files); {CRITEO_SOURCE}"
         )
@@ -81,9 +88,9 @@ def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
         multi = None if sizes is None else datasets.MultiHot(sizes, [n] * len(sizes), method="hash")
         on_error = "skip" if args.skip_malformed else "raise"
         return datasets.criteo_split(
-            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error
+            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error, part=part
         )
-    return datasets.movielens_split(args.data_dir, seed=args.seed)
+    return datasets.movielens_split(args.data_dir, seed=args.seed, part=part)
 
 
 # MLPerf DLRM-DCNv2's multi-hot bag size per Criteo feature.
@@ -269,9 +276,7 @@ def fit_capacities(
     Returns ``{width group: capacity}``."""
     sharded = collection_of(model)
     # The one-process stream on every process: each must compile the same program.
-    sample = data.batches(
-        args.batch_size, shuffle=True, seed=args.seed, epoch=0, process_index=0, process_count=1
-    )
+    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0, part=Part(0, 1))
     kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
     kjts = kjts if view is None else [view(k) for k in kjts]
     sharded.capacity = sharded.measure_capacities(kjts)
@@ -365,9 +370,7 @@ def _evaluate(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, floa
     ranks = dist.process_ranks(mesh) if mesh is not None else [0]
     groups = rank_batches(data, size, ranks, world, shuffle=False, drop_last=False, capacities=caps)
     # A rank past the last rows gets an empty batch (a first row's keys and dtypes).
-    empty = _pad(
-        next(data.batches(1, shuffle=False, process_index=0, process_count=1)), size, caps, 0
-    )
+    empty = _pad(next(data.batches(1, shuffle=False, part=Part(0, 1))), size, caps, 0)
     window = InFlight()  # never far ahead of the devices: see jaxrec.train.in_flight
     for group in groups:
         rows = [0 if b is None else int(b.labels.shape[0]) for b in group]

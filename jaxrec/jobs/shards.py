@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..datasets import Part
+
 
 def rank_batches(
     data: Any,
@@ -27,7 +29,7 @@ def rank_batches(
 
     Args:
         data: a :class:`~jaxrec.datasets.TableDataset` (or anything with its
-            ``batches(batch_size, process_index=, process_count=, ...)``).
+            ``batches(batch_size, part=Part(r, world), ...)``).
         batch_size: rows per device.
         ranks: this process's devices' positions in the mesh.
         world: devices over all processes.
@@ -36,29 +38,13 @@ def rank_batches(
         kwargs: passed to ``data.batches`` (shuffle, seed, epoch, capacities).
     """
     # Steps over all ranks (every process must run as many): the one-process count.
-    steps = data.num_batches(
-        batch_size * world, drop_last=drop_last, process_index=0, process_count=1
-    )
-    if world == 1 or len(getattr(data, "tables", ())) == 1:
-        # One table: the dataset's row-level sharding with a "process" per rank gives
-        # rank r the global batches s * world + r, and builds only those. Without
-        # drop_last the tail's rows are split over the ranks; some may get none.
-        streams = [
-            data.batches(
-                batch_size, drop_last=drop_last, process_index=r, process_count=world, **kwargs
-            )
-            for r in ranks
-        ]
-        groups = (list(g) for g in itertools.zip_longest(*streams))
-    else:
-        # Several files: the dataset would shard files over processes (another stream),
-        # so every process reads the one-process stream and keeps its ranks' batches.
-        stream = data.batches(
-            batch_size, drop_last=drop_last, process_index=0, process_count=1, **kwargs
-        )
-        groups = (
-            [group[r] if r < len(group) else None for r in ranks]
-            for group in iter(lambda: list(itertools.islice(stream, world)), [])
-        )
+    steps = data.num_batches(batch_size * world, drop_last=drop_last, part=Part(0, 1))
+    # Rank r is the dataset's part r of world: the global batches s * world + r, and
+    # only their rows are read. Without drop_last the tail's rows are split over the
+    # ranks; some may get none.
+    streams = [
+        data.batches(batch_size, drop_last=drop_last, part=Part(r, world), **kwargs) for r in ranks
+    ]
+    groups = (list(g) for g in itertools.zip_longest(*streams))
     padding = itertools.repeat([None] * len(ranks))
     return itertools.islice(itertools.chain(groups, padding), steps)

@@ -60,6 +60,7 @@ from jax.experimental import multihost_utils
 from ..cache import CachedTrainStep, CacheTooSmallError, prefetching
 from ..checkpoint import CheckpointManager
 from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
+from ..datasets import Part
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import initialize, launched_processes, process_ranks, shard_batch
 from ..train import (
@@ -196,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         log.note(f"resumed from step {start_step}")
 
     world = args.devices
-    per_epoch = train_data.num_batches(args.batch_size * world, process_index=0, process_count=1)
+    per_epoch = train_data.num_batches(args.batch_size * world, part=Part(0, 1))
     per_epoch //= k  # optimizer steps: k micro-batches each (a partial group is left out)
     if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
         batches = "one global batch" if k == 1 else f"one step of {k} global batches"

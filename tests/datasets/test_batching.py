@@ -1,10 +1,11 @@
 """TableDataset batching (shuffle, process sharding, capacities, overflow)."""
 
 import chex
+import jax
 import numpy as np
 import pytest
 
-from jaxrec.datasets import Batch, Ragged, Table, TableDataset
+from jaxrec.datasets import Batch, Part, Ragged, Table, TableDataset
 
 
 def make_table(n, seed=0, start=0):
@@ -79,12 +80,12 @@ def test_shuffle_is_deterministic_per_seed_and_epoch():
 
 @pytest.mark.parametrize("tables", [1, 3])
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_processes_partition_the_data(tables, drop_last):
+def test_parts_partition_the_data(tables, drop_last):
     data = make_data(n=103, tables=tables)
     seen, counts = [], []
     for p in range(2):
-        bs = list(data.batches(8, seed=4, process_index=p, process_count=2, drop_last=drop_last))
-        assert len(bs) == data.num_batches(8, drop_last=drop_last, process_index=p, process_count=2)
+        bs = list(data.batches(8, seed=4, part=Part(p, 2), drop_last=drop_last))
+        assert len(bs) == data.num_batches(8, drop_last=drop_last, part=Part(p, 2))
         counts.append(len(bs))
         seen.append(np.concatenate([row_ids(b) for b in bs]))
     assert not set(seen[0]) & set(seen[1])  # disjoint
@@ -93,14 +94,38 @@ def test_processes_partition_the_data(tables, drop_last):
         assert counts[0] == counts[1]  # processes step in lockstep
     else:
         assert sorted(total.tolist()) == list(range(data.num_rows))  # every row exactly once
-    if tables == 3:  # file level: process 0 reads files 0 and 2, process 1 file 1
-        assert set(seen[1] // 103) == {1} and set(seen[0] // 103) <= {0, 2}
 
 
-def test_file_level_needs_a_file_per_process():
-    data = make_data(n=20, tables=2)
-    with pytest.raises(ValueError, match="at least one file per process"):
-        list(data.batches(4, process_index=0, process_count=3))
+@pytest.mark.parametrize("tables", [1, 3])
+@pytest.mark.parametrize("count", [2, 3])
+def test_parts_interleaved_are_the_one_part_stream(tables, count):
+    # Several tables (files) too: one global order of rows, not one file per process.
+    data = make_data(n=101, tables=tables)
+    for shuffle in (False, True):
+        for epoch in range(3):
+            kw = dict(shuffle=shuffle, seed=4, epoch=epoch)
+            whole = [row_ids(b) for b in data.batches(8, part=Part(0, 1), **kw)]
+            parts = [
+                [row_ids(b) for b in data.batches(8, part=Part(p, count), **kw)]
+                for p in range(count)
+            ]
+            steps = min(len(x) for x in parts)
+            assert steps == len(whole) // count
+            mixed = [parts[p][s] for s in range(steps) for p in range(count)]
+            for a, b in zip(mixed, whole, strict=False):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_several_processes_must_name_a_part(monkeypatch):
+    data = make_data(n=20)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"part: 2 JAX processes.*Part\(0, 1\)"):
+        list(data.batches(4))
+    with pytest.raises(ValueError, match="part: 2 JAX processes"):
+        data.num_batches(4)
+    assert len(list(data.batches(4, part=Part(1, 2)))) == 2
+    with pytest.raises(ValueError, match="part: need 0 <= index < count"):
+        data.num_batches(4, part=Part(2, 2))
 
 
 def test_overflow_raises_or_truncates_and_counts():
