@@ -79,6 +79,7 @@ put this server behind a TLS-terminating proxy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -325,8 +326,14 @@ class PredictionServer:
         self._done.clear()
         loop = asyncio.new_event_loop()
         self._loop = loop
+        main = loop.create_task(self._serve())
         try:
-            loop.run_until_complete(self._serve())
+            loop.run_until_complete(main)
+        except BaseException:  # e.g. KeyboardInterrupt: close the connections first
+            main.cancel()
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(main)
+            raise
         finally:
             loop.close()
             self._loop = None
