@@ -8,7 +8,7 @@ connection), every request carrying ``--instances`` random instances. Prints
 one JSON line per setting: requests/s,
 instances/s and the p50/p99/max latency of a request as a client sees it
 (JSON encoding, loopback HTTP, validation, padding to a power-of-two bucket,
-the XLA call, the answer). More clients than ``--workers`` + ``--max-queued``
+the XLA call, the answer). More requests in flight than ``--max-queued``
 get some ``503`` answers (``busy_503``, counted apart); ``errors`` counts
 everything else that is not a 200, connection resets included, and makes the
 exit status 1.
@@ -208,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--T", type=int, default=8, help="default model: sparse features (tables)")
     p.add_argument("--E", type=int, default=1000, help="default model: rows per table")
     p.add_argument("--D", type=int, default=16, help="default model: embedding dim")
-    p.add_argument("--workers", type=int, default=8, help="server worker threads")
-    p.add_argument("--max-queued", type=int, default=64, help="connections waiting (then 503)")
+    p.add_argument("--workers", type=int, default=8, help="server decoding threads")
+    p.add_argument("--max-queued", type=int, default=64, help="requests waiting (then 503)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     settings = [int(c) for c in str(args.clients).split(",") if c.strip()]

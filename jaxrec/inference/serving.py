@@ -21,63 +21,82 @@ Every other answer is a JSON ``{"error": "<what is wrong>"}``:
 * ``400`` bad JSON (not UTF-8, ``NaN``/``Infinity`` literals, nested deeper
   than ``max_json_depth``) or a bad instance (unknown or missing feature or
   field, wrong type, ragged or wrong-width dense, non-finite number, too many
-  ids, id out of range), a bad ``Content-Length``, a malformed request line;
-* ``404`` another path, ``405`` another method (with ``Allow``), ``408`` a body
-  not received within ``request_timeout``, ``411`` no ``Content-Length``
-  (chunked bodies are not read), ``413`` too many instances or a body over
-  ``max_body_bytes``, ``431`` headers too large;
-* ``503`` (with ``Retry-After``) when the server is saturated: all workers busy
-  and ``max_queued`` connections already waiting;
+  ids, id out of range), a bad ``Content-Length``, a malformed request line
+  or header;
+* ``404`` another path, ``405`` another method (with ``Allow``), ``408`` a
+  request not received within ``request_timeout``, ``411`` no
+  ``Content-Length`` (chunked bodies are not read), ``413`` too many instances
+  or a body over ``max_body_bytes``, ``414``/``431`` a request line or headers
+  too large, ``505`` an HTTP version other than 1.x;
+* ``503`` (with ``Retry-After``) when the server is saturated: ``max_queued``
+  requests already wait for the model, or ``max_connections`` are open;
 * ``500`` when the model's output holds NaN/infinity (JSON has no such number:
   the server never sends ``NaN``) or the model call fails.
 
 The server keeps answering after any of them.
 
-**Bounded load.** The listening socket has a ``backlog`` of 1024 (the stdlib
-default is 5: a burst of connections was reset by the kernel). Accepted
-connections wait in a queue of ``max_queued`` for one of ``max_workers``
-threads; past that, a single extra thread answers ``503`` and closes (with a
-1 s read limit; if even its queue, ``backlog`` long, is full, the connection is
-closed unanswered). A connection idle for ``idle_timeout`` (or a read that
-stalls that long) is closed, a request must arrive whole within ``request_timeout``, and a worker
-closes a keep-alive connection after its answer when others are waiting.
-Threads, memory per request and time per connection are therefore bounded.
+**Design: three stages, so that no client can hold up another.**
 
-**Why the standard library.** This is ``http.server`` on a bounded worker
-pool, a few hundred lines, with no dependency. A well-kept server (``waitress``
-for WSGI, ``uvicorn`` for ASGI; both install from PyPI) would bring an event
-loop for idle connections and years of HTTP edge cases, but also a runtime
-dependency for a package whose serving is a demo/template, and their own
-plain-text error pages (413, 400, 503) that break the "every error is JSON"
-contract here. jaxrec keeps the stdlib server and documents its limits: no
-TLS, no auth, no cross-request batching, one thread per active connection
-(idle ones time out). For production, call :func:`predict_body` from the
-framework of your choice (it takes the body bytes and returns a status and a
-JSON payload).
+1. *Front end* (:mod:`jaxrec.inference.http_front`): one ``asyncio`` event
+   loop owns every connection. Reading is non-blocking, so an idle or slow
+   client (a dozen idle keep-alive connections, a slow-loris trickling its
+   headers) costs a socket, not a thread; only a complete request goes on.
+   Per connection: ``idle_timeout`` between requests and per read stall,
+   ``request_timeout`` for a whole request, ``max_body_bytes``; in all,
+   ``max_connections`` (then ``503``). HTTP/1.1 keep-alive.
+2. *Decoding*: ``max_workers`` threads parse and validate bodies
+   (:func:`~jaxrec.inference.request.decode_request`), off the loop, so a large
+   body does not stall other connections' I/O. A bad request is answered here
+   and never reaches the model. At most ``max_queued`` requests are between
+   here and their answer; past that, ``503``.
+3. *Dynamic batching* (:mod:`jaxrec.inference.batcher`): one thread runs the
+   model on the instances of all queued requests together, up to
+   ``max_batch_size`` instances, waiting at most ``batch_timeout_ms`` for more
+   (0, the default: never wait, take what queued while the previous call ran),
+   and gives each request its own rows back. A request whose output is not
+   finite, or whose call fails, fails alone.
 
-Each request's batch is padded to a power-of-two bucket by the loaded model,
-so at most ``log2(max_instances) + 1`` shapes are ever compiled.
+Each call's batch is padded to a power-of-two bucket by the loaded model, so at
+most ``log2(max_batch_size) + 1`` shapes are ever compiled
+(:meth:`PredictionServer.warm_up` compiles them all up front).
+
+**Why the standard library.** The old server (``http.server`` on a bounded
+thread pool) had idle connections hold its workers: with a few dozen open,
+every valid request timed out. An event loop fixes that, and ``asyncio`` is
+one: the HTTP/1.1 subset served here (a request line, headers, a
+``Content-Length`` body, keep-alive) is a few hundred lines on it. A well-kept
+server (``uvicorn``/``hypercorn`` for ASGI, ``aiohttp``) would bring more of
+HTTP (chunked bodies, pipelining edge cases, HTTP/2) but also a runtime
+dependency for a package whose server is a template, and their own plain-text
+error pages (413, 400, 431, 503) that break the "every error is JSON" contract
+here. Its limits: no TLS, no auth, no chunked request bodies, one model per
+server, one process (the GIL: decoding and HTTP share a core's worth of
+Python). For production, call :func:`predict_body` from the framework of your
+choice (it takes the body bytes and returns a status and a JSON payload), or
+put this server behind a TLS-terminating proxy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import io
 import json
-import queue
 import socket
 import threading
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+
+import numpy as np
 
 from .artifact import ExportedModel, InputError
+from .batcher import DynamicBatcher, Pending, prediction_rows
+from .http_front import Answer, HttpFrontEnd, Limits, error
 from .request import (
     MAX_JSON_DEPTH,
+    DecodedBatch,
     NonFiniteOutput,
     RequestError,
     batch_arrays,
@@ -91,7 +110,6 @@ from .request import (
 )
 
 MAX_BODY_BYTES = 8 << 20
-MAX_ERROR_CHARS = 1000  # an error message echoes request keys: keep answers small
 ROUTES = {"/predict": "POST", "/health": "GET"}
 
 
@@ -116,7 +134,18 @@ def predict_instances(
 def _predict(model: ExportedModel, batch) -> list:
     out = model.run(*batch_arrays(model, batch))
     check_finite_output(out)
-    return [float(row.reshape(())) if row.size == 1 else row.tolist() for row in out]
+    return prediction_rows(out)
+
+
+def failure(e: Exception) -> tuple[int, str]:
+    """``(HTTP status, message)`` for what failed a request."""
+    if isinstance(e, RequestError):
+        return e.status, str(e)
+    if isinstance(e, InputError):  # the model's own host-side checks
+        return HTTPStatus.BAD_REQUEST, str(e)
+    if isinstance(e, NonFiniteOutput):
+        return HTTPStatus.INTERNAL_SERVER_ERROR, str(e)
+    return HTTPStatus.INTERNAL_SERVER_ERROR, f"model call failed: {e!r}"
 
 
 def predict_body(
@@ -134,29 +163,30 @@ def predict_body(
     try:
         batch = decode_request(model, body, max_instances=max_instances, max_depth=max_json_depth)
         return HTTPStatus.OK, {"predictions": _predict(model, batch)}
-    except RequestError as e:
-        return e.status, {"error": str(e)}
-    except InputError as e:  # the model's own host-side checks
-        return HTTPStatus.BAD_REQUEST, {"error": str(e)}
-    except NonFiniteOutput as e:
-        return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(e)}
     except Exception as e:  # never let one request take the server down
-        return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"model call failed: {e!r}"}
+        status, message = failure(e)
+        return status, {"error": message}
 
 
-class PredictionServer(HTTPServer):
+class PredictionServer:
     """Serves an :class:`ExportedModel` over HTTP (see the module docstring).
 
     Args:
         model: the loaded artifact.
         host, port: where to listen (port 0: any free port; see ``url``).
         max_instances: instances allowed per request (more: 413).
-        max_workers: threads answering requests.
-        max_queued: accepted connections that may wait for a worker; further
+        max_batch_size: the most instances in one model call, from several
+            requests (capped by the model's ``max_batch_size``); 1 runs each
+            request alone.
+        batch_timeout_ms: how long a call may wait for more requests to fill
+            its batch; 0 never waits.
+        max_workers: threads decoding request bodies.
+        max_queued: requests being decoded or waiting for the model; further
             ones get 503.
+        max_connections: open connections; further ones get 503 and are closed.
         backlog: the listening socket's kernel queue of unaccepted connections.
         idle_timeout: seconds a keep-alive connection may wait for its next
-            request, and the longest any read may stall.
+            request, and the longest any read (or write) may stall.
         request_timeout: seconds within which a request (line, headers, body)
             must arrive once it starts.
         max_body_bytes: the largest body read (larger: 413).
@@ -164,7 +194,7 @@ class PredictionServer(HTTPServer):
         quiet: do not log requests to stderr.
 
     Example:
-        >>> server = PredictionServer(load("/tmp/art"), port=0)
+        >>> server = PredictionServer(load("/tmp/art"), port=0, batch_timeout_ms=2)
         >>> server.start()            # background thread
         >>> server.url                # 'http://127.0.0.1:<port>'
         >>> server.stop()
@@ -177,8 +207,11 @@ class PredictionServer(HTTPServer):
         port: int = 8000,
         *,
         max_instances: int = 256,
-        max_workers: int = 8,
-        max_queued: int = 64,
+        max_batch_size: int = 256,
+        batch_timeout_ms: float = 0.0,
+        max_workers: int = 4,
+        max_queued: int = 1024,
+        max_connections: int = 1024,
         backlog: int = 1024,
         idle_timeout: float = 5.0,
         request_timeout: float = 30.0,
@@ -186,39 +219,48 @@ class PredictionServer(HTTPServer):
         max_json_depth: int = MAX_JSON_DEPTH,
         quiet: bool = True,
     ):
-        for name, v in dict(max_workers=max_workers, backlog=backlog).items():
+        counts = dict(
+            max_workers=max_workers,
+            max_queued=max_queued,
+            max_connections=max_connections,
+            backlog=backlog,
+        )
+        for name, v in counts.items():
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if max_queued < 1 or idle_timeout <= 0 or request_timeout <= 0:
-            raise ValueError(
-                f"need max_queued >= 1 and positive timeouts, got {max_queued=}, "
-                f"{idle_timeout=}, {request_timeout=}"
-            )
+        if idle_timeout <= 0 or request_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got {idle_timeout=}, {request_timeout=}")
         self.model = model
         self.max_instances = max_instances
-        self.idle_timeout = float(idle_timeout)
-        self.request_timeout = float(request_timeout)
-        self.max_body_bytes = int(max_body_bytes)
+        self.max_queued = int(max_queued)
         self.max_json_depth = int(max_json_depth)
-        self.quiet = quiet
-        self.request_queue_size = int(backlog)  # listen() backlog, read by server_activate
-        self._pending: queue.Queue = queue.Queue(maxsize=int(max_queued))
-        self._overflow: queue.Queue = queue.Queue(maxsize=int(backlog))
-        self._active: set[socket.socket] = set()
-        self._active_lock = threading.Lock()
+        self.backlog = int(backlog)
+        self.limits = Limits(
+            idle_timeout=float(idle_timeout),
+            request_timeout=float(request_timeout),
+            max_body_bytes=int(max_body_bytes),
+            max_connections=int(max_connections),
+        )
+        self._front = HttpFrontEnd(
+            {"/predict": ("POST", self._predict), "/health": ("GET", self._health)},
+            self.limits,
+            quiet=quiet,
+        )
+        self.socket = socket.create_server((host, port), backlog=self.backlog)
+        self.server_address = self.socket.getsockname()
+        self._batcher = DynamicBatcher(
+            model, max_batch_size=max_batch_size, batch_timeout_ms=batch_timeout_ms
+        )
+        self._decoders = ThreadPoolExecutor(int(max_workers), thread_name_prefix="jaxrec-decode")
+        self._waiting = 0  # requests between their body and their answer (loop thread only)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        super().__init__((host, port), _Handler)
-        self._workers = [
-            threading.Thread(target=self._work, args=(self._pending,), daemon=True)
-            for _ in range(max_workers)
-        ]
-        self._workers.append(  # answers 503 to connections no worker can take
-            threading.Thread(target=self._work, args=(self._overflow, True), daemon=True)
-        )
-        for t in self._workers:
-            t.start()
 
+    # ----- state -----
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
@@ -226,306 +268,168 @@ class PredictionServer(HTTPServer):
 
     @property
     def queued(self) -> int:
-        """Connections waiting for a worker."""
-        return self._pending.qsize()
+        """Requests being decoded or waiting for the model."""
+        return self._waiting
 
     @property
     def active(self) -> int:
-        """Connections being answered now (by workers or the 503 thread)."""
-        with self._active_lock:
-            return len(self._active)
+        """Open connections (idle ones included)."""
+        return len(self._front.connections)
 
+    @property
+    def stats(self) -> dict:
+        """Model calls made, the instances they carried, the largest batch, and the
+        connections refused for ``max_connections``."""
+        b = self._batcher
+        return {
+            "calls": b.calls,
+            "instances": b.instances,
+            "largest_batch": b.largest,
+            "refused_connections": self._front.refused,
+        }
+
+    def warm_up(self) -> list[int]:
+        """Compiles every batch bucket a call can use; returns their sizes.
+
+        With the default power-of-two buckets that is 1, 2, 4, ... up to
+        ``max_batch_size``; a model loaded with ``batch_buckets=None`` compiles
+        per size and is not warmed.
+        """
+        m, cap = self.model, self._batcher.max_batch_size
+        buckets = getattr(m, "buckets", None)
+        if buckets == "pow2":
+            sizes = [1 << i for i in range((cap - 1).bit_length() + 1)]
+        elif buckets:
+            sizes = sorted(s for s in buckets if s <= cap)
+        else:
+            sizes = []
+        for b in sizes:
+            empty = {k: [[] for _ in range(b)] for k in m.features}
+            batch = DecodedBatch(
+                np.zeros((b, m.num_dense), m.dense_dtype), empty, empty if m.weighted else None
+            )
+            m.run(*batch_arrays(m, batch))
+        return sizes
+
+    # ----- running -----
     def start(self) -> PredictionServer:
-        """Serves in a daemon thread; returns self."""
+        """Serves in a daemon thread; returns self once it accepts connections."""
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
+        self._ready.wait(30)
         return self
+
+    def serve_forever(self) -> None:
+        """Serves until :meth:`shutdown` (or :meth:`stop`) from another thread."""
+        if self._closed:
+            raise RuntimeError("the server is closed")
+        self._done.clear()
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        main = loop.create_task(self._serve())
+        try:
+            loop.run_until_complete(main)
+        except BaseException:  # e.g. KeyboardInterrupt: close the connections first
+            main.cancel()
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(main)
+            raise
+        finally:
+            loop.close()
+            self._loop = None
+            self._ready.set()  # a start() waiting on a failed loop returns
+            self._done.set()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(
+            self._front.connection, sock=self.socket, backlog=self.backlog
+        )
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            tasks = list(self._front.tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for _ in range(3):  # closed transports release their sockets
+                await asyncio.sleep(0)
+
+    def shutdown(self) -> None:
+        """Stops :meth:`serve_forever` and waits for it; open connections are closed."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop already closed
+                return
+            self._done.wait(30)
 
     def stop(self) -> None:
         """Stops serving, closes every connection and the socket."""
+        self.shutdown()
         if self._thread is not None:
-            self.shutdown()
-            self._thread.join()
+            self._thread.join(30)
             self._thread = None
         self.server_close()
 
-    # ----- socketserver hooks -----
-    def process_request(self, request, client_address) -> None:
-        """Queues the connection for a worker, or for the 503 thread when full."""
-        if _try_put(self._pending, (request, client_address)):
-            return
-        if not _try_put(self._overflow, (request, client_address)):
-            self.shutdown_request(request)  # even the 503 queue is full: drop
-
-    def _work(self, q: queue.Queue, reject: bool = False) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            request, client_address = item
-            with self._active_lock:
-                self._active.add(request)
-            try:
-                if self._closed:
-                    continue
-                _Handler(request, client_address, self, reject=reject)
-            except Exception:
-                self.handle_error(request, client_address)
-            finally:
-                with self._active_lock:
-                    self._active.discard(request)
-                self.shutdown_request(request)
-
-    def handle_error(self, request, client_address) -> None:
-        if not self.quiet:
-            super().handle_error(request, client_address)
-
     def server_close(self) -> None:
-        """Closes the listening socket and every connection; stops the workers."""
-        super().server_close()
+        """Closes the listening socket and stops the decoding and model threads."""
         if self._closed:
             return
         self._closed = True
-        with self._active_lock:
-            for sock in self._active:  # wakes workers blocked reading a connection
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        for q, n in ((self._pending, len(self._workers) - 1), (self._overflow, 1)):
-            while True:  # connections never served
-                try:
-                    item = q.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    self.shutdown_request(item[0])
-            for _ in range(n):
-                q.put(None)
-        for t in self._workers:
-            t.join(timeout=self.idle_timeout + 1)
+        self.socket.close()
+        self._decoders.shutdown(wait=False, cancel_futures=True)
+        self._batcher.close()
 
+    # ----- routes (on the event loop) -----
+    async def _health(self, body: bytes) -> Answer:
+        return Answer(HTTPStatus.OK, {"status": "ok", "manifest": public_manifest(self.model)})
 
-def _try_put(q: queue.Queue, item) -> bool:
-    try:
-        q.put_nowait(item)
-        return True
-    except queue.Full:
-        return False
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket reader: each read stalls at most ``idle`` seconds, and a request
-    must arrive within ``total`` seconds of its first byte."""
-
-    def __init__(self, sock: socket.socket, idle: float, total: float):
-        self.sock, self.idle, self.total = sock, idle, total
-        self.deadline: float | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        timeout = self.idle
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the request did not arrive within {self.total:g} s")
-            timeout = min(timeout, left)
-        self.sock.settimeout(timeout)
-        n = self.sock.recv_into(b)
-        if n and self.deadline is None:
-            self.deadline = time.monotonic() + self.total
-        return n
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: PredictionServer
-    protocol_version = "HTTP/1.1"  # keep-alive: clients reuse connections
-    default_request_version = "HTTP/1.0"  # a garbled request line still gets a status line
-    # TCP_NODELAY: headers and body go out in two writes; with Nagle on, the body
-    # waits for the client's delayed ACK (~40 ms a request on Linux loopback).
-    disable_nagle_algorithm = True
-
-    def __init__(self, request, client_address, server, *, reject: bool = False):
-        self.reject = reject
-        self.linger = False  # unread body bytes: drain them before closing
-        super().__init__(request, client_address, server)
-
-    def setup(self) -> None:
-        # The 503 thread reads with short limits: it must not be held up.
-        idle = min(self.server.idle_timeout, 1.0) if self.reject else self.server.idle_timeout
-        total = min(self.server.request_timeout, 2.0) if self.reject else None
-        self.timeout = idle  # also bounds writes to a client that does not read
-        super().setup()
-        self.rfile.close()
-        self.reader = _DeadlineReader(self.connection, idle, total or self.server.request_timeout)
-        self.rfile = io.BufferedReader(self.reader, 1 << 16)
-
-    def handle_one_request(self) -> None:
-        self.reader.deadline = None  # the next request's clock starts at its first byte
-        super().handle_one_request()  # a timeout before the body closes silently
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            if self.linger:
-                _drain_and_close(self.connection, self.server.max_body_bytes)
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 (stdlib signature)
-        if not self.server.quiet:
-            super().log_message(format, *args)
-
-    # ----- answers -----
-    def _send(self, status: int, payload: Mapping, headers: Mapping | None = None) -> None:
-        if "error" in payload and len(payload["error"]) > MAX_ERROR_CHARS:
-            payload = {"error": payload["error"][:MAX_ERROR_CHARS] + " ..."}
-        try:
-            body = json.dumps(payload, allow_nan=False).encode()
-        except ValueError as e:  # a NaN that got past check_finite_output
-            status, body = 500, json.dumps({"error": f"unserializable answer: {e}"}).encode()
-        if self.server.queued and not self.close_connection:
-            self.close_connection = True  # others wait: free this worker
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, status: int, message: str, headers: Mapping | None = None) -> None:
-        self._send(status, {"error": message}, headers)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
-        """The stdlib's errors (bad request line, headers too large...) as JSON."""
-        self.close_connection = self.linger = True  # the request is not understood
-        if code == HTTPStatus.NOT_IMPLEMENTED:  # an unknown method: not allowed here
-            code, message = HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command!r} not allowed"
-        text = message or HTTPStatus(code).phrase
-        self.log_error("code %d, message %s", code, text)
-        self._error(code, text if not explain else f"{text}: {explain}")
-
-    def handle_expect_100(self) -> bool:
-        # Refuse a too-large body before the client sends it.
-        if self._length_error() is not None or self.reject:
-            self._dispatch()
-            return False
-        return super().handle_expect_100()
-
-    # ----- routing -----
-    def _dispatch(self) -> None:
-        path = urlsplit(self.path).path
-        if self.reject:
-            self.linger, self.close_connection = True, True
-            self._error(
+    async def _predict(self, body: bytes) -> Answer:
+        if self._waiting >= self.max_queued:
+            return error(
                 HTTPStatus.SERVICE_UNAVAILABLE,
-                "the server is busy (all workers busy, queue full); retry shortly",
+                f"the server is busy ({self.max_queued} requests wait for the model); "
+                "retry shortly",
                 {"Retry-After": "1"},
             )
-        elif self.command == ROUTES.get(path) == "POST":
-            body = self._body()
-            if body is not None:
-                status, payload = predict_body(
-                    self.server.model,
-                    body,
-                    max_instances=self.server.max_instances,
-                    max_json_depth=self.server.max_json_depth,
-                )
-                self._send(status, payload)
-        else:
-            self._skip_body()
-            if path not in ROUTES:
-                self._error(
-                    HTTPStatus.NOT_FOUND, f"no such path {path!r}; use POST /predict or GET /health"
-                )
-            elif self.command != ROUTES[path]:
-                self._error(
-                    HTTPStatus.METHOD_NOT_ALLOWED,
-                    f"{self.command} {path} is not allowed; use {ROUTES[path]} {path}",
-                    {"Allow": ROUTES[path]},
-                )
-            else:
-                manifest = public_manifest(self.server.model)
-                self._send(HTTPStatus.OK, {"status": "ok", "manifest": manifest})
+        self._waiting += 1
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
 
-    # Other methods get the stdlib's 501, answered as 405 by send_error.
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch  # noqa: N815
+        def done(result: Any) -> None:  # on the batcher's thread
+            loop.call_soon_threadsafe(_resolve, answered, result)
 
-    def _length_error(self) -> tuple[int, str] | None:
-        """Why the body cannot be read (status, message), or None."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not read; send Content-Length"
-        values = self.headers.get_all("Content-Length") or []
-        if not values:
-            if self.command == "POST" and urlsplit(self.path).path == "/predict":
-                return HTTPStatus.LENGTH_REQUIRED, "POST /predict needs a Content-Length header"
-            return None
-        if len(set(values)) > 1 or not values[0].strip().isdigit():
-            return HTTPStatus.BAD_REQUEST, f"bad Content-Length header {values!r:.80}"
-        n = int(values[0])
-        if n > self.server.max_body_bytes:
-            return (
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"body of {n} bytes; at most {self.server.max_body_bytes} allowed",
+        try:
+            result = await loop.run_in_executor(self._decoders, self._decode, body, done)
+            if result is None:  # queued for the model
+                result = await answered
+        finally:
+            self._waiting -= 1
+        if isinstance(result, Exception):
+            return error(*failure(result))
+        return Answer(HTTPStatus.OK, {"predictions": result})
+
+    def _decode(self, body: bytes, done) -> Exception | None:
+        """On a decoding thread: queues the request for the model, or returns
+        why it cannot be run."""
+        try:
+            batch = decode_request(
+                self.model, body, max_instances=self.max_instances, max_depth=self.max_json_depth
             )
+            arrays = batch_arrays(self.model, batch)
+        except Exception as e:
+            return e
+        self._batcher.submit(Pending(arrays, batch.dense.shape[0], done))
         return None
 
-    def _body(self) -> bytes | None:
-        """The request body, or None after answering why it cannot be read."""
-        err = self._length_error()
-        if err is not None:
-            self.linger, self.close_connection = True, True
-            self._error(*err)
-            return None
-        n = int(self.headers["Content-Length"])
-        try:
-            body = self.rfile.read(n)
-        except TimeoutError as e:
-            self.linger, self.close_connection = True, True
-            self._error(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive in time: {e}")
-            return None
-        if len(body) != n:
-            self.close_connection = True
-            self._error(HTTPStatus.BAD_REQUEST, f"body of {len(body)} bytes; Content-Length is {n}")
-            return None
-        return body
 
-    def _skip_body(self) -> None:
-        """Reads (and drops) the body of a request answered without it."""
-        if self._length_error() is not None:
-            self.linger, self.close_connection = True, True
-            return
-        n = int(self.headers.get("Content-Length") or 0)
-        try:
-            got = len(self.rfile.read(n)) if n else 0
-        except TimeoutError:
-            got = -1
-        if got != n:
-            self.close_connection = True
-
-
-_DRAIN_BYTES = 64 << 20  # what an answered, refused client may still send
-
-
-def _drain_and_close(sock: socket.socket, limit: int) -> None:
-    """Half-closes, then reads what the client still sends (bounded), so that our
-    answer is not lost to a reset: closing with unread data sends a TCP RST."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(0.5)
-        # Bounded by time and bytes, but the bytes bound must exceed what a
-        # client may still have in flight (a body a few times the limit, or the
-        # reset reaches it before our answer; loopback buffers hid this).
-        end, n, most = time.monotonic() + 2.0, 0, max(4 * limit, _DRAIN_BYTES)
-        while n < most and time.monotonic() < end:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            n += len(chunk)
-    except OSError:
-        pass
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 def predict_jsonl(

@@ -95,24 +95,59 @@ def test_burst_of_200_connections_gets_200_or_503_never_a_reset(serve):
     assert status == 200 and len(body["predictions"]) == 1
 
 
-def test_saturated_server_answers_503_json(serve):
-    server = serve(max_workers=1, max_queued=1, idle_timeout=3.0)
+def wait_until(cond, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_too_many_connections_get_503_json(serve):
+    server = serve(max_connections=1, idle_timeout=3.0)
     addr = server.server_address[:2]
-    hold = socket.create_connection(addr, timeout=5)  # idle: pins the one worker
-    deadline = time.monotonic() + 5
-    while server.active < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    waiting = socket.create_connection(addr, timeout=5)  # queued
-    while not server.queued and time.monotonic() < deadline:
-        time.sleep(0.01)
+    hold = socket.create_connection(addr, timeout=5)  # idle: the one connection allowed
+    assert wait_until(lambda: server.active == 1)
     status, resp, body = exchange(server, post("/predict", good_body()))
     assert status == 503 and "busy" in body["error"] and resp.getheader("Retry-After") == "1"
+    assert server.stats["refused_connections"] == 1
     hold.close()
-    waiting.sendall(post("/predict", good_body()))
-    resp = http.client.HTTPResponse(waiting)
-    resp.begin()
-    assert resp.status == 200 and len(json.loads(resp.read())["predictions"]) == 1
-    waiting.close()
+    assert wait_until(lambda: server.active == 0)
+    status, _, body = exchange(server, post("/predict", good_body()))
+    assert status == 200 and len(body["predictions"]) == 1
+
+
+class _BlockingModel:
+    """The loaded model, whose calls wait for ``release``."""
+
+    def __init__(self, model):
+        self._model, self.release = model, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def run(self, *arrays):
+        assert self.release.wait(20)
+        return self._model.run(*arrays)
+
+
+def test_full_queue_gets_503_json(loaded):
+    model = _BlockingModel(loaded)
+    server = PredictionServer(model, port=0, max_queued=1).start()
+    try:
+        first = []
+        t = threading.Thread(
+            target=lambda: first.append(exchange(server, post("/predict", good_body())))
+        )
+        t.start()
+        assert wait_until(lambda: server.queued == 1)  # in the model, which waits
+        status, resp, body = exchange(server, post("/predict", good_body()))
+        assert status == 503 and "busy" in body["error"] and resp.getheader("Retry-After") == "1"
+        model.release.set()
+        t.join(20)
+        assert first and first[0][0] == 200 and len(first[0][2]["predictions"]) == 1
+    finally:
+        model.release.set()
+        server.stop()
 
 
 def test_idle_connection_is_closed(serve):
