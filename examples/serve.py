@@ -33,10 +33,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--max-instances", type=int, default=256, help="per request")
-    p.add_argument("--workers", type=int, default=8, help="threads answering requests")
+    p.add_argument("--workers", type=int, default=4, help="threads decoding request bodies")
     p.add_argument(
-        "--max-queued", type=int, default=64, help="connections waiting for a worker (then 503)"
+        "--max-batch-size",
+        type=int,
+        default=256,
+        help="instances of queued requests per model call",
     )
+    p.add_argument(
+        "--batch-timeout-ms", type=float, default=0.0, help="wait this long for a fuller batch"
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=1024, help="requests waiting for the model (then 503)"
+    )
+    p.add_argument("--max-connections", type=int, default=1024, help="open at once (then 503)")
     p.add_argument("--idle-timeout", type=float, default=5.0, help="seconds; then closed")
     p.add_argument("--input", help="batch mode: requests.jsonl, one instance per line")
     p.add_argument("--output", help="batch mode: where predictions go (JSON lines)")
@@ -45,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.input is None) != (args.output is None):
         p.error("--input and --output go together")
-    model = load(args.artifact, max_batch_size=max(args.max_instances, args.batch_size))
+    largest = max(args.max_instances, args.batch_size, args.max_batch_size)
+    model = load(args.artifact, max_batch_size=largest)
     if args.input:
         stats = predict_file(model, args.input, args.output, batch_size=args.batch_size)
         print(json.dumps(stats), flush=True)
@@ -55,8 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.host,
         args.port,
         max_instances=args.max_instances,
+        max_batch_size=args.max_batch_size,
+        batch_timeout_ms=args.batch_timeout_ms,
         max_workers=args.workers,
         max_queued=args.max_queued,
+        max_connections=args.max_connections,
         idle_timeout=args.idle_timeout,
         quiet=not args.verbose,
     )
