@@ -1,5 +1,10 @@
 """jaxrec: TorchRec rebuilt natively for JAX."""
 
+# First, before anything starts JAX's backend: no CUDA-plugin traceback without a GPU.
+from .gpu_presence import skip_cuda_checks_without_gpu as _skip_cuda_checks
+
+_skip_cuda_checks()
+
 # Subpackages an ``import jaxrec`` has always made reachable as attributes
 # (``jaxrec.train.make_train_step``); the package face may import any layer.
 from . import embedding as embedding
