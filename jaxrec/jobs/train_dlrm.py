@@ -104,10 +104,18 @@ from .shards import rank_batches
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` (default: the command line, after a restart with huge pages)
+    and runs the job. The console script is :func:`jaxrec.jobs.dlrm_cli.main`, which
+    parses the flags before JAX loads."""
     if argv is None:  # the command line: large tables on huge pages from the start
         restart_with_huge_pages()
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the job with parsed flags (:func:`jaxrec.jobs.dlrm_flags.parse_args`)."""
     try:
-        return _run(parse_args(argv))
+        return _run(args)
     except CacheTooSmallError as e:  # a batch's rows do not fit a cached table's slots
         raise SystemExit(
             f"jaxrec-train-dlrm: {e} (here: --cache-load-factor, or a smaller --batch-size)"
