@@ -3,12 +3,14 @@
 Flags: ``jaxrec-train-dlrm --help`` (``dlrm_flags.py``).
 
 ``jaxrec-train-dlrm`` (console script) and ``python examples/train_dlrm.py``
-run :func:`main`. By default it trains on synthetic Criteo-like data with a
-planted model (about a minute on two CPU cores); ``--dataset criteo`` reads
-Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
-(``python -m jaxrec.datasets.movielens fetch`` gets ml-100k). With
-``--devices N > 1`` the embedding tables are sharded over N devices (the
-planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
+run :func:`jaxrec.jobs.dlrm_cli.main` (flags parsed before JAX loads), then
+:func:`run`; :func:`main` parses and runs in one call. By default it trains on
+synthetic Criteo-like data with a planted model (about a minute on two CPU
+cores); ``--dataset criteo`` reads Criteo TSV or preprocessed npy day files,
+``--dataset movielens`` MovieLens (``python -m jaxrec.datasets.movielens
+fetch`` gets ml-100k). With ``--devices N > 1`` the embedding tables are
+sharded over N devices (the planner's plan, or ``--sharding``); on a CPU host
+N fake devices are made.
 
 Tables larger than the devices' memory live in host memory with a device cache
 of their rows (TorchRec's ``fused_uvm_caching``, :mod:`jaxrec.cache`): the
