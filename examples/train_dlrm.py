@@ -1,6 +1,6 @@
 """The main job: train DLRM (or DLRM-DCN), evaluate AUC/NE, checkpoint, resume.
 
-A thin wrapper around ``jaxrec.jobs.train_dlrm`` (also installed as the
+A thin wrapper around ``jaxrec.jobs.dlrm_cli`` (also installed as the
 ``jaxrec-train-dlrm`` command); every flag is documented by ``--help``. Steps
 with a non-finite loss or gradient are skipped and counted (``skipped_steps``
 in the summary).
@@ -15,7 +15,7 @@ in the summary).
 Each run without ``--run-dir`` writes a new ``runs/dlrm-<date>-<time>``.
 """
 
-from jaxrec.jobs.train_dlrm import main
+from jaxrec.jobs.dlrm_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

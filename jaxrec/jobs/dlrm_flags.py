@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Sequence
+from typing import NoReturn
 
 DESCRIPTION = "The main job: train DLRM (or DLRM-DCN) on click data, evaluate, checkpoint, resume."
 
@@ -20,8 +22,26 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says what is wrong in one line and where to look in a second, instead of
+    argparse's whole usage block (which buries the line that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = "unrecognized arguments: "
+        if message.startswith(unknown):  # name the flag the user may have meant
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            for arg in message[len(unknown) :].split():
+                close = difflib.get_close_matches(arg.split("=")[0], flags, n=1)
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see --help for every flag\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    """The job's flags from ``argv`` (default: the command line). ``--help`` and a bad
+    flag exit here; this module imports nothing heavy, so both answer at once."""
+    p = _Parser(
         prog="jaxrec-train-dlrm",
         description=DESCRIPTION,
         formatter_class=_HelpFormatter,

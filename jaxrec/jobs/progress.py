@@ -2,15 +2,21 @@
 
 On a terminal the steps show as a tqdm bar (rate, ETA, loss); elsewhere (a
 log file, CI, a test capturing output) as plain lines every ``every`` steps:
-``step 50/300  loss 0.4512  48,213 samples/s  eta 0:00:07``. Everything goes
+``step 50/300  loss 0.4512 nats  48,213 samples/s  eta 0:00:07``. Everything goes
 to stderr; stdout keeps the job's one summary line.
+
+samples/s counts training only, as the job's summary does: from the end of the
+first step (which compiles) on, with the time spent in :meth:`Progress.paused`
+(evaluations) left out. The ETA is wall-clock (pauses included), so it counts
+the evaluations still to come at the rate they have come.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 from tqdm import tqdm
@@ -23,11 +29,21 @@ class Progress:
         quiet: print nothing.
         every: steps between plain lines (not on a terminal).
         stream: default ``sys.stderr``.
+        units: a unit shown after a value, by name (``{"loss": "nats"}``).
     """
 
-    def __init__(self, *, quiet: bool = False, every: int = 50, stream=None):
+    def __init__(
+        self,
+        *,
+        quiet: bool = False,
+        every: int = 50,
+        stream=None,
+        units: Mapping[str, str] | None = None,
+    ):
         self.quiet, self.every = quiet, every
         self.stream = stream or sys.stderr
+        self.units = dict(units or {})
+        self._paused = 0.0  # seconds in paused() since the first step
         self.tty = self.stream.isatty()
         self.total: int | None = None
         self._bar: tqdm | None = None
@@ -61,13 +77,18 @@ class Progress:
         if self.quiet:
             return
         now = time.perf_counter()
-        shown = {k: v if isinstance(v, int) else f"{v:.4f}" for k, v in values.items()}
+        shown = {
+            k: (str(v) if isinstance(v, int) else f"{v:.4f}")
+            + (f" {self.units[k]}" if k in self.units else "")
+            for k, v in values.items()
+        }
         first = self._first is None
         if first:  # the first step compiles: rates start after it
-            self._first = (step, samples, now)
+            self._first, self._paused = (step, samples, now), 0.0
         s0, n0, t0 = self._first
         elapsed = max(now - t0, 1e-9)
-        rate = f"{(samples - n0) / elapsed:,.0f} samples/s" if step > s0 else None
+        training = max(elapsed - self._paused, 1e-9)
+        rate = f"{(samples - n0) / training:,.0f} samples/s" if step > s0 else None
         if self._bar is not None:  # tqdm shows steps/s and the ETA itself
             self._bar.set_postfix({**shown, **({"rate": rate} if rate else {})}, refresh=False)
             self._bar.update(step - self._bar.n)
@@ -79,6 +100,15 @@ class Progress:
             eta = (self.total - step) * elapsed / (step - s0)
             parts += [rate, f"eta {timedelta(seconds=round(eta))}"]
         print("  ".join(parts), file=self.stream, flush=True)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (an evaluation) is not training: samples/s leaves it out."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
 
     def close(self) -> None:
         if self._bar is not None:

@@ -3,12 +3,14 @@
 Flags: ``jaxrec-train-dlrm --help`` (``dlrm_flags.py``).
 
 ``jaxrec-train-dlrm`` (console script) and ``python examples/train_dlrm.py``
-run :func:`main`. By default it trains on synthetic Criteo-like data with a
-planted model (about a minute on two CPU cores); ``--dataset criteo`` reads
-Criteo TSV or preprocessed npy day files, ``--dataset movielens`` MovieLens
-(``python -m jaxrec.datasets.movielens fetch`` gets ml-100k). With
-``--devices N > 1`` the embedding tables are sharded over N devices (the
-planner's plan, or ``--sharding``); on a CPU host N fake devices are made.
+run :func:`jaxrec.jobs.dlrm_cli.main` (flags parsed before JAX loads), then
+:func:`run`; :func:`main` parses and runs in one call. By default it trains on
+synthetic Criteo-like data with a planted model (about a minute on two CPU
+cores); ``--dataset criteo`` reads Criteo TSV or preprocessed npy day files,
+``--dataset movielens`` MovieLens (``python -m jaxrec.datasets.movielens
+fetch`` gets ml-100k). With ``--devices N > 1`` the embedding tables are
+sharded over N devices (the planner's plan, or ``--sharding``); on a CPU host
+N fake devices are made.
 
 Tables larger than the devices' memory live in host memory with a device cache
 of their rows (TorchRec's ``fused_uvm_caching``, :mod:`jaxrec.cache`): the
@@ -105,10 +107,18 @@ from .shards import rank_batches
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parses ``argv`` (default: the command line, after a restart with huge pages)
+    and runs the job. The console script is :func:`jaxrec.jobs.dlrm_cli.main`, which
+    parses the flags before JAX loads."""
     if argv is None:  # the command line: large tables on huge pages from the start
         restart_with_huge_pages()
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the job with parsed flags (:func:`jaxrec.jobs.dlrm_flags.parse_args`)."""
     try:
-        return _run(parse_args(argv))
+        return _run(args)
     except CacheTooSmallError as e:  # a batch's rows do not fit a cached table's slots
         raise SystemExit(
             f"jaxrec-train-dlrm: {e} (here: --cache-load-factor, or a smaller --batch-size)"
@@ -120,8 +130,9 @@ def _run(args: argparse.Namespace) -> int:
     if jax.process_count() > 1 and args.devices == 1:
         args.devices = jax.device_count()
     lead = jax.process_index() == 0  # the one process that writes reports
-    log = Progress(quiet=args.quiet or not lead)
+    log = Progress(quiet=args.quiet or not lead, units={"loss": "nats"})  # optax's BCE: ln
     _check_run_dir_flags(args)
+    _check_run_dir(args)  # read only: a refused command leaves the file system as it was
     check_cache_flags(args)
     check_dynamic_flags(args)
     if args.pipeline == "semi-sync" and args.dynamic_tables:  # ids admitted in the forward
@@ -140,11 +151,8 @@ def _run(args: argparse.Namespace) -> int:
     train_data, eval_data = load_data(args)
     configs = table_configs(args, train_data)
     forced(args, configs)  # names checked before the run's directory is made
-    run_dir = _make_run_dir(args, lead)  # after the data: a run that cannot start leaves none
-    args.run_dir = str(run_dir)  # args.json records where the run is
-    log.note(f"run directory: {run_dir}")
-    if lead:
-        _save_args(run_dir, args, train_data)
+    world, k = args.devices, args.grad_accumulation
+    per_epoch = _steps_per_epoch(train_data, args)
     mesh, plan, cached, stats = place_tables(args, train_data, configs)
     device_configs, device_plan = device_tables(configs, plan, cached)
     mesh, model, plan_text = shard(
@@ -167,7 +175,6 @@ def _run(args: argparse.Namespace) -> int:
         row_cache(args, train_data, configs, cached, graphdef, optimizer, state) if cached else None
     )
     to_device = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
-    k = args.grad_accumulation
     if k > 1:  # a step's k micro-batches, each placed as a plain step's, stacked
         one = to_device
         to_device = lambda group: stack_micro_batches([one(b) for b in group])  # noqa: E731
@@ -177,36 +184,23 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--pipeline {args.pipeline} does not take cached tables: use sync")
     if rc is not None:  # each batch's rows planned and gathered a batch ahead
         step, to_device = CachedTrainStep(step, rc), prefetching(rc, to_device)
+    # Everything that can refuse has been checked: the run writes from here on.
+    run_dir = _make_run_dir(args, lead)
+    args.run_dir = str(run_dir)  # args.json records where the run is
+    log.note(f"run directory: {run_dir}")
     ckpt = None if args.no_checkpoint else _checkpoints(run_dir, args)
     start_step = 0
-    if not args.resume and ckpt is not None and ckpt.latest_step() is not None:
-        raise SystemExit(
-            f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}): "
-            "pass --resume to continue that run, --overwrite to start it again, "
-            "or leave out --run-dir for a new one"
-        )
     if not args.resume and lead:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if args.resume:
-        if ckpt is None or ckpt.latest_step() is None:
-            raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+    if args.resume:  # (_check_run_dir found a checkpoint)
         if rc is not None:  # the host tables restored, the cache empty
             state, start_step = rc.resume(ckpt, state)
         else:
             state, start_step = ckpt.resume(graphdef, optimizer, state)  # newest intact step
         log.note(f"resumed from step {start_step}")
+    if lead:  # after the resume: a run whose checkpoints are all damaged keeps its args.json
+        _save_args(run_dir, args, train_data)
 
-    world = args.devices
-    per_epoch = train_data.num_batches(args.batch_size * world, part=Part(0, 1))
-    per_epoch //= k  # optimizer steps: k micro-batches each (a partial group is left out)
-    if per_epoch == 0:  # nothing to step on (and the epoch arithmetic below divides by it)
-        batches = "one global batch" if k == 1 else f"one step of {k} global batches"
-        raise SystemExit(
-            f"{train_data.num_rows} training rows: fewer than {batches} of "
-            f"{args.batch_size * world} (--batch-size {args.batch_size} x {world} devices"
-            f"{'' if k == 1 else f', --grad-accumulation {k}'}); use a smaller --batch-size "
-            "or more data"
-        )
     total = per_epoch * args.epochs if args.max_steps is None else args.max_steps
     total = min(total, per_epoch * args.epochs)
     finished = _finished_summary(run_dir, start_step) if args.resume else None
@@ -244,6 +238,7 @@ def _run(args: argparse.Namespace) -> int:
     jax.block_until_ready(pipeline.state)  # the tables' initialisation is not training
     step_i, samples, t0, losses = start_step, 0, time.perf_counter(), []
     train_time = 0.0
+    first_step_s, first_samples = None, 0  # the first step compiles: rates start after it
     if step_i < total:
         log.note(f"training steps {step_i + 1}..{total}; the first compiles the step...")
     log.start(total, initial=start_step)
@@ -263,6 +258,9 @@ def _run(args: argparse.Namespace) -> int:
                 step_i += 1
                 samples += args.batch_size * world * k
                 losses.append(loss)
+                if step_i == start_step + 1:
+                    jax.block_until_ready(loss)
+                    first_step_s, first_samples = time.perf_counter() - t0, samples
                 if step_i % 10 == 0 or step_i == total or step_i == start_step + 1:
                     skipped = pipeline.skipped_steps()  # non-finite batches, not trained on
                     shown = {"skipped": skipped} if skipped else {}
@@ -278,12 +276,11 @@ def _run(args: argparse.Namespace) -> int:
             if step_i % eval_every == 0 or step_i == total:
                 jax.block_until_ready(pipeline.state)
                 train_time += time.perf_counter() - t0
-                metrics = evaluate_now()
+                with log.paused():  # not training: samples/s leaves it out
+                    metrics = evaluate_now()
                 history.append({"step": step_i, "epoch": epoch, **metrics})
                 _record_eval(run_dir, history[-1], curves, writer, lead)
-                log.note(
-                    f"step {step_i}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                )
+                log.note(f"step {step_i}: eval {_eval_text(metrics)}")
                 if args.dynamic_tables:
                     log.note(dynamic_text(dynamic_summary(graphdef, pipeline.state)))
                 t0 = time.perf_counter()
@@ -315,8 +312,10 @@ def _run(args: argparse.Namespace) -> int:
         "sharding": plan_text,
         "steps": step_i,
         "samples": samples,
-        "samples_per_s": round(samples / max(train_time, 1e-9), 1),
-        "train_seconds": round(train_time, 2),
+        # Steady state, as the progress lines: the first step (compiling) left out.
+        "samples_per_s": _rate(samples - first_samples, train_time - (first_step_s or 0.0)),
+        "train_seconds": round(train_time, 2),  # every step's, evaluations left out
+        "first_step_seconds": None if first_step_s is None else round(first_step_s, 2),
         "skipped_steps": pipeline.skipped_steps(),  # non-finite loss/gradients: not applied
         "huge_pages": started_with_huge_pages(),  # glibc.malloc.hugetlb (the CLI's restart)
         **({} if rc is None else {"cached_tables": cache_summary(rc, stats)}),
@@ -334,6 +333,24 @@ def _run(args: argparse.Namespace) -> int:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _rate(samples: int, seconds: float) -> float | None:
+    """samples/s, or None without samples to time (a run of one step: all compiling)."""
+    return round(samples / max(seconds, 1e-9), 1) if samples else None
+
+
+# Units of the printed metrics: TorchRec's log loss is in bits (log2), the training
+# loss in nats (ln); NE, the ratio of two log losses, has none.
+METRIC_UNITS = {"logloss": "bits"}
+
+
+def _eval_text(metrics: dict) -> str:
+    """``auc 0.7712, ne 0.8123, logloss 0.6543 bits, ...``."""
+    return ", ".join(
+        f"{k} {v:.4f}" + (f" {METRIC_UNITS[k]}" if k in METRIC_UNITS else "")
+        for k, v in metrics.items()
+    )
 
 
 def _check_accumulation_flags(args: argparse.Namespace) -> None:
@@ -377,6 +394,8 @@ def _check_run_dir_flags(args: argparse.Namespace) -> None:
     """Fails early (before any data is read) on ``--run-dir`` flags that cannot work."""
     if args.resume and args.overwrite:
         raise SystemExit("--resume continues a run and --overwrite starts it again: pass one")
+    if args.resume and args.no_checkpoint:
+        raise SystemExit("--resume starts from a checkpoint: drop --no-checkpoint")
     if args.run_dir is None:
         if args.resume:
             raise SystemExit(resume_needs_run_dir())
@@ -385,6 +404,44 @@ def _check_run_dir_flags(args: argparse.Namespace) -> None:
         if jax.process_count() > 1:  # each process would make its own directory
             raise SystemExit("several processes write one run: pass --run-dir, a directory "
                              "every process sees")  # fmt: skip
+
+
+def _check_run_dir(args: argparse.Namespace) -> None:
+    """Refuses a ``--run-dir`` whose checkpoints do not fit the flags (a fresh run into
+    a run's checkpoints, ``--resume`` with none), reading it and writing nothing."""
+    if args.run_dir is None or args.overwrite:
+        return
+    run_dir = Path(args.run_dir)
+    latest = None
+    if (run_dir / "checkpoints").is_dir():  # (a CheckpointManager creates its directory)
+        ckpt = _checkpoints(run_dir, args)
+        latest = ckpt.latest_step()
+        ckpt.close()
+    if args.resume and latest is None:
+        raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+    if not args.resume and not args.no_checkpoint and latest is not None:
+        raise SystemExit(
+            f"{run_dir} already holds checkpoints (latest step {latest}): "
+            "pass --resume to continue that run, --overwrite to start it again, "
+            "or leave out --run-dir for a new one"
+        )
+
+
+def _steps_per_epoch(train_data, args: argparse.Namespace) -> int:
+    """Optimizer steps per epoch (``k`` micro-batches each; a partial group is left out);
+    refuses data too small for one."""
+    world, k = args.devices, args.grad_accumulation
+    per_epoch = train_data.num_batches(args.batch_size * world, part=Part(0, 1))
+    per_epoch //= k
+    if per_epoch == 0:  # nothing to step on (and the epoch arithmetic divides by it)
+        batches = "one global batch" if k == 1 else f"one step of {k} global batches"
+        raise SystemExit(
+            f"{train_data.num_rows} training rows: fewer than {batches} of "
+            f"{args.batch_size * world} (--batch-size {args.batch_size} x {world} devices"
+            f"{'' if k == 1 else f', --grad-accumulation {k}'}); use a smaller --batch-size "
+            "or more data"
+        )
+    return per_epoch
 
 
 def _make_run_dir(args: argparse.Namespace, lead: bool) -> Path:

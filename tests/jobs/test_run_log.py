@@ -72,3 +72,20 @@ def test_plan_table():
         "t_cat_1  table_wise   5",
         "t_cat_2  column_wise  0,1",
     ]
+
+
+def test_rate_leaves_out_the_first_step_and_pauses(monkeypatch):
+    # samples/s means what the summary's samples_per_s means: training after the first
+    # step (which compiles), evaluations (paused) left out; the ETA is wall-clock.
+    clock = iter([100.0, 101.0, 111.0, 112.0])
+    monkeypatch.setattr("jaxrec.jobs.progress.time.perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    p = Progress(every=1, stream=stream, units={"loss": "nats"})
+    p.start(3)
+    p.update(1, 8, loss=0.5)  # t=100: the first step, compiled
+    with p.paused():  # t=101..111: an evaluation
+        pass
+    p.update(3, 24, loss=0.25)  # t=112: 16 samples in 12 - 10 s of training
+    first, last = stream.getvalue().splitlines()
+    assert first == "step 1/3  loss 0.5000 nats"
+    assert last == "step 3/3  loss 0.2500 nats  8 samples/s  eta 0:00:00"
