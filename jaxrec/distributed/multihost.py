@@ -76,7 +76,7 @@ def initialize(
             ``heartbeat_timeout_seconds``; default: JAX's, 100 s). When one dies,
             every other process is ended within about this long, even one that
             waits outside a collective; one blocked in a collective with it fails
-            at once (:func:`~jaxrec.distributed.peers.lost_process` names it).
+            at once (``lost_process`` names it).
         gloo_interface: the network interface the CPU collectives (gloo) bind to,
             e.g. ``"eth0"``; default: ``GLOO_SOCKET_IFNAME``, else the address the
             host name resolves to (JAX's behaviour).
