@@ -23,6 +23,7 @@ import selectors
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 from jax._src import distributed  # the runtime's client (its key-value store)
@@ -31,7 +32,7 @@ from . import peers
 
 PEER_LOST = 75  # exit status after another process was lost (sysexits' EX_TEMPFAIL)
 _PORT_KEY = "jaxrec/watchdog_port"
-_SETUP_TIMEOUT_S = 120
+_SETUP_TIMEOUT_S = 60
 
 # on_lost(process id, its address, "stopped responding" | "failed with an error")
 LostCallback = Callable[[int, str, str], None]
@@ -39,41 +40,87 @@ LostCallback = Callable[[int, str, str], None]
 _state: dict = {}  # "sockets", "stopped" (a threading.Event), "me"
 
 
-def watch_processes(on_lost: LostCallback | None = None) -> None:
+def watch_processes(on_lost: LostCallback | None = None) -> bool:
     """Starts the watchdog (after :func:`~jaxrec.distributed.initialize`; every
     process calls it). ``on_lost(process, address, how)`` runs on a watchdog
     thread once, when another process dies or fails; by default it prints
     ``error: process 1 (10.0.0.2) stopped responding ...`` and exits with
-    ``PEER_LOST``. Does nothing with one process or when already watching."""
+    ``PEER_LOST``. Does nothing with one process or when already watching.
+
+    Process 0 listens on a free port of every interface; the others connect to
+    it at the coordinator's host. Where they cannot (a firewall that opens only
+    the coordinator's port), every process warns and runs without a watchdog
+    (the heartbeat timeout still applies).
+
+    Returns:
+        Whether the watchdog runs.
+    """
     client, n = distributed.global_state.client, distributed.global_state.num_processes
     if client is None or n is None or n < 2 or _state:
-        return
+        return bool(_state)
     me = distributed.global_state.process_id
+    try:
+        sockets = _connect(client, me, n)
+    except (OSError, ValueError, RuntimeError) as e:  # (the store's timeout: RuntimeError)
+        warnings.warn(
+            f"process {me}: no watchdog ({e}); a lost process stops the others only after "
+            "the heartbeat timeout",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
     on_lost = on_lost or _exit_on_lost
     stopped = threading.Event()
     if me == 0:
-        server = socket.create_server(("", 0), backlog=n)
-        server.settimeout(_SETUP_TIMEOUT_S)
-        client.key_value_set(_PORT_KEY, str(server.getsockname()[1]))
-        conns = {}
-        with server:
-            for _ in range(n - 1):
-                conn, _ = server.accept()
-                conn.settimeout(_SETUP_TIMEOUT_S)
-                conns[int(_read_line(conn))] = conn
-        target = lambda: _watch_others(conns, stopped, on_lost)  # noqa: E731
-        sockets = list(conns.values())
+        target = lambda: _watch_others(sockets, stopped, on_lost)  # noqa: E731
     else:
-        port = int(client.blocking_key_value_get(_PORT_KEY, _SETUP_TIMEOUT_S * 1000))
-        host = (distributed.global_state.coordinator_address or "").rpartition(":")[0]
-        conn = socket.create_connection((host.strip("[]"), port), timeout=_SETUP_TIMEOUT_S)
-        conn.sendall(f"{me}\n".encode())
-        target = lambda: _watch_first(conn, stopped, on_lost)  # noqa: E731
-        sockets = [conn]
-    for s in sockets:
-        s.settimeout(None)
-    _state.update(sockets=sockets, stopped=stopped, me=me)
+        target = lambda: _watch_first(sockets[0], stopped, on_lost)  # noqa: E731
+    _state.update(sockets=list(sockets.values()), stopped=stopped, me=me)
     threading.Thread(target=target, name="jaxrec-watchdog", daemon=True).start()
+    return True
+
+
+def _connect(client, me: int, n: int) -> dict[int, socket.socket]:
+    """The watchdog's connections, by the process at their other end: process 0 has
+    one to every other process, which each have one to process 0. Every connection
+    is acknowledged ("OK") only once process 0 has them all, so that a setup that
+    fails half-way stops no process."""
+    if me == 0:
+        if socket.has_dualstack_ipv6():
+            server = socket.create_server(
+                ("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=n
+            )
+        else:
+            server = socket.create_server(("", 0), backlog=n)
+        conns: dict[int, socket.socket] = {}
+        try:
+            with server:
+                server.settimeout(_SETUP_TIMEOUT_S)
+                client.key_value_set(_PORT_KEY, str(server.getsockname()[1]))
+                for _ in range(n - 1):
+                    conn, _ = server.accept()
+                    conn.settimeout(_SETUP_TIMEOUT_S)
+                    conns[int(_read_line(conn))] = conn
+            for conn in conns.values():
+                conn.sendall(b"OK\n")
+                conn.settimeout(None)
+        except BaseException:
+            for conn in conns.values():
+                conn.close()
+            raise
+        return conns
+    port = int(client.blocking_key_value_get(_PORT_KEY, _SETUP_TIMEOUT_S * 1000))
+    host = (distributed.global_state.coordinator_address or "").rpartition(":")[0]
+    conn = socket.create_connection((host.strip("[]"), port), timeout=_SETUP_TIMEOUT_S)
+    try:
+        conn.sendall(f"{me}\n".encode())
+        if _read_line(conn) != "OK":
+            raise OSError("process 0 did not acknowledge the connection")
+    except BaseException:
+        conn.close()
+        raise
+    conn.settimeout(None)
+    return {0: conn}
 
 
 def stop_watching(ok: bool = True) -> None:
