@@ -131,10 +131,10 @@ def stop_watching(ok: bool = True) -> None:
         return
     _state["stopped"].set()
     word = b"DONE\n" if ok else b"FAIL\n"
-    for s in _state["sockets"]:
+    for s in _state["sockets"]:  # (the watchdog thread closes them when their peer does)
         with contextlib.suppress(OSError):
             s.sendall(word)
-            s.close()
+            s.shutdown(socket.SHUT_WR)
 
 
 def _watch_others(conns: dict[int, socket.socket], stopped, on_lost) -> None:
@@ -144,25 +144,31 @@ def _watch_others(conns: dict[int, socket.socket], stopped, on_lost) -> None:
     for i, conn in conns.items():
         selector.register(conn, selectors.EVENT_READ, i)
     live = dict(conns)
-    while live:
-        for key, _ in selector.select():
-            i, word = key.data, _read_word(key.fileobj)
-            selector.unregister(key.fileobj)
-            del live[i]
-            if word == "DONE" or stopped.is_set():
-                continue
-            how = "failed with an error" if word == "FAIL" else "stopped responding"
-            for other in live.values():
-                with contextlib.suppress(OSError):
-                    other.sendall(f"LOST {i} {word == 'FAIL'}\n".encode())
-            on_lost(i, peers.address_of(i), how)
-            return
+    try:
+        while live:
+            for key, _ in selector.select():
+                i, word = key.data, _read_word(live[key.data])
+                selector.unregister(key.fileobj)
+                live.pop(i).close()
+                if word == "DONE" or stopped.is_set():
+                    continue
+                for other in live.values():
+                    with contextlib.suppress(OSError):
+                        other.sendall(f"LOST {i} {word == 'FAIL'}\n".encode())
+                how = "failed with an error" if word == "FAIL" else "stopped responding"
+                on_lost(i, peers.address_of(i), how)
+                return
+    finally:
+        selector.close()
+        for conn in live.values():
+            conn.close()
 
 
 def _watch_first(conn: socket.socket, stopped, on_lost) -> None:
     """Another process: process 0 closing (or failing) is the loss of process 0; its
     LOST message names another."""
-    line = _read_word(conn)
+    with conn:
+        line = _read_word(conn)
     if line == "DONE" or stopped.is_set():
         return
     lost, failed = 0, line == "FAIL"

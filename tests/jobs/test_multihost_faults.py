@@ -117,7 +117,9 @@ def _resume(hosts, flags, folder: Path) -> list[str]:
     procs = _start(hosts, [*flags, "--resume"], folder)
     codes = procs.wait(RUN_S)
     assert codes == [0, 0], procs.tails()
-    return [procs.output(i) for i in range(2)]
+    outs = [procs.output(i) for i in range(2)]
+    assert not any("Traceback" in out for out in outs), procs.tails()  # (watchdog included)
+    return outs
 
 
 def _assert_same_run(got: Path, want: Path) -> None:
