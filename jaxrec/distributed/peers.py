@@ -103,8 +103,8 @@ def lost_process(error: BaseException) -> str | None:
     not a failed cross-process collective."""
     text = str(error)
     match = re.search(r"Gloo [^\n]*? failed: ?(.*)", text)
-    if match is None:
-        return None
+    if match is None or "initialization failed" in match.group(0):
+        return None  # (a connection that never worked: an address, not a lost process)
     reason = re.sub(r"^\[[^\]]*\]\s*", "", match.group(1).strip())  # gloo's source line
     peer = re.search(r"(?:peer|remote=)\s*\[([0-9A-Fa-f.:]+)\]", text)
     if peer is None:

@@ -135,9 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stop_lost(what: str) -> None:
-    """Another process died: this one cannot go on. Exits at once (a normal exit would
-    wait in JAX's shutdown barrier for the dead process until the heartbeat timeout)."""
+    """Another process died or failed: this one cannot go on. Exits at once (a normal
+    exit would wait in JAX's shutdown barrier for it until the heartbeat timeout)."""
     hint = "restart every process with --resume (the run continues from its last checkpoint)"
+    if what.endswith("failed with an error"):  # (its own output says which)
+        hint = "its output has the error"
     sys.stdout.flush()
     print(f"jaxrec-train-dlrm: error: {what}; {hint}", file=sys.stderr, flush=True)
     os._exit(PEER_LOST)

@@ -103,3 +103,5 @@ def test_lost_process_names_the_peer_of_a_failed_collective(monkeypatch):
         "a process stopped responding: timeout"
     )
     assert dist.lost_process(ValueError("shapes do not match")) is None
+    setup = "Gloo context initialization failed: [pair.cc:152] timed out connecting: "
+    assert dist.lost_process(ValueError(setup + "remote=[127.0.0.1]:1")) is None
