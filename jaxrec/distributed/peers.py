@@ -106,10 +106,13 @@ def lost_process(error: BaseException) -> str | None:
     if match is None or "initialization failed" in match.group(0):
         return None  # (a connection that never worked: an address, not a lost process)
     reason = re.sub(r"^\[[^\]]*\]\s*", "", match.group(1).strip())  # gloo's source line
-    peer = re.search(r"(?:peer|remote=)\s*\[([0-9A-Fa-f.:]+)\]", text)
-    if peer is None:
+    # the peer's address: "peer [a]:p", "remote=[a]:p", "Read error [a]:p" (not "local=")
+    found = [
+        m.group(2) for m in re.finditer(r"(local=)?\[([0-9A-Fa-f.:]+)\]", text) if not m.group(1)
+    ]
+    if not found:
         return f"a process stopped responding: {reason}"
-    address, me = peer.group(1), distributed.global_state.process_id
+    address, me = found[0], distributed.global_state.process_id
     ids = sorted(i for i, a in _addresses.items() if a == address and i != me)
     if len(ids) == 1:
         who = f"process {ids[0]} ({address})"

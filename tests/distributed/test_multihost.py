@@ -97,6 +97,8 @@ def test_lost_process_names_the_peer_of_a_failed_collective(monkeypatch):
     )
     error = ValueError(gloo + "Connection closed by peer [10.0.0.2]:9388")
     assert dist.lost_process(error).startswith("one of processes 1, 2 (10.0.0.2) stopped")
+    read = "Read error [10.0.0.1]:2: Connection reset by peer (local=[10.0.0.3]:3)"
+    assert dist.lost_process(ValueError(gloo + read)).startswith("process 0 (10.0.0.1) stopped")
     error = ValueError(gloo + "Connection closed by peer [10.0.0.9]:1")
     assert dist.lost_process(error).startswith("the process at 10.0.0.9 stopped")
     assert dist.lost_process(ValueError("Gloo all-reduce failed: timeout")) == (
