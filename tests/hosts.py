@@ -8,7 +8,9 @@ sees only its host's interfaces: it reaches the others through the bridge, as
 separate machines would reach each other, and binds where a real host's process
 binds (gloo: ``GLOO_SOCKET_IFNAME=eth0``). Names carry a random tag, so that
 parallel pytest workers do not collide. Without ``ip`` or the right to make
-namespaces (CAP_NET_ADMIN), the test is skipped with the reason.
+namespaces (CAP_NET_ADMIN), the test is skipped with the reason. A test run
+killed outright (SIGKILL) leaves its namespaces and bridge behind: they are named
+``jr<tag>h<i>`` and ``jrb<tag>`` (``ip netns del``, ``ip link del``).
 """
 
 from __future__ import annotations
