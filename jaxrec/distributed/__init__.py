@@ -9,6 +9,7 @@ from .multihost import initialize as initialize
 from .multihost import launched_processes as launched_processes
 from .multihost import mesh_devices as mesh_devices
 from .multihost import process_ranks as process_ranks
+from .peers import lost_process as lost_process
 from .qcomms import CommType as CommType
 from .qcomms import QCommsConfig as QCommsConfig
 from .sharded_ebc import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
@@ -34,3 +35,6 @@ from .types import ParameterSharding as ParameterSharding
 from .types import ShardingPlan as ShardingPlan
 from .types import ShardingType as ShardingType
 from .types import ShardMetadata as ShardMetadata
+from .watchdog import PEER_LOST as PEER_LOST
+from .watchdog import stop_watching as stop_watching
+from .watchdog import watch_processes as watch_processes

@@ -14,6 +14,8 @@ import os
 
 import jax
 
+from . import peers
+
 # What launchers set in each process they start (JAX's cluster detection reads the
 # same variables): the name of the launcher and its process count variable.
 _SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -40,6 +42,8 @@ def initialize(
     process_id: int | None = None,
     *,
     auto: bool = False,
+    heartbeat_timeout_s: int | None = None,
+    gloo_interface: str | None = None,
 ) -> bool:
     """Starts JAX's distributed runtime when the run has several processes.
 
@@ -68,6 +72,14 @@ def initialize(
         process_id: this process's index, ``0 <= process_id < num_processes``.
         auto: always let JAX detect the cluster (launchers this function does not
             recognise).
+        heartbeat_timeout_s: how long a silent process counts as alive (JAX's
+            ``heartbeat_timeout_seconds``; default: JAX's, 100 s). When one dies,
+            every other process is ended within about this long, even one that
+            waits outside a collective; one blocked in a collective with it fails
+            at once (``lost_process`` names it).
+        gloo_interface: the network interface the CPU collectives (gloo) bind to,
+            e.g. ``"eth0"``; default: ``GLOO_SOCKET_IFNAME``, else the address the
+            host name resolves to (JAX's behaviour).
 
     Returns:
         Whether the distributed runtime was started (several processes).
@@ -77,6 +89,9 @@ def initialize(
             says what is missing).
         RuntimeError: JAX's backend already started, or the runtime did not start
             (JAX's message, with the addresses and ids this process used).
+
+    Warns (``RuntimeWarning``) when gloo would bind to a loopback address while
+    the coordinator is on another host.
 
     Example::
 
@@ -98,13 +113,21 @@ def initialize(
         kwargs = {}
     else:
         return False
+    if heartbeat_timeout_s is not None:
+        if heartbeat_timeout_s < 1:
+            raise ValueError(f"heartbeat_timeout_s must be at least 1, got {heartbeat_timeout_s}")
+        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_s)
     if jax.distributed.is_initialized():
         raise RuntimeError("jax.distributed is already initialized: call initialize once")
+    interface = gloo_interface or os.environ.get("GLOO_SOCKET_IFNAME") or None
+    if interface:  # (checked before connecting; used when the CPU backend starts)
+        peers.use_gloo_interface(interface)
     try:
         jax.distributed.initialize(**kwargs)
     except (RuntimeError, ValueError) as e:
         how = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "JAX's cluster detection"
         raise RuntimeError(f"jax.distributed.initialize({how}) failed: {e}") from e
+    peers.publish_address(interface)
     return True
 
 

@@ -209,6 +209,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     procs.add_argument("--coordinator-address", help="host:port of process 0")
     procs.add_argument("--num-processes", type=int, help="processes in the job")
     procs.add_argument("--process-id", type=int, help="this process, 0 .. num-processes - 1")
+    procs.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=60,
+        help="seconds: a process silent this long counts as dead and every other one stops "
+        "(a peer blocked in a collective with it stops at once)",
+    )
     out = p.add_argument_group("outputs")
     out.add_argument(
         "--run-dir",

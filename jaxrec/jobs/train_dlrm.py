@@ -52,6 +52,7 @@ import contextlib
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -64,7 +65,16 @@ from ..checkpoint import CheckpointManager
 from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
 from ..datasets import Part
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
-from ..distributed import initialize, launched_processes, process_ranks, shard_batch
+from ..distributed import (
+    PEER_LOST,
+    initialize,
+    launched_processes,
+    lost_process,
+    process_ranks,
+    shard_batch,
+    stop_watching,
+    watch_processes,
+)
 from ..train import (
     TrainPipeline,
     TrainPipelineSemiSync,
@@ -117,12 +127,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the job with parsed flags (:func:`jaxrec.jobs.dlrm_flags.parse_args`)."""
+    finished = False
     try:
-        return _run(args)
+        code = _run(args)
+        finished = True
+        return code
     except CacheTooSmallError as e:  # a batch's rows do not fit a cached table's slots
         raise SystemExit(
             f"jaxrec-train-dlrm: {e} (here: --cache-load-factor, or a smaller --batch-size)"
         ) from None
+    except Exception as e:
+        lost = lost_process(e) if jax.distributed.is_initialized() else None
+        if lost is None:
+            raise
+        _stop_lost(lost)  # a collective failed with another process
+    finally:
+        stop_watching(ok=finished)  # the other processes stop too when this one fails
+
+
+def _stop_lost(what: str) -> None:
+    """Another process died or failed: this one cannot go on. Exits at once (a normal
+    exit would wait in JAX's shutdown barrier for it until the heartbeat timeout)."""
+    hint = "restart every process with --resume (the run continues from its last checkpoint)"
+    if what.endswith("failed with an error"):  # (its own output says which)
+        hint = "its output has the error"
+    sys.stdout.flush()
+    print(f"jaxrec-train-dlrm: error: {what}; {hint}", file=sys.stderr, flush=True)
+    os._exit(PEER_LOST)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -510,12 +541,15 @@ def _start_processes(args: argparse.Namespace) -> None:
         )
     if not off:
         try:
-            initialize(*flags, auto=auto)
+            started = initialize(*flags, auto=auto, heartbeat_timeout_s=args.heartbeat_timeout)
         except ValueError as e:  # name the flags, not the function's arguments
             text = str(e)
             for name in ("coordinator_address", "num_processes", "process_id"):
                 text = text.replace(name, "--" + name.replace("_", "-"))
+            text = text.replace("heartbeat_timeout_s", "--heartbeat-timeout")
             raise SystemExit(f"jaxrec-train-dlrm: {text}") from None
+        if started:  # a process that dies stops the others at once, naming it
+            watch_processes(lambda i, address, how: _stop_lost(f"process {i} ({address}) {how}"))
     if processes and (processes == 1 or args.devices != 1):  # else every device (see main)
         _cpu_devices(args.devices // processes)
 
