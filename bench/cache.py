@@ -252,9 +252,11 @@ def optimizer() -> CombinedOptimizer:
 
 
 def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None,
-                 slot_maps: str = "device", threads: int | None = None):  # fmt: skip
+                 slot_maps: str = "device", threads: int | None = None,
+                 paths: jc.MovePaths | None = None):  # fmt: skip
     """``(state, cache, step)``: the model with every table cached (``cfg.algorithm``,
-    load factor ``lf``, the slot maps ``slot_maps``, ``threads`` planning threads), host
+    load factor ``lf``, the slot maps ``slot_maps``, ``threads`` planning threads, the
+    move paths ``paths``), host
     tables from ``weights`` (by table name), or drawn here (large tables: drawn rather
     than copied)."""
     params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
@@ -268,14 +270,15 @@ def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None,
         for t in configs(cfg)
     }  # fmt: skip
     cache = jc.RowCache(graphdef, opt, state, hosts, params, slot_maps=slot_maps,
-                        threads=threads)  # fmt: skip
+                        threads=threads, move_paths=paths)  # fmt: skip
     return state, cache, jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), cache)
 
 
-def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device") -> dict:
+def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device",
+             paths: jc.MovePaths | None = None) -> dict:  # fmt: skip
     """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
     timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
-    s2, cache, step = cached_model(cfg, opt, lf, weights, slot_maps)
+    s2, cache, step = cached_model(cfg, opt, lf, weights, slot_maps, paths=paths)
     hosts = {name: t.host for name, t in cache.tables.items()}
     box = {"s": s2, "i": 0}
 
@@ -361,7 +364,8 @@ def scaling_kjt(cfg: Config, ids_per_table: list[np.ndarray]) -> jr.KeyedJaggedT
 
 
 def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses: int,
-                 scales: tuple[int, ...], repeats: int, lf: float) -> None:  # fmt: skip
+                 scales: tuple[int, ...], repeats: int, lf: float,
+                 paths: jc.MovePaths | None = None) -> None:  # fmt: skip
     """Host CPU time of ``prepare`` + ``load`` per step at a fixed number of missed rows
     as the ids per step grow (see the module docstring): per table, ``scale * ids`` ids
     a step, of which ``misses`` rows never seen before and the rest a pool of rows
@@ -374,7 +378,8 @@ def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses
         raise SystemExit(f"--hs-ids {ids} leaves no cached pool beside {misses} misses")
     pool = perm[: max(pools)]  # each scale's pool: its first rows
     for sm in slot_maps:
-        run = ScalingRun(cfg, cached_model(cfg, opt, lf, None, sm, threads=1), perm[max(pools) :])
+        model = cached_model(cfg, opt, lf, None, sm, threads=1, paths=paths)
+        run = ScalingRun(cfg, model, perm[max(pools) :])
         slots = run.cache.tables["t0"].slots
         if max(pools) + 2 * misses > slots // 2:
             raise SystemExit(f"{max(pools) + 2 * misses} rows a step against {slots} slots: "
@@ -584,8 +589,7 @@ def main(argv=None) -> int:
         )
     if a.load_factors:
         cfg = dataclasses.replace(cfg, load_factors=tuple(map(float, a.load_factors.split(","))))
-    if a.staged:
-        jc.mover.INPLACE, jc.mover.PINNED = False, True
+    paths = jc.MovePaths(inplace=False, pinned=True) if a.staged else None
     slot_maps = (a.slot_maps or ("device,host" if a.host_scaling else "device")).split(",")
     if any(x not in ("device", "host") for x in slot_maps):
         raise SystemExit(f"--slot-maps: device, host or both, got {a.slot_maps!r}")
@@ -606,7 +610,7 @@ def main(argv=None) -> int:
         ids = a.hs_ids or cfg.B * cfg.L
         host_scaling(cfg, base, slot_maps, ids, a.hs_misses or max(1, ids // 10),
                      tuple(int(x) for x in a.hs_scales.split(",")), a.hs_repeats,
-                     a.hs_load_factor)  # fmt: skip
+                     a.hs_load_factor, paths)  # fmt: skip
         return 0
     if a.policy_rows:
         policy_hit_rates(a.policy_rows, cfg, base, a.policy_batches,
@@ -645,7 +649,7 @@ def main(argv=None) -> int:
         device_pipelined = pipelined_ms(full, box["s"], data, cfg.reps, jax.device_put)
         del box, one
         for lf, sm in [(lf, sm) for lf in cfg.load_factors for sm in slot_maps]:
-            r = run_case(cfg, opt, weights, data, alpha, lf, sm)
+            r = run_case(cfg, opt, weights, data, alpha, lf, sm, paths)
             r.update(
                 alpha=alpha or "uniform",
                 device_step_ms=round(device_ms, 2),

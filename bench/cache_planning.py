@@ -53,7 +53,6 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
     from jaxrec.datasets.random import zipf_ids
     from jaxrec.embedding import CombinedOptimizer
 
-    jc.mover.INPLACE = False  # staged in both setups (the in-place path is one process's)
     configs = [jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=a.rows, embedding_dim=a.dim,
                                      feature_names=[f"f{i}"]) for i in range(a.tables)]  # fmt: skip
     keys = [f"f{i}" for i in range(a.tables)]
@@ -79,7 +78,9 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
                                          rows=jc.host_rows(graphdef, opt, state, c))
              for c in configs}  # fmt: skip
     # the host's maps in one process too: the owned planning of several is what is timed
-    cache = jc.RowCache(graphdef, opt, state, hosts, params, timeout_s=120, slot_maps="host")
+    staged = jc.MovePaths(inplace=False)  # in both setups (in place is one process's)
+    cache = jc.RowCache(graphdef, opt, state, hosts, params, timeout_s=120, slot_maps="host",
+                        move_paths=staged)  # fmt: skip
     perm = np.random.default_rng(0).permutation(a.rows)
     mine = [i for i, dev in enumerate(mesh.devices.flat) if dev.process_index == process_id]
 
@@ -97,8 +98,8 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
         cache.prepare(parts)
         ms.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-        if len(cache._unsaved) > 200:  # nothing is loaded here: forget their evictions
-            cache._written(cache._prepared)
+        if len(cache._inflight) > 200:  # nothing is loaded here: forget their evictions
+            cache._inflight.release(cache._prepared)
     st = cache.stats
     out = {"bench": "cache_planning", "date": datetime.date.today().isoformat(), **machine(),
            "processes": n_proc, "process": process_id, "devices_per_process": len(mine),

@@ -6,6 +6,7 @@ from .configs import cached_configs as cached_configs
 from .configs import device_plan as device_plan
 from .configs import slots_per_shard as slots_per_shard
 from .host import HostTable as HostTable
+from .mover import MovePaths as MovePaths
 from .row_cache import CacheStats as CacheStats
 from .row_cache import Prepared as Prepared
 from .row_cache import RowCache as RowCache

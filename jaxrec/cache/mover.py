@@ -14,6 +14,7 @@ back (a later move reads the host after an earlier one wrote it, in program orde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -26,6 +27,7 @@ from ..cpu import available
 from ..embedding.blocks import Block
 from ..sparse import bucket_capacity
 from . import native
+from .slots import Move
 
 
 class Columns(NamedTuple):
@@ -63,29 +65,92 @@ def columns(blocks: tuple[Block, ...], table: str) -> list[Columns]:
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MovePaths:
+    """How a :class:`Mover` moves rows (the defaults choose by the buffers' devices).
+
+    Attributes:
+        inplace: move in place on the CPU (``jaxrec_cache_move``: one C++ copy per row,
+            no staging) where it applies; ``False``: always staged.
+        pinned: stage the rows in pinned host memory; ``None``: off the CPU (where the
+            backend has it), ``True``: also on the CPU (tests, benchmarks).
+    """
+
+    inplace: bool = True
+    pinned: bool | None = None
+
+
+class HostWrite(NamedTuple):
+    """Evicted rows of one lane on their way to a host field:
+    ``host[rows, col:col+cols] = evicted[buffer]``'s rows ``at:at+len(rows)`` on
+    ``device``."""
+
+    buffer: int  # index into Mover.buffers
+    device: jax.Device  # the lane's device: its shard holds the rows
+    host: np.ndarray  # the host field written
+    rows: np.ndarray  # [k] int64, rows of ``host`` (this process's)
+    at: int  # the first of them in the lane's evicted entries
+    col: int  # the column piece: host columns ``col:col+cols``
+    cols: int
+
+
+class LateFill(NamedTuple):
+    """Fill rows staged while an earlier batch still evicted them (their value not back
+    on the host yet): copied again from ``host`` when the move is applied."""
+
+    buffer: int  # index into Mover.buffers
+    lane: int  # the lane whose fill entries they are
+    at: int  # the first of the part's fills in the lane's entries
+    host: np.ndarray  # the host field read
+    rows: np.ndarray  # [k] int64, rows of ``host``: the part's fills
+    late: np.ndarray  # [k] bool, the fills whose value was on its way back
+    columns: Columns  # the column piece
+
+
+class InPlacePart(NamedTuple):
+    """One column piece of a table in one buffer, moved by one in-place call."""
+
+    buffer: int  # index into Mover.buffers
+    key: str  # the table's checkpoint key
+    columns: Columns
+    evicts: bool  # reads evictions: a row-wise (1-D) field moves with its first piece only
+
+
+class _LanePart(NamedTuple):
+    """A lane's share of one table's column piece in a staged move: fills and evicts as
+    indices into the table's :class:`Move` (a slice when all: views, no copies)."""
+
+    key: str
+    columns: Columns
+    fills: slice | np.ndarray
+    fill_pos: np.ndarray  # their buffer rows
+    evicts: slice | np.ndarray
+    evict_pos: np.ndarray
+
+
 class Pending(NamedTuple):
-    """Evicted rows on their way to host memory: ``host[rows, col:col+cols] =
-    evicted[i]``'s rows ``at:at+len(rows)`` on ``device``, for each part."""
+    """Evicted rows on their way to host memory (:class:`HostWrite` each)."""
 
     evicted: list[jax.Array]  # per buffer: each lane's rows on its device
-    parts: list[tuple]  # (buffer, device, host, rows, at, col, cols)
+    parts: list[HostWrite]
     keep: tuple = ()  # in place: the host arrays the program writes, alive until it ends
 
     def write_back(self) -> None:
         jax.block_until_ready(self.evicted)  # in place: the program's end
         got = {}
-        for i, device, host, rows, at, col, cols in self.parts:
+        for w in self.parts:
+            i, device, host, rows = w.buffer, w.device, w.host, w.rows
             if (i, device) not in got:  # this process's lanes only
                 data = [s.data for s in self.evicted[i].addressable_shards if s.device == device]
                 got[i, device] = np.asarray(data[0])
-            vals = got[i, device][at : at + len(rows)]
-            whole = host.ndim == 1 or (col == 0 and cols == host.shape[1] == vals.shape[1])
+            vals = got[i, device][w.at : w.at + len(rows)]
+            whole = host.ndim == 1 or (w.col == 0 and w.cols == host.shape[1] == vals.shape[1])
             if whole and native.AVAILABLE and _contiguous(host, vals) and rows.dtype == np.int64:
                 native.kernels.cache_rows(vals, rows, host, True)  # over threads
             elif host.ndim == 1:
                 host[rows] = vals
             else:
-                host[rows, col : col + cols] = vals[:, :cols]
+                host[rows, w.col : w.col + w.cols] = vals[:, : w.cols]
 
 
 class Lane(NamedTuple):
@@ -101,12 +166,15 @@ class Lane(NamedTuple):
 class Mover:
     """Moves rows of the cached tables for the buffers of a state's layout
     (``jaxrec.checkpoint.layout.table_buffers``); ``host[key][field]``: the host arrays
-    of each cached table (by checkpoint key); ``names``: their table names."""
+    of each cached table (by checkpoint key); ``names``: their table names; ``paths``:
+    the move paths allowed (default: each where it applies)."""
 
     def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]],
                  names: Mapping[str, str] | None = None,
-                 offsets: Mapping[str, int] | None = None):  # fmt: skip
+                 offsets: Mapping[str, int] | None = None,
+                 paths: MovePaths = MovePaths()):  # fmt: skip
         keys = set(host)
+        self.paths = paths
         self.names = dict(names or {})  # checkpoint key -> table name, for messages
         self.offsets = dict(offsets or {})  # checkpoint key -> first logical row held here
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
@@ -116,46 +184,44 @@ class Mover:
         self.lanes = [x[0] for x in per_buffer]
         self.chunks = [x[1] for x in per_buffer]  # each lane's entries on its device
         self.specs = [x[2] for x in per_buffer]  # (mesh, buffer spec, lane spec), or None
-        self.staging = _staging(self.chunks)
+        self.staging = _staging(self.chunks, paths.pinned)
         self._programs: dict = {}
-        # in-place parts: (buffer, key, column piece, evicts: a row-wise field moves once)
-        self.parts = [(i, k, c, len(b.array.shape) == 2 or j == 0)
+        self.parts = [InPlacePart(i, k, c, len(b.array.shape) == 2 or j == 0)
                       for i, b in enumerate(self.buffers) for k in sorted(keys)
                       for j, c in enumerate(self.cols[i][k])]  # fmt: skip
-        self.inplace = (self.staging is None and not any(self.offsets.values())
+        self.inplace = (paths.inplace and self.staging is None
+                        and not any(self.offsets.values())
                         and _inplace(self.buffers, self.parts, host))  # fmt: skip
 
     def stage(
         self,
-        moves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        moves: Mapping[str, Move],
         host: Mapping[str, Mapping[str, np.ndarray]],
         late: Mapping[str, np.ndarray] | None = None,
     ) -> Staged | InPlace | None:
         """The host side of a move (``None`` when nothing moves): positions, and the
         missed rows gathered from ``host`` (a prefetch can do this while a step runs).
-        ``moves[key] = (fill_slots, fill_rows, evict_slots, evict_rows)``, every
-        device's (with several processes, each stages its own devices' lanes from its
+        ``moves[key]``: table ``key``'s :class:`Move`, every device's (with several
+        processes, each stages its own devices' lanes from its
         own host rows); ``late[key]``: fill rows whose value is still on its way back
         to the host, copied by :meth:`apply` instead (not on the in-place path)."""
         if self.inplace:
             return self._stage_inplace(moves)
-        # per buffer, per lane: (key, column piece, fills, their positions, evicts, theirs),
-        # fills and evicts as indices into the key's moves (a slice: views, no copies)
-        split, n = [], 0
+        split, n = [], 0  # per buffer, per lane: its _LanePart's
         for buf, cols, lanes in zip(self.buffers, self.cols, self.lanes, strict=True):
             parts = [[] for _ in lanes]
             row_wise = len(buf.array.shape) == 1
-            for key, (fs, _, es, _) in moves.items():
+            for key, m in moves.items():
                 for k, c in enumerate(cols[key]):
-                    pf, pe = c.positions(fs), c.positions(es)
+                    pf, pe = c.positions(m.fill_slots), c.positions(m.evict_slots)
                     fl, el = _lane_of(lanes, pf), _lane_of(lanes, pe)  # the first holder
                     for j, lane in enumerate(lanes):  # replicas fill alike; one reads
                         f = _where(fl, lane.first)
                         reads = lane.first == j and (not row_wise or k == 0)  # one copy
                         e = _where(el, j) if reads else slice(0, 0)
-                        parts[j].append((key, c, f, pf[f], e, pe[e]))
+                        parts[j].append(_LanePart(key, c, f, pf[f], e, pe[e]))
             for ps in parts:
-                n = max(n, sum(len(x[3]) for x in ps), sum(len(x[5]) for x in ps))
+                n = max(n, sum(len(x.fill_pos) for x in ps), sum(len(x.evict_pos) for x in ps))
             split.append(parts)
         if not n:
             return None
@@ -173,24 +239,25 @@ class Mover:
                 fv[j] = np.zeros((n, *shape[1:]), dtype)
                 f_at = e_at = 0
                 for key, c, f, pf, e, pe in items:
-                    _, fr, _, er = moves[key]
+                    m = moves[key]
                     src, off = host[key][buf.field], self.offsets.get(key, 0)
                     if len(pf):
-                        rows = self._local(key, fr[f], off, len(src))
+                        rows = self._local(key, m.fill_rows[f], off, len(src))
                         fp[j][f_at : f_at + len(pf)] = pf - lane.lo
                         _rows_into(fv[j][f_at : f_at + len(pf)], src, rows, c)
                         if late is not None and late[key][f].any():
-                            patches.append((i, j, f_at, src, rows, late[key][f], c))
+                            patches.append(LateFill(i, j, f_at, src, rows, late[key][f], c))
                         f_at += len(pf)
                     if len(pe):
                         ep[j][e_at : e_at + len(pe)] = pe - lane.lo
-                        rows = self._local(key, er[e], off, len(src))
-                        parts_out.append((i, lane.device, src, rows, e_at, c.col, c.cols))
+                        rows = self._local(key, m.evict_rows[e], off, len(src))
+                        parts_out.append(HostWrite(i, lane.device, src, rows, e_at, c.col,
+                                                   c.cols))  # fmt: skip
                         e_at += len(pe)
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
-        patched = {p[0] for p in patches}
+        patched = {p.buffer for p in patches}
         if self.staging is not None:  # to pinned host memory now (a prefetch's thread)
             fill_vals = [v if i in patched else self._global(i, v, n, self.staging[i])
                          for i, v in enumerate(fill_vals)]  # fmt: skip
@@ -219,40 +286,42 @@ class Mover:
             lanes[j].device, memory_kind=kind)) for j in sorted(chunks)]  # fmt: skip
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
-    def _stage_inplace(self, moves) -> InPlace | None:
-        n = max([0, *(max(len(moves[k][0]), len(moves[k][2])) for _, k, _, _ in self.parts)])
+    def _stage_inplace(self, moves: Mapping[str, Move]) -> InPlace | None:
+        n = max([0, *(max(len(moves[p.key].fill_slots), len(moves[p.key].evict_slots))
+                      for p in self.parts)])  # fmt: skip
         if not n:
             return None
         n = _bucket(n)
         out = InPlace(*(np.full((len(self.parts), n), -1, np.int32) for _ in range(2)),
                       *(np.zeros((len(self.parts), n), np.int64) for _ in range(2)))  # fmt: skip
-        for j, (_, key, c, evicts) in enumerate(self.parts):
-            fs, fr, es, er = moves[key]
-            out.fill_pos[j, : len(fs)] = c.positions(fs)
-            out.fill_rows[j, : len(fr)] = fr
-            if evicts:
-                out.evict_pos[j, : len(es)] = c.positions(es)
-                out.evict_rows[j, : len(er)] = er
+        for j, p in enumerate(self.parts):
+            m = moves[p.key]
+            out.fill_pos[j, : len(m.fill_slots)] = p.columns.positions(m.fill_slots)
+            out.fill_rows[j, : len(m.fill_rows)] = m.fill_rows
+            if p.evicts:
+                out.evict_pos[j, : len(m.evict_slots)] = p.columns.positions(m.evict_slots)
+                out.evict_rows[j, : len(m.evict_rows)] = m.evict_rows
         return out
 
     def check_host(self, host: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         """In place, the kernel reads whole rows at each host array's address: every
         one must still be contiguous (a field replaced rather than filled may not be)."""
-        for i, key, _, _ in self.parts if self.inplace else ():
-            field = self.buffers[i].field
-            if not host[key][field].flags.c_contiguous:
-                name = self.names.get(key, key)
+        for p in self.parts if self.inplace else ():
+            field = self.buffers[p.buffer].field
+            if not host[p.key][field].flags.c_contiguous:
+                name = self.names.get(p.key, p.key)
                 raise ValueError(f"host table {name!r} field {field!r} was replaced by a "
                                  "non-contiguous array; fill it in place")  # fmt: skip
 
     def _apply_inplace(self, arrays, staged: InPlace, host) -> tuple[list[jax.Array], Pending]:
         self.check_host(host)
         attrs, keep = [], []
-        for i, key, c, _ in self.parts:
-            h = host[key][self.buffers[i].field]
+        for p in self.parts:
+            h, c = host[p.key][self.buffers[p.buffer].field], p.columns
             keep.append(h)
             wide = h.ndim == 2
-            attrs.append((i, h.ctypes.data, len(h), h.strides[0], c.col * h.itemsize if wide else 0,
+            attrs.append((p.buffer, h.ctypes.data, len(h), h.strides[0],
+                          c.col * h.itemsize if wide else 0,
                           (c.cols if wide else 1) * h.itemsize))  # fmt: skip
         attrs = tuple(attrs)
         if attrs not in self._programs:  # the host arrays' addresses are in the program
@@ -274,13 +343,13 @@ class Mover:
         if isinstance(staged, InPlace):
             return self._apply_inplace(arrays, staged, host)
         fill_vals = list(staged.fill_vals)
-        for i, j, at, src, rows, late, c in staged.patches:  # their rows are back on the host
-            where = np.flatnonzero(late)
-            fv, vals = fill_vals[i][j], _columns(src, rows[where], c)
+        for p in staged.patches:  # their rows are back on the host
+            where = np.flatnonzero(p.late)
+            fv, vals = fill_vals[p.buffer][p.lane], _columns(p.host, p.rows[where], p.columns)
             if fv.ndim == 1:
-                fv[at + where] = vals
+                fv[p.at + where] = vals
             else:
-                fv[at + where, : c.cols] = vals
+                fv[p.at + where, : p.columns.cols] = vals
         kinds = self.staging or self.chunks
         fill_vals = [v if isinstance(v, jax.Array) else self._global(i, v, staged.n, kinds[i])
                      for i, v in enumerate(fill_vals)]  # fmt: skip
@@ -320,13 +389,13 @@ class Mover:
             return Pending(self._programs["gather"](list(arrays), evict_pos), staged.parts)
         self.check_host(host)
         jax.block_until_ready(arrays)
-        for j, (i, key, c, evicts) in enumerate(self.parts):
-            at = staged.evict_pos[j]
-            keep = at >= 0 if evicts else np.zeros(len(at), bool)
+        for j, p in enumerate(self.parts):
+            at, c = staged.evict_pos[j], p.columns
+            keep = at >= 0 if p.evicts else np.zeros(len(at), bool)
             if not keep.any():
                 continue
             at, rows = at[keep], staged.evict_rows[j][keep]
-            src, h = np.asarray(arrays[i]), host[key][self.buffers[i].field]  # no copies
+            src, h = np.asarray(arrays[p.buffer]), host[p.key][self.buffers[p.buffer].field]
             if h.ndim == 1:
                 h[rows] = src[at]
             else:
@@ -351,8 +420,8 @@ class Staged(NamedTuple):
     fill_pos: list[dict[int, np.ndarray]]  # lane positions: rows of its device's block
     fill_vals: list  # dict[int, np.ndarray] or jax.Array
     evict_pos: list[dict[int, np.ndarray]]
-    parts: list  # as Pending.parts
-    patches: list  # (buffer, lane, first fill, host field, rows, late mask, Columns)
+    parts: list[HostWrite]  # the evictions' writes, as Pending.parts
+    patches: list[LateFill]
 
 
 def _contiguous(*arrays: np.ndarray) -> bool:
@@ -461,18 +530,15 @@ def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
     return arrays, [a.reshape(-1)[:1] for a in arrays]
 
 
-INPLACE = None  # the in-place CPU path: None = where it applies (tests force it off)
-
-
-def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
+def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host) -> bool:
     """Whether moves can run in place (``jaxrec_cache_move``): the C++ kernels
     registered, every buffer on one CPU device, the host arrays contiguous, of the
     buffer's dtype and row shape."""
-    if INPLACE is False or not buffers or jax.process_count() > 1:
+    if not buffers or jax.process_count() > 1:
         return False
-    for i, key, c, _ in parts:
-        b = buffers[i]
-        h = host[key][b.field]
+    for p in parts:
+        b, c = buffers[p.buffer], p.columns
+        h = host[p.key][b.field]
         devs = b.array.sharding.device_set
         ok = (
             len(devs) == 1 and next(iter(devs)).platform == "cpu"
@@ -485,18 +551,15 @@ def _inplace(buffers: list[Buffer], parts: list, host) -> bool:
     return available()  # the FFI target registered (the CPU backend, the extension)
 
 
-PINNED = None  # stage in pinned host memory: None = off the CPU (tests force it on CPU)
-
-
-def _staging(chunks: list) -> list | None:
+def _staging(chunks: list, pinned: bool | None) -> list | None:
     """Pinned-host shardings for the moves' rows, or None (the CPU, where host and
     device memory are one, or a backend without pinned host memory). Each device's
     rows are its own lane (``lanes``): it copies them across over its own link, and
-    the host stages one copy of each row."""
+    the host stages one copy of each row. ``pinned``: as ``MovePaths.pinned``."""
     if not chunks:
         return None
     dev = next(iter(chunks[0].device_set))
-    use = PINNED if PINNED is not None else dev.platform != "cpu"
+    use = pinned if pinned is not None else dev.platform != "cpu"
     if not use or "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
         return None
     return [s.with_memory_kind("pinned_host") for s in chunks]

@@ -48,8 +48,9 @@ from .changes import ChangedRows, changed_rows
 from .device_maps import DeviceSlotMaps
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
-from .mover import Mover, Pending, Staged, columns
-from .slots import CacheTooSmallError, SlotMap
+from .inflight import InFlight
+from .mover import MovePaths, Mover, Staged, columns
+from .slots import CacheTooSmallError, Move, SlotMap
 from .unloaded import device_rows
 
 
@@ -108,6 +109,8 @@ class RowCache:
             (the default on a CPU, where it is faster, and the only choice with several
             processes): fully associative maps on the host (``SlotMap``), planned by
             C++ passes over every id.
+        move_paths: the move paths allowed (:class:`MovePaths`; default: each where it
+            applies: in place on a CPU, staged in pinned host memory off it).
 
     A model-parallel state is supported for any sharding type but data parallel;
     row shards keep their own caches. With several processes, each holds the host rows
@@ -135,6 +138,7 @@ class RowCache:
         threads: int | None = None,
         timeout_s: float = 600.0,
         slot_maps: str | None = None,
+        move_paths: MovePaths | None = None,
     ):
         self.graphdef, self.optimizer = graphdef, optimizer
         layout = table_buffers(graphdef, optimizer, state)
@@ -182,7 +186,8 @@ class RowCache:
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         names = {t.key: t.name for t in self.tables.values()}
         offsets = {t.key: t.host.rows[0] for t in self.tables.values()}
-        self._mover = Mover(layout.buffers, self._host, names, offsets)
+        self._mover = Mover(layout.buffers, self._host, names, offsets,
+                            move_paths or MovePaths())  # fmt: skip
         self._tag = f"jaxrec-cache-{next(_CACHES)}"  # the same on every process (same order)
         self._peers: exchange.Peers | None = None
         self._closed = False
@@ -194,23 +199,14 @@ class RowCache:
             for f, a in t.host.fields.items()
         }
         self._held: Prepared | None = None  # a batch whose load failed before it moved rows
-        self._pending: tuple[Pending, int] | None = None
-        self._unsaved: list = []  # (serial, {key: evicted rows}) not yet back on the host
-        # per table, how many unsaved batches evict each of this process's host rows (a
-        # uint8 per row: O(fills) to find a fill whose value is not back yet); the
-        # in-place path has none
-        self._inflight = {}
-        self._offsets = offsets  # the first logical row each host table holds here
-        if not self._mover.inplace:
-            for t in self.tables.values():
-                self._inflight[t.key] = np.zeros(t.host.rows[1] - t.host.rows[0], np.uint8)
+        # evictions not back on the host yet (in place, moves read the host in order)
+        self._inflight = InFlight(self.tables.values(), counting=not self._mover.inplace)
         self._threads = max(1, min(len(self.tables), threads or os.cpu_count() or 1))
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
         # each prepared batch not loaded yet: serial -> (its moves, its staged move)
         self._unloaded: dict[int, tuple[dict, Staged | None]] = {}
         self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
-        self._unsaved_lock = threading.Lock()
         self._changes: ChangedRows | None = None  # rows written back since the last delta link
         self.stats = {name: CacheStats() for name in self.tables}
 
@@ -230,11 +226,7 @@ class RowCache:
             error = None
             try:  # before anything changes
                 self._check_host()
-                if len(self._unsaved) >= _MAX_UNSAVED:
-                    raise ValueError(
-                        f"{len(self._unsaved)} prepared batches are not loaded yet: load "
-                        f"some first (at most {_MAX_UNSAVED} may wait)"
-                    )
+                self._inflight.check_room()
             except ValueError as e:
                 error = e
             if error is not None and self._maps is not None:
@@ -265,11 +257,7 @@ class RowCache:
                 staged = self._mover.stage(moves, self._host)
             else:
                 staged = self._mover.stage(moves, self._host, self._late(moves))
-                with self._unsaved_lock:
-                    evicted = {k: m[3] - self._offsets[k] for k, m in moves.items()}
-                    for k, rows in evicted.items():
-                        self._inflight[k][rows] += 1  # distinct rows: one add each
-                    self._unsaved.append((self._prepared, evicted))
+                self._inflight.add(self._prepared, moves)
             self._unloaded[self._prepared] = (moves, staged)
             by_id = {id(o): with_values(k, v) for o, k, v in zip(originals, kjts, new, strict=True)}
             out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
@@ -370,19 +358,17 @@ class RowCache:
         wait(futures)
         return [f.result() for f in futures]
 
-    def _late(self, moves) -> dict[str, np.ndarray] | None:
+    def _late(self, moves: dict[str, Move]) -> dict[str, np.ndarray] | None:
         """Per table, which fill rows an earlier prepared batch evicts and whose value is
         not back on the host yet (they are copied at load time)."""
-        with self._unsaved_lock:
-            if not self._unsaved:
-                return None
-            out = {key: self._inflight[key][m[1] - self._offsets[key]] > 0
-                   for key, m in moves.items()}  # fmt: skip
+        out = self._inflight.late(moves)
+        if out is None:
+            return None
         for name, t in self.tables.items():
             self.stats[name].late += int(out[t.key].sum())
         return out
 
-    def _commit(self, t: CachedTable, n_ids: int, plans):
+    def _commit(self, t: CachedTable, n_ids: int, plans) -> Move:
         st = self.stats[t.name]
         st.ids += n_ids
         none = np.zeros(0, np.int64)
@@ -399,7 +385,7 @@ class RowCache:
             st.evictions += len(a.evict_rows)
         fs, fr = (np.concatenate(x) for x in zip(*fills, strict=True))
         es, er = (np.concatenate(x) for x in zip(*evicts, strict=True))
-        return fs, fr, es, er
+        return Move(fs, fr, es, er)
 
     # ----- device: apply a prepared batch -----
     def load(self, state: TrainState, prepared: Prepared) -> TrainState:
@@ -444,7 +430,7 @@ class RowCache:
         if self._changes is not None and moves:  # evicted: changed since the link, maybe
             self._changes.written_back(moves)
         if prepared.staged is None:
-            self._written(prepared.serial)
+            self._inflight.release(prepared.serial)
         return state
 
     def _check_host(self) -> None:
@@ -463,7 +449,7 @@ class RowCache:
     def _apply(self, state, staged, serial):
         wheres = [b.where for b in self._mover.buffers]
         new, pending = self._mover.apply(_arrays(state, wheres), staged, self._host)
-        self._pending = (pending, serial)
+        self._inflight.hold(pending, serial)
         return replace_tables(state, dict(zip(wheres, new, strict=True)), {})
 
     def load_batch(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -476,20 +462,9 @@ class RowCache:
     def write_back(self) -> None:
         """Waits for the last load's evicted rows and writes them to host memory (kept
         for another try if that fails)."""
-        pending = self._pending
-        if pending is not None:
+        if self._inflight.pending is not None:
             with _annotate("write_back"):  # mostly a wait for the last load's program
-                pending[0].write_back()
-            self._pending = None
-            self._written(pending[1])
-
-    def _written(self, serial: int) -> None:
-        with self._unsaved_lock:
-            for s, evicted in self._unsaved:
-                if s <= serial:
-                    for k, rows in evicted.items():
-                        self._inflight[k][rows] -= 1
-            self._unsaved = [(s, ev) for s, ev in self._unsaved if s > serial]
+                self._inflight.write_back()
 
     def flush(self, state: TrainState) -> TrainState:
         """Copies every cached row (and its optimizer rows) to host memory, so the host
@@ -506,7 +481,7 @@ class RowCache:
             none = np.zeros(0, np.int64)
             most = max([0, *(len(es) for es, _ in moves.values())])
             for lo in range(0, most, _FLUSH_ROWS):  # a bounded temporary, not the cache's size
-                chunk = {k: (none, none, es[lo : lo + _FLUSH_ROWS], er[lo : lo + _FLUSH_ROWS])
+                chunk = {k: Move(none, none, es[lo : lo + _FLUSH_ROWS], er[lo : lo + _FLUSH_ROWS])
                          for k, (es, er) in moves.items()}  # fmt: skip
                 staged = self._mover.stage(chunk, self._host)
                 if staged is not None:  # copies out only: nothing donated, the state stays
@@ -561,11 +536,9 @@ class RowCache:
 
     def clear(self) -> None:
         """Forgets what is cached (after the host tables were replaced, e.g. restored)."""
-        self._pending = self._held = None
-        self._unsaved = []
+        self._held = None
+        self._inflight.clear()
         self._unloaded = {}
-        for inflight in self._inflight.values():
-            inflight.fill(0)
         self._prepared = self._loaded = 0
         self._changes = None  # the host tables were replaced: a new delta base is needed
         if self._maps is not None:
@@ -685,7 +658,6 @@ _THREAD_IDS = 1 << 16
 # in pinned host memory off the CPU) stay bounded, not the size of the cache (tens of GB
 # at production size); 64 MB of 1 KB rows
 _FLUSH_ROWS = 1 << 16
-_MAX_UNSAVED = 255  # batches whose evicted rows are not back yet: the uint8 counts' bound
 _CACHES = itertools.count()  # RowCache objects made in this process: their exchange tags
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()

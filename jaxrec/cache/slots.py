@@ -53,6 +53,16 @@ class Assignment(NamedTuple):
     hits: int  # distinct rows found cached
 
 
+class Move(NamedTuple):
+    """A table's moves for one batch, by logical row (global slots, int64): the rows
+    written back to the host first (``evict_*``), then the missed rows copied in."""
+
+    fill_slots: np.ndarray  # [M] slots that receive a missed row
+    fill_rows: np.ndarray  # [M] the missed rows
+    evict_slots: np.ndarray  # [V] slots whose row goes back to the host first
+    evict_rows: np.ndarray  # [V] those rows
+
+
 class SlotMap:
     """The cache state of one shard: ``rows`` table rows, ``slots`` device slots.
 

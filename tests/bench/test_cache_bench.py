@@ -4,7 +4,8 @@ import json
 
 import cache
 
-from jaxrec.cache import mover, native
+import jaxrec.cache as jc
+from jaxrec.cache import native
 
 
 def test_tiny_preset_records(capsys):
@@ -44,12 +45,14 @@ def test_steady_state_flags(capsys):
 
 def test_staged_flag(capsys, monkeypatch):
     """``--staged``: the moves go through pinned host staging, as off the CPU."""
-    monkeypatch.setattr(mover, "INPLACE", mover.INPLACE)  # restored after the test
-    monkeypatch.setattr(mover, "PINNED", mover.PINNED)
+    made, real = [], jc.RowCache
+    monkeypatch.setattr(jc, "RowCache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
             "--staged"]  # fmt: skip
     assert cache.main(argv) == 0
-    assert mover.INPLACE is False and mover.PINNED is True
+    assert made and all(c._mover.paths == jc.MovePaths(inplace=False, pinned=True)
+                        for c in made)  # fmt: skip
+    assert not any(c._mover.inplace for c in made)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     (case,) = [r for r in lines if "cached_step_ms" in r]
     assert case["staged"] is True and case["rows_in_per_step"] > 0

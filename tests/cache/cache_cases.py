@@ -99,11 +99,13 @@ def fused(plan):
         for k, p in plan.items()})  # fmt: skip
 
 
-def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="device"):
+def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="device",
+                move_paths=None):  # fmt: skip
     """The cached model holding the same values as the all-device ``state``:
     ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables;
     ``slot_maps``: the device's by default (on a CPU, RowCache's default is the host's:
-    the tests run the device maps unless they ask for the host's)."""
+    the tests run the device maps unless they ask for the host's); ``move_paths``:
+    ``RowCache``'s."""
     if plan is None:
         device_configs, device_plan = jc.cached_configs(configs(), params), None
     else:
@@ -122,7 +124,8 @@ def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="d
     tables = {k: (l2.tables[k] if k.split(".")[-1] in CACHED else v)
               for k, v in logical.tables.items()}  # fmt: skip
     s2 = ckpt.place_state(g2, opt, s2, logical._replace(tables=tables))
-    return g2, s2, jc.RowCache(g2, opt, s2, hosts, params, slot_maps=slot_maps)
+    return g2, s2, jc.RowCache(g2, opt, s2, hosts, params, slot_maps=slot_maps,
+                               move_paths=move_paths)  # fmt: skip
 
 
 def logical_tables(graphdef, opt, state, cache=None):

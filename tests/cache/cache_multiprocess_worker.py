@@ -94,7 +94,7 @@ def main(process_id: int, port: int, directory: str) -> int:
     start = tables(graphdef, state)
     step = train.make_train_step(graphdef, opt, loss_fn)
 
-    def cached():
+    def cached(paths=None):
         slot_configs, slot_plan = jc.device_plan(configs(), plan)
         g2, s2 = build(opt, slot_configs, slot_plan, mesh)
         for name, w in tables(g2, s2).items():  # what is not cached starts alike
@@ -106,14 +106,13 @@ def main(process_id: int, port: int, directory: str) -> int:
                 lo, hi = jc.host_rows(g2, opt, s2, c)
                 w = start[c.name][lo:hi]
                 hosts[c.name] = jc.HostTable.from_arrays(c, opt.for_table(c.name), w, rows=(lo, hi))
-        cache = jc.RowCache(g2, opt, s2, hosts, params, timeout_s=60)
+        cache = jc.RowCache(g2, opt, s2, hosts, params, timeout_s=60, move_paths=paths)
         cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
         return s2, cache, cstep
 
     s_a, cache_a, step_a = cached()
-    jc.mover.PINNED = True  # the pipelined one stages in pinned host memory, as on GPUs
-    s_b, cache_b, step_b = cached()
-    jc.mover.PINNED = None
+    # the pipelined one stages in pinned host memory, as on GPUs
+    s_b, cache_b, step_b = cached(jc.MovePaths(pinned=True))
     assert cache_a._mover.staging is None and cache_b._mover.staging is not None
     rng = np.random.default_rng(1)
     batches = [[local_batch(rng, 3) for _ in range(WORLD)] for _ in range(STEPS)]

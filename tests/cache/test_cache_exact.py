@@ -123,20 +123,18 @@ def test_model_parallel_refuses_a_cached_plan():
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_a_refused_host_field_leaves_the_cache_valid(monkeypatch, inplace):
+def test_a_refused_host_field_leaves_the_cache_valid(inplace):
     """A host field replaced rather than filled in place (another shape; in place, a
     non-contiguous copy) is refused with its name, before anything changes:
     - when a batch is prepared: put it back and the same step trains exactly;
     - when a prefetched batch is loaded: put it back and load it again (exact), or go
       on with the next batch, whose load loads the refused one's rows first (that
       batch is then not trained on, here nor in the all-device model)."""
-    from jaxrec.cache import mover
-
-    monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
     opt = optimizer(optim.rowwise_adagrad(0.3))
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
     graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params,
+                                move_paths=jc.MovePaths(inplace=inplace))  # fmt: skip
     assert cache._mover.inplace == inplace
     step = train.make_train_step(graphdef, opt, loss_fn)
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)

@@ -29,10 +29,9 @@ COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "
 
 
 @pytest.mark.parametrize("depth,inplace", [(1, False), (3, False), (3, True)])
-def test_prefetched_equals_unprefetched(monkeypatch, depth, inplace):
+def test_prefetched_equals_unprefetched(depth, inplace):
     """On both move paths: staged (rows an in-flight batch evicts are patched at load
     time) and in place (the CPU's: moves read the host in program order)."""
-    monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
     opt = optimizer(optim.rowwise_adagrad(0.3))
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
     graphdef, state = build(opt)
@@ -40,7 +39,8 @@ def test_prefetched_equals_unprefetched(monkeypatch, depth, inplace):
     batches = [local_batch(rng) for _ in range(10)]
     runs = []
     for prefetch in (False, True):
-        g2, s2, cache = cached_twin(opt, graphdef, state, params)
+        g2, s2, cache = cached_twin(opt, graphdef, state, params,
+                                    move_paths=jc.MovePaths(inplace=inplace))  # fmt: skip
         assert cache._mover.inplace == inplace
         step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
         losses = []
@@ -105,12 +105,11 @@ def test_evaluation_through_load_batch():
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_pinned_host_staging(monkeypatch, sharded):
+def test_pinned_host_staging(sharded):
     """Rows staged in pinned host memory (the default off the CPU, forced here) move as
     the direct path moves them: the cached model stays equal to the all-device one."""
     if sharded and len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (a GPU machine with one runs the unsharded case)")
-    monkeypatch.setattr(mover, "PINNED", True)  # (not in place: that is for CPU memory)
     opt = optimizer(optim.rowwise_adagrad(0.3))
     lf = {"big": 0.4, "mean": 0.2} if sharded else {"big": 0.3, "mean": 0.3}
     params = {t: jc.CacheParams(load_factor=lf[t]) for t in CACHED}
@@ -120,7 +119,8 @@ def test_pinned_host_staging(monkeypatch, sharded):
         gens = {"big": d.row_wise(), "mean": d.table_wise(1), "small": d.table_wise(0)}
         plan = logical_plan(gens, mesh, params)
     graphdef, state = build(opt, plan=None if plan is None else fused(plan), mesh=mesh)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params, plan, mesh)
+    paths = jc.MovePaths(pinned=True)  # (not in place: that is for CPU memory)
+    g2, s2, cache = cached_twin(opt, graphdef, state, params, plan, mesh, move_paths=paths)
     assert cache._mover.staging is not None
     step = train.make_train_step(graphdef, opt, loss_fn)
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)
@@ -160,33 +160,33 @@ def test_pinned_host_staging(monkeypatch, sharded):
 
 def _inflight_reference(cache):
     """Per table, how many unsaved batches evict each row, from the unsaved list."""
-    out = {k: np.zeros_like(v, np.int64) for k, v in cache._inflight.items()}
-    for _, evicted in cache._unsaved:
-        for k, rows in evicted.items():
+    out = {k: np.zeros_like(v, np.int64) for k, v in cache._inflight.counts.items()}
+    for batch in cache._inflight.batches:
+        for k, rows in batch.rows.items():
             np.add.at(out[k], rows, 1)
     return out
 
 
-def _staged_sgd_cache(monkeypatch, load_factor):
+def _staged_sgd_cache(load_factor):
     """``(state, RowCache)`` of the cached twin on the staged path, SGD."""
-    monkeypatch.setattr(mover, "INPLACE", False)
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
     params = {t: jc.CacheParams(load_factor=load_factor) for t in CACHED}
-    _, s2, cache = cached_twin(opt, graphdef, state, params)
+    _, s2, cache = cached_twin(opt, graphdef, state, params,
+                               move_paths=jc.MovePaths(inplace=False))  # fmt: skip
     return s2, cache
 
 
-def test_inflight_counts_follow_unsaved_batches(monkeypatch):
+def test_inflight_counts_follow_unsaved_batches():
     """Staged path: the per-row counts that find late fills equal the unsaved batches'
     evictions after every prepare, load and write-back, and are all zero once flushed."""
-    s2, cache = _staged_sgd_cache(monkeypatch, 0.3)
+    s2, cache = _staged_sgd_cache(0.3)
     rng = np.random.default_rng(4)
     queue = []
 
     def check():
         ref = _inflight_reference(cache)
-        for k, v in cache._inflight.items():
+        for k, v in cache._inflight.counts.items():
             np.testing.assert_array_equal(v, ref[k])
 
     for _ in range(9):
@@ -195,17 +195,18 @@ def test_inflight_counts_follow_unsaved_batches(monkeypatch):
         if len(queue) == 3:  # three batches ahead, as a depth-3 pipeline
             s2 = cache.load(s2, queue.pop(0))
             check()
-    assert max(int(v.max()) for v in cache._inflight.values()) >= 1
+    assert max(int(v.max()) for v in cache._inflight.counts.values()) >= 1
     for p in queue:
         s2 = cache.load(s2, p)
     s2 = cache.flush(s2)
-    assert all(not v.any() for v in cache._inflight.values()) and not cache._unsaved
+    assert all(not v.any() for v in cache._inflight.counts.values())
+    assert not cache._inflight.batches
 
 
-def test_too_many_unloaded_batches_are_refused(monkeypatch):
+def test_too_many_unloaded_batches_are_refused():
     """The staged path counts unsaved evictions in a byte per row: the 256th prepared
     batch not loaded is refused, before anything changes, and loading goes on."""
-    s2, cache = _staged_sgd_cache(monkeypatch, 0.5)
+    s2, cache = _staged_sgd_cache(0.5)
     rng = np.random.default_rng(5)
     one = local_batch(rng, 1)
     prepared = [cache.prepare(one) for _ in range(255)]
@@ -269,21 +270,21 @@ def test_planning_threads_work_in_a_forked_child():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def _twin(sparse=None):
+def _twin(sparse=None, move_paths=None):
     """The all-device model and its cached twin (load factor 0.3): ``(opt, graphdef,
     state, g2, s2, cache)``."""
     opt = optimizer(sparse or optim.rowwise_adagrad(0.3))
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
     graphdef, state = build(opt)
-    return (opt, graphdef, state, *cached_twin(opt, graphdef, state, params))
+    return (opt, graphdef, state,
+            *cached_twin(opt, graphdef, state, params, move_paths=move_paths))  # fmt: skip
 
 
 def _stopped_pipeline(inplace, monkeypatch, steps, batches, depth=2):
     """A prefetching pipeline over ``batches`` after ``steps`` steps (not exhausted: it
     holds batches prefetched), and the all-device model trained on the same steps."""
-    monkeypatch.setattr(mover, "INPLACE", None if inplace else False)
     monkeypatch.setattr(row_cache, "_FLUSH_ROWS", 7)  # a flush copies in several chunks
-    opt, graphdef, state, g2, s2, cache = _twin()
+    opt, graphdef, state, g2, s2, cache = _twin(move_paths=jc.MovePaths(inplace=inplace))
     assert cache._mover.inplace == inplace
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
     pipe = train.TrainPipeline(cstep, s2, to_device=jc.prefetching(cache), depth=depth)

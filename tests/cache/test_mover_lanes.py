@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec.cache import mover
+from jaxrec.cache.slots import Move
 from jaxrec.checkpoint.layout import Buffer
 from jaxrec.embedding.blocks import Block
 
@@ -22,8 +23,8 @@ def _buffer(mesh, spec):
 
 
 def _move(fill_slots, fill_rows, evict_slots, evict_rows):
-    return {"t": tuple(np.array(x, np.int64) for x in
-                       (fill_slots, fill_rows, evict_slots, evict_rows))}  # fmt: skip
+    return {"t": Move(*(np.array(x, np.int64) for x in
+                        (fill_slots, fill_rows, evict_slots, evict_rows)))}  # fmt: skip
 
 
 def test_replicated_rows_fill_every_replica_and_read_back_once():
