@@ -39,7 +39,7 @@ def shard_lanes(weights, key: str, slots: int):
 
 def shard_owners(weights, key: str, slots: int, n_shards: int) -> np.ndarray:
     """The process whose devices hold each row shard's slots (a shard on devices of two
-    processes was refused before, by ``_held_rows``)."""
+    processes was refused before, by ``placement.held_rows``)."""
     owner = np.full(n_shards, -1, np.int64)
     for lane, first, end in shard_lanes(weights, key, slots):
         owner[first:end] = lane.device.process_index

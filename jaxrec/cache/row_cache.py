@@ -38,18 +38,18 @@ from flax import nnx
 from ..checkpoint.delta import ModelDeltaTracker, Published, Restored
 from ..checkpoint.delta_rows import marked
 from ..checkpoint.layout import HostRows, replace_tables, table_buffers
-from ..checkpoint.paths import components, table_key
+from ..checkpoint.paths import components
 from ..distributed.types import CacheParams
-from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
-from ..train.step import TrainState, merge_model
+from ..train.step import TrainState
 from . import exchange, owned
 from .changes import ChangedRows, changed_rows
 from .device_maps import DeviceSlotMaps
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .inflight import InFlight
-from .mover import MovePaths, Mover, Staged, columns
+from .mover import MovePaths, Mover, Staged
+from .placement import find_tables, held_rows, slot_shards
 from .slots import CacheTooSmallError, Move, SlotMap
 from .unloaded import device_rows
 
@@ -143,7 +143,7 @@ class RowCache:
         self.graphdef, self.optimizer = graphdef, optimizer
         layout = table_buffers(graphdef, optimizer, state)
         self.tables: dict[str, CachedTable] = {}
-        found, readers = _find_tables(graphdef, state, host_tables)
+        found, readers = find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
         on_host = _on_host(slot_maps, {d.platform for b in weights
                                        for d in b.array.sharding.device_set})  # fmt: skip
@@ -151,7 +151,7 @@ class RowCache:
         for name, host in host_tables.items():
             key, device = found[name]
             p = params if isinstance(params, CacheParams) else params[name]
-            n_shards, slots = _slot_shards(weights, key, device)
+            n_shards, slots = slot_shards(weights, key, device)
             if device.num_embeddings > np.iinfo(np.int32).max:  # slots are int32 ids
                 raise ValueError(
                     f"table {name!r}: {device.num_embeddings} cache slots in all exceed the "
@@ -165,7 +165,7 @@ class RowCache:
             check_host(name, host, device, optimizer, readers)
             rows = host.config.num_embeddings
             shard_rows = -(-rows // n_shards)
-            held = _held_rows(weights, key, slots, shard_rows, rows)
+            held = held_rows(weights, key, slots, shard_rows, rows)
             if host.rows != held:
                 raise ValueError(
                     f"host table {name!r} holds rows {list(host.rows)}, and this process's "
@@ -704,70 +704,6 @@ def _arrays(state: TrainState, wheres: list[tuple]) -> list[jax.Array]:
         else:
             out.append(getattr(state.opt_state.sparse[w[1]], w[2]))
     return out
-
-
-def _find_tables(graphdef, state, names) -> tuple[dict, dict]:
-    """``({table: (checkpoint key, device config)}, {feature: [tables reading it]})`` for
-    the cached tables ``names``."""
-    found, readers = {}, {}
-    for path, module in embedding_collections(merge_model(graphdef, state)):
-        for t in module.table_configs:
-            for f in tuple(t.feature_names) or (t.name,):
-                readers.setdefault(f, []).append(t.name)
-            if t.name in names:
-                if t.name in found:
-                    raise ValueError(f"two collections have a table named {t.name!r}")
-                found[t.name] = (table_key(path, module, t.name), t)
-    missing = sorted(set(names) - set(found))
-    if missing:
-        raise ValueError(f"host_tables names tables the model does not have: {missing}")
-    return found, readers
-
-
-def _slot_shards(weights, key: str, device) -> tuple[int, int]:
-    """``(row shards, slots per shard)`` of a cached table's device table."""
-    blocks = [c for b in weights for c in columns(b.blocks, key)]
-    n_shards = len(set(int(r) for c in blocks[:1] for r in c.rows))
-    return n_shards, device.num_embeddings // n_shards
-
-
-def _held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tuple[int, int]:
-    """The logical rows whose slots lie on this process's devices: ``(lo, hi)``. A row
-    shard must lie in one process: its host rows are written back from one."""
-    shards, elsewhere = set(), set()
-    for lane, first, end in owned.shard_lanes(weights, key, slots):
-        (shards if lane.local else elsewhere).update(range(first, end))
-    if shards & elsewhere:
-        raise ValueError(
-            f"table {key!r}: row shards {sorted(shards & elsewhere)} have slots on devices of "
-            "this process and of another (column pieces or replicas across processes); a "
-            "cached table's row shard must lie within one process: place its column pieces "
-            "on one process's devices"
-        )
-    if not shards:
-        return 0, 0
-    lo, hi = min(shards), max(shards) + 1
-    if len(shards) != hi - lo:
-        raise ValueError(
-            f"table {key!r}: this process's devices hold row shards {sorted(shards)}, not a "
-            "range: give each process's devices consecutive ranks"
-        )
-    return lo * shard_rows, min(rows, hi * shard_rows)
-
-
-def host_rows(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState,
-              config) -> tuple[int, int]:  # fmt: skip
-    """The logical rows ``(lo, hi)`` of cached table ``config`` (its logical config)
-    whose slots lie on this process's devices: what its ``HostTable`` holds here
-    (``HostTable.create(config, optimizer, rows=host_rows(...))``); all rows in one
-    process."""
-    found, _ = _find_tables(graphdef, state, [config.name])
-    key, device = found[config.name]
-    weights = [b for b in table_buffers(graphdef, optimizer, state).buffers
-               if b.field == "weight"]  # fmt: skip
-    n_shards, slots = _slot_shards(weights, key, device)
-    rows = config.num_embeddings
-    return _held_rows(weights, key, slots, -(-rows // n_shards), rows)
 
 
 def _annotate(phase: str) -> jax.profiler.TraceAnnotation:
