@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from .ids import CachedTable
+from .slots import Move
 
 
 class ChangedRows:
@@ -43,12 +44,11 @@ class ChangedRows:
         self.masks = {t.key: np.zeros(t.host.rows[1] - t.host.rows[0], np.bool_)
                       for t in tables}  # fmt: skip
 
-    def written_back(self, moves: Mapping[str, tuple]) -> None:
-        """Records a loaded batch's evictions: ``moves[key] = (fill_slots, fill_rows,
-        evict_slots, evict_rows)``, logical rows."""
-        for key, (_, _, _, evict_rows) in moves.items():
-            if len(evict_rows):
-                self.masks[key][evict_rows - self.offsets[key]] = True
+    def written_back(self, moves: Mapping[str, Move]) -> None:
+        """Records a loaded batch's evictions (its :class:`Move` per key, logical rows)."""
+        for key, m in moves.items():
+            if len(m.evict_rows):
+                self.masks[key][m.evict_rows - self.offsets[key]] = True
 
     def rows(self, key: str) -> np.ndarray:
         """The recorded logical rows of ``key``: ascending int64."""

@@ -205,7 +205,7 @@ class RowCache:
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
         # each prepared batch not loaded yet: serial -> (its moves, its staged move)
-        self._unloaded: dict[int, tuple[dict, Staged | None]] = {}
+        self._unloaded: dict[int, tuple[dict[str, Move], Staged | None]] = {}
         self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
         self._changes: ChangedRows | None = None  # rows written back since the last delta link
         self.stats = {name: CacheStats() for name in self.tables}

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .slots import Move
 
-def device_rows(slots: np.ndarray, rows: np.ndarray, later: list[tuple]) -> tuple:
+
+def device_rows(slots: np.ndarray, rows: np.ndarray, later: list[Move]) -> tuple:
     """``(slots, rows)`` the device holds: the maps' ``slots`` -> ``rows`` (which count
-    every prepared batch) less the moves of the batches not loaded yet, ``later``
-    (``(fill_slots, fill_rows, evict_slots, evict_rows)`` each, in prepare order). A slot
+    every prepared batch) less the moves of the batches not loaded yet, ``later`` (a
+    :class:`Move` each, in prepare order). A slot
     such a batch moves holds the row the first of them evicts from it; a slot it fills
     first (never used before) holds no row yet."""
     if not later:

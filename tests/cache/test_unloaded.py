@@ -4,6 +4,7 @@ simulation of the device's moves."""
 import numpy as np
 import pytest
 
+from jaxrec.cache.slots import Move
 from jaxrec.cache.unloaded import device_rows
 
 
@@ -25,7 +26,7 @@ def test_device_rows_match_a_simulated_device(seed):
         evict_slots = np.sort(victims).astype(np.int64)
         evict_rows = np.array([maps[s] for s in evict_slots], np.int64)
         maps.update(zip(fill_slots.tolist(), fill_rows.tolist(), strict=True))
-        later.append((fill_slots, fill_rows, evict_slots, evict_rows))
+        later.append(Move(fill_slots, fill_rows, evict_slots, evict_rows))
     s = np.array(list(maps), np.int64)
     r = np.array([maps[x] for x in s.tolist()], np.int64)
     got_s, got_r = device_rows(s, r, later)
