@@ -169,7 +169,7 @@ def device_tables(configs, plan, cached):
     return device_plan(configs, plan)
 
 
-def row_cache(config, data, configs, cached, graphdef, optimizer, state) -> RowCache:
+def row_cache(config: DlrmJobConfig, data, configs, cached, graphdef, optimizer, state) -> RowCache:
     """The ``RowCache`` of the cached tables, each process's host tables holding the
     rows its devices cache (``host_rows``), drawn on the host with the values the
     all-device model of the same ``--seed`` has (its collection's init key)."""

@@ -340,14 +340,18 @@ def evaluate(eval_step, state, data, config: DlrmJobConfig, mesh) -> dict[str, f
     return _evaluate(eval_step, state, data, config, mesh, None)[0]
 
 
-def evaluate_cached(eval_step, state, data, config, mesh, cache) -> tuple[dict[str, float], Any]:
+def evaluate_cached(
+    eval_step, state, data, config: DlrmJobConfig, mesh, cache
+) -> tuple[dict[str, float], Any]:
     """``(metrics, state)``: :func:`evaluate` of a model whose cached tables are in
     ``cache`` (a ``RowCache``): each batch's rows are loaded before its step (which takes
     ``state``: go on with the state returned). Call it with no batch prefetched."""
     return _evaluate(eval_step, state, data, config, mesh, cache)
 
 
-def _evaluate(eval_step, state, data, config, mesh, cache) -> tuple[dict[str, float], Any]:
+def _evaluate(
+    eval_step, state, data, config: DlrmJobConfig, mesh, cache
+) -> tuple[dict[str, float], Any]:
     """The metrics of :func:`evaluate`, and the state (after the cache's loads).
 
     The rows after the last full global batch are spread over the devices and
