@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxrec import inference
+from jaxrec.jobs.dlrm_flags import parse_config
 from jaxrec.jobs.dlrm_parts import load_data
 from jaxrec.jobs.from_run import click_probability, model_from_run
-from jaxrec.jobs.train_dlrm import parse_args
 from jaxrec.metrics import roc_auc
 
 
@@ -74,8 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def eval_auc(run_dir: str, artifact: str) -> float:
     """The artifact's AUC on the run's eval set, through ``load`` (as a server runs it)."""
     saved = json.loads((Path(run_dir) / "args.json").read_text())["args"]
-    run_args = argparse.Namespace(**{**vars(parse_args([])), **saved})
-    _, data = load_data(run_args)
+    _, data = load_data(parse_config([]).replace_known(saved))
     predict = inference.load(artifact)
     probs, labels = [], []
     for b in data.batches(1024, shuffle=False, drop_last=False):

@@ -9,7 +9,6 @@ whole on a device); the device holds ``--cache-load-factor`` of its rows.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -36,69 +35,70 @@ from ..datasets import Part
 from ..distributed import EmbeddingModuleShardingPlan, init_keys
 from ..distributed.planner import MissRateCurve, ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
+from .dlrm_config import DlrmJobConfig
 from .dlrm_parts import EBC_PATH, build_model, logical_plan, make_mesh
 
 CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING
 
 
-def check_cache_flags(args: argparse.Namespace) -> None:
+def check_cache_flags(config: DlrmJobConfig) -> None:
     """Fails early (before any data is read) on cache flags that cannot work."""
-    if args.hbm_gib is not None and args.sharding != "planner":
+    if config.hbm_gib is not None and config.sharding != "planner":
         raise SystemExit("--hbm-gib is the planner's device memory: use --sharding planner")
-    if args.hbm_gib is not None and not args.hbm_gib > 0:
-        raise SystemExit(f"--hbm-gib must be positive, got {args.hbm_gib}")
-    if not 0 < args.cache_load_factor <= 1:
+    if config.hbm_gib is not None and not config.hbm_gib > 0:
+        raise SystemExit(f"--hbm-gib must be positive, got {config.hbm_gib}")
+    if not 0 < config.cache_load_factor <= 1:
         raise SystemExit(
             f"--cache-load-factor must be in (0, 1] (the cached share of a table's rows), "
-            f"got {args.cache_load_factor}"
+            f"got {config.cache_load_factor}"
         )
-    if args.cache_statistics_batches < 0:
+    if config.cache_statistics_batches < 0:
         raise SystemExit(
-            f"--cache-statistics-batches must be 0 or more, got {args.cache_statistics_batches}"
+            f"--cache-statistics-batches must be 0 or more, got {config.cache_statistics_batches}"
         )
-    if args.cache_statistics_batches and args.sharding != "planner":
+    if config.cache_statistics_batches and config.sharding != "planner":
         raise SystemExit("--cache-statistics-batches prices the planner's caches: use "
                          "--sharding planner")  # fmt: skip
-    if args.cache_scale_up and args.sharding != "planner":
+    if config.cache_scale_up and config.sharding != "planner":
         raise SystemExit("--cache-scale-up is the planner's: use --sharding planner")
-    if args.cache_scale_up and args.devices == 1 and args.hbm_gib is None:
+    if config.cache_scale_up and config.devices == 1 and config.hbm_gib is None:
         raise SystemExit("--cache-scale-up: one device plans only with --hbm-gib")
-    if args.cache_statistics_batches and args.devices == 1 and args.hbm_gib is None:
+    if config.cache_statistics_batches and config.devices == 1 and config.hbm_gib is None:
         raise SystemExit("--cache-statistics-batches: one device plans only with --hbm-gib "
                          "(else nothing is planned or priced)")  # fmt: skip
-    if args.cache_tables and args.sharding == "data_parallel":
+    if config.cache_tables and config.sharding == "data_parallel":
         raise SystemExit(
             "--cache-tables: data_parallel tables (a replica on every device) cannot be "
             "cached: use another --sharding"
         )
 
 
-def cache_params(args: argparse.Namespace) -> CacheParams:
-    return CacheParams(algorithm=args.cache_algorithm, load_factor=args.cache_load_factor)
+def cache_params(config: DlrmJobConfig) -> CacheParams:
+    return CacheParams(algorithm=config.cache_algorithm, load_factor=config.cache_load_factor)
 
 
-def forced(args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig]) -> list[str]:
+def forced(config: DlrmJobConfig, configs: Sequence[EmbeddingBagConfig]) -> list[str]:
     """The tables ``--cache-tables`` names (``all``: every table)."""
-    if not args.cache_tables:
+    if not config.cache_tables:
         return []
     names = [c.name for c in configs]
-    if args.cache_tables == "all":
+    if config.cache_tables == "all":
         return names
-    wanted = [t.strip() for t in args.cache_tables.split(",") if t.strip()]
+    wanted = [t.strip() for t in config.cache_tables.split(",") if t.strip()]
     unknown = [t for t in wanted if t not in names]
     if unknown or not wanted:
-        what = f"no table {unknown}" if unknown else f"{args.cache_tables!r} names no table"
+        what = f"no table {unknown}" if unknown else f"{config.cache_tables!r} names no table"
         raise SystemExit(f"--cache-tables: {what}; the tables are {names} (or pass 'all')")
     return wanted
 
 
 def constraints(
-    args: argparse.Namespace, configs: Sequence[EmbeddingBagConfig], stats=None
+    config: DlrmJobConfig, configs: Sequence[EmbeddingBagConfig], stats=None
 ) -> dict[str, ParameterConstraints]:
     """The planner's constraints: ``--cache-tables`` cached always; any other table the
     planner caches gets the same ``CacheParams``; ``stats``: ``{table: CacheStatistics}``
     (default: uniform ids)."""
-    always, params, stats = set(forced(args, configs)), cache_params(args), stats or {}
+    always, params, stats = set(forced(config, configs)), cache_params(config), stats or {}
     return {
         c.name: ParameterConstraints(
             compute_kernels=[CACHED] if c.name in always else None,
@@ -109,17 +109,19 @@ def constraints(
     }
 
 
-def measured_statistics(args: argparse.Namespace, data, configs) -> dict[str, MissRateCurve]:
+def measured_statistics(config: DlrmJobConfig, data, configs) -> dict[str, MissRateCurve]:
     """Each table's miss rates on the first ``--cache-statistics-batches`` steps of the
     one-process stream (every process measures the same, so all plan alike). A step's
     ids are every device's batch together: a cache of the whole table sees them so
     (a row shard's cache sees its rows of them, at about the table's rates)."""
-    n = args.cache_statistics_batches
+    n = config.cache_statistics_batches
     if not n:
         return {}
-    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0, part=Part(0, 1))
-    kjts = [b.sparse_features for b in itertools.islice(sample, n * args.devices)]
-    steps = [kjts[i : i + args.devices] for i in range(0, len(kjts), args.devices)]
+    sample = data.batches(
+        config.batch_size, shuffle=True, seed=config.seed, epoch=0, part=Part(0, 1)
+    )
+    kjts = [b.sparse_features for b in itertools.islice(sample, n * config.devices)]
+    steps = [kjts[i : i + config.devices] for i in range(0, len(kjts), config.devices)]
     out = {}
     for c in configs:
         features = set(c.feature_names)
@@ -132,20 +134,22 @@ def measured_statistics(args: argparse.Namespace, data, configs) -> dict[str, Mi
             ]
             ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
             batches.append(ids[(ids >= 0) & (ids < c.num_embeddings)])  # as the cache does
-        out[c.name] = measure_miss_rates(batches, c.num_embeddings, algorithm=args.cache_algorithm)
+        out[c.name] = measure_miss_rates(
+            batches, c.num_embeddings, algorithm=config.cache_algorithm
+        )
     return out
 
 
 def with_forced(
-    args: argparse.Namespace,
+    config: DlrmJobConfig,
     configs: Sequence[EmbeddingBagConfig],
     plan: EmbeddingModuleShardingPlan,
 ) -> EmbeddingModuleShardingPlan:
     """``plan`` (an explicit ``--sharding``'s) with the ``--cache-tables`` cached."""
     out = EmbeddingModuleShardingPlan(plan)  # (data_parallel refused by check_cache_flags)
-    for name in forced(args, configs):
+    for name in forced(config, configs):
         out[name] = dataclasses.replace(
-            plan[name], compute_kernel=CACHED, cache_params=cache_params(args)
+            plan[name], compute_kernel=CACHED, cache_params=cache_params(config)
         )
     return out
 
@@ -165,20 +169,18 @@ def device_tables(configs, plan, cached):
     return device_plan(configs, plan)
 
 
-def row_cache(args, data, configs, cached, graphdef, optimizer, state) -> RowCache:
+def row_cache(config: DlrmJobConfig, data, configs, cached, graphdef, optimizer, state) -> RowCache:
     """The ``RowCache`` of the cached tables, each process's host tables holding the
     rows its devices cache (``host_rows``), drawn on the host with the values the
     all-device model of the same ``--seed`` has (its collection's init key)."""
-    key = init_keys(lambda: build_model(args, data, configs))[EBC_PATH]
+    key = init_keys(lambda: build_model(config, data, configs))[EBC_PATH]
     hosts = {}
     for stream, c in enumerate(configs):
         if c.name in cached:
             rows = host_rows(graphdef, optimizer, state, c)
             opt = optimizer.for_table(c.name)
             hosts[c.name] = HostTable.create(c, opt, rows=rows, key=key, stream=stream)
-    return RowCache(
-        graphdef, optimizer, state, hosts, cached, slot_maps=getattr(args, "cache_slot_maps", None)
-    )
+    return RowCache(graphdef, optimizer, state, hosts, cached, slot_maps=config.cache_slot_maps)
 
 
 def slot_view(kjt, configs, plan, cached):
@@ -204,31 +206,31 @@ def slot_view(kjt, configs, plan, cached):
     return with_values(kjt, values)
 
 
-def place_tables(args: argparse.Namespace, data, configs):
+def place_tables(config: DlrmJobConfig, data, configs):
     """``(mesh or None, logical plan or None, {cached table: CacheParams}, {table:
     measured MissRateCurve})`` (the curves only with ``--cache-statistics-batches``).
 
     One device runs unsharded; with ``--hbm-gib`` the planner still decides, on a
     one-device mesh, which tables must be cached."""
-    if args.dynamic_tables:  # on the devices, row-wise by the id's hash; nothing cached
-        if args.devices == 1:
+    if config.dynamic_tables:  # on the devices, row-wise by the id's hash; nothing cached
+        if config.devices == 1:
             return None, None, {}, {}
-        mesh = make_mesh(args)
-        abstract = nnx.eval_shape(lambda: build_model(args, data, configs))
-        return mesh, logical_plan(args, abstract, mesh), {}, {}
-    planned = args.sharding == "planner" and (args.devices > 1 or args.hbm_gib is not None)
-    if args.devices == 1 and not planned:
-        return None, None, {t: cache_params(args) for t in forced(args, configs)}, {}
-    mesh = make_mesh(args)
-    abstract = nnx.eval_shape(lambda: build_model(args, data, configs))  # nothing allocated
+        mesh = make_mesh(config)
+        abstract = nnx.eval_shape(lambda: build_model(config, data, configs))
+        return mesh, logical_plan(config, abstract, mesh), {}, {}
+    planned = config.sharding == "planner" and (config.devices > 1 or config.hbm_gib is not None)
+    if config.devices == 1 and not planned:
+        return None, None, {t: cache_params(config) for t in forced(config, configs)}, {}
+    mesh = make_mesh(config)
+    abstract = nnx.eval_shape(lambda: build_model(config, data, configs))  # nothing allocated
     stats = {}
-    if args.sharding == "planner":
-        stats = measured_statistics(args, data, configs)
-        plan = logical_plan(args, abstract, mesh, constraints(args, configs, stats))
+    if config.sharding == "planner":
+        stats = measured_statistics(config, data, configs)
+        plan = logical_plan(config, abstract, mesh, constraints(config, configs, stats))
     else:
-        plan = with_forced(args, configs, logical_plan(args, abstract, mesh))
+        plan = with_forced(config, configs, logical_plan(config, abstract, mesh))
     cached = cached_tables(plan)
-    return (None, None, cached, stats) if args.devices == 1 else (mesh, plan, cached, stats)
+    return (None, None, cached, stats) if config.devices == 1 else (mesh, plan, cached, stats)
 
 
 def cached_text(configs, cached, stats=None) -> str:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .dlrm_flags import parse_args
+from .dlrm_flags import parse_config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``jaxrec-train-dlrm`` on ``argv`` (default: the command line, which is
     restarted with huge pages once its flags parse)."""
-    args = parse_args(argv)  # --help and bad flags exit here, before JAX loads
+    config = parse_config(argv)  # --help and bad flags exit here, before JAX loads
     if argv is None:
         # Imported here, not above: the job's modules load JAX, Flax and jaxrec.
         from ..cpu.hugepages import restart_with_huge_pages
@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         restart_with_huge_pages()
     from .train_dlrm import run
 
-    return run(args)
+    return run(config)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ behind a ``ManagedCollisionEmbeddingBagCollection``)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..modules import (
     ManagedCollisionEmbeddingBagCollection,
 )
 from ..ops import BoundsCheckMode
+from .dlrm_config import DlrmJobConfig
 
 POLICIES = {
     "lru": HashZchEvictionPolicyName.LRU_EVICTION,
@@ -31,26 +31,26 @@ POLICIES = {
 }
 
 
-def check_dynamic_flags(args: argparse.Namespace) -> None:
+def check_dynamic_flags(config: DlrmJobConfig) -> None:
     """Fails early on dynamic-table flags that cannot work together."""
-    if not args.dynamic_tables:
+    if not config.dynamic_tables:
         return
-    slots, ways, n = args.dynamic_tables, args.dynamic_ways, args.devices
+    slots, ways, n = config.dynamic_tables, config.dynamic_ways, config.devices
     unit = max(ways, 1) * n
     if slots < 0 or ways < 1 or slots % unit:
         raise SystemExit(
             f"--dynamic-tables {slots}: a multiple of --dynamic-ways ({ways}) x --devices "
             f"({n}) (whole hash buckets on every device), e.g. {max(1, slots // unit) * unit}"
         )
-    if args.sharding not in ("planner", "row_wise"):
+    if config.sharding not in ("planner", "row_wise"):
         raise SystemExit(
-            f"--dynamic-tables shard row-wise by the id's hash; --sharding {args.sharding} "
+            f"--dynamic-tables shard row-wise by the id's hash; --sharding {config.sharding} "
             "cannot apply (leave the default or pass row_wise)"
         )
-    if args.cache_tables or args.hbm_gib is not None:
+    if config.cache_tables or config.hbm_gib is not None:
         raise SystemExit("--dynamic-tables keep their rows on the devices: drop --cache-tables "
                          "and --hbm-gib")  # fmt: skip
-    if args.dynamic_admission < 1 or args.dynamic_ttl < 1:
+    if config.dynamic_admission < 1 or config.dynamic_ttl < 1:
         raise SystemExit("--dynamic-admission and --dynamic-ttl must be >= 1")
 
 
@@ -60,18 +60,20 @@ def dynamic_configs(configs: list[EmbeddingBagConfig], slots: int) -> list[Embed
 
 
 def dynamic_collection(
-    args: argparse.Namespace, configs: list[EmbeddingBagConfig], seed: int
+    config: DlrmJobConfig, configs: list[EmbeddingBagConfig], seed: int
 ) -> ManagedCollisionEmbeddingBagCollection:
     """An EBC of ``configs`` behind one hash index per table."""
-    tables = dynamic_configs(configs, args.dynamic_tables)
-    ttl = args.dynamic_ttl if args.dynamic_eviction == "ttl" else None
-    eviction = HashZchEvictionConfig(policy=POLICIES[args.dynamic_eviction], single_ttl=ttl)
+    tables = dynamic_configs(configs, config.dynamic_tables)
+    ttl = config.dynamic_ttl if config.dynamic_eviction == "ttl" else None
+    eviction = HashZchEvictionConfig(policy=POLICIES[config.dynamic_eviction], single_ttl=ttl)
     admission = (
-        FrequencyAdmission(threshold=args.dynamic_admission) if args.dynamic_admission > 1 else None
+        FrequencyAdmission(threshold=config.dynamic_admission)
+        if config.dynamic_admission > 1
+        else None
     )
     modules = {
         c.name: HashZchManagedCollisionModule(
-            c.num_embeddings, ways=args.dynamic_ways, eviction_config=eviction,
+            c.num_embeddings, ways=config.dynamic_ways, eviction_config=eviction,
             admission=admission, input_hash_seed=i, name=c.name,
         )
         for i, c in enumerate(tables)
@@ -94,10 +96,10 @@ def dynamic_counters(collection: Any) -> dict[str, dict[str, int]]:
     }
 
 
-def ensure_dynamic_buffers(model: nnx.Module, data: Any, args: argparse.Namespace) -> None:
+def ensure_dynamic_buffers(model: nnx.Module, data: Any, config: DlrmJobConfig) -> None:
     """Allocates the indexes' eviction buffers for one local batch (eagerly, before the
     train state is made: a jitted step cannot add variables)."""
-    batch = next(iter(data.batches(args.batch_size, shuffle=False, part=Part(0, 1))))
+    batch = next(iter(data.batches(config.batch_size, shuffle=False, part=Part(0, 1))))
     model.sparse_arch.embedding_bag_collection.ensure_buffers(batch.sparse_features)
 
 

@@ -7,6 +7,8 @@ import difflib
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .dlrm_config import DlrmJobConfig
+
 DESCRIPTION = "The main job: train DLRM (or DLRM-DCN) on click data, evaluate, checkpoint, resume."
 
 SHARDINGS = ("planner", "table_wise", "row_wise", "column_wise", "data_parallel")
@@ -36,6 +38,12 @@ class _Parser(argparse.ArgumentParser):
                     message += f" (did you mean {close[0]}?)"
                     break
         self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see --help for every flag\n")
+
+
+def parse_config(argv: Sequence[str] | None = None) -> DlrmJobConfig:
+    """The job's flags from ``argv`` (default: the command line) as the record its
+    parts take; exits as :func:`parse_args` does."""
+    return DlrmJobConfig.from_args(parse_args(argv))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..train import (
     make_sparse_dist_train_step,
     make_train_step,
 )
+from .dlrm_config import DlrmJobConfig
 from .dlrm_dynamic import dynamic_collection
 from .shards import rank_batches
 
@@ -47,50 +47,53 @@ CRITEO_SOURCE = (
 )
 
 
-def load_data(args: argparse.Namespace) -> tuple[Any, Any]:
+def load_data(config: DlrmJobConfig) -> tuple[Any, Any]:
     """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``.
 
     Missing or unreadable data ends the job with a one-line ``SystemExit`` that
     says what was wrong and where the data comes from.
     """
     try:
-        return _load_data(args)
+        return _load_data(config)
     except (OSError, ValueError) as e:  # FileNotFoundError, CriteoParseError, a failed fetch
-        source = CRITEO_SOURCE if args.dataset == "criteo" else ""  # MovieLens's errors say it
+        source = CRITEO_SOURCE if config.dataset == "criteo" else ""  # MovieLens's errors say it
         text = " / ".join(line.strip() for line in str(e).splitlines() if line.strip())
         missing = isinstance(e, FileNotFoundError) and source
         hint = f"; {source}" if missing else ""
-        raise SystemExit(f"--dataset {args.dataset}: {text}{hint}") from None
+        raise SystemExit(f"--dataset {config.dataset}: {text}{hint}") from None
 
 
-def _load_data(args: argparse.Namespace) -> tuple[Any, Any]:
-    sizes = _multi_hot_sizes(args.multi_hot)
+def _load_data(config: DlrmJobConfig) -> tuple[Any, Any]:
+    sizes = _multi_hot_sizes(config.multi_hot)
     # Several processes: each opens the files for its own part, so it holds no rows
     # beyond its devices' batches (read per batch); batches() is always told its part.
     count = jax.process_count()
     part = Part(jax.process_index(), count) if count > 1 else None
-    if args.dataset == "synthetic":
+    if config.dataset == "synthetic":
         return datasets.synthetic_criteo_split(
-            num_train=args.num_train, num_eval=args.num_eval, seed=args.seed, multi_hot_sizes=sizes
+            num_train=config.num_train,
+            num_eval=config.num_eval,
+            seed=config.seed,
+            multi_hot_sizes=sizes,
         )
-    if args.dataset == "movielens" and sizes is not None:
+    if config.dataset == "movielens" and sizes is not None:
         raise SystemExit("--multi-hot applies to criteo and synthetic data, not movielens")
-    if args.data_dir is None:
-        if args.dataset == "movielens":
+    if config.data_dir is None:
+        if config.dataset == "movielens":
             return datasets.movielens_split(
-                datasets.fetch_movielens_100k(), seed=args.seed, part=part
+                datasets.fetch_movielens_100k(), seed=config.seed, part=part
             )
         raise SystemExit(
             f"--dataset criteo needs --data-dir (TSV day files or npy files); {CRITEO_SOURCE}"
         )
-    if args.dataset == "criteo":
-        n = args.num_embeddings
+    if config.dataset == "criteo":
+        n = config.num_embeddings
         multi = None if sizes is None else datasets.MultiHot(sizes, [n] * len(sizes), method="hash")
-        on_error = "skip" if args.skip_malformed else "raise"
+        on_error = "skip" if config.skip_malformed else "raise"
         return datasets.criteo_split(
-            args.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error, part=part
+            config.data_dir, num_embeddings=n, multi_hot=multi, on_error=on_error, part=part
         )
-    return datasets.movielens_split(args.data_dir, seed=args.seed, part=part)
+    return datasets.movielens_split(config.data_dir, seed=config.seed, part=part)
 
 
 # MLPerf DLRM-DCNv2's multi-hot bag size per Criteo feature.
@@ -135,12 +138,12 @@ def _multi_hot_sizes(flag: str | None) -> list[int] | None:
 
 
 # ----- model -----
-def table_configs(args: argparse.Namespace, data: Any) -> list[EmbeddingBagConfig]:
+def table_configs(config: DlrmJobConfig, data: Any) -> list[EmbeddingBagConfig]:
     """One table ``t_<feature>`` per feature (the logical tables, whatever is cached)."""
     return [
         EmbeddingBagConfig(
             name=f"t_{key}",
-            embedding_dim=args.embedding_dim,
+            embedding_dim=config.embedding_dim,
             num_embeddings=int(n),
             feature_names=[key],
         )
@@ -149,20 +152,20 @@ def table_configs(args: argparse.Namespace, data: Any) -> list[EmbeddingBagConfi
 
 
 def build_model(
-    args: argparse.Namespace, data: Any, tables: list[EmbeddingBagConfig] | None = None
+    config: DlrmJobConfig, data: Any, tables: list[EmbeddingBagConfig] | None = None
 ) -> nnx.Module:
     """DLRM (or DLRM-DCN) over ``tables`` (default :func:`table_configs`; a cached
     model passes its slot tables)."""
-    tables = tables or table_configs(args, data)
-    if args.dynamic_tables:  # rows keyed by the raw id, behind a hash index per table
-        ebc = dynamic_collection(args, tables, args.seed)
+    tables = tables or table_configs(config, data)
+    if config.dynamic_tables:  # rows keyed by the raw id, behind a hash index per table
+        ebc = dynamic_collection(config, tables, config.seed)
     else:
-        ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(args.seed))
-    dense = [int(x) for x in args.dense_arch.split(",")]
-    over = [int(x) for x in args.over_arch.split(",")]
-    if dense[-1] != args.embedding_dim:
+        ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(config.seed))
+    dense = [int(x) for x in config.dense_arch.split(",")]
+    over = [int(x) for x in config.over_arch.split(",")]
+    if dense[-1] != config.embedding_dim:
         raise SystemExit(
-            f"--dense-arch must end in the embedding dim {args.embedding_dim}, got {dense}"
+            f"--dense-arch must end in the embedding dim {config.embedding_dim}, got {dense}"
         )
     num_dense = max(int(data.num_dense), 1)  # DLRM needs a dense input; a constant if none
     common = dict(
@@ -170,10 +173,12 @@ def build_model(
         dense_in_features=num_dense,
         dense_arch_layer_sizes=dense,
         over_arch_layer_sizes=over,
-        rngs=nnx.Rngs(args.seed + 1),
+        rngs=nnx.Rngs(config.seed + 1),
     )
-    if args.model == "dcn":
-        return DLRM_DCN(**common, dcn_num_layers=args.dcn_layers, dcn_low_rank_dim=args.dcn_rank)
+    if config.model == "dcn":
+        return DLRM_DCN(
+            **common, dcn_num_layers=config.dcn_layers, dcn_low_rank_dim=config.dcn_rank
+        )
     return DLRM(**common)
 
 
@@ -182,9 +187,9 @@ def collection_of(model: nnx.Module):
     return bag_collection_of(model.sparse_arch.embedding_bag_collection)
 
 
-def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+def make_mesh(config: DlrmJobConfig) -> jax.sharding.Mesh:
     """A mesh ``("x",)`` of ``--devices`` devices, every process's."""
-    n = args.devices
+    n = config.devices
     try:
         devices = dist.mesh_devices(n)  # n / process_count from each process
     except ValueError as e:
@@ -193,7 +198,7 @@ def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
 
 
 def logical_plan(
-    args: argparse.Namespace, model: nnx.Module, mesh: jax.sharding.Mesh, constraints=None
+    config: DlrmJobConfig, model: nnx.Module, mesh: jax.sharding.Mesh, constraints=None
 ) -> dist.EmbeddingModuleShardingPlan:
     """The plan of the collection's logical tables over ``mesh``: ``--sharding``'s, or
     the planner's for ``--batch-size`` samples a device, ``--hbm-gib`` of device memory
@@ -201,51 +206,51 @@ def logical_plan(
     ParameterConstraints}``). ``model`` may be abstract (``nnx.eval_shape``)."""
     n = mesh.size
     ebc = collection_of(model)
-    if args.dynamic_tables:  # whole hash buckets per device: the row-wise blocks
+    if config.dynamic_tables:  # whole hash buckets per device: the row-wise blocks
         names = [t.name for t in ebc.table_configs]
         return dist.construct_module_sharding_plan(
             ebc, {t: dist.row_wise() for t in names}, world_size=n
         )
-    if args.sharding != "planner":
+    if config.sharding != "planner":
         names = [t.name for t in ebc.table_configs]
         gens = {
             "table_wise": lambda i: dist.table_wise(i % n),
             "row_wise": lambda i: dist.row_wise(),
             "column_wise": lambda i: dist.column_wise(list(range(min(n, 2)))),
             "data_parallel": lambda i: dist.data_parallel(),
-        }[args.sharding]
+        }[config.sharding]
         return dist.construct_module_sharding_plan(
             ebc, {t: gens(i) for i, t in enumerate(names)}, world_size=n
         )
-    hbm = getattr(args, "hbm_gib", None)
+    hbm = config.hbm_gib
     extra = {} if hbm is None else {"hbm_cap": int(hbm * 2**30)}
     topology = planner.Topology.from_devices(
-        list(mesh.devices.flat), batch_size=args.batch_size, **extra
+        list(mesh.devices.flat), batch_size=config.batch_size, **extra
     )
     try:
         plan = planner.plan_for_model(
-            model, mesh, optimizer=build_optimizer(args), topology=topology,
+            model, mesh, optimizer=build_optimizer(config), topology=topology,
             constraints=constraints,
-            scale_up_caches=getattr(args, "cache_scale_up", False),
+            scale_up_caches=config.cache_scale_up,
         )  # fmt: skip
     except planner.PlannerError as e:
         raise SystemExit(f"--sharding planner: {e}") from None
     return plan.plan[EBC_PATH]
 
 
-def shard(args: argparse.Namespace, model, mesh=None, plan=None):
+def shard(config: DlrmJobConfig, model, mesh=None, plan=None):
     """``(mesh or None, model, plan description)``: the model over ``--devices``
     devices with ``plan`` (default :func:`logical_plan`); one device: unsharded.
 
     ``model``: the model, or its constructor (a function of no arguments): sharded, each
     device then draws only its own shards (no table is ever whole on one device)."""
     make = model if not isinstance(model, nnx.Module) else None
-    if args.devices == 1:
+    if config.devices == 1:
         return None, (make() if make is not None else model), "unsharded"
-    mesh = make_mesh(args) if mesh is None else mesh
+    mesh = make_mesh(config) if mesh is None else mesh
     if plan is None:
-        plan = logical_plan(args, nnx.eval_shape(make) if make else model, mesh)
-    q = getattr(args, "qcomms", "fp32")
+        plan = logical_plan(config, nnx.eval_shape(make) if make else model, mesh)
+    q = config.qcomms
     qcomms = dist.QCommsConfig(forward_precision=q, backward_precision=q)
     model = dist.DistributedModelParallel(
         model, dist.ShardingPlan({EBC_PATH: plan}), mesh, qcomms=qcomms
@@ -267,7 +272,7 @@ def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def fit_capacities(
-    model: nnx.Module, data: Any, args: argparse.Namespace, batches: int = 8, view=None
+    model: nnx.Module, data: Any, config: DlrmJobConfig, batches: int = 8, view=None
 ):
     """Sizes the sharded collection's id exchange from the loads of the first training
     batches (measured statistics: these ids are skewed, so a row-wise shard holding hot
@@ -276,16 +281,18 @@ def fit_capacities(
     Returns ``{width group: capacity}``."""
     sharded = collection_of(model)
     # The one-process stream on every process: each must compile the same program.
-    sample = data.batches(args.batch_size, shuffle=True, seed=args.seed, epoch=0, part=Part(0, 1))
-    kjts = [b.sparse_features for b in itertools.islice(sample, batches * args.devices)]
+    sample = data.batches(
+        config.batch_size, shuffle=True, seed=config.seed, epoch=0, part=Part(0, 1)
+    )
+    kjts = [b.sparse_features for b in itertools.islice(sample, batches * config.devices)]
     kjts = kjts if view is None else [view(k) for k in kjts]
     sharded.capacity = sharded.measure_capacities(kjts)
     return sharded.capacity
 
 
 # ----- steps -----
-def build_optimizer(args: argparse.Namespace) -> CombinedOptimizer:
-    return CombinedOptimizer(optax.adam(args.dense_lr), rowwise_adagrad(args.sparse_lr))
+def build_optimizer(config: DlrmJobConfig) -> CombinedOptimizer:
+    return CombinedOptimizer(optax.adam(config.dense_lr), rowwise_adagrad(config.sparse_lr))
 
 
 def _dense(batch) -> jax.Array:
@@ -298,9 +305,9 @@ def bce(model, batch):
     return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
 
 
-def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.Namespace):
+def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, config: DlrmJobConfig):
     eval_graphdef = None
-    if args.dynamic_tables:  # eval looks ids up, never admits: a deterministic twin
+    if config.dynamic_tables:  # eval looks ids up, never admits: a deterministic twin
         model.eval()
         eval_graphdef = nnx.graphdef(model)
         model.train()
@@ -311,8 +318,8 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
         "sync": make_train_step,
         "sparse-dist": make_sparse_dist_train_step,
         "semi-sync": make_semi_sync_train_step,
-    }[getattr(args, "pipeline", "sync")]
-    k = getattr(args, "grad_accumulation", 1)
+    }[config.pipeline]
+    k = config.grad_accumulation
     if k > 1:  # one update per k micro-batches (the job refuses the other pipelines)
         step = make_accumulating_train_step(
             graphdef, optimizer, bce, micro_batches=k, skip_nonfinite=True
@@ -327,20 +334,24 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, args: argparse.N
 
 
 # ----- evaluation -----
-def evaluate(eval_step, state, data, args: argparse.Namespace, mesh) -> dict[str, float]:
+def evaluate(eval_step, state, data, config: DlrmJobConfig, mesh) -> dict[str, float]:
     """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC);
     :func:`evaluate_cached` for a model with cached tables."""
-    return _evaluate(eval_step, state, data, args, mesh, None)[0]
+    return _evaluate(eval_step, state, data, config, mesh, None)[0]
 
 
-def evaluate_cached(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, float], Any]:
+def evaluate_cached(
+    eval_step, state, data, config: DlrmJobConfig, mesh, cache
+) -> tuple[dict[str, float], Any]:
     """``(metrics, state)``: :func:`evaluate` of a model whose cached tables are in
     ``cache`` (a ``RowCache``): each batch's rows are loaded before its step (which takes
     ``state``: go on with the state returned). Call it with no batch prefetched."""
-    return _evaluate(eval_step, state, data, args, mesh, cache)
+    return _evaluate(eval_step, state, data, config, mesh, cache)
 
 
-def _evaluate(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, float], Any]:
+def _evaluate(
+    eval_step, state, data, config: DlrmJobConfig, mesh, cache
+) -> tuple[dict[str, float], Any]:
     """The metrics of :func:`evaluate`, and the state (after the cache's loads).
 
     The rows after the last full global batch are spread over the devices and
@@ -349,7 +360,7 @@ def _evaluate(eval_step, state, data, args, mesh, cache) -> tuple[dict[str, floa
     reads its own devices' batches; the metric state is global (replicated over
     the mesh), so every process computes the same metrics.
     """
-    world, size = args.devices, args.batch_size
+    world, size = config.devices, config.batch_size
     global_size = size * world
     capacity = -(-len(data) // global_size) * global_size
     collection = metrics.MetricCollection(

@@ -7,7 +7,7 @@ parser and builds the model with the job's builders, so it lives beside them;
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import types
@@ -21,8 +21,8 @@ from flax import nnx
 from ..checkpoint import CheckpointManager
 from ..sparse import KeyedJaggedTensor
 from ..train import init_train_state, merge_model
+from .dlrm_flags import parse_config
 from .dlrm_parts import build_model, build_optimizer
-from .train_dlrm import parse_args
 
 
 def model_from_run(
@@ -62,11 +62,11 @@ def model_from_run(
             "(which saves its flags there)"
         )
     info = json.loads(info_path.read_text())
-    args = argparse.Namespace(**{**vars(parse_args([])), **info["args"]})
-    args.devices = 1  # rebuild unsharded; the checkpoint is plan-independent
+    config = parse_config([]).replace_known(info["args"])  # flags it has not: defaults
+    config = dataclasses.replace(config, devices=1)  # unsharded: checkpoints are plan-free
     data = types.SimpleNamespace(**info["data"])
-    model = build_model(args, data)
-    optimizer = build_optimizer(args)
+    model = build_model(config, data)
+    optimizer = build_optimizer(config)
     graphdef, state = init_train_state(model, optimizer)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():

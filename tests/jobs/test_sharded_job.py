@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrec.jobs import dlrm_parts
-from jaxrec.jobs.train_dlrm import parse_args
+from jaxrec.jobs.train_dlrm import parse_config
 
 
 def test_sharded_job_small_per_device_batch_completes(tmp_path):
@@ -39,8 +39,8 @@ def test_sharded_job_small_per_device_batch_completes(tmp_path):
 def test_evaluate_never_runs_far_ahead_of_the_device():
     # The device is made slower than the host (~10-30 ms of matrix products
     # per batch): without a bound every batch would be dispatched at once.
-    args = parse_args(["--num-train", "512", "--num-eval", "640", "--batch-size", "32"])
-    _, evals = dlrm_parts.load_data(args)
+    config = parse_config(["--num-train", "512", "--num-eval", "640", "--batch-size", "32"])
+    _, evals = dlrm_parts.load_data(config)
 
     @jax.jit
     def eval_step(state, batch):
@@ -55,6 +55,6 @@ def test_evaluate_never_runs_far_ahead_of_the_device():
         outs.append(eval_step(state, batch))
         return outs[-1]
 
-    metrics = dlrm_parts.evaluate(spy, None, evals, args, None)
+    metrics = dlrm_parts.evaluate(spy, None, evals, config, None)
     assert len(outs) == 20 and metrics["calibration"] > 0
     assert max(outstanding) <= 3, outstanding

@@ -1,6 +1,6 @@
 """Each process's share of the job's global batch stream, and evaluation's padding."""
 
-import argparse
+import dataclasses
 
 import jax
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 
 from jaxrec.datasets import Table, TableDataset
 from jaxrec.jobs import dlrm_parts
+from jaxrec.jobs.dlrm_flags import parse_config
 from jaxrec.jobs.shards import rank_batches
 
 WORLD, SIZE = 4, 3
@@ -69,8 +70,8 @@ def test_evaluate_counts_ranks_without_rows_as_empty():
     # 5 eval rows over 8 devices: ranks 5-7 get empty batches of weight 0.
     data = _data([5])
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    args = argparse.Namespace(devices=8, batch_size=2)
+    config = dataclasses.replace(parse_config([]), devices=8, batch_size=2)
     predict = jax.jit(lambda state, batch: 0.25 + 0.5 * batch.labels)  # labels: 0 1 0 1 0
-    got = dlrm_parts.evaluate(predict, None, data, args, mesh)
+    got = dlrm_parts.evaluate(predict, None, data, config, mesh)
     assert got["ctr"] == pytest.approx(2 / 5) and got["auc"] == 1.0
     assert got["calibration"] == pytest.approx((3 * 0.25 + 2 * 0.75) / 2)

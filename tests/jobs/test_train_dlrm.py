@@ -15,7 +15,7 @@ from tensorboard_events import read_scalars
 from jaxrec.checkpoint import CheckpointWarning
 from jaxrec.cpu import hugepages
 from jaxrec.jobs import dlrm_parts, run_dir
-from jaxrec.jobs.train_dlrm import main, parse_args
+from jaxrec.jobs.train_dlrm import main, parse_config
 
 TINY = ["--num-train", "3072", "--num-eval", "1000", "--batch-size", "128"]
 
@@ -42,16 +42,18 @@ def _reference_metrics(eval_step, state, data):
 def test_evaluate_covers_every_sample(devices):
     # 1000 eval samples are not a multiple of the global batch: the padded tail
     # (weight 0) must count its real rows once and its padding never.
-    args = parse_args([*TINY, "--devices", str(devices)])
-    train, evals = dlrm_parts.load_data(args)
-    model = dlrm_parts.build_model(args, train)
+    config = parse_config([*TINY, "--devices", str(devices)])
+    train, evals = dlrm_parts.load_data(config)
+    model = dlrm_parts.build_model(config, train)
     ref_graphdef, ref_state, _, ref_eval = dlrm_parts.make_steps(
-        model, dlrm_parts.build_optimizer(args), args
+        model, dlrm_parts.build_optimizer(config), config
     )
     want = _reference_metrics(ref_eval, ref_state, evals)
-    mesh, model, _ = dlrm_parts.shard(args, dlrm_parts.build_model(args, train))
-    _, state, _, eval_step = dlrm_parts.make_steps(model, dlrm_parts.build_optimizer(args), args)
-    got = dlrm_parts.evaluate(eval_step, state, evals, args, mesh)
+    mesh, model, _ = dlrm_parts.shard(config, dlrm_parts.build_model(config, train))
+    _, state, _, eval_step = dlrm_parts.make_steps(
+        model, dlrm_parts.build_optimizer(config), config
+    )
+    got = dlrm_parts.evaluate(eval_step, state, evals, config, mesh)
     np.testing.assert_allclose(got["auc"], want["auc"], atol=2e-5)
     np.testing.assert_allclose(got["ne"], want["ne"], rtol=2e-4)
     np.testing.assert_allclose(got["ctr"], want["ctr"], rtol=1e-6)
