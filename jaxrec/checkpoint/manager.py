@@ -274,6 +274,7 @@ class CheckpointManager:
             except CheckpointCorruptError as e:
                 error = str(e)
             if _all_processes(error is None):  # one collective per step on every process
+                assert restored is not None  # no error here, so restore returned
                 return restored, step
             if error is None:
                 error = "damaged in the shards another process reads (see its warning)"

@@ -42,7 +42,7 @@ def uniform_rows_cpu(
     if reason is not None:
         raise NotImplementedError(f"jaxrec's C++ CPU kernels are unavailable: {reason}")
     dtype = jnp.dtype(dtype)
-    f16 = dtype == jnp.dtype(jnp.float16) and build_info().get("uniform_rows_f16")
+    f16 = dtype == jnp.dtype(jnp.float16) and (build_info() or {}).get("uniform_rows_f16")
     if dtype not in _OUT_DTYPES and not f16:
         raise NotImplementedError(f"the CPU kernel does not draw {dtype} buffers")
     for name, a, shape, want in (

@@ -330,7 +330,7 @@ class TableDataset:
         b = len(rows)
         dense = np.empty((b, self.num_dense), np.float32)
         labels = np.empty(b, np.float32)
-        sparse = [None] * len(self.keys)
+        sparse: list[np.ndarray | None] = [None] * len(self.keys)
         for t in np.unique(part):
             mask = part == t
             d, lab, cols = _take_table(self.tables[t], rows[mask] - self._starts[t])
@@ -339,10 +339,11 @@ class TableDataset:
                 if isinstance(self.tables[t].sparse[i], Ragged):
                     raise ValueError("ragged columns need a single table; concatenate the files")
                 width = self.max_ids_per_sample[i]
-                if sparse[i] is None:
-                    sparse[i] = np.empty((b, width), v.dtype)
-                sparse[i][mask] = v.reshape(-1, width)
-        cols = [(s.reshape(-1), np.full(b, s.shape[1], np.int64)) for s in sparse]
+                col = sparse[i]
+                if col is None:
+                    col = sparse[i] = np.empty((b, width), v.dtype)
+                col[mask] = v.reshape(-1, width)
+        cols = [(s.reshape(-1), np.full(b, s.shape[1], np.int64)) for s in _filled(sparse)]
         return dense, labels, cols
 
 
@@ -405,3 +406,10 @@ def _plan(num_rows: int, batch_size: int, part: Part) -> tuple[int, int]:
     full = num_rows // (batch_size * part.count)
     rest = num_rows - full * batch_size * part.count
     return full, rest // part.count + int(part.index < rest % part.count)
+
+
+def _filled(columns: list[np.ndarray | None]) -> list[np.ndarray]:
+    """``columns``, each filled by some table (a batch's rows cover every key)."""
+    if any(c is None for c in columns):
+        raise ValueError("a batch of no rows has no sparse columns")  # rows=[]: nothing to take
+    return [c for c in columns if c is not None]

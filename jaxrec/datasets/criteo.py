@@ -266,7 +266,7 @@ def _check_file(arrays: dict, names: dict) -> None:
 
 
 def _sizes(n: int | Sequence[int]) -> list[int]:
-    sizes = [int(n)] * CAT_FEATURE_COUNT if np.ndim(n) == 0 else [int(x) for x in n]
+    sizes = [int(n)] * CAT_FEATURE_COUNT if isinstance(n, int | np.integer) else [int(x) for x in n]
     if len(sizes) != CAT_FEATURE_COUNT or min(sizes) < 1:
         raise ValueError(f"num_embeddings_per_feature must be one int or 26 ints >= 1, got {n}")
     return sizes

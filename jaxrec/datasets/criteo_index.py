@@ -60,7 +60,8 @@ class TsvIndex:
         rows = np.asarray(rows, np.int64).reshape(-1)
         if not len(rows):
             shapes = ((0, INT_FEATURE_COUNT), (0, CAT_FEATURE_COUNT), (0,))
-            return tuple(np.zeros(s, d) for s, d in zip(shapes, _DTYPES, strict=True))
+            dense, sparse, labels = (np.zeros(s, d) for s, d in zip(shapes, _DTYPES, strict=True))
+            return dense, sparse, labels
         key = rows.tobytes()
         if self._last is not None and self._last[0] == key:
             return self._last[1]
@@ -129,7 +130,7 @@ def index_criteo_tsv(
         str(path),
         np.concatenate(starts),
         np.concatenate(lengths),
-        (0, 0) if low is None else (low, high),
+        (0, 0) if low is None or high is None else (low, high),
         has_label,
     )
 
@@ -176,6 +177,10 @@ class TsvColumns:
             if step != 1:
                 raise IndexError("TsvColumns takes row slices with step 1")
             return TsvColumns(self.index, self.what, self.lo + lo, self.lo + max(lo, hi), self.col)
+        return self._read(key)
+
+    def _read(self, key) -> np.ndarray:
+        """The values of rows ``key`` (an int array or anything numpy makes one of)."""
         rows = np.asarray(key, np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"rows out of range [0, {len(self)})")
@@ -184,5 +189,5 @@ class TsvColumns:
         return got if self.col is None else got[:, self.col]
 
     def __array__(self, dtype=None, copy=None):
-        got = self[np.arange(len(self))] if len(self) else np.zeros(self.shape, self.dtype)
+        got = self._read(np.arange(len(self))) if len(self) else np.zeros(self.shape, self.dtype)
         return got if dtype is None else got.astype(dtype)

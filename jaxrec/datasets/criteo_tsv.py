@@ -88,10 +88,11 @@ def _chunks(path, has_label, chunk_rows, on_error, stats):
             stats.lines += len(lines)
             out, kept = _parse_chunk(lines, has_label), None
             if out is None:  # something is wrong: find it line by line
-                *out, kept = _parse_lines(lines, fields, has_label, path, first, on_error, stats)
+                *parsed, kept = _parse_lines(lines, fields, has_label, path, first, on_error, stats)
+                out = (parsed[0], parsed[1], parsed[2])
             first += len(lines)
             rows += len(out[0])
-            yield tuple(out), lines, kept
+            yield out, lines, kept
     if stats.lines == lines_before:
         raise CriteoParseError(f"{path}: empty file (expected one sample per line)")
     if rows == 0:
@@ -125,7 +126,7 @@ def _chunk_pattern(has_label: bool) -> re.Pattern:
 _CHUNK_RE = {True: _chunk_pattern(True), False: _chunk_pattern(False)}
 
 
-def _parse_chunk(lines, has_label):
+def _parse_chunk(lines, has_label) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The chunk parsed at numpy speed, or None when any line is malformed."""
     text = b"".join(lines)
     if not _CHUNK_RE[has_label].fullmatch(text):  # one C call checks every field
@@ -283,7 +284,9 @@ def preprocess_criteo(
         if not (input_dir / src).exists():
             continue
         out = [output_dir / f"{dst}_{part}.npy" for part in ("dense", "sparse", "labels")]
-        stats = tsv_to_npys(input_dir / src, *out, dataset_name, on_error=on_error)
+        stats = tsv_to_npys(
+            input_dir / src, out[0], out[1], out[2], dataset_name, on_error=on_error
+        )
         print(f"{input_dir / src}: {stats.lines} lines, {stats.skipped} skipped -> {out[0].parent}")
         written.append(out[0])
     if not written:

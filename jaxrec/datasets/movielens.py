@@ -87,6 +87,7 @@ def movielens_split(
     n = len(raw.ratings)
     if split == "time":
         user = cols[0]
+        assert isinstance(user, np.ndarray)  # _encode's first column: the user ids
         order = np.lexsort((np.arange(n), raw.timestamps, user))  # by user, then time, then file
         counts = np.bincount(user)
         start = np.concatenate([[0], np.cumsum(counts)])[user[order]]
@@ -124,7 +125,8 @@ def _encode(raw: RawRatings):
     users, items = _vocab(raw.users), _vocab(raw.items)
     u = np.fromiter((users[x] for x in raw.users), np.int64, len(raw.users))
     it = np.fromiter((items[x] for x in raw.items), np.int64, len(raw.items))
-    keys, sizes, vocab, cols = ["user_id", "item_id"], [len(users), len(items)], {}, [u, it]
+    keys, sizes, vocab = ["user_id", "item_id"], [len(users), len(items)], {}
+    cols: list[np.ndarray | _Owned | OwnedRagged] = [u, it]  # ids, then side features
     vocab["user_id"], vocab["item_id"] = users, items
     clash = set(raw.user_features) & set(raw.item_features)
     for side, owners, rows, prefix in (

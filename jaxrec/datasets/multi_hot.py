@@ -15,6 +15,7 @@ in order); it stores ``E x (size - 1)`` ids per table, so for big tables use
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -106,7 +107,10 @@ class MultiHot:
         return np.concatenate([ids[:, None], extra], 1)
 
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
+_U = TypeVar("_U", np.ndarray, np.uint64)  # a scalar seed or an array of ids
+
+
+def _splitmix(x: _U) -> _U:
     with np.errstate(over="ignore"):
         x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
         x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK

@@ -50,7 +50,7 @@ def target_config(target: str = "h100_sxm") -> str:
     """The ``GpuTargetConfig`` text proto of a shipped target."""
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r}; shipped targets: {TARGETS}")
-    return resources.files(__package__).joinpath(f"{target}.txtpb").read_text()
+    return resources.files(__name__).joinpath(f"{target}.txtpb").read_text()  # this package
 
 
 def unavailable_reason() -> str | None:

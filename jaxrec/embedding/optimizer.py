@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.core  # jax.core.Tracer: a submodule the type checker sees only when imported
 import numpy as np
 import optax
 from flax import nnx
@@ -130,7 +131,7 @@ class CombinedOptimizer:
         lr = None
         injected = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
         if state is not None and isinstance(state.dense, injected):
-            lr = float(state.dense.hyperparams.get("learning_rate"))
+            lr = float(np.asarray(state.dense.hyperparams["learning_rate"]))
         groups = [{"name": "dense", "optimizer": "optax", "lr": lr, "params": dense_params}]
         for path, module in embedding_collections(model):
             prefix = ".".join(map(str, path))

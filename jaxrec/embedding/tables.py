@@ -172,7 +172,7 @@ class TableStorage(EmbeddingCollectionInterface):
         self.groups = group_tables(self.table_configs)
         self.prefix = prefix
         self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
-        self.implementation = implementation
+        self.implementation: Implementation = implementation
         self.embedding_names = tuple(n for ns in get_embedding_names_by_table(tables) for n in ns)
         key = rngs.params()  # one draw per collection; table i is stream i of it
         recording = _RECORDING.get()

@@ -73,7 +73,9 @@ class Tape:
     def __enter__(self) -> Tape:
         self._token = _TAPE.set(self)
         self._checks = collect_checks(warnings=True)
-        self.fatal, self.warning = self._checks.__enter__()
+        checks = self._checks.__enter__()
+        assert checks.warning is not None  # warnings=True: collected, not logged
+        self.fatal, self.warning = checks.fatal, checks.warning
         return self
 
     def __exit__(self, *exc) -> None:

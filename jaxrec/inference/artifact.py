@@ -43,7 +43,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -112,7 +112,13 @@ class ExportedModel:
     Returns the model output ``[B, ...]`` as a numpy array.
     """
 
-    def __init__(self, path, *, batch_buckets="pow2", max_batch_size=None):
+    def __init__(
+        self,
+        path,
+        *,
+        batch_buckets: str | Sequence[int] | None = "pow2",
+        max_batch_size: int | None = None,
+    ):
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             raise FileNotFoundError(f"{self.path} is not an export artifact (no {MANIFEST})")
@@ -136,7 +142,7 @@ class ExportedModel:
         self.num_dense = int(m["num_dense"])
         self.dense_dtype = np.dtype(jax.numpy.dtype(m["dense_dtype"]))
         self.weighted = bool(m["weighted"])
-        self.buckets = _buckets(batch_buckets)
+        self.buckets: Literal["pow2"] | tuple[int, ...] | None = _buckets(batch_buckets)
         self.max_batch_size = max_batch_size
         if max_batch_size is None and self.buckets and self.buckets != "pow2":
             self.max_batch_size = max(self.buckets)
@@ -253,7 +259,7 @@ class ExportedModel:
                 n, lo = arr.shape[0], int(self.starts[k])
                 values[i, lo : lo + n] = arr
                 lengths[i, k] = n
-                if wts is not None:
+                if wts is not None and w_samples is not None:  # checked above
                     w = np.asarray(w_samples[i], np.float32).reshape(-1)
                     if w.shape[0] != n:
                         raise InputError(
@@ -348,7 +354,7 @@ class ExportedModel:
             col = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens) + int(self.starts[k])
             values[row, col] = pack_ids(ids, self.wide_ids)
             lengths[:, k] = lens
-            if wts is not None:
+            if wts is not None and w_all is not None:  # both or neither: checked above
                 wts[row, col] = w_all[offs[j] : offs[j] + n]
         return (values, lengths) + ((wts,) if wts is not None else ())
 
@@ -411,9 +417,11 @@ def id_range_error(model: ExportedModel, k: int, bad: int) -> str:
     )
 
 
-def _buckets(spec) -> str | tuple[int, ...] | None:
-    if spec is None or spec == "pow2":
-        return spec
+def _buckets(spec) -> Literal["pow2"] | tuple[int, ...] | None:
+    if spec is None:
+        return None
+    if spec == "pow2":
+        return "pow2"
     if isinstance(spec, str):
         raise ValueError(f"batch_buckets must be 'pow2', None or a list of sizes, got {spec!r}")
     sizes = tuple(sorted({int(s) for s in spec}))

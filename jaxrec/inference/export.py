@@ -72,7 +72,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +116,7 @@ def export(
     max_ids_per_sample: Mapping[str, int] | int | None = None,
     apply_fn: Callable[[nnx.Module, jax.Array, Any], jax.Array] | None = None,
     platforms: Sequence[str] = ("cpu",),
-    implementation: str = "xla",
+    implementation: Literal["xla", "pallas"] = "xla",
     output_name: str = "logits",
     overwrite: bool = False,
     verify: bool = True,
@@ -263,7 +263,8 @@ def export(
 
 def _key_impl(leaf: Any) -> str | None:
     """The PRNG implementation's name of a key leaf (``None`` for other leaves)."""
-    if not jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return None
     return str(jax.random.key_impl(leaf))
 
@@ -327,7 +328,7 @@ def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
     return out
 
 
-def _inference_copy(model: nnx.Module, implementation: str) -> nnx.Module:
+def _inference_copy(model: nnx.Module, implementation: Literal["xla"]) -> nnx.Module:
     """A copy in eval mode whose embedding collections use ``implementation`` and
     IGNORE bounds checks, and whose managed-collision modules only remap."""
     model = nnx.clone(model)

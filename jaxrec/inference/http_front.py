@@ -283,7 +283,7 @@ class _Connection:
             if err is not None:  # refused before the client sends the body
                 return error(*err), None
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if wants_body:
+        if wants_body and route is not None:  # route: narrowed for the type checker
             if err is not None:
                 return error(*err), None
             n = int(r.headers["content-length"][0])

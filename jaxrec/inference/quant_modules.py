@@ -76,7 +76,7 @@ class QuantStorage(nnx.Module):
         self.groups = group_tables(self.table_configs, self.data_types)
         self.prefix = prefix
         self.bounds_check_mode = BoundsCheckMode(bounds_check_mode)
-        self.implementation = implementation
+        self.implementation: Implementation = implementation
         self.embedding_names = tuple(n for ns in get_embedding_names_by_table(tables) for n in ns)
         buffers = {}
         for g in self.groups:
@@ -322,6 +322,7 @@ def quantize_inference_model(
         quantizer = QUANTIZERS.get(type(module))
         if quantizer is None:
             continue
+        assert isinstance(module, EmbeddingBagCollection | EmbeddingCollection)  # QUANTIZERS' keys
         names = {t.name for t in module.table_configs}
         mine = {k: v for k, v in per_table_dtype.items() if k in names}
         seen |= set(mine)

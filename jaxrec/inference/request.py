@@ -293,7 +293,7 @@ def batch_arrays(model: Any, batch: DecodedBatch) -> tuple:
         else:
             values[row, col] = np.fromiter(flat, np.int64, n)
         lengths[:, k] = lens
-        if wts is not None:
+        if wts is not None and batch.weights is not None:
             flat = (v for w in batch.weights[key] for v in w)
             wts[row, col] = np.fromiter(flat, np.float32, n)
     return (batch.dense, values, lengths) + ((wts,) if wts is not None else ())

@@ -69,10 +69,13 @@ def session_ndcg_terms(
     ideal = jnp.where(ideal == 0, 1e-6, ideal)  # TorchRec's guard: such sessions score 0
     ndcg = observed / ideal
     report = 1.0 - ndcg if decreasing else ndcg
-    seg = dict(segment_ids=s.segment, num_segments=n, indices_are_sorted=True)
-    length = jax.ops.segment_sum(jnp.ones_like(p), **seg)
+    length = jax.ops.segment_sum(
+        jnp.ones_like(p), s.segment, num_segments=n, indices_are_sorted=True
+    )
     if not scale_by_weights_tensor:  # TorchRec: scale by the session's largest weight
-        report = report * jax.ops.segment_max(w[s.order], **seg)
+        report = report * jax.ops.segment_max(
+            w[s.order], s.segment, num_segments=n, indices_are_sorted=True
+        )
     keep = length > (1 if remove_single_length_sessions else 0)
     return jnp.sum(jnp.where(keep, report, 0.0)), jnp.sum(keep.astype(p.dtype))
 

@@ -14,23 +14,23 @@ TorchRec's ``state_dict`` keys::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..modules.deepfm import DeepFM, FactorizationMachine
-from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.initializers import torch_linear
 from ..sparse import KeyedJaggedTensor, KeyedTensor
 from .dlrm import Pooled, check_same_dim, pooled_lookup, sparse_feature_names
+from .layer_args import LayerArgs
 
 
 class SparseArch(nnx.Module):
     """The pooled embeddings of every sparse feature, as a ``KeyedTensor`` ``[B, F * D]``."""
 
-    def __init__(self, embedding_bag_collection: EmbeddingBagCollection):
+    def __init__(self, embedding_bag_collection: Pooled):
         self.embedding_bag_collection = embedding_bag_collection
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -47,10 +47,10 @@ class DenseArch(nnx.Module):
         embedding_dim: int,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = LayerArgs(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.model = nnx.Sequential(
             torch_linear(in_features, hidden_layer_size, **kw),
             jax.nn.relu,
@@ -82,8 +82,8 @@ class FMInteractionArch(nnx.Module):
         deep_fm_dimension: int,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         self.sparse_feature_names = tuple(sparse_feature_names)
         linear = torch_linear(
@@ -107,8 +107,8 @@ class OverArch(nnx.Module):
         in_features: int,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         linear = torch_linear(in_features, 1, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.model = nnx.Sequential(linear, jax.nn.sigmoid)
@@ -147,13 +147,13 @@ class SimpleDeepFMNN(nnx.Module):
         deep_fm_dimension: int,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         embedding_dim = check_same_dim(embedding_bag_collection, "SimpleDeepFMNN")
         feature_names = sparse_feature_names(embedding_bag_collection, "SimpleDeepFMNN")
         fm_in_features = embedding_dim * (1 + len(feature_names))
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = LayerArgs(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.sparse_arch = SparseArch(embedding_bag_collection)
         self.dense_arch = DenseArch(num_dense_features, hidden_layer_size, embedding_dim, **kw)
         self.inter_arch = FMInteractionArch(fm_in_features, feature_names, deep_fm_dimension, **kw)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..modules.crossnet import LowRankCrossNet
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
@@ -33,6 +34,7 @@ from ..modules.initializers import torch_linear
 from ..modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from ..modules.mlp import MLP
 from ..sparse import KeyedJaggedTensor, KeyedTensor
+from .layer_args import LayerArgs
 
 Pooled = EmbeddingBagCollection | ManagedCollisionEmbeddingBagCollection
 
@@ -117,8 +119,8 @@ class DenseArch(nnx.Module):
         layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         self.model = MLP(
             in_features,
@@ -218,12 +220,12 @@ class OverArch(nnx.Module):
         layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         if len(layer_sizes) <= 1:
             raise ValueError(f"OverArch must have multiple layers, got {list(layer_sizes)}")
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = LayerArgs(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.model = nnx.Sequential(
             MLP(in_features, layer_sizes[:-1], bias=True, activation="relu", **kw),
             torch_linear(layer_sizes[-2], layer_sizes[-1], bias=True, **kw),
@@ -275,8 +277,8 @@ class DLRM(nnx.Module):
         over_arch_layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         name = type(self).__name__
         embedding_dim = check_same_dim(embedding_bag_collection, name)
@@ -285,7 +287,7 @@ class DLRM(nnx.Module):
                 f"embedding_bag_collection dimension ({embedding_dim}) and final dense "
                 f"arch layer size ({dense_arch_layer_sizes[-1]}) must match."
             )
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = LayerArgs(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.sparse_arch = SparseArch(embedding_bag_collection)
         num_sparse = self.sparse_arch.F
         self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, **kw)
@@ -332,8 +334,8 @@ class DLRM_DCN(DLRM):  # TorchRec's name
         dcn_low_rank_dim: int,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         self._dcn = (dcn_num_layers, dcn_low_rank_dim)
         super().__init__(
@@ -377,8 +379,8 @@ class DLRM_Projection(DLRM):  # TorchRec's name
         interaction_branch2_layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         self._branches = (  # tuples: static module attributes must be hashable
             tuple(interaction_branch1_layer_sizes),

@@ -18,12 +18,12 @@ maximum-inner-product search over precomputed candidate embeddings.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..modules.mlp import MLP
 from ..sparse import KeyedJaggedTensor
@@ -34,6 +34,7 @@ from .dlrm import (
     pooled_lookup,
     sparse_feature_names,
 )
+from .layer_args import LayerArgs
 
 
 class TwoTower(nnx.Module):
@@ -61,8 +62,8 @@ class TwoTower(nnx.Module):
         layer_sizes: Sequence[int],
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         configs = bag_collection_of(embedding_bag_collection).embedding_bag_configs()
         if len(configs) != 2:
@@ -74,7 +75,7 @@ class TwoTower(nnx.Module):
         self._feature_names_query = tuple(configs[0].feature_names)
         self._candidate_feature_names = tuple(configs[1].feature_names)
         self.ebc = embedding_bag_collection
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = LayerArgs(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.query_proj = MLP(dim * len(self._feature_names_query), layer_sizes, **kw)
         self.candidate_proj = MLP(dim * len(self._candidate_feature_names), layer_sizes, **kw)
 

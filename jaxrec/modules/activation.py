@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 Activation = str | nnx.Module | Callable[..., Any]
 
@@ -30,8 +31,8 @@ class LayerNorm(nnx.Module):
         normalized_shape: int | Sequence[int],
         eps: float = 1e-5,
         *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
         self.normalized_shape = tuple(int(d) for d in shape)
@@ -77,8 +78,8 @@ class SwishLayerNorm(nnx.Module):
         self,
         input_dims: int | Sequence[int],
         *,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         # TorchRec: nn.Sequential(nn.LayerNorm(input_dims), nn.Sigmoid()), keys norm.0.*
         self.norm = nnx.Sequential(
@@ -89,7 +90,7 @@ class SwishLayerNorm(nnx.Module):
         return x * self.norm(x)
 
 
-def resolve_activation(activation: Activation) -> Activation:
+def resolve_activation(activation: Activation) -> Callable[[jax.Array], jax.Array]:
     """What one layer applies, given an activation as TorchRec's ``MLP`` accepts it.
 
     * ``"relu"`` / ``"sigmoid"``: ``jax.nn.relu`` / ``jax.nn.sigmoid``.

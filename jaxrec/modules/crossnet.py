@@ -8,11 +8,10 @@ TorchRec ``state_dict`` imports without reshaping. Kernels start
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from .activation import Activation, resolve_activation
 from .initializers import torch_linear, xavier_normal
@@ -58,7 +57,12 @@ class CrossNet(nnx.Module):
     """
 
     def __init__(
-        self, in_features: int, num_layers: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32
+        self,
+        in_features: int,
+        num_layers: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         _check(in_features, num_layers)
         self._num_layers = num_layers
@@ -101,7 +105,7 @@ class LowRankCrossNet(nnx.Module):
         low_rank: int = 1,
         *,
         rngs: nnx.Rngs,
-        param_dtype: Any = jnp.float32,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         _check(in_features, num_layers, low_rank=low_rank)
         self._num_layers = num_layers
@@ -141,7 +145,12 @@ class VectorCrossNet(nnx.Module):
     """
 
     def __init__(
-        self, in_features: int, num_layers: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32
+        self,
+        in_features: int,
+        num_layers: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         _check(in_features, num_layers)
         self._num_layers = num_layers
@@ -192,7 +201,7 @@ class LowRankMixtureCrossNet(nnx.Module):
         activation: Activation = jax.nn.relu,
         *,
         rngs: nnx.Rngs,
-        param_dtype: Any = jnp.float32,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         _check(in_features, num_layers, num_experts=num_experts, low_rank=low_rank)
         self._num_layers = num_layers

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..configs import EmbeddingBagConfig, check_tables
 from ..embedding.collection import GradSource, LookupGrad
@@ -59,13 +59,15 @@ class EmbeddingBagCollection(TableStorage):
         (3, 3)
     """
 
+    table_configs: tuple[EmbeddingBagConfig, ...]  # as given: TableStorage keeps them
+
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
         is_weighted: bool = False,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
         implementation: Implementation = None,
     ):

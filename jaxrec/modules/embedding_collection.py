@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..configs import EmbeddingConfig, check_tables, get_embedding_names_by_table
 from ..embedding.collection import GradSource, LookupGrad
@@ -38,13 +38,15 @@ class EmbeddingCollection(TableStorage):
             (``jaxrec.ops.Implementation``).
     """
 
+    table_configs: tuple[EmbeddingConfig, ...]  # as given: TableStorage keeps them
+
     def __init__(
         self,
         tables: Sequence[EmbeddingConfig],
         need_indices: bool = False,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
         implementation: Implementation = None,
     ):

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from .embedding_bag_collection import EmbeddingBagCollection
@@ -71,7 +72,7 @@ class PositionWeightedModule(nnx.Module):
         [1.0, 1.0, 1.0]
     """
 
-    def __init__(self, max_feature_length: int, *, param_dtype: Any = jnp.float32):
+    def __init__(self, max_feature_length: int, *, param_dtype: DTypeLike = jnp.float32):
         self.max_feature_length = _check_length("feature", max_feature_length)
         self.position_weight = nnx.Param(jnp.ones((max_feature_length,), param_dtype))
 
@@ -93,7 +94,9 @@ class PositionWeightedModuleCollection(nnx.Module):
         param_dtype: dtype of the weights.
     """
 
-    def __init__(self, max_feature_lengths: Mapping[str, int], *, param_dtype: Any = jnp.float32):
+    def __init__(
+        self, max_feature_lengths: Mapping[str, int], *, param_dtype: DTypeLike = jnp.float32
+    ):
         lengths = {k: _check_length(k, v) for k, v in max_feature_lengths.items()}
         self._max_feature_lengths = tuple(lengths.items())  # hashable static metadata
         self.position_weights = nnx.Dict(

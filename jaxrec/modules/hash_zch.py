@@ -83,6 +83,16 @@ class HashZchManagedCollisionModule(nnx.Module):
             ``"xla"`` (the XLA program everywhere; ``jax.export`` sets it).
     """
 
+    # One MCState per zi.ZchState field, set by name in __init__.
+    id_lo: MCState
+    id_hi: MCState
+    last_seen: MCState
+    counts: MCState
+    sketch: MCState
+    current_iter: MCState
+    occupancy: MCState
+    evicted: EvictedRows | None
+
     def __init__(
         self,
         zch_size: int,
@@ -144,12 +154,15 @@ class HashZchManagedCollisionModule(nnx.Module):
 
     @property
     def max_evictions(self) -> int:
+        return self._evicted_buffer().shape[0]
+
+    def _evicted_buffer(self) -> EvictedRows:
         if self.evicted is None:
             raise ValueError(
                 "this module has no eviction buffer yet: pass max_evictions=... or call "
                 "ensure_buffers(input_capacity) (or the module once, eagerly) first"
             )
-        return self.evicted.shape[0]
+        return self.evicted
 
     def ensure_buffers(self, input_capacity: int) -> None:
         """Allocates :meth:`evict`'s buffer for calls of up to ``input_capacity`` ids."""
@@ -187,14 +200,13 @@ class HashZchManagedCollisionModule(nnx.Module):
             self.layout, self.state(), lo, hi, ok, max_evictions=self.max_evictions
         )
         self.set_state(step.state)
-        self.evicted[...] = step.evicted
+        self._evicted_buffer()[...] = step.evicted
         self.last_counts[...] = jnp.stack(list(step.counts))
         return step.rows
 
     def evict(self) -> jax.Array:
         """``[max_evictions]`` int32 rows evicted by the latest training call (``FILL``-padded)."""
-        self.max_evictions  # noqa: B018 (raises without buffers)
-        return self.evicted[...]
+        return self._evicted_buffer()[...]  # raises without buffers
 
     def open_slots(self) -> jax.Array:
         """int32 scalar: slots not holding an id."""

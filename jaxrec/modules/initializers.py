@@ -14,11 +14,11 @@ weights with :func:`jaxrec.modules.load_torchrec_state_dict`.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..ops.init import uniform
 
@@ -31,7 +31,9 @@ def torch_fans(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[1] * receptive, shape[0] * receptive
 
 
-def xavier_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+def xavier_normal(
+    key: jax.Array, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32
+) -> jax.Array:
     """``torch.nn.init.xavier_normal_``: normal with std ``sqrt(2 / (fan_in + fan_out))``."""
     fan_in, fan_out = torch_fans(tuple(shape))
     std = math.sqrt(2.0 / (fan_in + fan_out))
@@ -43,7 +45,7 @@ def xavier_normal(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float
 def torch_linear_kernel_init() -> nnx.Initializer:
     """``torch.nn.Linear``'s weight init for a flax ``[in, out]`` kernel: U(+-1/sqrt(in))."""
 
-    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32) -> jax.Array:
         bound = 1.0 / math.sqrt(shape[0]) if shape[0] > 0 else 0.0
         return uniform(key, shape, -bound, bound, dtype)
 
@@ -54,7 +56,7 @@ def torch_linear_bias_init(fan_in: int) -> nnx.Initializer:
     """``torch.nn.Linear``'s bias init: U(+-1/sqrt(fan_in)) (zeros when ``fan_in == 0``)."""
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
-    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32) -> jax.Array:
         return uniform(key, shape, -bound, bound, dtype)
 
     return init
@@ -66,8 +68,8 @@ def torch_linear(
     bias: bool = True,
     *,
     rngs: nnx.Rngs,
-    dtype: Any = None,
-    param_dtype: Any = jnp.float32,
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike = jnp.float32,
 ) -> nnx.Linear:
     """An ``nnx.Linear`` initialised like ``torch.nn.Linear(in_features, out_features, bias)``.
 

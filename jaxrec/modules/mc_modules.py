@@ -53,7 +53,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,15 @@ HashFunc = Callable[[jax.Array, int], jax.Array]
 class MCState(nnx.Variable):
     """Managed-collision state. Deliberately neither ``nnx.Param`` nor ``EmbeddingTable``:
     the dense optimizer and the sparse update both skip it; the forward updates it."""
+
+
+class _History(NamedTuple):
+    """A module's history buffers: ids and training calls seen, the fill, the evictions."""
+
+    ids: MCState  # [H] uint32 keys
+    iters: MCState  # [H] int32
+    length: MCState  # int32 scalar
+    evicted: MCState  # [max_evictions] int32 rows
 
 
 def _positive_int(value: Any, name: str, minimum: int = 1) -> int:
@@ -202,12 +211,18 @@ class MCHManagedCollisionModule(nnx.Module):
     @property
     def max_evictions(self) -> int:
         """Static length of :meth:`evict`'s result (needs the history buffer)."""
-        if self.evicted is None:
+        return self._history().evicted.shape[0]
+
+    def _history(self) -> _History:
+        """The history buffers (allocated together by ``_allocate``), or ValueError."""
+        ids, iters, length = self.history_ids, self.history_iters, self.history_len
+        evicted = self.evicted
+        if ids is None or iters is None or length is None or evicted is None:
             raise ValueError(
                 "this module has no history buffer yet: pass history_capacity=... or call "
                 "ensure_buffers(input_capacity) (or the module once) first"
             )
-        return self.evicted.shape[0]
+        return _History(ids, iters, length, evicted)
 
     def ensure_buffers(self, input_capacity: int) -> None:
         """Allocates the history (``input_capacity * eviction_interval``) if not done yet.
@@ -281,18 +296,19 @@ class MCHManagedCollisionModule(nnx.Module):
         if self._is_deterministic(deterministic):
             return
         self.ensure_buffers(keys.shape[0])
-        h = self.history_ids.shape[0]
+        history = self._history()
+        h = history.ids.shape[0]
         cur = self.current_iter[...] + 1
         valid = keys != SENTINEL
-        pos = self.history_len[...] + jnp.cumsum(valid) - 1
+        pos = history.length[...] + jnp.cumsum(valid) - 1
         at = jnp.where(valid & (pos < h), pos, h)
-        hist_ids = self.history_ids[...].at[at].set(keys, mode="drop")
-        hist_iters = self.history_iters[...].at[at].set(cur, mode="drop")
-        hist_len = jnp.minimum(self.history_len[...] + jnp.sum(valid), h).astype(jnp.int32)
+        hist_ids = history.ids[...].at[at].set(keys, mode="drop")
+        hist_iters = history.iters[...].at[at].set(cur, mode="drop")
+        hist_len = jnp.minimum(history.length[...] + jnp.sum(valid), h).astype(jnp.int32)
         table = SlotTable(
             self.sorted_ids[...], self.slots[...], self.counts[...], self.last_access[...]
         )
-        e = self.evicted.shape[0]
+        e = history.evicted.shape[0]
         policy = self.eviction_policy
 
         def evict(table, hist_len):
@@ -309,10 +325,10 @@ class MCHManagedCollisionModule(nnx.Module):
         table, rows, hist_len, last_ev = jax.lax.cond(due, evict, keep, table, hist_len)
         self.sorted_ids[...], self.slots[...] = table.sorted_ids, table.slots
         self.counts[...], self.last_access[...] = table.counts, table.last_access
-        self.history_ids[...], self.history_iters[...] = hist_ids, hist_iters
-        self.history_len[...], self.last_eviction_iter[...] = hist_len, last_ev
+        history.ids[...], history.iters[...] = hist_ids, hist_iters
+        history.length[...], self.last_eviction_iter[...] = hist_len, last_ev
         self.current_iter[...] = cur
-        self.evicted[...] = rows
+        history.evicted[...] = rows
 
     def remap_keys(self, keys: jax.Array) -> jax.Array:
         """``remap`` of a flat buffer: ``[C]`` uint32 keys -> ``[C]`` int32 rows (pure read)."""
@@ -389,8 +405,7 @@ class MCHManagedCollisionModule(nnx.Module):
         Unlike TorchRec (which returns ``None`` or accumulates until read) it
         is a pure read with a static shape.
         """
-        self.max_evictions  # noqa: B018 (raises without buffers)
-        return self.evicted[...]
+        return self._history().evicted[...]  # raises without buffers
 
     def open_slots(self) -> jax.Array:
         """int32 scalar: slots not holding an id (the miss slot excluded)."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from .activation import Activation, SwishLayerNorm, identity, resolve_activation
 from .initializers import torch_linear
@@ -45,8 +45,8 @@ class Perceptron(nnx.Module):
         activation: Activation = jax.nn.relu,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
     ):
         self._in_size = in_size
         self._out_size = out_size
@@ -98,8 +98,8 @@ class MLP(nnx.Module):
         activation: Activation = jax.nn.relu,
         *,
         rngs: nnx.Rngs,
-        dtype: Any = None,
-        param_dtype: Any = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         activation_on_last: bool = True,
     ):
         layer_sizes = [int(s) for s in layer_sizes]

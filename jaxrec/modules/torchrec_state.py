@@ -125,6 +125,7 @@ def load_torchrec_state_dict(
             owner, local = e.table
             tables.setdefault(id(owner), (owner, {}))[1][local] = value
             continue
+        assert e.variable is not None  # an entry holds a table or a variable
         current = e.variable.get_value()
         e.variable.set_value(jnp.asarray(value.T if e.transpose else value, current.dtype))
     for owner, sd in tables.values():  # one concatenation per table group

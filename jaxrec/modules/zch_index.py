@@ -42,7 +42,7 @@ one int32 sketch cell: 16 bytes a slot (20 with the sketch).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -302,27 +302,26 @@ def _kernel_ready() -> bool:
 def _kernel_layout(layout: ZchLayout) -> cpu_zch.ZchKernelLayout:
     """The layout as the C++ kernels' attributes."""
     ev, adm = layout.eviction, layout.admission
-    policy = {
+    policies: dict[HashZchEvictionPolicyName, Literal["lru", "lfu", "ttl"]] = {
         HashZchEvictionPolicyName.LRU_EVICTION: "lru",
         HashZchEvictionPolicyName.LFU_EVICTION: "lfu",
         HashZchEvictionPolicyName.SINGLE_TTL_EVICTION: "ttl",
-    }[ev.policy]
-    extra = {}
-    if isinstance(adm, FrequencyAdmission):
-        extra = dict(admission="frequency", threshold=adm.threshold)
-    elif isinstance(adm, ProbabilityAdmission):
-        extra = dict(admission="probability", cutoff=adm.cutoff())
-    return cpu_zch.ZchKernelLayout(
+    }
+    kernel = cpu_zch.ZchKernelLayout(
         slots=layout.slots,
         ways=layout.ways,
         total_buckets=layout.total_buckets,
         bucket_offset=layout.bucket_offset,
         row_offset=layout.row_offset,
         seed=layout.seed,
-        policy=policy,
+        policy=policies[ev.policy],
         single_ttl=ev.single_ttl or 0,
-        **extra,
     )
+    if isinstance(adm, FrequencyAdmission):
+        return dataclasses.replace(kernel, admission="frequency", threshold=adm.threshold)
+    if isinstance(adm, ProbabilityAdmission):
+        return dataclasses.replace(kernel, admission="probability", cutoff=adm.cutoff())
+    return kernel
 
 
 def train_step_xla(

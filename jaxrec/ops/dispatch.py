@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,8 @@ from ..cpu import loader
 from ..pallas import triton_backend
 from ..xla.bounds import collect_checks, report_out_of_range
 from .backends import CPU, GPU_DEFAULT_PALLAS, MOSAIC_GPU, PALLAS
+
+T = TypeVar("T")  # an op's output: every kernel returns what its XLA path does
 
 Implementation = Literal["xla", "pallas", "cpu", "mosaic_gpu"] | None
 """Which kernels a lookup or update runs: ``None`` (chosen per lowering platform:
@@ -122,7 +124,9 @@ def _gpu_default(op: str) -> bool:
     return op in PALLAS and op in GPU_DEFAULT_PALLAS
 
 
-def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, **kwargs):
+def dispatch(
+    op: str, implementation: Implementation, xla_fn: Callable[..., T], *args, **kwargs
+) -> T:
     """``op``'s kernel for the lowering platform, else ``xla_fn``.
 
     ``implementation``: ``None``, ``"xla"``, ``"pallas"``, ``"cpu"`` or
@@ -148,7 +152,9 @@ def dispatch(op: str, implementation: Implementation, xla_fn: Callable, *args, *
     return by_platform(run, inputs=(args, kwargs), gpu_as_default=xla_on_gpu)
 
 
-def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, **kwargs):
+def try_cpu(
+    op: str, implementation: Implementation, fallback: Callable[[], T], *args, **kwargs
+) -> T:
     """The op's C++ kernel where the program runs on CPU, ``fallback()`` elsewhere.
 
     For entry points whose only accelerated form is a CPU kernel (no Pallas
@@ -171,7 +177,7 @@ def try_cpu(op: str, implementation: Implementation, fallback: Callable, *args, 
     return by_platform(run, inputs=(args, kwargs))
 
 
-def by_platform(run: Callable[[str], object], inputs=(), gpu_as_default: bool = False):
+def by_platform(run: Callable[[str], T], inputs=(), gpu_as_default: bool = False) -> T:
     """``run(platform)`` for the platform the program is lowered for.
 
     ``run`` is traced once for CPU, once for GPUs and once for any other

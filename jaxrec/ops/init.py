@@ -24,8 +24,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.core  # jax.core.Tracer: a submodule the type checker sees only when imported
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from ..xla.philox import key_words, piece_arrays, uniform_rows_xla
 from .dispatch import Implementation, dispatch
@@ -87,8 +89,8 @@ def _padded(ints: np.ndarray, floats: np.ndarray, rows: int, n: int) -> tuple[np
 
 def draw_rows(
     words: jax.Array,
-    ints: jax.Array,
-    floats: jax.Array,
+    ints: ArrayLike,
+    floats: ArrayLike,
     *,
     rows: int,
     cols: int,

@@ -74,7 +74,7 @@ def report_bags(
 ) -> None:
     """``bad``: ``[K, B]`` invalid bags of ``K`` keys (``keys=None``: one unnamed key)."""
     per_key = jnp.sum(bad, axis=1, dtype=jnp.int32)
-    first = jnp.argmax(per_key > 0) if keys else jnp.argmax(bad[0]) if bad.size else 0
+    first = jnp.argmax(per_key > 0) if keys else jnp.argmax(bad[0]) if bad.size else jnp.asarray(0)
     report_bad_bags(jnp.sum(per_key), first, mode, where, keys)
 
 

@@ -196,9 +196,10 @@ def pooled_lookup_mosaic_kernel(
 
                     return lax.cond(scale != 0, copy, skip)  # a dropped id costs no copy
 
+                fetch = gather
                 if seg_ref is not None:  # skip positions in the range owned by another bag
-                    gather = owned_by(first_bag + b, pos, gather)
-                scale = lax.cond(t < n[b], gather, skip)
+                    fetch = owned_by(first_bag + b, pos, gather)
+                scale = lax.cond(t < n[b], fetch, skip)
                 scales = jnp.where(iota == r, scale, scales)
             return scales
 
@@ -212,8 +213,8 @@ def pooled_lookup_mosaic_kernel(
             x = tile[...]
         elif _LOAD_HAS_IDX:  # JAX 0.10: idx is positional; 0.11 deprecates it
             x = plgpu.load(tile, (), layout=plgpu.Layout.WGMMA, optimized=False)
-        else:
-            x = plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)
+        else:  # JAX 0.11 drops idx; the type checker sees 0.10's signature
+            x = plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False)  # pyright: ignore[reportCallIssue]
         # optimized=False: rows land at data-dependent times, so the tile is not swizzled
         # and Mosaic cannot prove a conflict-free pattern (the padding avoids conflicts).
         s = lax.broadcast_in_dim(scales, (ROWS, dc), (0,))

@@ -76,7 +76,7 @@ def quant_pooled_lookup_kernel(
             mask=live[:, None] & col_ok[None, :],
             other=0,
         )
-        if int4:
+        if shift is not None:  # int4
             q = (q >> shift[None, :]) & 0xF
         emb = q.astype(jnp.float32) * scale[:, None] + bias[:, None]
         return acc + emb * w[:, None]  # w == 0 on dead lanes: their bias drops too

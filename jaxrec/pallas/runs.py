@@ -148,7 +148,7 @@ def plan_runs(
     occ_scale = jnp.where(valid, scale.astype(jnp.float32), 0.0)[order]
     partial = jnp.zeros((c,), jnp.int32)
     levels = []
-    p = layout.piece_len
+    p = layout.piece_len or 0  # None: unbounded, and then there are no levels (sizes == ())
     for size, offset in zip(layout.sizes, layout.offsets, strict=True):
         long = length > p
         count = jnp.where(long, (length + p - 1) // p, 0)

@@ -214,6 +214,7 @@ def _launch(
     if plan is not None:
         inputs += [plan.start, plan.length, plan.src, plan.scale]
     if partials is not None:
+        assert plan is not None  # partials are a plan's reductions
         inputs += [plan.partial, partials]
     buffers = [table] + [getattr(state, f) for f in fields]
     first = len(inputs)
@@ -259,6 +260,7 @@ def _reduce(grad, plan: RunPlan, layout: PieceLayout, tiling, interpret) -> jax.
             interpret=interpret,
             name="jaxrec_piece_sum",
         )(*inputs, *([partials] if level else []))
+    assert partials is not None  # called with at least one level
     return partials
 
 

@@ -90,6 +90,14 @@ class KeyedJaggedTensor:
     __slots__ = (
         "_keys", "_caps", "_stride", "_spk", "_values", "_lengths", "_weights", "_inverse"
     )  # fmt: skip
+    _keys: tuple[str, ...]
+    _caps: tuple[int, ...]
+    _stride: int
+    _spk: tuple[int, ...] | None  # B_k per key (VBE), else None
+    _values: jax.Array
+    _lengths: jax.Array
+    _weights: jax.Array | None
+    _inverse: jax.Array | None
 
     def __init__(
         self,
@@ -125,7 +133,7 @@ class KeyedJaggedTensor:
                 )
         spk, inverse = resolve_vbe(keys, stride_per_key, inverse_indices, stride)
         if spk is not None:
-            stride = inverse.shape[1]
+            stride = int(inverse.shape[1])
             if lengths.shape[0] != sum(spk):
                 raise ValueError(
                     f"lengths has {lengths.shape[0]} entries but stride_per_key={spk} "
@@ -177,14 +185,14 @@ class KeyedJaggedTensor:
     def from_parts(
         cls,
         keys: Sequence[str],
-        values: jax.Array,
-        lengths: jax.Array,
-        weights: jax.Array | None = None,
+        values: jax.Array | np.ndarray,
+        lengths: jax.Array | np.ndarray,
+        weights: jax.Array | np.ndarray | None = None,
         *,
         capacities: Sequence[int],
         stride: int,
         stride_per_key: Sequence[int] | None = None,
-        inverse_indices: jax.Array | None = None,
+        inverse_indices: jax.Array | np.ndarray | None = None,
     ) -> KeyedJaggedTensor:
         """Assembles a KJT from its leaves and its static layout, as ``tree_unflatten``
         does: the cheap constructor for code that already holds a valid layout
@@ -485,7 +493,7 @@ class KeyedJaggedTensor:
         if spk is None:
             stride = _resolve_stride(len(keys), lens.shape[0], stride)
         else:
-            inv, stride = v.to_host(inv).astype(np.int32), inv.shape[1]
+            inv, stride = v.to_host(inv).astype(np.int32), int(inv.shape[1])
             if lens.shape[0] != sum(spk):
                 raise ValueError(
                     f"lengths has {lens.shape[0]} entries but stride_per_key={spk} sums to "
@@ -706,7 +714,7 @@ def _repack(vals: np.ndarray, w: np.ndarray | None, lpk: np.ndarray, caps) -> tu
     dst = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
     for k, n in enumerate(lpk):
         out_v[dst[k] : dst[k] + n] = vals[src[k] : src[k] + n]
-        if w is not None:
+        if w is not None and out_w is not None:
             out_w[dst[k] : dst[k] + n] = w[src[k] : src[k] + n]
     return out_v, out_w
 

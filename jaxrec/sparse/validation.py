@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core  # jax.core.Tracer: a submodule the type checker sees only when imported
 import jax.numpy as jnp
 import numpy as np
 
@@ -79,7 +80,7 @@ def host_ids_array(x: Any, name: str) -> np.ndarray:
     """
     a = untyped_empty_as_int(np.asarray(x), x)
     wide64 = np.issubdtype(a.dtype, np.integer) and a.ndim == 1 and a.dtype.itemsize == 8
-    if wide64 and not jax.config.jax_enable_x64 and not _int32_ok(a):
+    if wide64 and not jax.config.read("jax_enable_x64") and not _int32_ok(a):
         return to_id_words(a)
     a = host_int_array(a, name)
     if a.ndim != 1 and not is_wide(a):
@@ -104,7 +105,7 @@ def host_int_array(x: Any, name: str) -> np.ndarray:
         raise TypeError(
             f"{name} must have an integer dtype, got {a.dtype=}; ids and lengths are integers"
         )
-    if a.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+    if a.dtype.itemsize == 8 and not jax.config.read("jax_enable_x64"):
         if not _int32_ok(a):
             raise ValueError(
                 f"{name} holds values outside int32 range (max {a.max()}) and JAX x64 is off"
@@ -124,7 +125,7 @@ def as_float_array(x: Any, name: str) -> jax.Array:
             a = a.astype(np.float32)  # plain Python lists of ints are fine as weights
         else:
             raise TypeError(f"{name} must have a floating dtype, got {a.dtype=}")
-    if a.dtype == np.float64 and not jax.config.jax_enable_x64:
+    if a.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         a = a.astype(np.float32)
     return jnp.asarray(a)
 

@@ -319,7 +319,8 @@ def concat_bags(stacked: KeyedJaggedTensor) -> KeyedJaggedTensor:
     Traceable: positions come from the lengths, no host copy.
     """
     stacked.require_uniform_stride("gradient accumulation of a sharded collection's calls")
-    (values, lengths, weights), _ = stacked.tree_flatten()
+    children, _ = stacked.tree_flatten()
+    values, lengths, weights = children[:3]
     keys, caps, stride = stacked.keys(), stacked.capacity_per_key(), stacked.stride()
     k, f = lengths.shape[0], len(keys)
     per_key = lengths.reshape(k, f, stride).sum(axis=2)  # [k, F] ids of key f in micro-batch i

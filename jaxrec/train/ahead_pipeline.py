@@ -80,6 +80,7 @@ class AheadPipeline(TrainPipeline):
 
     def _pull(self) -> Any:
         """The next device batch, or ``_END`` (then ``self._end`` says why)."""
+        assert self._batches is not None  # set by _attach
         try:
             return next(self._batches)
         except BaseException as e:  # the end, the loader's error or to_device's
@@ -88,6 +89,7 @@ class AheadPipeline(TrainPipeline):
 
     def _finish(self):
         end, self._end = self._end, None
+        assert end is not None  # called once _pull has met the end
         self._source = None
         if isinstance(end, StopIteration):
             self._flush_warnings()

@@ -88,10 +88,10 @@ def warned(warnings: dict, overflow: Sequence[tuple[str, jax.Array]]) -> tuple:
     """``(warnings, overflow, counts)`` of a :class:`StepReport`; ``overflow`` holds
     ``(mode, count)`` per sharded call."""
     warnings = dict(sorted(warnings.items()))  # the order a jitted function returns a dict in
-    overflow = {f"{i:05d}:{mode}": c for i, (mode, c) in enumerate(overflow)}
-    counts = [c for c, _ in warnings.values()] + list(overflow.values())
+    by_call = {f"{i:05d}:{mode}": c for i, (mode, c) in enumerate(overflow)}
+    counts = [c for c, _ in warnings.values()] + list(by_call.values())
     stacked = jnp.stack([jnp.asarray(c, jnp.int32) for c in counts]) if counts else None
-    return warnings, overflow, stacked
+    return warnings, by_call, stacked
 
 
 def fatal_failures(fatal: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple[int, int]]:

@@ -103,6 +103,7 @@ class TrainPipeline:
         pipeline goes on with the next batch at the next call.
         """
         self._attach(dataloader_iter)
+        assert self._batches is not None  # set by _attach
         try:
             item = next(self._batches)
         except StopIteration:
@@ -120,8 +121,9 @@ class TrainPipeline:
         try:
             self.state, loss, aux, report = self._step.jitted(self.state, item)
         except Exception as e:  # a step that took the state and hands back another
-            if isinstance(getattr(e, "state", None), TrainState):
-                self.state = e.state
+            state = getattr(e, "state", None)
+            if isinstance(state, TrainState):
+                self.state = state
             raise
         self._step.record(report)
         self._check_report()  # the previous step's: long finished, no stall

@@ -40,6 +40,8 @@ class TrainPipelineSemiSync(AheadPipeline):
     before it has been trained on.
     """
 
+    _step: SemiSyncTrainStep  # checked in __init__
+
     def __init__(
         self,
         train_step: SemiSyncTrainStep,

@@ -31,6 +31,8 @@ class TrainPipelineSparseDist(AheadPipeline):
     late, after the batch before it has been trained on.
     """
 
+    _step: SparseDistTrainStep  # checked in __init__
+
     def __init__(
         self,
         train_step: SparseDistTrainStep,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +141,7 @@ def apply_forward(
     ``fwd.g_params`` and every collection's fused sparse update from ``fwd.calls``
     (masked as ``guard.py`` says). ``(new state, StepReport)``."""
     updates, dense_state = optimizer.dense.update(fwd.g_params, state.opt_state.dense, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = cast(nnx.State, optax.apply_updates(state.params, updates))  # same pytree type
     tables, rest, calls, resets = fwd.tables, fwd.rest, fwd.calls, fwd.resets
     g_outputs = [c.lookup.grad for c in calls]
     ok = guard.apply_mask(fwd.loss, fwd.g_params, g_outputs, fwd.fatal, skip_nonfinite)

@@ -70,6 +70,8 @@ def pooled_grad_sources(
     rows, valid = rows_and_mask(ids, valid, slot_of, slots, BoundsCheckMode.IGNORE, "")
     scale = jnp.where(valid, 1.0, 0.0)
     if is_weighted:
+        if w is None:
+            raise ValueError("is_weighted=True needs features with weights; got weights=None")
         scale = scale * w.astype(jnp.float32)
     if features.variable_stride_per_key():
         starts = slot_bag_starts(features, slots)

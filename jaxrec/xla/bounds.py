@@ -138,7 +138,7 @@ def _report(mode: BoundsCheckMode, where: str):
 def check_ids(
     ids: jax.Array,
     valid: jax.Array,
-    num_embeddings: jax.Array | int,
+    num_embeddings: jax.Array | np.ndarray | int,
     mode: BoundsCheckMode,
     where: str,
 ) -> jax.Array:
@@ -168,7 +168,7 @@ def check_ids(
     return valid & in_range
 
 
-def ids_in_range(ids: jax.Array, num_embeddings: jax.Array | int) -> jax.Array:
+def ids_in_range(ids: jax.Array, num_embeddings: jax.Array | np.ndarray | int) -> jax.Array:
     """``0 <= ids < num_embeddings``, compared in the ids' own integer width.
 
     Mixing dtypes would promote: uint32 with int32 becomes int32 without x64,
@@ -187,7 +187,7 @@ def ids_in_range(ids: jax.Array, num_embeddings: jax.Array | int) -> jax.Array:
         num = np.asarray(num_embeddings, np.int64)
         top = min(int(info.max), int(np.iinfo(np.int64).max))
         limit = np.clip(num - 1, 0, top).astype(ids.dtype)
-    ok = (num > 0) & (ids <= limit)
+    ok = (ids <= limit) & (num > 0)
     return ok & (ids >= 0) if info.min < 0 else ok
 
 

@@ -47,7 +47,7 @@ def report_bad_weights(
     ``keys[k]`` owns positions ``[starts[k], starts[k + 1])`` (``keys=None``: one unnamed key)."""
 
     def message(count: int, example: int) -> str:
-        if keys:
+        if keys and starts is not None:
             at = f"key {keys[int(np.searchsorted(starts, example, side='right')) - 1]!r}"
         else:
             at = f"position {example}"
