@@ -16,6 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(shutil.which("pyright") is None, reason="pyright (test extra) not installed")
+@pytest.mark.skipif(
+    shutil.which("node") is None, reason="no node on PATH (pyright's package would download one)"
+)
 def test_jaxrec_type_checks():
     result = subprocess.run(
         ["pyright", "--outputjson"], cwd=ROOT, capture_output=True, text=True, timeout=1200
