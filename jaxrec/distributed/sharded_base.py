@@ -117,7 +117,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         dims = {t.name: t.embedding_dim for t in self.table_configs}
         self._column_split = {
             g.name for g in self.layout.groups
-            if any(g.ncols < dims[s[0]] for r in g.shards for s in r)
+            if any(g.ncols < dims[t] for t in g.tables)
         }  # fmt: skip
         groups = {g.name for g in self.layout.groups}
         if isinstance(capacity, Mapping) and set(capacity) - groups:
@@ -183,13 +183,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
         out = {}
         n = self.layout.world_size
         for g in self.layout.groups:
-            dtype = self.config(next(s[0] for r in g.shards for s in r)).dtype
+            dtype = self.config(g.tables[0]).dtype
             buf = xp.zeros((n * g.rows_per_rank, g.ncols), np.float32)
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)  # zero-padded up to g.ncols
-                    block = logical[table][r0 : r0 + nr, c0 : c0 + w]
+                for s in shards:
+                    start, nr = rank * g.rows_per_rank + s.local_offset, s.nrows
+                    w = g.width(s.table, s.row0, s.col0)  # zero-padded up to g.ncols
+                    block = logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w]
                     if traced:
                         buf = buf.at[start : start + nr, :w].set(block.astype(np.float32))
                     else:
@@ -227,10 +227,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         for g in self.layout.groups:
             buf = host_float32(self.weights[g.name].get_value())
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)
-                    logical[table][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
+                for s in shards:
+                    start, nr = rank * g.rows_per_rank + s.local_offset, s.nrows
+                    w = g.width(s.table, s.row0, s.col0)
+                    rows = buf[start : start + nr, :w]
+                    logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w] = rows
         for rg in self.replicated_groups:
             buf = host_float32(self.weights["dp_" + rg.name].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
@@ -481,7 +482,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """Sparse optimizer states, sharded like the tables they update."""
         out = {}
         for g in self.layout.groups:
-            opt = self._group_optimizer(optimizer, {s[0] for r in g.shards for s in r})
+            opt = self._group_optimizer(optimizer, set(g.tables))
             st = opt.init(self.layout.world_size * g.rows_per_rank, g.ncols)
             out[state_key(path, g.name, 0)] = self._put_state(st, P(self.axis))
         for rg in self.replicated_groups:
@@ -673,9 +674,16 @@ class ShardedCollection(EmbeddingCollectionInterface):
         weights = {}
         for g in self.layout.groups:
             weights[g.name] = tuple(
-                Block(t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
+                Block(
+                    s.table,
+                    s.row0,
+                    s.nrows,
+                    s.col0,
+                    g.width(s.table, s.row0, s.col0),
+                    rank * g.rows_per_rank + s.local_offset,
+                )
                 for rank, shards in enumerate(g.shards)
-                for t, r0, nr, c0, off in shards
+                for s in shards
             )
         for rg in self.replicated_groups:
             weights["dp_" + rg.name] = tuple(

@@ -103,16 +103,17 @@ class _QuantShards:
         self.group_dtypes = {}
         out = {}
         for g in self.layout.groups:
-            dt = self._one_dtype({s[0] for r in g.shards for s in r}, f"shard group {g.name}")
+            dt = self._one_dtype(set(g.tables), f"shard group {g.name}")
             self.group_dtypes[g.name] = dt
             buf = np.zeros((n * g.rows_per_rank, row_bytes(g.ncols, dt, self.row_alignment)))
             buf = buf.astype(np.uint8)
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    src = state_dict[f"{self.prefix}.{table}.weight"]
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)
-                    buf[start : start + nr] = self._block(src, table, r0, nr, c0, w, dt, g.ncols)
+                for s in shards:
+                    src = state_dict[f"{self.prefix}.{s.table}.weight"]
+                    start = rank * g.rows_per_rank + s.local_offset
+                    w = g.width(s.table, s.row0, s.col0)
+                    block = self._block(src, s.table, s.row0, s.nrows, s.col0, w, dt, g.ncols)
+                    buf[start : start + s.nrows] = block
             out[g.name] = QuantTable(jax.device_put(buf, self._sharded(P(self.axis))))
         for rg in self.replicated_groups:
             dt = self._one_dtype(rg.tables, "data-parallel group " + rg.name)
