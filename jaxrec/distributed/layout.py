@@ -89,6 +89,29 @@ class WidthGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class BufferKey:
+    """One weight buffer of a sharded collection: a width group's (sharded over the mesh)
+    or, ``replicated``, a group of data-parallel tables' (whole on every device).
+
+    ``name`` is the serialised form: the buffer's key in ``weights`` (so in state
+    paths), in the sparse optimizer state (``state_key``) and in row resets. It is
+    the group's name, ``"dp_"``-prefixed when replicated, the form states have
+    always been saved under (width groups are named ``<dtype>_c<ncols>``, so the
+    two never collide).
+    """
+
+    group: str
+    replicated: bool = False
+
+    @property
+    def name(self) -> str:
+        return _REPLICATED_PREFIX + self.group if self.replicated else self.group
+
+
+_REPLICATED_PREFIX = "dp_"
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardedLayout:
     world_size: int
     groups: tuple[WidthGroup, ...]

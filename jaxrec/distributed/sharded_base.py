@@ -44,7 +44,7 @@ from .capacity import (
 from .exact_update import exact_update, logical_rows
 from .host_copies import cast, host_float32, logical_tables
 from .id_checks import check_sharded_ids
-from .layout import WidthGroup, build_layout
+from .layout import BufferKey, WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
 from .row_sums import column_split_row_sum, peer_schedule
 from .shard_init import check_drawable, draw_groups, draw_replicated
@@ -127,6 +127,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         dp = [t for t in self.table_configs if t.name in self.layout.replicated]
         self.replicated_groups = group_tables(dp) if dp else ()
+        keys = [BufferKey(g.name) for g in self.layout.groups]
+        keys += [BufferKey(rg.name, replicated=True) for rg in self.replicated_groups]
+        self.buffers = {k.name: k for k in keys}  # the weight buffers by name
         if init_key is None:  # the module's tables, copied shard by shard
             self.weights = nnx.Dict(self._place(logical_tables(module)))
         else:  # drawn where they live (the module may be abstract: nnx.eval_shape)
@@ -166,6 +169,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         raise NotImplementedError
 
     # ----- placement and logical views -----
+    @staticmethod
+    def dp_buffer(rg) -> str:
+        """The name of replicated table group ``rg``'s buffer (a key of ``weights``)."""
+        return BufferKey(rg.name, replicated=True).name
+
     def _sharded(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
@@ -200,7 +208,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             buf = xp.concatenate([logical[t] for t in rg.tables])
             dtype = self.config(rg.tables[0]).dtype
             spec = self._sharded(P())
-            out["dp_" + rg.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
+            out[self.dp_buffer(rg)] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
         return out
 
     def _draw(self, key: jax.Array) -> dict:
@@ -213,7 +221,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         drawn = draw_groups(groups, configs, streams, self.mesh, key)
         out = {g.name: EmbeddingTable(x) for g, x in zip(groups, drawn, strict=True)}
         for rg in self.replicated_groups:
-            out["dp_" + rg.name] = EmbeddingTable(
+            out[self.dp_buffer(rg)] = EmbeddingTable(
                 draw_replicated(rg, configs, streams, self.mesh, key)
             )
         return out
@@ -233,7 +241,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
                     rows = buf[start : start + nr, :w]
                     logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w] = rows
         for rg in self.replicated_groups:
-            buf = host_float32(self.weights["dp_" + rg.name].get_value())
+            buf = host_float32(self.weights[self.dp_buffer(rg)].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
                 logical[t] = buf[lo : lo + self.config(t).num_embeddings]
         return {
@@ -252,7 +260,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     # ----- forward -----
     def _specs(self):
-        return {name: P() if name.startswith("dp_") else P(self.axis) for name in self.weights}
+        return {n: P() if self.buffers[n].replicated else P(self.axis) for n in self.weights}
 
     @property
     def exact(self) -> bool:
@@ -409,7 +417,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
             out = self._forward_group(tables[g.name], kjt, g, spec, box, n_rounds, out)
         for rg in self.replicated_groups:
-            self._dp_lookup(tables["dp_" + rg.name], kjt, rg, out)
+            self._dp_lookup(tables[self.dp_buffer(rg)], kjt, rg, out)
         return self._output_value(out), beyond[None]
 
     def _forward_group(self, table, kjt, g, spec, box, n_rounds, out):
@@ -487,7 +495,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             out[state_key(path, g.name, 0)] = self._put_state(st, P(self.axis))
         for rg in self.replicated_groups:
             opt = self._group_optimizer(optimizer, set(rg.tables))
-            out[state_key(path, "dp_" + rg.name, 0)] = self._put_state(
+            out[state_key(path, self.dp_buffer(rg), 0)] = self._put_state(
                 opt.init(rg.num_rows, rg.embedding_dim), P()
             )
         return out
@@ -507,9 +515,10 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         return next(iter(opts.values()))
 
-    def _groups_by_name(self):
+    def _groups_by_name(self) -> dict:
+        """``{buffer name: its WidthGroup, or its TableGroup when replicated}``."""
         out = {g.name: g for g in self.layout.groups}
-        out.update({"dp_" + rg.name: rg for rg in self.replicated_groups})
+        out.update({self.dp_buffer(rg): rg for rg in self.replicated_groups})
         return out
 
     def apply_sparse_gradients(
@@ -527,10 +536,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         names = list(self.weights)
         keys = [state_key(path, n, 0) for n in names]
         opts = {
-            n: self._group_optimizer(
-                optimizer,
-                set(g.tables) if n.startswith("dp_") else {s[0] for r in g.shards for s in r},
-            )
+            n: self._group_optimizer(optimizer, set(g.tables))
             for n, g in self._groups_by_name().items()
         }
 
@@ -558,7 +564,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 parts = self._dp_row_grads(g_local, kjt, rg)
                 r, gr, valid = (jax.lax.all_gather(x, self.axis, tiled=True) for x in parts)
                 uniq, summed = dedup_rows(r, gr, valid, rg.num_rows)
-                name, k = "dp_" + rg.name, state_key(path, "dp_" + rg.name, 0)
+                name = self.dp_buffer(rg)
+                k = state_key(path, name, 0)
                 tables[name], states[k] = update_subgroup(
                     SubGroup(opts[name], (True,), (0,), rg.num_rows), (0,),
                     tables[name], states[k], uniq, summed,
@@ -567,8 +574,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         specs = self._specs()
         state_specs = {
-            k: type(states[k])(*(P() if n.startswith("dp_") or x.ndim == 0 else P(self.axis)
-                                 for x in states[k]))
+            k: type(states[k])(*(P() if self.buffers[n].replicated or x.ndim == 0
+                                 else P(self.axis) for x in states[k]))
             for n, k in zip(names, keys, strict=True)
         }  # fmt: skip
         run = jax.shard_map(
@@ -686,7 +693,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 for s in shards
             )
         for rg in self.replicated_groups:
-            weights["dp_" + rg.name] = tuple(
+            weights[self.dp_buffer(rg)] = tuple(
                 Block(t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
                 for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
             )

@@ -78,7 +78,7 @@ def _pieces(coll, table: str) -> tuple[str, int, list[_Piece]]:
             lo = rg.row_offsets[list(rg.tables).index(table)]
             cfg = coll.config(table)
             d = rg.embedding_dim
-            return "dp_" + rg.name, rg.num_rows, [_Piece(lo, 0, cfg.num_embeddings, 0, d, d)]
+            return coll.dp_buffer(rg), rg.num_rows, [_Piece(lo, 0, cfg.num_embeddings, 0, d, d)]
     for g in layout.groups:
         pieces = [
             _Piece(
@@ -103,12 +103,11 @@ def reset_optimizer_rows(coll, optimizer, path, group: str, sparse_state, rows) 
     initial values (``count`` is left alone, as the unsharded reset leaves it)."""
     groups = coll._groups_by_name()
     g = groups[group]
-    if group.startswith("dp_"):
-        tables, num_rows, ncols = set(g.tables), g.num_rows, g.embedding_dim
+    if coll.buffers[group].replicated:
+        num_rows, ncols = g.num_rows, g.embedding_dim
     else:
-        tables = set(g.tables)
         num_rows, ncols = coll.layout.world_size * g.rows_per_rank, g.ncols
-    opt = coll._group_optimizer(optimizer, tables)
+    opt = coll._group_optimizer(optimizer, set(g.tables))
     key = state_key(path, group, 0)
     sub = SubGroup(opt, (True,), (0,), num_rows)
     return {**sparse_state, key: reset_state_rows(sub, sparse_state[key], rows, ncols)}
