@@ -1,18 +1,23 @@
 """What sharded pooled and sequence collections share: placement, state, the fused update.
 
-A subclass says how one device's output looks (``_new_output``; pooled:
-``_add_group`` / ``_group_grads`` per width group; sequence: ``_add_block`` /
-``_read_block`` per slot), how replicated (data-parallel) tables are looked up and
-differentiated, and how the output is returned; this class runs the three
-stages of ``embedding_dist`` under ``shard_map`` and the fused optimizer on
-the local shards.
+``ShardedCollection`` runs the three stages of ``embedding_dist`` under
+``shard_map`` and the fused optimizer on the local shards. Its two abstract
+kinds say how a width group's lookups come home and how their gradients go
+out: ``PooledShardedCollection`` (pooled on the shard's rank, partial sums sent
+back; a subclass adds them with ``_add_group`` and reads gradients with
+``_group_grads``) and ``SequenceShardedCollection`` (one row per id sent back;
+``_add_block`` / ``_read_block`` per slot). A concrete subclass also says how
+one device's output looks (``_new_output``), how replicated (data-parallel)
+tables are looked up and differentiated, and how the output is returned; one
+that leaves a hook out cannot be instantiated (``abc``: ``TypeError`` naming it).
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -65,7 +70,7 @@ class OverflowCount(PlanLocal):
 class ShardedCollection(EmbeddingCollectionInterface):
     """Base of the sharded collections (see their docstrings for the arguments)."""
 
-    sequence = False  # one output row per id (EmbeddingCollection) instead of per bag
+    sequence = False  # the exchange's form: one output row per id instead of per bag
     vbe = False  # takes a variable batch per key (pooled collections that expand it)
 
     def __init__(
@@ -142,31 +147,36 @@ class ShardedCollection(EmbeddingCollectionInterface):
     def _weighted(self) -> bool:
         return False
 
-    def _new_output(self, kjt):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _new_output(self, kjt) -> list:
+        """This device's zero output, a list the lookups add to."""
 
-    def _add_block(self, out, kjt, slot, ncols, block):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _read_block(self, g, kjt, slot, ncols, b) -> jax.Array:
+        """``slot``'s ``ncols`` columns of the local output gradient ``g``."""
 
-    def _read_block(self, g, kjt, slot, ncols, b):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _dp_lookup(self, table, kjt, rg, out) -> None:
+        """Adds replicated group ``rg``'s lookups (of its whole ``table``) to ``out``."""
 
-    def _add_group(self, out, kjt, g, received):
-        """Pooled: adds a group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _dp_row_grads(self, g, kjt, rg) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(rows, grads, valid)`` of replicated group ``rg`` from the local output
+        gradient ``g`` (gathered from every device by the caller)."""
 
-    def _group_grads(self, g, kjt, group):
-        """Pooled: a group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _finish(self, values, features) -> Any:
+        """The collection's output from the devices' stacked output ``values``."""
 
-    def _dp_lookup(self, table, kjt, rg, out):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        """Adds one width group's lookups (every round) to the output list ``out``."""
 
-    def _dp_row_grads(self, g, kjt, rg):
-        raise NotImplementedError
-
-    def _finish(self, values, features):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        """Round 0's ``(rows, grads, valid)`` of group ``g``, and ``more(r) -> (rows, valid,
+        grads)`` of round ``r`` (``grads`` a function: sequence gradients travel only when
+        called)."""
 
     # ----- placement and logical views -----
     @staticmethod
@@ -420,41 +430,6 @@ class ShardedCollection(EmbeddingCollectionInterface):
             self._dp_lookup(tables[self.dp_buffer(rg)], kjt, rg, out)
         return self._output_value(out), beyond[None]
 
-    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out):
-        """Adds one width group's lookups (every round) to the output list ``out``."""
-        rec0, bag_counts = self._first_round(spec, box)
-        dtype = self.qcomms.forward_dtype
-        if not self.sequence:
-            lookup = lambda rec: dist.pooled_partials(
-                lambda *a: self._pooled_lookup(g, *a), table, rec, spec
-            )
-            partials = lookup(rec0)
-            if n_rounds is not None:
-                partials = jax.lax.fori_loop(
-                    1, n_rounds,
-                    lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
-                    partials,
-                )  # fmt: skip
-            sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
-            received = dist.send_back(partials, self.axis, dtype, ragged=sizes)
-            out = list(out)
-            return self._add_group(out, kjt, g, received)
-
-        def place(r, rec, acc):
-            rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
-            back = dist.send_back(rows, self.axis, dtype)
-            acc = list(acc)
-            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
-            dist.place_rows(back, box, g, r, spec.capacity, add)
-            return tuple(acc)
-
-        res = place(0, rec0, tuple(out))
-        if n_rounds is not None:
-            res = jax.lax.fori_loop(
-                1, n_rounds, lambda r, acc: place(r, self._round(spec, box, None, r), acc), res
-            )
-        return list(res)
-
     def _pooled_lookup(self, group, table, rows, seg, num_segments, scale):
         """The shard's table-batched pooled lookup (quantized collections override it)."""
         del group
@@ -515,9 +490,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         return next(iter(opts.values()))
 
-    def _groups_by_name(self) -> dict:
+    def _groups_by_name(self) -> dict[str, Any]:
         """``{buffer name: its WidthGroup, or its TableGroup when replicated}``."""
-        out = {g.name: g for g in self.layout.groups}
+        out: dict[str, Any] = {g.name: g for g in self.layout.groups}
         out.update({self.dp_buffer(rg): rg for rg in self.replicated_groups})
         return out
 
@@ -588,38 +563,6 @@ class ShardedCollection(EmbeddingCollectionInterface):
         sub_states = {k: states[k] for k in keys}
         new_tables, new_states = run(tables, sub_states, features, out_grad)
         return new_tables, {**states, **new_states}
-
-    def _row_grads(self, kjt, g, spec, box, g_local):
-        """Round 0's ``(rows, grads, valid)`` of group ``g``, and ``more(r) -> (rows, valid,
-        grads)`` of round ``r`` (``grads`` a function: sequence gradients travel only when
-        called)."""
-        rec0, bag_counts = self._first_round(spec, box)
-        dtype = self.qcomms.backward_dtype
-        if not self.sequence:
-            scale = self.qcomms.backward_loss_scale
-            blocks = self._group_grads(g_local, kjt, g)
-            blocks = dist.grads_to_ranks(blocks, g, self.axis, dtype, scale, spec.ragged)
-            grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
-
-            def more(r):
-                rows, g, valid = grads(self._round(spec, box, bag_counts, r))
-                return rows, valid, lambda: g
-
-            return grads(rec0), more
-
-        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
-
-        def grads(r):
-            got = dist.sequence_grads(
-                read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
-            )
-            return got.reshape(-1, g.ncols)
-
-        def more(r):
-            rec = self._round(spec, box, None, r)
-            return rec.rows.reshape(-1), rec.valid.reshape(-1), lambda: grads(r)
-
-        return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
     def reset_table_rows(self, table, rows, key) -> None:
         """Re-initialises logical ``rows`` of ``table`` (managed-collision evictions)."""
@@ -699,6 +642,98 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         states = {state_key(path, name, 0): blocks for name, blocks in weights.items()}
         return TableBlocks(weights, states)
+
+
+class PooledShardedCollection(ShardedCollection):
+    """A sharded collection with one output row per bag: a width group's ids are pooled
+    on the shard's rank and the partial sums travel back (``embedding_dist``)."""
+
+    sequence = False
+
+    @abc.abstractmethod
+    def _add_group(self, out, kjt, g, received) -> list:
+        """Adds a group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
+
+    @abc.abstractmethod
+    def _group_grads(self, g, kjt, group) -> jax.Array:
+        """A group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
+
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        rec0, bag_counts = self._first_round(spec, box)
+        lookup = lambda rec: dist.pooled_partials(
+            lambda *a: self._pooled_lookup(g, *a), table, rec, spec
+        )
+        partials = lookup(rec0)
+        if n_rounds is not None:
+            partials = jax.lax.fori_loop(
+                1, n_rounds,
+                lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
+                partials,
+            )  # fmt: skip
+        sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
+        received = dist.send_back(partials, self.axis, self.qcomms.forward_dtype, ragged=sizes)
+        return self._add_group(list(out), kjt, g, received)
+
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        rec0, bag_counts = self._first_round(spec, box)
+        dtype = self.qcomms.backward_dtype
+        scale = self.qcomms.backward_loss_scale
+        blocks = self._group_grads(g_local, kjt, g)
+        blocks = dist.grads_to_ranks(blocks, g, self.axis, dtype, scale, spec.ragged)
+        grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
+
+        def more(r):
+            rows, g, valid = grads(self._round(spec, box, bag_counts, r))
+            return rows, valid, lambda: g
+
+        return grads(rec0), more
+
+
+class SequenceShardedCollection(ShardedCollection):
+    """A sharded collection with one output row per id: each id's row (slice) travels
+    back from its shard and is placed in the output (``embedding_dist``)."""
+
+    sequence = True
+
+    @abc.abstractmethod
+    def _add_block(self, out, kjt, slot, ncols, block) -> None:
+        """Adds ``slot``'s returned rows ``block`` ``[C, ncols]`` to ``out``, in place."""
+
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        rec0, _ = self._first_round(spec, box)
+        dtype = self.qcomms.forward_dtype
+
+        def place(r, rec, acc):
+            rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
+            back = dist.send_back(rows, self.axis, dtype)
+            acc = list(acc)
+            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
+            dist.place_rows(back, box, g, r, spec.capacity, add)
+            return tuple(acc)
+
+        res = place(0, rec0, tuple(out))
+        if n_rounds is not None:
+            res = jax.lax.fori_loop(
+                1, n_rounds, lambda r, acc: place(r, self._round(spec, box, None, r), acc), res
+            )
+        return list(res)
+
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        rec0, _ = self._first_round(spec, box)
+        dtype = self.qcomms.backward_dtype
+        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
+
+        def grads(r):
+            got = dist.sequence_grads(
+                read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
+            )
+            return got.reshape(-1, g.ncols)
+
+        def more(r):
+            rec = self._round(spec, box, None, r)
+            return rec.rows.reshape(-1), rec.valid.reshape(-1), lambda: grads(r)
+
+        return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
 
 def _vbe_bags(kjt, group: WidthGroup) -> int:
