@@ -37,8 +37,8 @@ def logical_rows(group: WidthGroup, axis) -> Callable[[jax.Array], jax.Array]:
     offs = np.full((n, k), group.rows_per_rank, np.int32)
     row0 = np.zeros((n, k), np.int32)
     for rank, shards in enumerate(group.shards):
-        for i, (_, r0, _, _, off) in enumerate(sorted(shards, key=lambda s: s[4])):
-            offs[rank, i], row0[rank, i] = off, r0
+        for i, s in enumerate(sorted(shards, key=lambda s: s.local_offset)):
+            offs[rank, i], row0[rank, i] = s.local_offset, s.row0
 
     def logical(rows):
         me = jax.lax.axis_index(axis)

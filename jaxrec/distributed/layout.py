@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,6 +44,22 @@ class Slot:
     ncols: int  # the shard's own columns (fewer than its group's when zero-padded)
 
 
+class ShardSlice(NamedTuple):
+    """One shard as stacked on its rank: logical rows ``[row0, row0 + nrows)`` and the
+    columns from ``col0`` of ``table`` (``WidthGroup.width`` of them) at rows
+    ``[local_offset, local_offset + nrows)`` of the rank's stacked buffer.
+
+    TorchRec's ``ShardMetadata`` says ``shard_offsets = [row0, col0]``,
+    ``shard_sizes = [nrows, width]``.
+    """
+
+    table: str
+    row0: int
+    nrows: int
+    col0: int
+    local_offset: int
+
+
 @dataclasses.dataclass(frozen=True)
 class WidthGroup:
     """Shards of one ``(ncols, dtype)`` across ranks; ``slots[rank]`` in stacking order."""
@@ -52,8 +69,7 @@ class WidthGroup:
     dtype: str
     rows_per_rank: int  # padded: the largest rank's total rows (at least 1)
     slots: tuple[tuple[Slot, ...], ...]
-    # per rank: (table, row0, nrows, col0, local_offset)
-    shards: tuple[tuple[tuple[str, int, int, int, int], ...], ...]
+    shards: tuple[tuple[ShardSlice, ...], ...]  # per rank, in stacking order
     # (table, row0, col0, ncols) of the shards narrower than ``ncols`` (zero-padded)
     narrow: tuple[tuple[str, int, int, int], ...] = ()
 
@@ -63,8 +79,36 @@ class WidthGroup:
                     self.ncols)  # fmt: skip
 
     @property
+    def tables(self) -> tuple[str, ...]:
+        """The tables with shards in this group, rank by rank in stacking order."""
+        return tuple(dict.fromkeys(s.table for r in self.shards for s in r))
+
+    @property
     def max_slots(self) -> int:
         return max(1, max(len(s) for s in self.slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferKey:
+    """One weight buffer of a sharded collection: a width group's (sharded over the mesh)
+    or, ``replicated``, a group of data-parallel tables' (whole on every device).
+
+    ``name`` is the serialised form: the buffer's key in ``weights`` (so in state
+    paths), in the sparse optimizer state (``state_key``) and in row resets. It is
+    the group's name, ``"dp_"``-prefixed when replicated, the form states have
+    always been saved under (width groups are named ``<dtype>_c<ncols>``, so the
+    two never collide).
+    """
+
+    group: str
+    replicated: bool = False
+
+    @property
+    def name(self) -> str:
+        return _REPLICATED_PREFIX + self.group if self.replicated else self.group
+
+
+_REPLICATED_PREFIX = "dp_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +158,7 @@ def build_layout(
         for entries in ranks:
             off, rank_slots, rank_shards = 0, [], []
             for t, i, r0, nr, c0, w, mean in entries:
-                rank_shards.append((t.name, r0, nr, c0, off))
+                rank_shards.append(ShardSlice(t.name, r0, nr, c0, off))
                 if w < nc:
                     narrow.append((t.name, r0, c0, w))
                 for j, f in enumerate(t.feature_names):

@@ -67,9 +67,7 @@ def peer_schedule(
     """
     conf = {t.name: t for t in tables}
     n = layout.world_size
-    split = sorted(
-        {s[0] for r in group.shards for s in r if group.ncols < conf[s[0]].embedding_dim}
-    )
+    split = sorted({t for t in group.tables if group.ncols < conf[t].embedding_dim})
     if not split:
         return None
     k = max(len(r) for r in group.shards)
@@ -80,13 +78,13 @@ def peer_schedule(
     where: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}  # (t, row0, nrows) ->
     for rank, shards in enumerate(group.shards):
         used = 0
-        for i, (t, r0, nr, c0, off) in enumerate(sorted(shards, key=lambda s: s[4])):
-            offsets[rank, i] = off
-            if t in split:
-                base[rank, i], size[rank, i] = used, sizes[t]
-                width[rank, i] = conf[t].embedding_dim
-                where.setdefault((t, r0, nr), []).append((rank, c0, used))
-                used += sizes[t]
+        for i, s in enumerate(sorted(shards, key=lambda s: s.local_offset)):
+            offsets[rank, i] = s.local_offset
+            if s.table in split:
+                base[rank, i], size[rank, i] = used, sizes[s.table]
+                width[rank, i] = conf[s.table].embedding_dim
+                where.setdefault((s.table, s.row0, s.nrows), []).append((rank, s.col0, used))
+                used += sizes[s.table]
     _check_peers(where)
     edges: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (src, dst) -> slots
     for (t, _, _), shards in where.items():

@@ -60,21 +60,21 @@ def group_pieces(
     per_rank = [
         [
             TablePiece(
-                off,
-                nr,
-                streams[t],
-                r0,
-                c0,
-                group.width(t, r0, c0),
-                configs[t].get_weight_init_min(),
-                configs[t].get_weight_init_max(),
+                s.local_offset,
+                s.nrows,
+                streams[s.table],
+                s.row0,
+                s.col0,
+                group.width(s.table, s.row0, s.col0),
+                configs[s.table].get_weight_init_min(),
+                configs[s.table].get_weight_init_max(),
             )
-            for t, r0, nr, c0, off in shards
+            for s in shards
         ]  # fmt: skip
         for shards in group.shards
     ]
     ints, floats = host_pieces(per_rank, group.rows_per_rank)
-    dtype = jnp.dtype(configs[next(s[0] for r in group.shards for s in r)].dtype)
+    dtype = jnp.dtype(configs[group.tables[0]].dtype)
     aligned = bool((ints[..., 4] % 4 == 0).all())
     return GroupDraw(group.rows_per_rank, group.ncols, dtype, aligned), ints, floats
 

@@ -1,18 +1,23 @@
 """What sharded pooled and sequence collections share: placement, state, the fused update.
 
-A subclass says how one device's output looks (``_new_output``; pooled:
-``_add_group`` / ``_group_grads`` per width group; sequence: ``_add_block`` /
-``_read_block`` per slot), how replicated (data-parallel) tables are looked up and
-differentiated, and how the output is returned; this class runs the three
-stages of ``embedding_dist`` under ``shard_map`` and the fused optimizer on
-the local shards.
+``ShardedCollection`` runs the three stages of ``embedding_dist`` under
+``shard_map`` and the fused optimizer on the local shards. Its two abstract
+kinds say how a width group's lookups come home and how their gradients go
+out: ``PooledShardedCollection`` (pooled on the shard's rank, partial sums sent
+back; a subclass adds them with ``_add_group`` and reads gradients with
+``_group_grads``) and ``SequenceShardedCollection`` (one row per id sent back;
+``_add_block`` / ``_read_block`` per slot). A concrete subclass also says how
+one device's output looks (``_new_output``), how replicated (data-parallel)
+tables are looked up and differentiated, and how the output is returned; one
+that leaves a hook out cannot be instantiated (``abc``: ``TypeError`` naming it).
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -44,7 +49,7 @@ from .capacity import (
 from .exact_update import exact_update, logical_rows
 from .host_copies import cast, host_float32, logical_tables
 from .id_checks import check_sharded_ids
-from .layout import WidthGroup, build_layout
+from .layout import BufferKey, WidthGroup, build_layout
 from .qcomms import FP32_COMMS, QCommsConfig
 from .row_sums import column_split_row_sum, peer_schedule
 from .shard_init import check_drawable, draw_groups, draw_replicated
@@ -65,7 +70,7 @@ class OverflowCount(PlanLocal):
 class ShardedCollection(EmbeddingCollectionInterface):
     """Base of the sharded collections (see their docstrings for the arguments)."""
 
-    sequence = False  # one output row per id (EmbeddingCollection) instead of per bag
+    sequence = False  # the exchange's form: one output row per id instead of per bag
     vbe = False  # takes a variable batch per key (pooled collections that expand it)
 
     def __init__(
@@ -117,7 +122,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         dims = {t.name: t.embedding_dim for t in self.table_configs}
         self._column_split = {
             g.name for g in self.layout.groups
-            if any(g.ncols < dims[s[0]] for r in g.shards for s in r)
+            if any(g.ncols < dims[t] for t in g.tables)
         }  # fmt: skip
         groups = {g.name for g in self.layout.groups}
         if isinstance(capacity, Mapping) and set(capacity) - groups:
@@ -127,6 +132,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         dp = [t for t in self.table_configs if t.name in self.layout.replicated]
         self.replicated_groups = group_tables(dp) if dp else ()
+        keys = [BufferKey(g.name) for g in self.layout.groups]
+        keys += [BufferKey(rg.name, replicated=True) for rg in self.replicated_groups]
+        self.buffers = {k.name: k for k in keys}  # the weight buffers by name
         if init_key is None:  # the module's tables, copied shard by shard
             self.weights = nnx.Dict(self._place(logical_tables(module)))
         else:  # drawn where they live (the module may be abstract: nnx.eval_shape)
@@ -139,33 +147,43 @@ class ShardedCollection(EmbeddingCollectionInterface):
     def _weighted(self) -> bool:
         return False
 
-    def _new_output(self, kjt):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _new_output(self, kjt) -> list:
+        """This device's zero output, a list the lookups add to."""
 
-    def _add_block(self, out, kjt, slot, ncols, block):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _read_block(self, g, kjt, slot, ncols, b) -> jax.Array:
+        """``slot``'s ``ncols`` columns of the local output gradient ``g``."""
 
-    def _read_block(self, g, kjt, slot, ncols, b):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _dp_lookup(self, table, kjt, rg, out) -> None:
+        """Adds replicated group ``rg``'s lookups (of its whole ``table``) to ``out``."""
 
-    def _add_group(self, out, kjt, g, received):
-        """Pooled: adds a group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _dp_row_grads(self, g, kjt, rg) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(rows, grads, valid)`` of replicated group ``rg`` from the local output
+        gradient ``g`` (gathered from every device by the caller)."""
 
-    def _group_grads(self, g, kjt, group):
-        """Pooled: a group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _finish(self, values, features) -> Any:
+        """The collection's output from the devices' stacked output ``values``."""
 
-    def _dp_lookup(self, table, kjt, rg, out):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        """Adds one width group's lookups (every round) to the output list ``out``."""
 
-    def _dp_row_grads(self, g, kjt, rg):
-        raise NotImplementedError
-
-    def _finish(self, values, features):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        """Round 0's ``(rows, grads, valid)`` of group ``g``, and ``more(r) -> (rows, valid,
+        grads)`` of round ``r`` (``grads`` a function: sequence gradients travel only when
+        called)."""
 
     # ----- placement and logical views -----
+    @staticmethod
+    def dp_buffer(rg) -> str:
+        """The name of replicated table group ``rg``'s buffer (a key of ``weights``)."""
+        return BufferKey(rg.name, replicated=True).name
+
     def _sharded(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
@@ -183,13 +201,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
         out = {}
         n = self.layout.world_size
         for g in self.layout.groups:
-            dtype = self.config(next(s[0] for r in g.shards for s in r)).dtype
+            dtype = self.config(g.tables[0]).dtype
             buf = xp.zeros((n * g.rows_per_rank, g.ncols), np.float32)
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)  # zero-padded up to g.ncols
-                    block = logical[table][r0 : r0 + nr, c0 : c0 + w]
+                for s in shards:
+                    start, nr = rank * g.rows_per_rank + s.local_offset, s.nrows
+                    w = g.width(s.table, s.row0, s.col0)  # zero-padded up to g.ncols
+                    block = logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w]
                     if traced:
                         buf = buf.at[start : start + nr, :w].set(block.astype(np.float32))
                     else:
@@ -200,7 +218,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             buf = xp.concatenate([logical[t] for t in rg.tables])
             dtype = self.config(rg.tables[0]).dtype
             spec = self._sharded(P())
-            out["dp_" + rg.name] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
+            out[self.dp_buffer(rg)] = EmbeddingTable(jax.device_put(cast(buf, dtype), spec))
         return out
 
     def _draw(self, key: jax.Array) -> dict:
@@ -213,7 +231,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         drawn = draw_groups(groups, configs, streams, self.mesh, key)
         out = {g.name: EmbeddingTable(x) for g, x in zip(groups, drawn, strict=True)}
         for rg in self.replicated_groups:
-            out["dp_" + rg.name] = EmbeddingTable(
+            out[self.dp_buffer(rg)] = EmbeddingTable(
                 draw_replicated(rg, configs, streams, self.mesh, key)
             )
         return out
@@ -227,12 +245,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
         for g in self.layout.groups:
             buf = host_float32(self.weights[g.name].get_value())
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)
-                    logical[table][r0 : r0 + nr, c0 : c0 + w] = buf[start : start + nr, :w]
+                for s in shards:
+                    start, nr = rank * g.rows_per_rank + s.local_offset, s.nrows
+                    w = g.width(s.table, s.row0, s.col0)
+                    rows = buf[start : start + nr, :w]
+                    logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w] = rows
         for rg in self.replicated_groups:
-            buf = host_float32(self.weights["dp_" + rg.name].get_value())
+            buf = host_float32(self.weights[self.dp_buffer(rg)].get_value())
             for t, lo in zip(rg.tables, rg.row_offsets, strict=True):
                 logical[t] = buf[lo : lo + self.config(t).num_embeddings]
         return {
@@ -251,7 +270,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     # ----- forward -----
     def _specs(self):
-        return {name: P() if name.startswith("dp_") else P(self.axis) for name in self.weights}
+        return {n: P() if self.buffers[n].replicated else P(self.axis) for n in self.weights}
 
     @property
     def exact(self) -> bool:
@@ -408,43 +427,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
         for (g, spec, box), n_rounds in zip(plans, rounds, strict=True):
             out = self._forward_group(tables[g.name], kjt, g, spec, box, n_rounds, out)
         for rg in self.replicated_groups:
-            self._dp_lookup(tables["dp_" + rg.name], kjt, rg, out)
+            self._dp_lookup(tables[self.dp_buffer(rg)], kjt, rg, out)
         return self._output_value(out), beyond[None]
-
-    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out):
-        """Adds one width group's lookups (every round) to the output list ``out``."""
-        rec0, bag_counts = self._first_round(spec, box)
-        dtype = self.qcomms.forward_dtype
-        if not self.sequence:
-            lookup = lambda rec: dist.pooled_partials(
-                lambda *a: self._pooled_lookup(g, *a), table, rec, spec
-            )
-            partials = lookup(rec0)
-            if n_rounds is not None:
-                partials = jax.lax.fori_loop(
-                    1, n_rounds,
-                    lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
-                    partials,
-                )  # fmt: skip
-            sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
-            received = dist.send_back(partials, self.axis, dtype, ragged=sizes)
-            out = list(out)
-            return self._add_group(out, kjt, g, received)
-
-        def place(r, rec, acc):
-            rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
-            back = dist.send_back(rows, self.axis, dtype)
-            acc = list(acc)
-            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
-            dist.place_rows(back, box, g, r, spec.capacity, add)
-            return tuple(acc)
-
-        res = place(0, rec0, tuple(out))
-        if n_rounds is not None:
-            res = jax.lax.fori_loop(
-                1, n_rounds, lambda r, acc: place(r, self._round(spec, box, None, r), acc), res
-            )
-        return list(res)
 
     def _pooled_lookup(self, group, table, rows, seg, num_segments, scale):
         """The shard's table-batched pooled lookup (quantized collections override it)."""
@@ -481,12 +465,12 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """Sparse optimizer states, sharded like the tables they update."""
         out = {}
         for g in self.layout.groups:
-            opt = self._group_optimizer(optimizer, {s[0] for r in g.shards for s in r})
+            opt = self._group_optimizer(optimizer, set(g.tables))
             st = opt.init(self.layout.world_size * g.rows_per_rank, g.ncols)
             out[state_key(path, g.name, 0)] = self._put_state(st, P(self.axis))
         for rg in self.replicated_groups:
             opt = self._group_optimizer(optimizer, set(rg.tables))
-            out[state_key(path, "dp_" + rg.name, 0)] = self._put_state(
+            out[state_key(path, self.dp_buffer(rg), 0)] = self._put_state(
                 opt.init(rg.num_rows, rg.embedding_dim), P()
             )
         return out
@@ -506,9 +490,10 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         return next(iter(opts.values()))
 
-    def _groups_by_name(self):
-        out = {g.name: g for g in self.layout.groups}
-        out.update({"dp_" + rg.name: rg for rg in self.replicated_groups})
+    def _groups_by_name(self) -> dict[str, Any]:
+        """``{buffer name: its WidthGroup, or its TableGroup when replicated}``."""
+        out: dict[str, Any] = {g.name: g for g in self.layout.groups}
+        out.update({self.dp_buffer(rg): rg for rg in self.replicated_groups})
         return out
 
     def apply_sparse_gradients(
@@ -526,10 +511,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         names = list(self.weights)
         keys = [state_key(path, n, 0) for n in names]
         opts = {
-            n: self._group_optimizer(
-                optimizer,
-                set(g.tables) if n.startswith("dp_") else {s[0] for r in g.shards for s in r},
-            )
+            n: self._group_optimizer(optimizer, set(g.tables))
             for n, g in self._groups_by_name().items()
         }
 
@@ -557,7 +539,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 parts = self._dp_row_grads(g_local, kjt, rg)
                 r, gr, valid = (jax.lax.all_gather(x, self.axis, tiled=True) for x in parts)
                 uniq, summed = dedup_rows(r, gr, valid, rg.num_rows)
-                name, k = "dp_" + rg.name, state_key(path, "dp_" + rg.name, 0)
+                name = self.dp_buffer(rg)
+                k = state_key(path, name, 0)
                 tables[name], states[k] = update_subgroup(
                     SubGroup(opts[name], (True,), (0,), rg.num_rows), (0,),
                     tables[name], states[k], uniq, summed,
@@ -566,8 +549,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
         specs = self._specs()
         state_specs = {
-            k: type(states[k])(*(P() if n.startswith("dp_") or x.ndim == 0 else P(self.axis)
-                                 for x in states[k]))
+            k: type(states[k])(*(P() if self.buffers[n].replicated or x.ndim == 0
+                                 else P(self.axis) for x in states[k]))
             for n, k in zip(names, keys, strict=True)
         }  # fmt: skip
         run = jax.shard_map(
@@ -580,38 +563,6 @@ class ShardedCollection(EmbeddingCollectionInterface):
         sub_states = {k: states[k] for k in keys}
         new_tables, new_states = run(tables, sub_states, features, out_grad)
         return new_tables, {**states, **new_states}
-
-    def _row_grads(self, kjt, g, spec, box, g_local):
-        """Round 0's ``(rows, grads, valid)`` of group ``g``, and ``more(r) -> (rows, valid,
-        grads)`` of round ``r`` (``grads`` a function: sequence gradients travel only when
-        called)."""
-        rec0, bag_counts = self._first_round(spec, box)
-        dtype = self.qcomms.backward_dtype
-        if not self.sequence:
-            scale = self.qcomms.backward_loss_scale
-            blocks = self._group_grads(g_local, kjt, g)
-            blocks = dist.grads_to_ranks(blocks, g, self.axis, dtype, scale, spec.ragged)
-            grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
-
-            def more(r):
-                rows, g, valid = grads(self._round(spec, box, bag_counts, r))
-                return rows, valid, lambda: g
-
-            return grads(rec0), more
-
-        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
-
-        def grads(r):
-            got = dist.sequence_grads(
-                read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
-            )
-            return got.reshape(-1, g.ncols)
-
-        def more(r):
-            rec = self._round(spec, box, None, r)
-            return rec.rows.reshape(-1), rec.valid.reshape(-1), lambda: grads(r)
-
-        return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
     def reset_table_rows(self, table, rows, key) -> None:
         """Re-initialises logical ``rows`` of ``table`` (managed-collision evictions)."""
@@ -673,17 +624,116 @@ class ShardedCollection(EmbeddingCollectionInterface):
         weights = {}
         for g in self.layout.groups:
             weights[g.name] = tuple(
-                Block(t, r0, nr, c0, g.width(t, r0, c0), rank * g.rows_per_rank + off)
+                Block(
+                    s.table,
+                    s.row0,
+                    s.nrows,
+                    s.col0,
+                    g.width(s.table, s.row0, s.col0),
+                    rank * g.rows_per_rank + s.local_offset,
+                )
                 for rank, shards in enumerate(g.shards)
-                for t, r0, nr, c0, off in shards
+                for s in shards
             )
         for rg in self.replicated_groups:
-            weights["dp_" + rg.name] = tuple(
+            weights[self.dp_buffer(rg)] = tuple(
                 Block(t, 0, self.config(t).num_embeddings, 0, rg.embedding_dim, lo)
                 for t, lo in zip(rg.tables, rg.row_offsets, strict=True)
             )
         states = {state_key(path, name, 0): blocks for name, blocks in weights.items()}
         return TableBlocks(weights, states)
+
+
+class PooledShardedCollection(ShardedCollection):
+    """A sharded collection with one output row per bag: a width group's ids are pooled
+    on the shard's rank and the partial sums travel back (``embedding_dist``)."""
+
+    sequence = False
+
+    @abc.abstractmethod
+    def _add_group(self, out, kjt, g, received) -> list:
+        """Adds a group's returned ``[N, S, B, ncols]`` blocks to ``out``."""
+
+    @abc.abstractmethod
+    def _group_grads(self, g, kjt, group) -> jax.Array:
+        """A group's ``[N, S, B, ncols]`` output-gradient blocks, per rank and slot."""
+
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        rec0, bag_counts = self._first_round(spec, box)
+        lookup = lambda rec: dist.pooled_partials(
+            lambda *a: self._pooled_lookup(g, *a), table, rec, spec
+        )
+        partials = lookup(rec0)
+        if n_rounds is not None:
+            partials = jax.lax.fori_loop(
+                1, n_rounds,
+                lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
+                partials,
+            )  # fmt: skip
+        sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
+        received = dist.send_back(partials, self.axis, self.qcomms.forward_dtype, ragged=sizes)
+        return self._add_group(list(out), kjt, g, received)
+
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        rec0, bag_counts = self._first_round(spec, box)
+        dtype = self.qcomms.backward_dtype
+        scale = self.qcomms.backward_loss_scale
+        blocks = self._group_grads(g_local, kjt, g)
+        blocks = dist.grads_to_ranks(blocks, g, self.axis, dtype, scale, spec.ragged)
+        grads = lambda rec: dist.pooled_row_grads(blocks, rec, spec)
+
+        def more(r):
+            rows, g, valid = grads(self._round(spec, box, bag_counts, r))
+            return rows, valid, lambda: g
+
+        return grads(rec0), more
+
+
+class SequenceShardedCollection(ShardedCollection):
+    """A sharded collection with one output row per id: each id's row (slice) travels
+    back from its shard and is placed in the output (``embedding_dist``)."""
+
+    sequence = True
+
+    @abc.abstractmethod
+    def _add_block(self, out, kjt, slot, ncols, block) -> None:
+        """Adds ``slot``'s returned rows ``block`` ``[C, ncols]`` to ``out``, in place."""
+
+    def _forward_group(self, table, kjt, g, spec, box, n_rounds, out) -> list:
+        rec0, _ = self._first_round(spec, box)
+        dtype = self.qcomms.forward_dtype
+
+        def place(r, rec, acc):
+            rows = dist.sequence_rows(lambda *a: self._gather_rows(g, *a), table, rec)
+            back = dist.send_back(rows, self.axis, dtype)
+            acc = list(acc)
+            add = lambda sl, blk: self._add_block(acc, kjt, sl, sl.ncols, blk)
+            dist.place_rows(back, box, g, r, spec.capacity, add)
+            return tuple(acc)
+
+        res = place(0, rec0, tuple(out))
+        if n_rounds is not None:
+            res = jax.lax.fori_loop(
+                1, n_rounds, lambda r, acc: place(r, self._round(spec, box, None, r), acc), res
+            )
+        return list(res)
+
+    def _row_grads(self, kjt, g, spec, box, g_local) -> tuple[tuple, Callable]:
+        rec0, _ = self._first_round(spec, box)
+        dtype = self.qcomms.backward_dtype
+        read = lambda sl: self._read_block(g_local, kjt, sl, sl.ncols, None)
+
+        def grads(r):
+            got = dist.sequence_grads(
+                read, box, g, r, spec.capacity, self.axis, dtype, self.qcomms.backward_loss_scale
+            )
+            return got.reshape(-1, g.ncols)
+
+        def more(r):
+            rec = self._round(spec, box, None, r)
+            return rec.rows.reshape(-1), rec.valid.reshape(-1), lambda: grads(r)
+
+        return (rec0.rows.reshape(-1), grads(0), rec0.valid.reshape(-1)), more
 
 
 def _vbe_bags(kjt, group: WidthGroup) -> int:

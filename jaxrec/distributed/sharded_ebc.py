@@ -17,11 +17,11 @@ from ..xla.backward import pooled_row_grads
 from ..xla.slots import slot_bag_starts
 from .embedding_dist import column_offsets
 from .sharded_base import OverflowCount as OverflowCount
-from .sharded_base import ShardedCollection
+from .sharded_base import PooledShardedCollection
 from .types import ParameterSharding
 
 
-class ShardedEmbeddingBagCollection(ShardedCollection):
+class ShardedEmbeddingBagCollection(PooledShardedCollection):
     """An ``EmbeddingBagCollection`` sharded per a plan over ``mesh`` (all its axes).
 
     Input: a batch-sharded KJT from :func:`jaxrec.distributed.shard_batch` (one

@@ -12,11 +12,11 @@ from ..modules.embedding_collection import EmbeddingCollection
 from ..ops import grouped_sequence_lookup
 from ..sparse import JaggedTensor
 from ..xla.backward import sequence_row_grads
-from .sharded_base import ShardedCollection
+from .sharded_base import SequenceShardedCollection
 from .types import ParameterSharding
 
 
-class ShardedEmbeddingCollection(ShardedCollection):
+class ShardedEmbeddingCollection(SequenceShardedCollection):
     """An ``EmbeddingCollection`` sharded per a plan over ``mesh`` (all its axes).
 
     The same exchange as :class:`ShardedEmbeddingBagCollection`; the shard
@@ -32,8 +32,6 @@ class ShardedEmbeddingCollection(ShardedCollection):
     Args: as :class:`ShardedEmbeddingBagCollection` (``ec`` is the unsharded module;
     ``qcomms`` sets the precision of the returned rows and their gradients).
     """
-
-    sequence = True
 
     def __init__(
         self,

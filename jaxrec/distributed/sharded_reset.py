@@ -11,6 +11,8 @@ which column shards hold a copy of, is reset in every copy alike.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -35,10 +37,11 @@ def reset_rows(coll, table: str, rows: jax.Array, key: jax.Array) -> None:
     fresh = init_rows(config, tkey, jnp.where(valid, rows, 0))
     name, total, pieces = _pieces(coll, table)
     phys, values = [], []
-    for base, r0, nr, c0, w, ncols in pieces:  # one [K] write per shard of the table
-        mine = valid & (rows >= r0) & (rows < r0 + nr)
-        phys.append(jnp.where(mine, base + rows - r0, total))
-        values.append(jnp.pad(fresh[:, c0 : c0 + w], ((0, 0), (0, ncols - w))))
+    for p in pieces:  # one [K] write per shard of the table
+        mine = valid & (rows >= p.row0) & (rows < p.row0 + p.nrows)
+        phys.append(jnp.where(mine, p.start + rows - p.row0, total))
+        cols = fresh[:, p.col0 : p.col0 + p.ncols]
+        values.append(jnp.pad(cols, ((0, 0), (0, p.buffer_ncols - p.ncols))))
     phys, values = jnp.concatenate(phys), jnp.concatenate(values)
     var = coll.weights[name]
 
@@ -55,21 +58,40 @@ def reset_rows(coll, table: str, rows: jax.Array, key: jax.Array) -> None:
     record_reset(coll, name, phys, old)
 
 
-def _pieces(coll, table: str):
-    """``(buffer, rows, [(first physical row, row0, nrows, col0, ncols, buffer ncols)])``."""
+class _Piece(NamedTuple):
+    """One shard of a table in its buffer: logical rows ``[row0, row0 + nrows)``, columns
+    ``[col0, col0 + ncols)`` at physical rows from ``start`` (``buffer_ncols`` wide)."""
+
+    start: int
+    row0: int
+    nrows: int
+    col0: int
+    ncols: int
+    buffer_ncols: int
+
+
+def _pieces(coll, table: str) -> tuple[str, int, list[_Piece]]:
+    """``(buffer name, buffer rows, the table's pieces in it)``."""
     layout = coll.layout
     for rg in coll.replicated_groups:
         if table in rg.tables:
             lo = rg.row_offsets[list(rg.tables).index(table)]
             cfg = coll.config(table)
             d = rg.embedding_dim
-            return "dp_" + rg.name, rg.num_rows, [(lo, 0, cfg.num_embeddings, 0, d, d)]
+            return coll.dp_buffer(rg), rg.num_rows, [_Piece(lo, 0, cfg.num_embeddings, 0, d, d)]
     for g in layout.groups:
         pieces = [
-            (rank * g.rows_per_rank + off, r0, nr, c0, g.width(t, r0, c0), g.ncols)
+            _Piece(
+                rank * g.rows_per_rank + s.local_offset,
+                s.row0,
+                s.nrows,
+                s.col0,
+                g.width(s.table, s.row0, s.col0),
+                g.ncols,
+            )
             for rank, shards in enumerate(g.shards)
-            for t, r0, nr, c0, off in shards
-            if t == table
+            for s in shards
+            if s.table == table
         ]
         if pieces:
             return g.name, layout.world_size * g.rows_per_rank, pieces
@@ -81,12 +103,11 @@ def reset_optimizer_rows(coll, optimizer, path, group: str, sparse_state, rows) 
     initial values (``count`` is left alone, as the unsharded reset leaves it)."""
     groups = coll._groups_by_name()
     g = groups[group]
-    if group.startswith("dp_"):
-        tables, num_rows, ncols = set(g.tables), g.num_rows, g.embedding_dim
+    if coll.buffers[group].replicated:
+        num_rows, ncols = g.num_rows, g.embedding_dim
     else:
-        tables = {s[0] for r in g.shards for s in r}
         num_rows, ncols = coll.layout.world_size * g.rows_per_rank, g.ncols
-    opt = coll._group_optimizer(optimizer, tables)
+    opt = coll._group_optimizer(optimizer, set(g.tables))
     key = state_key(path, group, 0)
     sub = SubGroup(opt, (True,), (0,), num_rows)
     return {**sparse_state, key: reset_state_rows(sub, sparse_state[key], rows, ncols)}

@@ -98,7 +98,7 @@ def _local(coll, tables, kjt, g_local):
         dist.place_rows(back, box, grp, 0, spec.capacity, add)
     cols = dist.column_offsets(coll.layout)
     for rg in coll.replicated_groups:
-        table = tables["dp_" + rg.name]
+        table = tables[coll.dp_buffer(rg)]
         for sl, o in zip(rg.slots, coll._dp_outputs(rg), strict=True):
             k = keys.index(sl.key)
             ids = kjt.values()[offs[k] : offs[k + 1]]

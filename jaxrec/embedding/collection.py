@@ -12,11 +12,13 @@ the sharded ones inherit the contract and refuse the training methods.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
+from flax.nnx.module import ModuleMeta
 
 from ..configs import BaseEmbeddingConfig
 from ..ops import Implementation
@@ -51,7 +53,13 @@ class GradSource(NamedTuple):
     valid: jax.Array  # [C] bool
 
 
-class EmbeddingCollectionInterface(nnx.Module):
+class ContractMeta(ModuleMeta, abc.ABCMeta):
+    """nnx's module metaclass with ``abc``'s: a module class that leaves an
+    ``@abc.abstractmethod`` unimplemented cannot be instantiated (``TypeError``
+    naming the missing methods)."""
+
+
+class EmbeddingCollectionInterface(nnx.Module, metaclass=ContractMeta):
     """Base of every collection that holds trainable embedding tables.
 
     Attributes:
@@ -61,8 +69,8 @@ class EmbeddingCollectionInterface(nnx.Module):
             train step hands a collection its buffers under these names.
         mesh: the device mesh of a sharded collection, ``None`` when unsharded.
 
-    Subclasses implement the methods below; each raises ``NotImplementedError``
-    naming the subclass otherwise. ``optimizer`` is always the
+    Subclasses implement the abstract methods below: one that leaves any out
+    cannot be instantiated (``TypeError`` naming them). ``optimizer`` is always the
     ``CombinedOptimizer`` and ``path`` the collection's module path in the model
     (the prefix of its optimizer-state keys, see ``state_key``).
     """
@@ -71,10 +79,11 @@ class EmbeddingCollectionInterface(nnx.Module):
     prefix: str = ""
     mesh: jax.sharding.Mesh | None = None
 
+    @abc.abstractmethod
     def init_optimizer_state(self, optimizer: Any, path: tuple) -> dict[str, Any]:
         """``{state_key: zeroed sparse optimizer state}`` for this collection's buffers."""
-        raise _missing(self, "init_optimizer_state")
 
+    @abc.abstractmethod
     def apply_sparse_gradients(
         self,
         optimizer: Any,
@@ -104,19 +113,18 @@ class EmbeddingCollectionInterface(nnx.Module):
             ``(weights, sparse_state)``: the new buffers (same names) and the
             whole sparse state with this collection's entries replaced.
         """
-        raise _missing(self, "apply_sparse_gradients")
 
+    @abc.abstractmethod
     def reset_optimizer_rows(
         self, optimizer: Any, path: tuple, group: str, sparse_state: Mapping, rows: jax.Array
     ) -> dict[str, Any]:
         """``sparse_state`` with buffer ``group``'s state rows ``rows`` ``[K]`` at their
         initial values (fill entries ``>=`` the buffer's rows are ignored)."""
-        raise _missing(self, "reset_optimizer_rows")
 
+    @abc.abstractmethod
     def table_blocks(self, optimizer: Any, path: tuple) -> TableBlocks:
         """Where each table's rows sit in this collection's weight buffers and sparse
         optimizer states (``state_key`` s under ``path``); see ``blocks.py``."""
-        raise _missing(self, "table_blocks")
 
 
 def embedding_collections(
@@ -145,9 +153,3 @@ def replace_collection(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
         parent[path[-1]] = new
     else:
         setattr(parent, path[-1], new)
-
-
-def _missing(collection: Any, method: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{type(collection).__name__} does not implement EmbeddingCollectionInterface.{method}"
-    )

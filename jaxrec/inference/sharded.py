@@ -103,26 +103,27 @@ class _QuantShards:
         self.group_dtypes = {}
         out = {}
         for g in self.layout.groups:
-            dt = self._one_dtype({s[0] for r in g.shards for s in r}, f"shard group {g.name}")
+            dt = self._one_dtype(set(g.tables), f"shard group {g.name}")
             self.group_dtypes[g.name] = dt
             buf = np.zeros((n * g.rows_per_rank, row_bytes(g.ncols, dt, self.row_alignment)))
             buf = buf.astype(np.uint8)
             for rank, shards in enumerate(g.shards):
-                for table, r0, nr, c0, off in shards:
-                    src = state_dict[f"{self.prefix}.{table}.weight"]
-                    start = rank * g.rows_per_rank + off
-                    w = g.width(table, r0, c0)
-                    buf[start : start + nr] = self._block(src, table, r0, nr, c0, w, dt, g.ncols)
+                for s in shards:
+                    src = state_dict[f"{self.prefix}.{s.table}.weight"]
+                    start = rank * g.rows_per_rank + s.local_offset
+                    w = g.width(s.table, s.row0, s.col0)
+                    block = self._block(src, s.table, s.row0, s.nrows, s.col0, w, dt, g.ncols)
+                    buf[start : start + s.nrows] = block
             out[g.name] = QuantTable(jax.device_put(buf, self._sharded(P(self.axis))))
         for rg in self.replicated_groups:
             dt = self._one_dtype(rg.tables, "data-parallel group " + rg.name)
-            self.group_dtypes["dp_" + rg.name] = dt
+            self.group_dtypes[self.dp_buffer(rg)] = dt
             pieces = []
             for t in rg.tables:
                 cfg = self.config(t)
                 src = state_dict[f"{self.prefix}.{t}.weight"]
                 pieces.append(self._block(src, t, 0, cfg.num_embeddings, 0, cfg.embedding_dim, dt))
-            out["dp_" + rg.name] = QuantTable(
+            out[self.dp_buffer(rg)] = QuantTable(
                 jax.device_put(np.concatenate(pieces), self._sharded(P()))
             )
         return out
@@ -194,7 +195,7 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
 
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = quant_grouped_pooled_lookup(
-            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes["dp_" + rg.name],
+            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes[self.dp_buffer(rg)],
             is_weighted=self._is_weighted, bounds_check_mode=self.bounds_check_mode,
             implementation=self.implementation,
         )  # fmt: skip
@@ -224,7 +225,7 @@ class ShardedQuantEmbeddingCollection(_QuantShards, ShardedEmbeddingCollection):
 
     def _dp_lookup(self, table, kjt, rg, out):
         rows = quant_grouped_sequence_lookup(
-            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes["dp_" + rg.name],
+            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes[self.dp_buffer(rg)],
             bounds_check_mode=self.bounds_check_mode,
         )  # fmt: skip
         for o, r in zip(self._dp_outputs(rg), rows, strict=True):
