@@ -9,13 +9,14 @@ once), as maxima (Python scalars) or as what one shard adds (Python scalars).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import numpy as np
 
 
-def _max(a, b):
-    return np.maximum(a, b) if np.ndim(a) or np.ndim(b) else max(a, b)
+def _max(a, b):  # the partitioner's hot path: no np.ndim
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
 
 
 class Load(NamedTuple):
@@ -45,11 +46,11 @@ class Load(NamedTuple):
         return cls(*(np.asarray(v) for v in zip(*loads, strict=True)))
 
     def plus(self, other: Load) -> Load:
-        return Load(*(a + b for a, b in zip(self, other, strict=True)))
+        return Load._make(map(operator.add, self, other))
 
     def top(self, other: Load) -> Load:
         """Fieldwise maximum (arrays broadcast; scalars stay Python scalars)."""
-        return Load(*map(_max, self, other))
+        return Load._make(map(_max, self, other))
 
     def at(self, index) -> Load:
         """The arrays indexed by ``index`` (ranks, or an array of them)."""
@@ -57,13 +58,24 @@ class Load(NamedTuple):
 
     def item(self, rank: int) -> Load:
         """Rank ``rank``'s load as Python scalars."""
-        return Load(*(a[rank].item() for a in self))
+        return Load._make([a[rank].item() for a in self])
 
     def peak(self, axis: int | None = None) -> Load:
         """Maxima over ``axis`` (``None``: over all, as Python scalars)."""
         if axis is None:
             return Load(*(a.max().item() for a in self))
         return Load(*(a.max(axis=axis) for a in self))
+
+    def top_at(self, loads: Load, deltas: dict[int, Load]) -> Load:
+        """These maxima raised by ``loads`` (per-rank arrays) plus ``deltas`` at their
+        ranks, as Python scalars (a loop: the partitioner's hot path)."""
+        peak = list(self)
+        for r, d in deltas.items():
+            for i, (a, x) in enumerate(zip(loads, d, strict=True)):
+                v = a[r].item() + x
+                if v > peak[i]:  # as max(): ties keep the current maximum
+                    peak[i] = v
+        return Load._make(peak)
 
     def add_at(self, ranks, deltas: Load) -> None:
         """Adds ``deltas`` (arrays aligned with ``ranks``) to these per-rank arrays, in

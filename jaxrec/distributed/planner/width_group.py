@@ -80,10 +80,7 @@ class WidthGroup:
 
     def what_if_ranks(self, deltas: dict[int, Load], split: bool) -> tuple[float, float, float]:
         """``what_if`` for ``deltas`` added to their ranks at once."""
-        peak = self.peak
-        for r, d in deltas.items():
-            peak = peak.top(self.load.item(r).plus(d))
-        mem, t, ddr = self.price(peak, self.split or split)
+        mem, t, ddr = self.price(self.peak.top_at(self.load, deltas), self.split or split)
         return float(mem) - self.mem_now, float(t) - self.time_now, float(ddr) - self.ddr_now
 
     def add(self, items: list[Item], table: TableInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
