@@ -48,7 +48,7 @@ import numpy as np
 from ..types import ShardingType
 from . import fill
 from .cost_model import CostModel
-from .load import ZERO, Load
+from .load import Load
 from .options import ShardingOption, ShardSpec
 from .perf import Perf
 from .placement import Placement
@@ -133,7 +133,7 @@ class _Run:
         split: dict[int, bool] = {}  # per group: whether a column shard is among them
         for it in items:
             d = deltas.setdefault(id(it.group), {})
-            d[it.rank] = d.get(it.rank, ZERO).plus(it.shard.load)
+            d[it.rank] = d[it.rank].plus(it.shard.load) if it.rank in d else it.shard.load
             split[id(it.group)] = split.get(id(it.group), False) or it.shard.split
         groups = {id(it.group): it.group for it in items}
         dm = dt = dd = 0.0
