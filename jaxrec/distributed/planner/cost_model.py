@@ -176,7 +176,7 @@ class CostModel:
         self._miss: dict = {}
         # the partitioner's memos, reused across the proposals of one plan() call
         self.cuts: dict = {}  # row-cut options
-        self.items: dict = {}  # (option, shard) -> its placement fields
+        self.items: dict = {}  # (option, shard) -> its placement fields (load.ShardLoad)
 
     def state_per_row(self, table: TableInfo, ncols: int) -> int:
         return state_bytes_per_row(table.optimizer, ncols, self._state)

@@ -31,86 +31,33 @@ A shard that no rank can hold within the usable memory is set aside and its
 table reported as not fitting; once everything else is placed, the set-aside
 shards are placed anyway (where they hurt least) so that the memory the
 proposal needs is known.
+
+The bookkeeping lives apart: ``load.Load`` (a group's seven padded quantities
+per rank, per candidate, or their maxima), ``planned_group.PlannedGroup`` (a
+group's loads, priced and updated) and ``fill`` (the row cuts of fillable
+tables).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from ..types import ShardingType
-from .cost_model import CostModel, GroupCost, key_name
-from .enumerator import estimate_option
+from . import fill
+from .cost_model import CostModel
+from .load import Load
 from .options import ShardingOption, ShardSpec
 from .perf import Perf
-from .placement import GroupStats, Placement
-from .storage import cache_slots, row_sum_values
+from .placement import Placement
+from .planned_group import Item, PlannedGroup, shard_load
 
 SLACK_ROWS = 0.02  # a rank's rows may exceed the group's balanced mean by this share
 SLACK_IDS = 0.10  # and its expected ids per destination by this one before a table splits
 SMALL = 0.5  # tables below this share of a balanced rank (rows and ids) stay whole,
 FILL = 0.3  # unless the fill needs them to hold this share of the group (rows and ids)
-
-
-class _Group:
-    __slots__ = ("key", "cost", "model", "rows", "exp", "nat", "slots", "vub", "max_rows",
-                 "max_exp", "max_nat", "max_slots", "max_vub", "split", "loads", "split_ids",
-                 "total_rows", "total_exp", "cap_rows", "cap_exp", "opts", "tables", "mem_now",
-                 "time_now", "cache", "fetch", "max_cache", "max_fetch", "ddr_now")  # fmt: skip
-
-    def __init__(self, key, cost: GroupCost, model: CostModel, n: int):
-        self.key, self.cost, self.model = key, cost, model
-        self.rows = np.zeros(n, np.int64)
-        self.exp = np.zeros(n)  # expected ids per source, summed over the rank's slots
-        self.nat = np.zeros(n, np.int64)  # capacities of the features its slots read
-        self.slots = np.zeros(n, np.int64)
-        self.vub = np.zeros(n)  # row-sum values, bounded with each table's whole payload
-        self.max_rows = self.max_nat = self.max_slots = 0
-        self.max_exp = self.max_vub = 0.0
-        self.split = False  # holds a column shard: updated by the XLA path (storage.py)
-        self.loads: list[list[float]] = [[] for _ in range(n)]  # per rank, per slot
-        # per rank, per column-split table: (its payload, row sums per step, peers)
-        self.split_ids: list[dict[str, tuple[int, int, int]]] = [{} for _ in range(n)]
-        self.total_rows = self.total_exp = 0.0
-        self.cap_rows = self.cap_exp = math.inf  # balanced targets with slack
-        self.opts: dict[int, str] = {}
-        self.tables: list[str] = []
-        self.mem_now = self.time_now = self.ddr_now = 0.0  # padded cost of the current maxima
-        self.cache = np.zeros(n, np.int64)  # cached groups: cache slots
-        self.fetch = np.zeros(n)  # and expected missed ids per source
-        self.max_cache, self.max_fetch = 0, 0.0
-
-    def price(self, rows, exp, nat, slots, split, vub, cache=0, fetch=0.0):
-        """Padded (device memory, time, host memory) of the group for given maxima
-        (arrays ok)."""
-        c = self.model.capacities(exp, nat, key_name(self.key))
-        v = vub if split else 0.0
-        mem = self.cost.hbm(rows, c, slots, split, v, cache)
-        return mem, self.cost.time(c, slots, v, fetch), self.cost.host(rows, cache)
-
-
-class _Item(NamedTuple):
-    """One shard on one rank, as the group bookkeeping sees it."""
-
-    group: _Group
-    rank: int
-    nrows: int
-    loads: tuple[float, ...]  # expected ids per source of each feature reading it
-    natural: int  # the capacities of those features
-    split: bool  # a column shard
-    split_ids: int  # the table's whole payload (row-sum values are bounded by it)
-    calls: int  # row sums per step of its optimizer
-    table: str  # its key: row sums are exchanged once per table on a rank
-    peers: int  # the table's other column blocks (each gets the row sums)
-    cache: int  # cached shards: device cache slots
-    fetch: float  # cached shards: expected missed ids per source
-
-    @property
-    def vub(self) -> float:
-        return self.calls * len(self.group.rows) * self.split_ids if self.split else 0.0
 
 
 class GreedyPerfPartitioner:
@@ -145,7 +92,7 @@ class _Run:
         self.host_overflow: list[str] = []
         self.allow_split = split
         self.n = n = cost.topology.world_size
-        self.groups: dict[tuple, _Group] = {}
+        self.groups: dict[tuple, PlannedGroup] = {}
         self.own_mem = np.zeros(n)  # tie-breaks while placing; exact ones in _result
         self.own_time = np.zeros(n)
         self.base_mem = [0.0, 0.0, 0.0]
@@ -155,76 +102,46 @@ class _Run:
         self.deferred: list[tuple] = []
         self.forced = False  # placing what did not fit, to learn the memory it needs
         self.replaced: dict[int, ShardingOption] = {}  # split tables: their pieces
-        self._bases = cost.items  # an item's fields but its group and rank, per shard
+        self._bases = cost.items  # each shard's ShardLoad, kept across proposals
         self.m_ref = max(sum(o.total_bytes for o in proposal) / n, 1.0)
         self.t_ref = max(sum(o.perf for o in proposal) / n, 1e-12)
 
-    def _group(self, o: ShardingOption, ncols: int) -> _Group:
+    def _group(self, o: ShardingOption, ncols: int) -> PlannedGroup:
         key = self.cost.group_key(o.table, ncols, o.cache)
         g = self.groups.get(key)
         if g is None:
             cost = self.cost.group_cost(o.table, ncols, o.cache is not None)
-            g = self.groups[key] = _Group(key, cost, self.cost, self.n)
+            g = self.groups[key] = PlannedGroup(key, cost, self.cost, self.n)
         return g
 
     def _own(self, r: int) -> float:
         return float(self.own_mem[r] / self.m_ref + self.own_time[r] / self.t_ref)
 
-    def _item(self, o: ShardingOption, sh: ShardSpec, rank: int) -> _Item:
-        base = self._bases.get((o, sh))
-        if base is None:
-            t = o.table
-            split = sh.ncols < t.dim
-            calls = self.cost.row_sum_calls(t) if split else 0
-            peers = len({s.col0 for s in o.shards if s.nrows and s.ncols}) - 1 if split else 0
-            loads = t.slot_loads(sh.nrows)
-            cache = fetch = 0
-            if o.cache is not None:
-                cache = cache_slots(sh.nrows, o.cache.load_factor)
-                fetch = self.cost.miss_rate(t, o.cache) * sum(loads)
-            base = self._bases[(o, sh)] = (
-                sh.nrows, loads, t.ids, split, t.ids, calls, t.key, peers, cache, fetch
-            )  # fmt: skip
-        return _Item(self._group(o, sh.ncols), rank, *base)
+    def _item(self, o: ShardingOption, sh: ShardSpec, rank: int) -> Item:
+        shard = self._bases.get((o, sh))
+        if shard is None:
+            shard = self._bases[(o, sh)] = shard_load(self.cost, o, sh)
+        return Item(self._group(o, sh.ncols), rank, shard)
 
-    def _items(self, o: ShardingOption, shards_ranks) -> list[_Item]:
+    def _items(self, o: ShardingOption, shards_ranks) -> list[Item]:
         return [self._item(o, sh, r) for sh, r in shards_ranks if sh.nrows and sh.ncols]
 
     # ----- what-if and apply -----
-    def _delta(self, items: Sequence[_Item]) -> tuple[float, float, float]:
+    def _delta(self, items: Sequence[Item]) -> tuple[float, float, float]:
         """Padded (device memory, time, host memory) increase of placing ``items``."""
-        per: dict[int, list] = {}
+        deltas: dict[int, dict[int, Load]] = {}  # per group, per rank: what it adds
+        split: dict[int, bool] = {}  # per group: whether a column shard is among them
         for it in items:
-            g = it.group
-            m = per.get(id(g))
-            if m is None:
-                m = per[id(g)] = [g, {}, False]
-            d = m[1].setdefault(it.rank, [0, 0.0, 0, 0, 0.0, 0, 0.0])
-            d[0] += it.nrows
-            d[1] += sum(it.loads)
-            d[2] += it.natural
-            d[3] += len(it.loads)
-            d[4] += it.vub
-            d[5] += it.cache
-            d[6] += it.fetch
-            m[2] = m[2] or it.split
+            d = deltas.setdefault(id(it.group), {})
+            d[it.rank] = d[it.rank].plus(it.shard.load) if it.rank in d else it.shard.load
+            split[id(it.group)] = split.get(id(it.group), False) or it.shard.split
+        groups = {id(it.group): it.group for it in items}
         dm = dt = dd = 0.0
-        for g, ranks, split in per.values():
-            rows, exp, nat = g.max_rows, g.max_exp, g.max_nat
-            slots, vub = g.max_slots, g.max_vub
-            cache, fetch = g.max_cache, g.max_fetch
-            for r, (a, b, c, d, e, f, h) in ranks.items():
-                rows = max(rows, int(g.rows[r]) + a)
-                exp = max(exp, float(g.exp[r]) + b)
-                nat = max(nat, int(g.nat[r]) + c)
-                slots = max(slots, int(g.slots[r]) + d)
-                vub = max(vub, float(g.vub[r]) + e)
-                cache = max(cache, int(g.cache[r]) + f)
-                fetch = max(fetch, float(g.fetch[r]) + h)
-            mem, t, ddr = g.price(rows, exp, nat, slots, g.split or split, vub, cache, fetch)
-            dm += float(mem) - g.mem_now
-            dt += float(t) - g.time_now
-            dd += float(ddr) - g.ddr_now
+        for k, d in deltas.items():
+            gm, gt, gd = groups[k].what_if_ranks(d, split[k])
+            dm += gm
+            dt += gt
+            dd += gd
         return dm, dt, dd
 
     def _fit(self, dm, dd):
@@ -241,49 +158,18 @@ class _Run:
         dm, _, dd = self._delta(items)
         return bool(self._fit(dm, dd))
 
-    def _apply(self, o: ShardingOption, items: Sequence[_Item]) -> None:
-        touched: dict[int, tuple[_Group, list[_Item]]] = {}
+    def _apply(self, o: ShardingOption, items: Sequence[Item]) -> None:
+        touched: dict[int, tuple[PlannedGroup, list[Item]]] = {}
         for it in items:
             touched.setdefault(id(it.group), (it.group, []))[1].append(it)
         before = sum(g.mem_now for g, _ in touched.values())
         before_ddr = sum(g.ddr_now for g, _ in touched.values())
         for g, its in touched.values():
-            r = np.array([it.rank for it in its])
-            exp = np.array([sum(it.loads) for it in its])
-            slots = np.array([len(it.loads) for it in its])
-            nrows = np.array([it.nrows for it in its])
-            np.add.at(g.rows, r, nrows)
-            np.add.at(g.exp, r, exp)
-            np.add.at(g.nat, r, [it.natural for it in its])
-            np.add.at(g.slots, r, slots)
-            np.add.at(g.vub, r, [it.vub for it in its])
-            np.add.at(g.cache, r, [it.cache for it in its])
-            np.add.at(g.fetch, r, [it.fetch for it in its])
-            for it in its:
-                g.loads[it.rank].extend(it.loads)
-                if it.split:
-                    g.split = True
-                    g.split_ids[it.rank][it.table] = (it.split_ids, it.calls, it.peers)
-            g.max_rows = max(g.max_rows, int(g.rows[r].max()))
-            g.max_exp = max(g.max_exp, float(g.exp[r].max()))
-            g.max_nat = max(g.max_nat, int(g.nat[r].max()))
-            g.max_slots = max(g.max_slots, int(g.slots[r].max()))
-            g.max_vub = max(g.max_vub, float(g.vub[r].max()))
-            g.max_cache = max(g.max_cache, int(g.cache[r].max()))
-            g.max_fetch = max(g.max_fetch, float(g.fetch[r].max()))
-            m_id, m_slot, t_id, t_slot = g.cost.linear  # own load, for tie-breaks
-            held = np.array([it.cache for it in its]) if g.cost.cached else nrows
-            np.add.at(self.own_mem, r, held * g.cost.mem_row + exp * m_id + slots * m_slot)
-            np.add.at(self.own_time, r, exp * t_id + slots * t_slot)
-            g.opts.setdefault(id(o.table.optimizer), o.table.optimizer.name)
-            if o.table.key not in g.tables:
-                g.tables.append(o.table.key)
-            mem, t, ddr = g.price(g.max_rows, g.max_exp, g.max_nat, g.max_slots, g.split,
-                                  g.max_vub, g.max_cache, g.max_fetch)  # fmt: skip
-            g.mem_now, g.time_now, g.ddr_now = float(mem), float(t), float(ddr)
-        touched = {k: g for k, (g, _) in touched.items()}
-        self.padded_mem += sum(g.mem_now for g in touched.values()) - before
-        self.padded_ddr += sum(g.ddr_now for g in touched.values()) - before_ddr
+            r, own_mem, own_time = g.add(its, o.table)
+            np.add.at(self.own_mem, r, own_mem)
+            np.add.at(self.own_time, r, own_time)
+        self.padded_mem += sum(g.mem_now for g, _ in touched.values()) - before
+        self.padded_ddr += sum(g.ddr_now for g, _ in touched.values()) - before_ddr
         host = self.padded_ddr > self.usable_ddr
         if (self.padded_mem > self.usable or host) and o.table.key not in self.overflow:
             self.overflow.append(o.table.key)
@@ -299,33 +185,20 @@ class _Run:
         self._apply(o, items)
         ranks[:] = o.ranks
 
-    def _load(self, g: _Group, cands, nrows: int, exp: float) -> np.ndarray:
+    def _load(self, g: PlannedGroup, cands, nrows: int, exp: float) -> np.ndarray:
         """Each candidate's load in the group after adding a shard, as a share of the
         group's balanced targets (the larger of rows and expected ids)."""
-        load = (g.rows[cands] + nrows) / g.cap_rows
-        return np.maximum(load, (g.exp[cands] + exp) / g.cap_exp) if g.cap_exp > 0 else load
+        load = (g.load.rows[cands] + nrows) / g.cap_rows
+        return np.maximum(load, (g.load.exp[cands] + exp) / g.cap_exp) if g.cap_exp > 0 else load
 
     def _best_rank(self, o: ShardingOption, sh: ShardSpec, cands: np.ndarray) -> tuple:
         """``(rank, fits, score)`` of the best rank for one shard among ``cands``
         (vectorised ``_score``; among equal scores the least loaded rank of the group)."""
-        it = self._item(o, sh, -1)
-        g = it.group
-        e = sum(it.loads)
-        split = g.split or it.split
-        mem, tm, ddr = g.price(
-            np.maximum(g.max_rows, g.rows[cands] + sh.nrows),
-            np.maximum(g.max_exp, g.exp[cands] + e),
-            np.maximum(g.max_nat, g.nat[cands] + it.natural),
-            np.maximum(g.max_slots, g.slots[cands] + len(it.loads)),
-            split,
-            np.maximum(g.max_vub, g.vub[cands] + it.vub),
-            np.maximum(g.max_cache, g.cache[cands] + it.cache),
-            np.maximum(g.max_fetch, g.fetch[cands] + it.fetch),
-        )
-        dm, dt = mem - g.mem_now, tm - g.time_now
-        fits = self._fit(dm, ddr - g.ddr_now) & np.ones(len(cands), bool)
+        g, _, shard = self._item(o, sh, -1)
+        dm, dt, ddr = g.what_if(g.load.at(cands).plus(shard.load), shard.split)
+        fits = self._fit(dm, ddr) & np.ones(len(cands), bool)
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
-        load = self._load(g, cands, sh.nrows, e)
+        load = self._load(g, cands, sh.nrows, shard.load.exp)
         own = self.own_mem[cands] / self.m_ref + self.own_time[cands] / self.t_ref
         i = np.lexsort((cands, own, load, primary, ~fits))[0]
         return int(cands[i]), bool(fits[i]), float(primary[i])
@@ -341,133 +214,27 @@ class _Run:
             and o.table.constraints.allows(ShardingType.ROW_WISE)
         )
 
-    def _place_small(self, g: _Group, o: ShardingOption, ranks: list) -> None:
+    def _place_small(self, g: PlannedGroup, o: ShardingOption, ranks: list) -> None:
         """A table at most ``SMALL`` of a balanced rank, whole: on the rank with the
         fewest slots of the group that stays within its share, then the least loaded
         (the least loaded if none does)."""
         cands = np.arange(self.n)
         t = o.table
-        load = (g.rows + t.rows) / (g.total_rows / self.n)
+        load = (g.load.rows + t.rows) / (g.total_rows / self.n)
         if g.total_exp > 0:
-            load = np.maximum(load, (g.exp + t.expected_ids) / (g.total_exp / self.n))
+            load = np.maximum(load, (g.load.exp + t.expected_ids) / (g.total_exp / self.n))
         over = load > 1
-        r = int(cands[np.lexsort((cands, load, np.where(over, load, g.slots), over))[0]])
+        r = int(cands[np.lexsort((cands, load, np.where(over, load, g.load.slots), over))[0]])
         self._apply(o, self._items(o, [(o.shards[0], r)]))
         ranks[:] = [r]
 
-    def _fill(self, group: _Group, opts: list[tuple[ShardingOption, list]]) -> None:
-        """Lays a group's fillable tables over the ranks, filling each rank's rows up to
-        the group's balanced share exactly. Tables are sorted by expected ids per row;
-        each rank takes rows from the sparsest and the densest tables left in the
-        proportion that also fills its share of expected ids (a two-pointer walk), so
-        rows balance exactly and expected ids closely, with at most two tables cut at
-        each rank boundary."""
-        n = self.n
-        total = int(group.total_rows)
-        share = [total // n + (1 if r < total % n else 0) for r in range(n)]
+    def _fill(self, group: PlannedGroup, opts: list[tuple[ShardingOption, list]]) -> None:
+        """Lays a group's fillable tables over the ranks (``fill.cut``)."""
         items = sorted(opts, key=lambda x: (x[0].table.expected_ids / x[0].table.rows,
                                             x[0].table.key))  # fmt: skip
-        dens = [o.table.expected_ids / o.table.rows for o, _ in items]
-        left_rows = [o.table.rows for o, _ in items]
-        sizes: list[dict[int, int]] = [{} for _ in items]
-        lo, hi = 0, len(items) - 1
-
-        def take(i: int, r: int, amount: int) -> tuple[int, float]:
-            amount = min(amount, left_rows[i])
-            sizes[i][r] = sizes[i].get(r, 0) + amount
-            left_rows[i] -= amount
-            return amount, amount * dens[i]
-
-        for r in range(n):
-            a = share[r] - int(group.rows[r])  # rows this rank still takes
-            b = group.total_exp / n - float(group.exp[r])  # and expected ids
-            while a > 0 and lo <= hi:
-                if not left_rows[lo]:
-                    lo += 1
-                    continue
-                if not left_rows[hi]:
-                    hi -= 1
-                    continue
-                want = max(b, 0.0) / a  # the density that fills both at once
-                if lo == hi or want <= dens[lo]:
-                    x, e = take(lo, r, a)
-                elif want >= dens[hi]:
-                    x, e = take(hi, r, a)
-                else:  # y rows of the densest and a - y of the sparsest
-                    y = round((b - dens[lo] * a) / (dens[hi] - dens[lo]))
-                    if y > left_rows[hi]:
-                        x, e = take(hi, r, y)
-                    elif a - y > left_rows[lo]:
-                        x, e = take(lo, r, a - y)
-                    else:
-                        x1, e1 = take(hi, r, y) if y > 0 else (0, 0.0)
-                        x2, e2 = take(lo, r, a - y)
-                        x, e = x1 + x2, e1 + e2
-                a -= x
-                b -= e
-        for i in range(len(items)):
-            if left_rows[i]:  # rows beyond every share (ranks over it from other shards)
-                g_rows = group.rows + np.array([sum(s.get(r, 0) for s in sizes)
-                                                for r in range(n)])  # fmt: skip
-                take(i, int(np.argmin(g_rows)), left_rows[i])
-        sizes = [{r: v for r, v in s.items() if v} for s in sizes]
-        self._level(group, [o.table for o, _ in items], dens, sizes)
+        sizes = fill.cut(group, [o.table for o, _ in items])
         for (o, ranks), size in zip(items, sizes, strict=True):
             self._apply_fill(o, ranks, size)
-
-    def _level(self, group: _Group, tables, dens, sizes: list[dict[int, int]]) -> None:
-        """Lowers the group's slot count: moves pieces off the ranks with the most slots
-        (smallest first) to ranks that stay within the targets' slack, preferring a
-        rank that already holds a piece of the same table (the pieces merge)."""
-        n = self.n
-        rows = group.rows.astype(np.float64)
-        exp = group.exp.copy()
-        slots = group.slots.copy()
-        held = np.zeros((len(tables), n), bool)  # table i has a piece on rank q
-        on: list[set[int]] = [set() for _ in range(n)]  # the tables with a piece on a rank
-        for i, (t, size) in enumerate(zip(tables, sizes, strict=True)):
-            for r, v in size.items():
-                rows[r] += v
-                exp[r] += v * dens[i]
-                slots[r] += t.num_features
-                held[i, r] = True
-                on[r].add(i)
-        floor = math.ceil(slots.sum() / n)
-        stuck: set[int] = set()
-        for _ in range(8 * n):
-            free = [r for r in range(n) if r not in stuck]
-            if not free:
-                return
-            r = max(free, key=lambda q: (slots[q], -q))
-            if slots[r] <= floor:
-                return
-            best = None
-            for i in sorted(on[r]):
-                v, nf = sizes[i][r], tables[i].num_features
-                gain = np.where(held[i], 0, nf)
-                ok = (rows + v <= group.cap_rows) & (exp + v * dens[i] <= group.cap_exp)
-                ok &= slots + gain < slots[r]
-                ok[r] = False
-                for q in np.flatnonzero(ok):
-                    move = (bool(gain[q] > 0), v, int(slots[q] + gain[q]), rows[q], int(q), i)
-                    best = move if best is None or move < best else best
-            if best is None:
-                stuck.add(r)
-                continue
-            _, v, _, _, q, i = best
-            nf = tables[i].num_features
-            rows[r] -= v
-            exp[r] -= v * dens[i]
-            slots[r] -= nf
-            if not held[i, q]:
-                slots[q] += nf
-            rows[q] += v
-            exp[q] += v * dens[i]
-            sizes[i][q] = sizes[i].get(q, 0) + v
-            del sizes[i][r]
-            held[i, r], held[i, q] = False, True
-            on[r].discard(i)
-            on[q].add(i)
 
     def _apply_fill(self, o: ShardingOption, ranks: list, sizes: dict[int, int]) -> None:
         if len(sizes) == 1:
@@ -475,30 +242,10 @@ class _Run:
             self._apply(o, self._items(o, [(o.shards[0], r)]))
             ranks[:] = [r]
             return
-        pieces = self._split_option(o, sizes)
+        pieces = fill.pieces(self.cost, o, sizes)
         self._apply(pieces, self._items(o, zip(pieces.shards, pieces.ranks, strict=True)))
         self.replaced[id(o)] = pieces
         ranks[:] = pieces.ranks
-
-    def _split_option(self, o: ShardingOption, sizes: dict[int, int]) -> ShardingOption:
-        t, row0, shards, ranks = o.table, 0, [], []
-        for r in sorted(sizes):
-            shards.append(ShardSpec(row0, sizes[r], 0, t.dim))
-            ranks.append(r)
-            row0 += sizes[r]
-        key = (id(t), tuple(shards), tuple(ranks), o.cache)  # proposals often cut alike
-        cut = self.cost.cuts.get(key)
-        if cut is None:
-            cut = self.cost.cuts[key] = estimate_option(
-                t,
-                self.cost,
-                ShardingType.ROW_WISE,
-                tuple(shards),
-                "fixed",
-                tuple(ranks),
-                cache=o.cache,
-            )
-        return cut
 
     def _place_free(self, o: ShardingOption, ranks: list) -> None:
         allowed = np.asarray(o.ranks)
@@ -531,25 +278,12 @@ class _Run:
         if len(block) != lo or not cols or len({sh.ncols for _, sh in cols}) != 1:
             return None
         its = [self._item(o, sh, -1) for _, sh in cols]
-        g, split = its[0].group, its[0].split
+        g = its[0].group
         h = np.asarray(hosts)
         at = h[:, None] * lo + np.asarray([j for j, _ in cols])[None, :]  # [host, shard] ranks
-
-        def peak(arr, values):
-            return (arr[at] + np.asarray(values)[None, :]).max(axis=1)
-
-        mem, tm, ddr = g.price(
-            np.maximum(g.max_rows, peak(g.rows, [it.nrows for it in its])),
-            np.maximum(g.max_exp, peak(g.exp, [sum(it.loads) for it in its])),
-            np.maximum(g.max_nat, peak(g.nat, [it.natural for it in its])),
-            np.maximum(g.max_slots, peak(g.slots, [len(it.loads) for it in its])),
-            g.split or split,
-            np.maximum(g.max_vub, peak(g.vub, [it.vub for it in its])),
-            np.maximum(g.max_cache, peak(g.cache, [it.cache for it in its])),
-            np.maximum(g.max_fetch, peak(g.fetch, [it.fetch for it in its])),
-        )
-        dm, dt = mem - g.mem_now, tm - g.time_now
-        fits = self._fit(dm, ddr - g.ddr_now) & np.ones(len(h), bool)
+        added = g.load.at(at).plus(Load.stack([it.shard.load for it in its]))
+        dm, dt, ddr = g.what_if(added.peak(axis=1), its[0].shard.split)
+        fits = self._fit(dm, ddr) & np.ones(len(h), bool)
         primary = np.where(fits, dm / self.m_ref + dt / self.t_ref, dm)
         own = self.own_mem / self.m_ref + self.own_time / self.t_ref
         tie = own[h[:, None] * lo + np.arange(lo)[None, :]].sum(axis=1)
@@ -604,7 +338,7 @@ class _Run:
             weight[id(o)] = max(weight.get(id(o), 0.0), share)
         return weight
 
-    def _share(self, g: _Group, rows: int, exp: float) -> float:
+    def _share(self, g: PlannedGroup, rows: int, exp: float) -> float:
         """A shard's size as a share of a balanced rank of its group (rows or ids)."""
         share = rows / max(g.total_rows / self.n, 1.0)
         return max(share, exp / (g.total_exp / self.n)) if g.total_exp > 0 else share
@@ -633,7 +367,7 @@ class _Run:
             ),
         )
         place = {"fixed": self._place_fixed, "free": self._place_free, "host": self._place_host}
-        fill: dict[int, tuple[_Group, list]] = {}
+        fill: dict[int, tuple[PlannedGroup, list]] = {}
         for i in order:
             o = self.proposal[i]
             if self._fillable(o):
@@ -679,26 +413,17 @@ class _Run:
         for g in self.groups.values():
             if not g.tables:
                 continue
-            c, exp, v, sent = self._exact(g)
-            gm = g.cost.memory(g.max_rows, c, g.max_slots, g.split, v, g.max_cache)
-            gp = g.cost.perf(c, g.max_slots, sent, g.max_fetch)
-            gd = float(g.cost.host(g.max_rows, g.max_cache))
-            mem = [a + b for a, b in zip(mem, gm, strict=True)]
-            perf = perf + gp
-            ddr += gd
-            groups.append(
-                GroupStats(g.key, tuple(g.tables), g.max_rows, c, exp, g.max_nat, g.max_slots,
-                           g.cost.weighted, g.split, v, sent, gm, gp, tuple(g.opts.values()),
-                           g.cost.sequence, g.max_cache, gd, self.n * g.max_fetch)
-            )  # fmt: skip
+            st = g.stats()
+            mem = [a + b for a, b in zip(mem, st.memory, strict=True)]
+            perf = perf + st.perf
+            ddr += st.host
+            groups.append(st)
             for r in range(self.n):  # unpadded: buffers sized for the rank's own load
-                if g.nat[r]:
-                    cr, _, vr, sr = self._exact(g, r)
-                    rows, cache = int(g.rows[r]), int(g.cache[r])
-                    own_mem[r] += sum(g.cost.memory(rows, cr, int(g.slots[r]), g.split, vr,
-                                                    cache))  # fmt: skip
-                    own_time[r] += float(g.cost.time(cr, int(g.slots[r]), sr, g.fetch[r]))
-                    own_ddr[r] += float(g.cost.host(rows, cache))
+                if g.load.nat[r]:
+                    m, t, d = g.own(r)
+                    own_mem[r] += m
+                    own_time[r] += t
+                    own_ddr[r] += d
         return Placement(
             options=options,
             shard_ranks=ranks,
@@ -715,19 +440,3 @@ class _Run:
             own_ddr=tuple(float(x) for x in own_ddr),
             host_overflow=tuple(self.host_overflow),
         )
-
-    def _exact(self, g: _Group, rank: int | None = None) -> tuple[int, float, int, int]:
-        """``(capacity, expected, row-sum values held, row-sum values sent)`` of a group
-        (or of one rank's own load), summed exactly (``math.fsum``: independent of the
-        order of slots)."""
-        ranks = range(self.n) if rank is None else (rank,)
-        exp = max(math.fsum(g.loads[r]) for r in ranks)
-        nat = max(int(g.nat[r]) for r in ranks)
-        c = self.cost.capacity_of(exp, nat, key_name(g.key))
-        v = sent = 0
-        if g.split:
-            per = [[(row_sum_values(self.n, c, ids, calls), peers)
-                    for ids, calls, peers in g.split_ids[r].values()] for r in ranks]  # fmt: skip
-            v = max(sum(x for x, _ in p) for p in per)
-            sent = max(sum(x * k for x, k in p) for p in per)
-        return c, exp, v, sent

@@ -10,7 +10,7 @@ from .options import ShardingOption
 from .perf import Perf
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupStats:
     """One width group after placement: its padded per-rank sizes and costs."""
 
