@@ -87,8 +87,15 @@ class PlannedGroup:
         """Places ``items`` (of ``table``); returns their ranks and the own device memory
         and time they add there (linear estimates, for tie-breaks)."""
         r = np.array([it.rank for it in items])
-        d = Load.stack([it.shard.load for it in items])
-        self.load.add_at(r, d)
+        if len(items) == 1:  # the common case, without the arrays (the same sums)
+            d = items[0].shard.load
+            for a, x in zip(self.load, d, strict=True):
+                a[r[0]] += x
+            placed = self.load.item(int(r[0]))
+        else:
+            d = Load.stack([it.shard.load for it in items])
+            self.load.add_at(r, d)
+            placed = self.load.at(r).peak()
         for it in items:
             self.loads[it.rank].extend(it.shard.loads)
             if it.shard.split:
@@ -96,7 +103,7 @@ class PlannedGroup:
                 self.split_ids[it.rank][it.shard.table] = (
                     it.shard.split_ids, it.shard.calls, it.shard.peers
                 )  # fmt: skip
-        self.peak = self.peak.top(self.load.at(r).peak())
+        self.peak = self.peak.top(placed)
         m_id, m_slot, t_id, t_slot = self.cost.linear
         held = d.cache if self.cost.cached else d.rows
         own_mem = held * self.cost.mem_row + d.exp * m_id + d.slots * m_slot
