@@ -23,7 +23,10 @@ def test_jaxrec_type_checks():
     result = subprocess.run(
         ["pyright", "--outputjson"], cwd=ROOT, capture_output=True, text=True, timeout=1200
     )
-    report = json.loads(result.stdout)
+    try:
+        report = json.loads(result.stdout)
+    except json.JSONDecodeError:  # pyright did not run (no report): say why
+        pytest.fail(f"pyright exited {result.returncode}:\n{result.stderr[-3000:]}")
     errors = [
         f"{d['file']}:{d['range']['start']['line'] + 1}: {d['message']}"
         for d in report["generalDiagnostics"]
