@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from .cache_stats import UniformCacheStatistics
 from .options import ShardSpec, TableInfo
 from .perf import Perf, cache_miss_seconds, replicated_perf, sharded_perf
 from .storage import (
+    Num,
     cache_host_bytes,
     cache_map_bytes,
     cache_slots,
@@ -90,7 +91,7 @@ class GroupCost:
     def mem_row(self) -> int:
         return self.ncols * self.itemsize + self.state_row
 
-    def buffers(self, capacity, slots, split: bool = False, row_sum_values=0.0):
+    def buffers(self, capacity, slots, split: bool = False, row_sum_values: Num = 0.0):
         """Lookup buffer bytes for fast-path capacity ``C`` and ``S`` slots (arrays ok)."""
         out = sharded_buffer_bytes(
             self.topology, self.ncols, capacity, slots, weighted=self.weighted, split=split,
@@ -100,7 +101,7 @@ class GroupCost:
             out = out + cache_staging_bytes(self.topology, capacity, self.mem_row)
         return out
 
-    def perf(self, capacity, slots, row_sum_sent=0.0, fetch=0.0) -> Perf:
+    def perf(self, capacity, slots, row_sum_sent: Num = 0.0, fetch: Num = 0.0) -> Perf:
         """``fetch``: expected missed ids per source on the busiest rank (cached groups)."""
         p = sharded_perf(
             self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
@@ -113,7 +114,7 @@ class GroupCost:
         return p._replace(prefetch_compute=cache_miss_seconds(self.topology, fetched,
                                                               self.mem_row, ids))  # fmt: skip
 
-    def time(self, capacity, slots, row_sum_sent=0.0, fetch=0.0):
+    def time(self, capacity, slots, row_sum_sent: Num = 0.0, fetch: Num = 0.0) -> float:
         return self.perf(capacity, slots, row_sum_sent, fetch).total
 
     @functools.cached_property
@@ -123,7 +124,9 @@ class GroupCost:
         return (float(self.buffers(1, 0)), float(self.buffers(0, 1)),
                 float(self.time(1, 0)), float(self.time(0, 1)))  # fmt: skip
 
-    def memory(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
+    def memory(
+        self, rows, capacity, slots, split: bool = False, row_sum_values: Num = 0.0, cache: Num = 0
+    ):
         """``(weights, optimizer state, buffers)`` bytes on every device (of ``cache``
         slots in a cached group, of ``rows`` rows in others)."""
         buffers = float(self.buffers(capacity, slots, split, row_sum_values))
@@ -132,7 +135,9 @@ class GroupCost:
             buffers += float(cache_map_bytes(rows, cache, slot_maps_on_device(self.topology)))
         return held * self.weight_row, held * self.state_row, buffers
 
-    def hbm(self, rows, capacity, slots, split=False, row_sum_values=0.0, cache=0):
+    def hbm(
+        self, rows, capacity, slots, split: bool = False, row_sum_values: Num = 0.0, cache: Num = 0
+    ):
         """Device bytes (arrays ok): rows or cache slots, and buffers."""
         held = cache if self.cached else rows
         maps = (
@@ -163,7 +168,7 @@ class CostModel:
 
     def __init__(
         self, topology: Topology, capacity: int | Mapping[str, int] | None = None,
-        weighted_modules=frozenset(),
+        weighted_modules: Iterable[str] = frozenset(),
         capacity_factor: float = CAPACITY_FACTOR,
     ):  # fmt: skip
         fast_path_capacity(1.0, 1, capacity_factor)  # validates it
@@ -244,11 +249,13 @@ class CostModel:
         v = v if split else 0.0
         if cache is None:
             mem = nrows * g.mem_row + g.buffers(c, table.num_features, split, v)
-            return mem, g.time(c, table.num_features, v), 0.0 * nrows
+            # Perf is typed in floats; with the array ``c`` the time is an array too
+            return mem, np.asarray(g.time(c, table.num_features, v), np.float64), 0.0 * nrows
         slots = np.array([cache_slots(int(r), cache.load_factor) for r in nrows], np.float64)
         fetch = self.miss_rate(table, cache) * loads
         mem = g.hbm(nrows, c, table.num_features, split, v, slots)
-        return mem, g.time(c, table.num_features, v, fetch), g.host(nrows, slots)
+        sec = np.asarray(g.time(c, table.num_features, v, fetch), np.float64)
+        return mem, sec, np.asarray(g.host(nrows, slots), np.float64)
 
     def shard_memory(self, table: TableInfo, shard: ShardSpec) -> float:
         """Bytes of one shard as if alone in its width group."""

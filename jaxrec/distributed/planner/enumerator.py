@@ -57,7 +57,7 @@ def enumerate_options(
     allowed)."""
     topo = cost.topology
     c = table.constraints
-    n, lo, hosts = topo.world_size, topo.local_world_size, topo.num_hosts
+    n, lo, hosts = topo.world_size, topo.ranks_per_host, topo.num_hosts
     allowed_ranks = tuple(range(n)) if c.ranks is None else tuple(sorted(set(c.ranks)))
     bad = [r for r in allowed_ranks if not 0 <= r < n]
     if bad:

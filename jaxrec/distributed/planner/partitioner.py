@@ -273,7 +273,7 @@ class _Run:
     def _best_host(self, o: ShardingOption, block, hosts: list[int]) -> int | None:
         """``_place_host``'s choice for a full block in one group, every host at once
         (``None`` for other blocks)."""
-        lo = self.cost.topology.local_world_size
+        lo = self.cost.topology.ranks_per_host
         cols = [(j, sh) for j, sh in enumerate(block) if sh.nrows and sh.ncols]
         if len(block) != lo or not cols or len({sh.ncols for _, sh in cols}) != 1:
             return None
@@ -296,7 +296,7 @@ class _Run:
             if ranks[b * size] is not None:
                 continue
             block = o.shards[b * size : (b + 1) * size]
-            used = {r // topo.local_world_size for r in ranks if r is not None}
+            used = {r // topo.ranks_per_host for r in ranks if r is not None}
             hosts = [h for h in o.ranks if h not in used] or list(o.ranks)
 
             def key(h, block=block):
@@ -398,7 +398,7 @@ class _Run:
         return self._result(options, tuple(tuple(r) for r in ranks))
 
     def _result(self, options, ranks) -> Placement:
-        mem = list(self.base_mem)
+        weights, state, buffers = self.base_mem
         perf = self.base_perf
         own_mem = np.zeros(self.n)
         own_time = np.zeros(self.n)
@@ -414,7 +414,9 @@ class _Run:
             if not g.tables:
                 continue
             st = g.stats()
-            mem = [a + b for a, b in zip(mem, st.memory, strict=True)]
+            weights += st.memory[0]
+            state += st.memory[1]
+            buffers += st.memory[2]
             perf = perf + st.perf
             ddr += st.host
             groups.append(st)
@@ -428,7 +430,7 @@ class _Run:
             options=options,
             shard_ranks=ranks,
             usable_bytes=self.usable,
-            memory=tuple(mem),
+            memory=(weights, state, buffers),
             perf=perf,
             own_memory=tuple(float(x) for x in own_mem),
             own_perf=tuple(float(x) for x in own_time),

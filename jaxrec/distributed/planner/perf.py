@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .storage import F32, I32, id_payload, slot_maps_on_device
+from .storage import F32, I32, Num, id_payload, slot_maps_on_device
 from .topology import Topology
 
 SORT_BYTES = 32  # de-duplication: a key/value sort, about four 8-byte passes per id
@@ -68,7 +68,7 @@ class Perf(NamedTuple):
 
 def sharded_perf(
     topo: Topology, ncols: int, itemsize: int, state_per_row: int, capacity, slots,
-    *, weighted: bool = False, row_sum_sent=0.0, sequence: bool = False,
+    *, weighted: bool = False, row_sum_sent: Num = 0.0, sequence: bool = False,
 ) -> Perf:  # fmt: skip
     """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays).
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypedDict, Unpack
 
+import jax
 from flax import nnx
 
 from ...configs import BaseEmbeddingConfig
@@ -35,7 +36,7 @@ from .proposers import (
 )
 from .scaleup import scale_up_caches
 from .stats import PlanStats, capacity_errors, infeasible_message
-from .storage import resolve_optimizer, table_optimizer
+from .storage import OptimizerSpec, resolve_optimizer, table_optimizer
 from .topology import Topology
 
 
@@ -50,7 +51,24 @@ class PlannerError(ValueError):
         self.stats = stats
 
 
-def collect_tables(model_or_tables: Any) -> dict[str, list[BaseEmbeddingConfig]]:
+# What the planner plans: a model, a collection, a table list or {module path: tables}.
+ModelOrTables = (
+    nnx.Module | Sequence[BaseEmbeddingConfig] | Mapping[str, Sequence[BaseEmbeddingConfig]]
+)
+
+
+class PlannerOptions(TypedDict, total=False):
+    """The :class:`EmbeddingShardingPlanner` arguments ``plan_for_model`` passes on."""
+
+    capacity_factor: float
+    reserved_hbm_fraction: float
+    reserved_ddr_fraction: float
+    proposers: Sequence[Proposer] | None
+    partitioner: GreedyPerfPartitioner | None
+    scale_up_caches: bool
+
+
+def collect_tables(model_or_tables: ModelOrTables) -> dict[str, list[BaseEmbeddingConfig]]:
     """``{module path: tables}`` from a model, a collection, a table list or such a dict.
 
     A model's ``EmbeddingBagCollection`` s and ``EmbeddingCollection`` s (sequence
@@ -135,7 +153,7 @@ class EmbeddingShardingPlanner:
         topology: Topology | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         *,
-        optimizer: Any = None,
+        optimizer: OptimizerSpec = None,
         capacity: int | Mapping[str, int] | None = None,
         capacity_factor: float = CAPACITY_FACTOR,
         reserved_hbm_fraction: float = 0.15,
@@ -176,7 +194,7 @@ class EmbeddingShardingPlanner:
             tables,
             CostModel(topo, self.capacity, weighted, self.capacity_factor),
             (topo.hbm_cap * (1 - self.reserved_hbm_fraction)),
-            topo.ddr_cap * (1 - self.reserved_ddr_fraction) / topo.local_world_size,
+            topo.ddr_cap * (1 - self.reserved_ddr_fraction) / topo.ranks_per_host,
         )
 
     def _table_infos(self, modules, topo: Topology, constraints) -> list[TableInfo]:
@@ -213,7 +231,7 @@ class EmbeddingShardingPlanner:
 
     def plan(
         self,
-        model_or_tables: Any,
+        model_or_tables: ModelOrTables,
         topology: Topology | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
     ) -> ShardingPlan:
@@ -319,7 +337,7 @@ class EmbeddingShardingPlanner:
     def estimate(
         self,
         plan: ShardingPlan,
-        model_or_tables: Any,
+        model_or_tables: ModelOrTables,
         topology: Topology | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
     ) -> PlanStats:
@@ -385,15 +403,15 @@ def to_sharding_plan(placed: Placement, modules: Mapping[str, Sequence]) -> Shar
 
 
 def plan_for_model(
-    model: Any,
-    mesh: Any,
+    model: nnx.Module,
+    mesh: jax.sharding.Mesh,
     *,
-    optimizer: Any = None,
+    optimizer: OptimizerSpec = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
     batch_size: int | None = None,
     capacity: int | Mapping[str, int] | None = None,
     topology: Topology | None = None,
-    **planner_kwargs: Any,
+    **planner_kwargs: Unpack[PlannerOptions],
 ) -> ShardingPlan:
     """Plans every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` of ``model``.
 

@@ -197,7 +197,9 @@ class CachingProposer(Proposer):
                 rank.append((bool(fit), -freed / max(alt.perf - base.perf, 1e-12), t))
         self.alts = alts
         self.order = [t for *_, t in sorted(rank)]
-        self.lo, self.hi, self.k = 0, None, min(1, len(self.order))
+        self.lo: int = 0
+        self.hi: int | None = None  # the smallest k known to fit (or overflow the hosts)
+        self.k: int | None = min(1, len(self.order))  # the next proposal's; None: done
 
     def propose(self):
         if self.k is None or not self.order:
@@ -209,12 +211,15 @@ class CachingProposer(Proposer):
 
     def feedback(self, feasible, seconds, overflow, host_overflow=()):
         del seconds, overflow
+        k = self.k
+        if k is None:
+            raise RuntimeError("CachingProposer.feedback without a proposal (propose gave None)")
         if feasible or host_overflow:  # caching enough, or already too much
-            self.hi = self.k
+            self.hi = k
         else:
-            self.lo = self.k
+            self.lo = k
         if self.hi is None:  # doubling: device memory overflows
-            self.k = None if self.k >= len(self.order) else min(2 * self.k, len(self.order))
+            self.k = None if k >= len(self.order) else min(2 * k, len(self.order))
         else:
             mid = (self.lo + self.hi) // 2
             self.k = mid if mid > self.lo else None

@@ -36,6 +36,8 @@ NEAR_TIE = 0.9  # gains per byte this close to the best count as a tie
 def _rung(option: ShardingOption, cost: CostModel, load_factor: float) -> ShardingOption:
     """``option``'s shards with a cache of ``load_factor``; at 1, the whole table in
     device memory (``fused``) where its constraints allow it, else a cache of every row."""
+    if option.cache is None:
+        raise ValueError(f"table {option.table.key!r}: only a cached option has a cache to scale")
     kernels = option.table.constraints.kernels(option.sharding_type)
     cache = None
     if load_factor < 1 or EmbeddingComputeKernel.FUSED not in kernels:
@@ -66,15 +68,22 @@ def scale_up_caches(
     ``partition`` fits it, ``acceptable`` takes it and the step gets faster; a rung
     that is not kept is tried again halfway down (geometrically)."""
     proposal = list(proposal)
-    bounds = {i: (o.cache.load_factor, None) for i, o in enumerate(proposal) if o.cache}
+    # per cached table: (the largest load factor kept, the lowest that did not fit)
+    bounds: dict[int, tuple[float, float | None]] = {
+        i: (o.cache.load_factor, None) for i, o in enumerate(proposal) if o.cache
+    }
 
-    def next_rung(i):  # (load factor, option), or None: none left, or it saves nothing
+    def next_rung(i: int) -> tuple[float, ShardingOption] | None:
+        """(load factor, option), or None: none left, or it saves nothing."""
         lf = _target(*bounds[i]) if proposal[i].cache is not None else None
-        rung = None if lf is None else _rung(proposal[i], cost, lf)
-        return None if rung is None or rung.perf >= proposal[i].perf else (lf, rung)
+        if lf is None:
+            return None
+        rung = _rung(proposal[i], cost, lf)
+        return None if rung.perf >= proposal[i].perf else (lf, rung)
 
-    rungs = {i: next_rung(i) for i in bounds}  # only the table just tried changes
-    while rungs := {i: r for i, r in rungs.items() if r is not None}:
+    # the tables with a rung left; only the table just tried changes
+    rungs = {i: r for i in bounds if (r := next_rung(i)) is not None}
+    while rungs:
         gains = {
             i: (proposal[i].perf - r.perf) / max(r.total_bytes - proposal[i].total_bytes, 1.0)
             for i, (_, r) in rungs.items()
@@ -92,5 +101,8 @@ def scale_up_caches(
             bounds[i] = (lf, bounds[i][1])
         else:
             bounds[i] = (bounds[i][0], lf)
-        rungs[i] = next_rung(i)
+        if (r := next_rung(i)) is None:
+            del rungs[i]
+        else:
+            rungs[i] = r
     return proposal, placed

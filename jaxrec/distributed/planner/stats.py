@@ -109,7 +109,7 @@ class PlanStats:
             "  collective operand bytes per device per step: "
             + ", ".join(f"{k} {fb(v)}" for k, v in comm_bytes(p, topo).items() if v),
         ]
-        lo = topo.local_world_size
+        lo = topo.ranks_per_host
         if p.cached:
             lines.insert(-1, (
                 f"  host memory (cached tables: rows, optimizer state, cache metadata): "
@@ -213,7 +213,7 @@ def infeasible_message(
     host memory per device of the plans that fit the devices (``None``: none did).
     """
     topo = cost.topology
-    lo = topo.local_world_size
+    lo = topo.ranks_per_host
     lines = [f"no sharding plan fits {topo.world_size} device(s) with {fb(usable)} usable HBM each"]
     if cached:
         host = topo.ddr_cap * (1 - reserved_ddr)

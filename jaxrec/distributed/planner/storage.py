@@ -25,8 +25,6 @@ metadata (:func:`cache_host_bytes`); both are padded to the group's fullest rank
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ... import optim
@@ -59,6 +57,11 @@ SLOT_PLAN_ID_BYTES = 32 * (4 + 1) + 12
 ROW_TO_SLOT_BYTES = 4
 SLOT_META_BYTES = 16
 
+# A Python number or a numpy array of them: the estimators price many ranks at once.
+Num = float | np.ndarray
+# What a planner is told its tables train with: an optimizer, or a name (None: the default).
+OptimizerSpec = SparseOptimizer | CombinedOptimizer | str | None
+
 
 def _resolve_factory(name: str):
     factories = {
@@ -80,14 +83,14 @@ def _resolve_factory(name: str):
     return factories[key]
 
 
-def resolve_optimizer(optimizer: Any) -> Any:
+def resolve_optimizer(optimizer: OptimizerSpec) -> SparseOptimizer | CombinedOptimizer:
     """A ``SparseOptimizer``, a ``CombinedOptimizer`` or a name (``"adam"``) -> optimizer."""
     if optimizer is None or isinstance(optimizer, str):
         return _resolve_factory(optimizer or "rowwise_adagrad")(0.01)
     return optimizer
 
 
-def table_optimizer(optimizer: Any, table: str) -> SparseOptimizer:
+def table_optimizer(optimizer: SparseOptimizer | CombinedOptimizer, table: str) -> SparseOptimizer:
     """The sparse optimizer that updates ``table``."""
     if isinstance(optimizer, CombinedOptimizer):
         return optimizer.for_table(table)
@@ -139,7 +142,7 @@ def id_payload(capacity, slots, batch: int, weighted: bool, sequence: bool = Fal
 
 def sharded_buffer_bytes(
     topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values=0.0, sequence: bool = False,
+    split: bool = False, row_sum_values: Num = 0.0, sequence: bool = False,
 ):  # fmt: skip
     """Lookup buffer bytes of one width group on every device (numpy-friendly).
 
@@ -175,7 +178,7 @@ def sharded_buffer_bytes(
 
 def sharded_buffer_parts(
     topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values=0.0, sequence: bool = False,
+    split: bool = False, row_sum_values: Num = 0.0, sequence: bool = False,
 ) -> dict:  # fmt: skip
     """:func:`sharded_buffer_bytes` by part: ``ids`` (the ids ``all_to_all``),
     ``received`` (per received id), ``blocks`` and ``column_split``."""

@@ -89,11 +89,19 @@ class Topology:
                 raise ValueError(f"Topology.{f} must be positive, got {getattr(self, f)!r}")
 
     @property
+    def ranks_per_host(self) -> int:
+        """``local_world_size`` as resolved by construction (never ``None``)."""
+        local = self.local_world_size
+        assert local is not None, "Topology.__post_init__ resolves local_world_size"
+        return local
+
+    @property
     def num_hosts(self) -> int:
-        return self.world_size // self.local_world_size
+        return self.world_size // self.ranks_per_host
 
     def host_ranks(self, host: int) -> range:
-        return range(host * self.local_world_size, (host + 1) * self.local_world_size)
+        lo = self.ranks_per_host
+        return range(host * lo, (host + 1) * lo)
 
     def all_to_all_seconds_per_byte(self) -> float:
         """Seconds per byte of a device's all_to_all buffer (``N`` equal blocks).
@@ -101,12 +109,12 @@ class Topology:
         The block a device keeps costs nothing; ``L - 1`` blocks cross the host's
         links and ``N - L`` cross hosts.
         """
-        n, lo = self.world_size, self.local_world_size
+        n, lo = self.world_size, self.ranks_per_host
         return (lo - 1) / n / self.intra_host_bw + (n - lo) / n / self.cross_host_bw
 
     def gather_seconds_per_byte(self) -> float:
         """Seconds per byte of one peer's block in an all_gather (``N - 1`` peers)."""
-        n, lo = self.world_size, self.local_world_size
+        n, lo = self.world_size, self.ranks_per_host
         return (lo - 1) / self.intra_host_bw + (n - lo) / self.cross_host_bw
 
     def ppermute_seconds_per_byte(self) -> float:
@@ -116,7 +124,7 @@ class Topology:
 
     @staticmethod
     def from_devices(
-        devices: Sequence[Any] | None = None,
+        devices: Sequence[Any] | None = None,  # jax.Device, which pyright takes for no type
         *,
         local_world_size: int | None = None,
         **overrides: Any,
