@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -30,11 +31,14 @@ from ..cache import (
 from ..cache.configs import slots_per_shard
 from ..cache.ids import feature_spans, with_values
 from ..cache.stats import measure_miss_rates
-from ..configs import EmbeddingBagConfig
-from ..datasets import Part
-from ..distributed import EmbeddingModuleShardingPlan, init_keys
+from ..configs import BaseEmbeddingConfig, EmbeddingBagConfig
+from ..datasets import Part, TableDataset
+from ..distributed import CacheAlgorithm, EmbeddingModuleShardingPlan, init_keys
 from ..distributed.planner import MissRateCurve, ParameterConstraints
 from ..distributed.types import EmbeddingComputeKernel
+from ..embedding import CombinedOptimizer
+from ..sparse import KeyedJaggedTensor
+from ..train import TrainState
 from .dlrm_config import DlrmJobConfig
 from .dlrm_parts import EBC_PATH, build_model, logical_plan, make_mesh
 
@@ -74,7 +78,9 @@ def check_cache_flags(config: DlrmJobConfig) -> None:
 
 
 def cache_params(config: DlrmJobConfig) -> CacheParams:
-    return CacheParams(algorithm=config.cache_algorithm, load_factor=config.cache_load_factor)
+    return CacheParams(
+        algorithm=CacheAlgorithm(config.cache_algorithm), load_factor=config.cache_load_factor
+    )
 
 
 def forced(config: DlrmJobConfig, configs: Sequence[EmbeddingBagConfig]) -> list[str]:
@@ -93,7 +99,9 @@ def forced(config: DlrmJobConfig, configs: Sequence[EmbeddingBagConfig]) -> list
 
 
 def constraints(
-    config: DlrmJobConfig, configs: Sequence[EmbeddingBagConfig], stats=None
+    config: DlrmJobConfig,
+    configs: Sequence[EmbeddingBagConfig],
+    stats: Mapping[str, MissRateCurve] | None = None,
 ) -> dict[str, ParameterConstraints]:
     """The planner's constraints: ``--cache-tables`` cached always; any other table the
     planner caches gets the same ``CacheParams``; ``stats``: ``{table: CacheStatistics}``
@@ -109,7 +117,9 @@ def constraints(
     }
 
 
-def measured_statistics(config: DlrmJobConfig, data, configs) -> dict[str, MissRateCurve]:
+def measured_statistics(
+    config: DlrmJobConfig, data: TableDataset, configs: Sequence[EmbeddingBagConfig]
+) -> dict[str, MissRateCurve]:
     """Each table's miss rates on the first ``--cache-statistics-batches`` steps of the
     one-process stream (every process measures the same, so all plan alike). A step's
     ids are every device's batch together: a cache of the whole table sees them so
@@ -124,7 +134,7 @@ def measured_statistics(config: DlrmJobConfig, data, configs) -> dict[str, MissR
     steps = [kjts[i : i + config.devices] for i in range(0, len(kjts), config.devices)]
     out = {}
     for c in configs:
-        features = set(c.feature_names)
+        features = dict.fromkeys(c.feature_names)  # (feature_spans reads only `in`)
         batches = []
         for step in steps:
             ids = [
@@ -159,17 +169,38 @@ def cached_tables(plan: EmbeddingModuleShardingPlan) -> dict[str, CacheParams]:
     return {n: p.cache_params for n, p in plan.items() if p.compute_kernel is CACHED}
 
 
-def device_tables(configs, plan, cached):
+def device_tables(
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingModuleShardingPlan | None,
+    cached: Mapping[str, CacheParams],
+) -> tuple[list[EmbeddingBagConfig], EmbeddingModuleShardingPlan | None]:
     """``(configs, plan)`` of the devices' tables: each cached table as its slots
     (``plan`` None: unsharded)."""
     if not cached:
         return list(configs), plan
     if plan is None:
-        return cached_configs(configs, cached), None
-    return device_plan(configs, plan)
+        return _bags(cached_configs(configs, cached)), None
+    slot_configs, slot_plan = device_plan(configs, plan)
+    return _bags(slot_configs), slot_plan
 
 
-def row_cache(config: DlrmJobConfig, data, configs, cached, graphdef, optimizer, state) -> RowCache:
+def _bags(configs: Sequence[BaseEmbeddingConfig]) -> list[EmbeddingBagConfig]:
+    """``configs`` as bag configs (the slot tables of bag tables are bag tables)."""
+    out = [c for c in configs if isinstance(c, EmbeddingBagConfig)]
+    if len(out) != len(configs):
+        raise TypeError(f"expected EmbeddingBagConfigs, got {[type(c).__name__ for c in configs]}")
+    return out
+
+
+def row_cache(
+    config: DlrmJobConfig,
+    data: TableDataset,
+    configs: list[EmbeddingBagConfig],
+    cached: Mapping[str, CacheParams],
+    graphdef: nnx.GraphDef,
+    optimizer: CombinedOptimizer,
+    state: TrainState,
+) -> RowCache:
     """The ``RowCache`` of the cached tables, each process's host tables holding the
     rows its devices cache (``host_rows``), drawn on the host with the values the
     all-device model of the same ``--seed`` has (its collection's init key)."""
@@ -183,7 +214,12 @@ def row_cache(config: DlrmJobConfig, data, configs, cached, graphdef, optimizer,
     return RowCache(graphdef, optimizer, state, hosts, cached, slot_maps=config.cache_slot_maps)
 
 
-def slot_view(kjt, configs, plan, cached):
+def slot_view(
+    kjt: KeyedJaggedTensor,
+    configs: Sequence[EmbeddingBagConfig],
+    plan: EmbeddingModuleShardingPlan,
+    cached: Mapping[str, CacheParams],
+) -> KeyedJaggedTensor:
     """``kjt`` with each cached table's ids as the first slot of the row shard that holds
     them: the loads the id exchange sees once the cache rewrites ids as slots (for
     ``measure_capacities``; the slot within a shard does not change a load)."""
@@ -206,7 +242,18 @@ def slot_view(kjt, configs, plan, cached):
     return with_values(kjt, values)
 
 
-def place_tables(config: DlrmJobConfig, data, configs):
+class PlacedTables(NamedTuple):
+    """Where :func:`place_tables` puts the logical tables."""
+
+    mesh: jax.sharding.Mesh | None  # None: one device, unsharded
+    plan: EmbeddingModuleShardingPlan | None  # the logical tables' (None: unsharded)
+    cached: dict[str, CacheParams]  # the cached tables
+    stats: dict[str, MissRateCurve]  # measured (--cache-statistics-batches), by table
+
+
+def place_tables(
+    config: DlrmJobConfig, data: TableDataset, configs: list[EmbeddingBagConfig]
+) -> PlacedTables:
     """``(mesh or None, logical plan or None, {cached table: CacheParams}, {table:
     measured MissRateCurve})`` (the curves only with ``--cache-statistics-batches``).
 
@@ -214,29 +261,36 @@ def place_tables(config: DlrmJobConfig, data, configs):
     one-device mesh, which tables must be cached."""
     if config.dynamic_tables:  # on the devices, row-wise by the id's hash; nothing cached
         if config.devices == 1:
-            return None, None, {}, {}
+            return PlacedTables(None, None, {}, {})
         mesh = make_mesh(config)
         abstract = nnx.eval_shape(lambda: build_model(config, data, configs))
-        return mesh, logical_plan(config, abstract, mesh), {}, {}
+        return PlacedTables(mesh, logical_plan(config, abstract, mesh), {}, {})
     planned = config.sharding == "planner" and (config.devices > 1 or config.hbm_gib is not None)
     if config.devices == 1 and not planned:
-        return None, None, {t: cache_params(config) for t in forced(config, configs)}, {}
+        forced_cached = {t: cache_params(config) for t in forced(config, configs)}
+        return PlacedTables(None, None, forced_cached, {})
     mesh = make_mesh(config)
     abstract = nnx.eval_shape(lambda: build_model(config, data, configs))  # nothing allocated
-    stats = {}
+    stats: dict[str, MissRateCurve] = {}
     if config.sharding == "planner":
         stats = measured_statistics(config, data, configs)
         plan = logical_plan(config, abstract, mesh, constraints(config, configs, stats))
     else:
         plan = with_forced(config, configs, logical_plan(config, abstract, mesh))
     cached = cached_tables(plan)
-    return (None, None, cached, stats) if config.devices == 1 else (mesh, plan, cached, stats)
+    if config.devices == 1:
+        return PlacedTables(None, None, cached, stats)
+    return PlacedTables(mesh, plan, cached, stats)
 
 
-def cached_text(configs, cached, stats=None) -> str:
+def cached_text(
+    configs: Sequence[EmbeddingBagConfig],
+    cached: Mapping[str, CacheParams],
+    stats: Mapping[str, MissRateCurve] | None = None,
+) -> str:
     rows, stats = {c.name: c.num_embeddings for c in configs}, stats or {}
 
-    def about(t):
+    def about(t: str) -> str:
         lf, miss = cached[t].load_factor, ""
         if t in stats:
             miss = f", measured miss rate {stats[t].expected_miss_rate(lf, rows[t]):.3f}"
@@ -246,7 +300,9 @@ def cached_text(configs, cached, stats=None) -> str:
     return f"in host memory with a device cache ({algorithms}): " + ", ".join(map(about, cached))
 
 
-def cache_summary(rc, stats=None) -> dict:
+def cache_summary(
+    rc: RowCache, stats: Mapping[str, MissRateCurve] | None = None
+) -> dict[str, dict[str, object]]:
     """Per cached table: its rows, device slots and hit rate over every lookup,
     training and evaluation (and, with measured ``stats``, the hit rate the planner
     expected). Each process counts the lookups of the row shards it owns, so with
@@ -255,7 +311,7 @@ def cache_summary(rc, stats=None) -> dict:
     counts = np.array([[rc.stats[n].ids, rc.stats[n].misses] for n in rc.tables], np.int64)
     if jax.process_count() > 1:
         counts = multihost_utils.process_allgather(counts).sum(axis=0)
-    out = {}
+    out: dict[str, dict[str, object]] = {}
     for (name, t), (ids, misses) in zip(rc.tables.items(), counts, strict=True):
         counted = CacheStats(ids=int(ids), misses=int(misses))
         out[name] = {

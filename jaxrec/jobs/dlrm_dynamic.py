@@ -5,13 +5,13 @@ behind a ``ManagedCollisionEmbeddingBagCollection``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 from flax import nnx
 
 from ..configs import EmbeddingBagConfig
-from ..datasets import Part
+from ..datasets import Part, TableDataset
+from ..models import DLRM
 from ..modules import (
     EmbeddingBagCollection,
     FrequencyAdmission,
@@ -22,6 +22,7 @@ from ..modules import (
     ManagedCollisionEmbeddingBagCollection,
 )
 from ..ops import BoundsCheckMode
+from ..train import TrainState
 from .dlrm_config import DlrmJobConfig
 
 POLICIES = {
@@ -86,7 +87,9 @@ def dynamic_collection(
     )
 
 
-def dynamic_counters(collection: Any) -> dict[str, dict[str, int]]:
+def dynamic_counters(
+    collection: ManagedCollisionEmbeddingBagCollection,
+) -> dict[str, dict[str, int]]:
     """Table -> the latest training step's ``admitted``/``evicted``/``rejected`` and the
     ``occupancy`` (host ints) of a model's dynamic tables (unsharded or sharded)."""
     mcc = collection.managed_collision_collection
@@ -96,17 +99,29 @@ def dynamic_counters(collection: Any) -> dict[str, dict[str, int]]:
     }
 
 
-def ensure_dynamic_buffers(model: nnx.Module, data: Any, config: DlrmJobConfig) -> None:
+def _dynamic_collection_of(model: nnx.Module) -> ManagedCollisionEmbeddingBagCollection:
+    """The job's DLRM's collection behind its dynamic tables' indexes."""
+    if not isinstance(model, DLRM):
+        raise TypeError(f"the DLRM job's model is a DLRM or DLRM_DCN, got {type(model).__name__}")
+    ebc = model.sparse_arch.embedding_bag_collection
+    if not isinstance(ebc, ManagedCollisionEmbeddingBagCollection):
+        raise TypeError(
+            f"the model has no dynamic tables: its collection is a {type(ebc).__name__}"
+        )
+    return ebc
+
+
+def ensure_dynamic_buffers(model: nnx.Module, data: TableDataset, config: DlrmJobConfig) -> None:
     """Allocates the indexes' eviction buffers for one local batch (eagerly, before the
     train state is made: a jitted step cannot add variables)."""
     batch = next(iter(data.batches(config.batch_size, shuffle=False, part=Part(0, 1))))
-    model.sparse_arch.embedding_bag_collection.ensure_buffers(batch.sparse_features)
+    _dynamic_collection_of(model).ensure_buffers(batch.sparse_features)
 
 
-def dynamic_summary(graphdef: Any, state: Any) -> dict[str, dict[str, int]]:
+def dynamic_summary(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, dict[str, int]]:
     """:func:`dynamic_counters` of the model in a train ``state``."""
     model = nnx.merge(graphdef, state.params, state.tables, state.rest)
-    return dynamic_counters(model.sparse_arch.embedding_bag_collection)
+    return dynamic_counters(_dynamic_collection_of(model))
 
 
 def dynamic_text(counters: dict[str, dict[str, int]]) -> str:

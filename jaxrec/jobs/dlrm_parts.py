@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from flax import nnx
 from .. import datasets, metrics
 from .. import distributed as dist
 from ..configs import EmbeddingBagConfig
-from ..datasets import Part
+from ..datasets import Batch, Part, TableDataset
 from ..distributed import planner
 from ..embedding import CombinedOptimizer
 from ..models import DLRM, DLRM_DCN
@@ -24,6 +25,8 @@ from ..optim import rowwise_adagrad
 from ..sparse import KeyedJaggedTensor
 from ..train import (
     InFlight,
+    TrainState,
+    TrainStep,
     init_train_state,
     make_accumulating_train_step,
     make_eval_step,
@@ -34,6 +37,9 @@ from ..train import (
 from .dlrm_config import DlrmJobConfig
 from .dlrm_dynamic import dynamic_collection
 from .shards import rank_batches
+
+if TYPE_CHECKING:
+    from ..cache import RowCache
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 
@@ -47,7 +53,7 @@ CRITEO_SOURCE = (
 )
 
 
-def load_data(config: DlrmJobConfig) -> tuple[Any, Any]:
+def load_data(config: DlrmJobConfig) -> tuple[TableDataset, TableDataset]:
     """``(train, eval)`` datasets with ``keys``, ``num_embeddings_per_feature``, ``num_dense``.
 
     Missing or unreadable data ends the job with a one-line ``SystemExit`` that
@@ -63,7 +69,7 @@ def load_data(config: DlrmJobConfig) -> tuple[Any, Any]:
         raise SystemExit(f"--dataset {config.dataset}: {text}{hint}") from None
 
 
-def _load_data(config: DlrmJobConfig) -> tuple[Any, Any]:
+def _load_data(config: DlrmJobConfig) -> tuple[TableDataset, TableDataset]:
     sizes = _multi_hot_sizes(config.multi_hot)
     # Several processes: each opens the files for its own part, so it holds no rows
     # beyond its devices' batches (read per batch); batches() is always told its part.
@@ -138,7 +144,21 @@ def _multi_hot_sizes(flag: str | None) -> list[int] | None:
 
 
 # ----- model -----
-def table_configs(config: DlrmJobConfig, data: Any) -> list[EmbeddingBagConfig]:
+class DataSizes(Protocol):
+    """What the model's shape takes from the data: a ``TableDataset``, or the sizes a
+    run saved (``from_run.RunData``)."""
+
+    @property
+    def keys(self) -> Sequence[str]: ...
+
+    @property
+    def num_embeddings_per_feature(self) -> Sequence[int]: ...
+
+    @property
+    def num_dense(self) -> int: ...
+
+
+def table_configs(config: DlrmJobConfig, data: DataSizes) -> list[EmbeddingBagConfig]:
     """One table ``t_<feature>`` per feature (the logical tables, whatever is cached)."""
     return [
         EmbeddingBagConfig(
@@ -152,8 +172,8 @@ def table_configs(config: DlrmJobConfig, data: Any) -> list[EmbeddingBagConfig]:
 
 
 def build_model(
-    config: DlrmJobConfig, data: Any, tables: list[EmbeddingBagConfig] | None = None
-) -> nnx.Module:
+    config: DlrmJobConfig, data: DataSizes, tables: list[EmbeddingBagConfig] | None = None
+) -> DLRM:
     """DLRM (or DLRM-DCN) over ``tables`` (default :func:`table_configs`; a cached
     model passes its slot tables)."""
     tables = tables or table_configs(config, data)
@@ -168,23 +188,44 @@ def build_model(
             f"--dense-arch must end in the embedding dim {config.embedding_dim}, got {dense}"
         )
     num_dense = max(int(data.num_dense), 1)  # DLRM needs a dense input; a constant if none
-    common = dict(
+    rngs = nnx.Rngs(config.seed + 1)
+    if config.model == "dcn":
+        return DLRM_DCN(
+            embedding_bag_collection=ebc,
+            dense_in_features=num_dense,
+            dense_arch_layer_sizes=dense,
+            over_arch_layer_sizes=over,
+            rngs=rngs,
+            dcn_num_layers=config.dcn_layers,
+            dcn_low_rank_dim=config.dcn_rank,
+        )
+    return DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=num_dense,
         dense_arch_layer_sizes=dense,
         over_arch_layer_sizes=over,
-        rngs=nnx.Rngs(config.seed + 1),
+        rngs=rngs,
     )
-    if config.model == "dcn":
-        return DLRM_DCN(
-            **common, dcn_num_layers=config.dcn_layers, dcn_low_rank_dim=config.dcn_rank
-        )
-    return DLRM(**common)
 
 
-def collection_of(model: nnx.Module):
+def as_dlrm(model: nnx.Module) -> DLRM:
+    """``model`` as the job builds it: a ``DLRM`` (or ``DLRM_DCN``), sharded or not."""
+    if not isinstance(model, DLRM):
+        raise TypeError(f"the DLRM job's model is a DLRM or DLRM_DCN, got {type(model).__name__}")
+    return model
+
+
+def collection_of(model: nnx.Module) -> EmbeddingBagCollection:
     """The model's embedding bag collection (the one behind its dynamic tables' indexes)."""
-    return bag_collection_of(model.sparse_arch.embedding_bag_collection)
+    return bag_collection_of(as_dlrm(model).sparse_arch.embedding_bag_collection)
+
+
+def sharded_collection_of(model: nnx.Module) -> dist.ShardedEmbeddingBagCollection:
+    """:func:`collection_of` a model sharded by ``DistributedModelParallel``."""
+    ebc = collection_of(model)
+    if not isinstance(ebc, dist.ShardedEmbeddingBagCollection):
+        raise TypeError(f"the model's tables are not sharded: a {type(ebc).__name__}")
+    return ebc
 
 
 def make_mesh(config: DlrmJobConfig) -> jax.sharding.Mesh:
@@ -198,7 +239,10 @@ def make_mesh(config: DlrmJobConfig) -> jax.sharding.Mesh:
 
 
 def logical_plan(
-    config: DlrmJobConfig, model: nnx.Module, mesh: jax.sharding.Mesh, constraints=None
+    config: DlrmJobConfig,
+    model: nnx.Module,
+    mesh: jax.sharding.Mesh,
+    constraints: Mapping[str, planner.ParameterConstraints] | None = None,
 ) -> dist.EmbeddingModuleShardingPlan:
     """The plan of the collection's logical tables over ``mesh``: ``--sharding``'s, or
     the planner's for ``--batch-size`` samples a device, ``--hbm-gib`` of device memory
@@ -238,24 +282,29 @@ def logical_plan(
     return plan.plan[EBC_PATH]
 
 
-def shard(config: DlrmJobConfig, model, mesh=None, plan=None):
+def shard(
+    config: DlrmJobConfig,
+    model: nnx.Module | Callable[[], nnx.Module],
+    mesh: jax.sharding.Mesh | None = None,
+    plan: dist.EmbeddingModuleShardingPlan | None = None,
+) -> tuple[jax.sharding.Mesh | None, nnx.Module, str]:
     """``(mesh or None, model, plan description)``: the model over ``--devices``
     devices with ``plan`` (default :func:`logical_plan`); one device: unsharded.
 
     ``model``: the model, or its constructor (a function of no arguments): sharded, each
     device then draws only its own shards (no table is ever whole on one device)."""
-    make = model if not isinstance(model, nnx.Module) else None
     if config.devices == 1:
-        return None, (make() if make is not None else model), "unsharded"
+        return None, (model if isinstance(model, nnx.Module) else model()), "unsharded"
     mesh = make_mesh(config) if mesh is None else mesh
     if plan is None:
-        plan = logical_plan(config, nnx.eval_shape(make) if make else model, mesh)
+        abstract = model if isinstance(model, nnx.Module) else nnx.eval_shape(model)
+        plan = logical_plan(config, abstract, mesh)
     q = config.qcomms
     qcomms = dist.QCommsConfig(forward_precision=q, backward_precision=q)
     model = dist.DistributedModelParallel(
         model, dist.ShardingPlan({EBC_PATH: plan}), mesh, qcomms=qcomms
     )
-    sharded = collection_of(model)
+    sharded = sharded_collection_of(model)
     kinds = sorted(
         {str(getattr(p.sharding_type, "value", p.sharding_type)) for p in sharded.plan.values()}
     )
@@ -264,7 +313,7 @@ def shard(config: DlrmJobConfig, model, mesh=None, plan=None):
 
 def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(table, sharding type, ranks)`` of a sharded model's embedding tables."""
-    plan = collection_of(model).plan
+    plan = sharded_collection_of(model).plan
     return [
         (name, str(getattr(p.sharding_type, "value", p.sharding_type)), tuple(p.ranks))
         for name, p in plan.items()
@@ -272,22 +321,27 @@ def plan_rows(model: nnx.Module) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def fit_capacities(
-    model: nnx.Module, data: Any, config: DlrmJobConfig, batches: int = 8, view=None
-):
+    model: nnx.Module,
+    data: TableDataset,
+    config: DlrmJobConfig,
+    batches: int = 8,
+    view: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None = None,
+) -> dict[str, int]:
     """Sizes the sharded collection's id exchange from the loads of the first training
     batches (measured statistics: these ids are skewed, so a row-wise shard holding hot
     rows gets more than its share, which would cost extra exchange rounds every step).
     ``view``: host KJT -> the KJT the collection sees (cached tables' ids as slots).
     Returns ``{width group: capacity}``."""
-    sharded = collection_of(model)
+    sharded = sharded_collection_of(model)
     # The one-process stream on every process: each must compile the same program.
     sample = data.batches(
         config.batch_size, shuffle=True, seed=config.seed, epoch=0, part=Part(0, 1)
     )
     kjts = [b.sparse_features for b in itertools.islice(sample, batches * config.devices)]
     kjts = kjts if view is None else [view(k) for k in kjts]
-    sharded.capacity = sharded.measure_capacities(kjts)
-    return sharded.capacity
+    capacity = sharded.measure_capacities(kjts)
+    sharded.capacity = capacity
+    return capacity
 
 
 # ----- steps -----
@@ -305,7 +359,20 @@ def bce(model, batch):
     return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
 
 
-def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, config: DlrmJobConfig):
+# the eval step: (state, device batch) -> predictions
+EvalStep = Callable[[TrainState, Batch], jax.Array]
+
+
+class Steps(NamedTuple):
+    """The model split for training, and its jitted steps."""
+
+    graphdef: nnx.GraphDef
+    state: TrainState
+    step: TrainStep
+    eval_step: EvalStep
+
+
+def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, config: DlrmJobConfig) -> Steps:
     eval_graphdef = None
     if config.dynamic_tables:  # eval looks ids up, never admits: a deterministic twin
         model.eval()
@@ -330,19 +397,30 @@ def make_steps(model: nnx.Module, optimizer: CombinedOptimizer, config: DlrmJobC
         eval_graphdef or graphdef,
         lambda m, b: jax.nn.sigmoid(m(_dense(b), b.sparse_features)[:, 0]),
     )
-    return graphdef, state, step, eval_step
+    return Steps(graphdef, state, step, eval_step)
 
 
 # ----- evaluation -----
-def evaluate(eval_step, state, data, config: DlrmJobConfig, mesh) -> dict[str, float]:
+def evaluate(
+    eval_step: EvalStep,
+    state: TrainState,
+    data: TableDataset,
+    config: DlrmJobConfig,
+    mesh: jax.sharding.Mesh | None,
+) -> dict[str, float]:
     """AUC, NE, log loss, calibration and CTR over every eval sample (exact AUC);
     :func:`evaluate_cached` for a model with cached tables."""
     return _evaluate(eval_step, state, data, config, mesh, None)[0]
 
 
 def evaluate_cached(
-    eval_step, state, data, config: DlrmJobConfig, mesh, cache
-) -> tuple[dict[str, float], Any]:
+    eval_step: EvalStep,
+    state: TrainState,
+    data: TableDataset,
+    config: DlrmJobConfig,
+    mesh: jax.sharding.Mesh | None,
+    cache: RowCache,
+) -> tuple[dict[str, float], TrainState]:
     """``(metrics, state)``: :func:`evaluate` of a model whose cached tables are in
     ``cache`` (a ``RowCache``): each batch's rows are loaded before its step (which takes
     ``state``: go on with the state returned). Call it with no batch prefetched."""
@@ -350,8 +428,13 @@ def evaluate_cached(
 
 
 def _evaluate(
-    eval_step, state, data, config: DlrmJobConfig, mesh, cache
-) -> tuple[dict[str, float], Any]:
+    eval_step: EvalStep,
+    state: TrainState,
+    data: TableDataset,
+    config: DlrmJobConfig,
+    mesh: jax.sharding.Mesh | None,
+    cache: RowCache | None,
+) -> tuple[dict[str, float], TrainState]:
     """The metrics of :func:`evaluate`, and the state (after the cache's loads).
 
     The rows after the last full global batch are spread over the devices and

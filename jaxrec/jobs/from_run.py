@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,15 @@ from ..sparse import KeyedJaggedTensor
 from ..train import init_train_state, merge_model
 from .dlrm_flags import parse_config
 from .dlrm_parts import build_model, build_optimizer
+
+
+class RunData(NamedTuple):
+    """``args.json``'s ``"data"``: the data sizes that rebuild a run's model."""
+
+    keys: list[str]
+    num_embeddings_per_feature: list[int]
+    num_dense: int
+    max_ids_per_sample: list[int]
 
 
 def model_from_run(
@@ -64,7 +73,7 @@ def model_from_run(
     info = json.loads(info_path.read_text())
     config = parse_config([]).replace_known(info["args"])  # flags it has not: defaults
     config = dataclasses.replace(config, devices=1)  # unsharded: checkpoints are plan-free
-    data = types.SimpleNamespace(**info["data"])
+    data = RunData(*(info["data"][name] for name in RunData._fields))
     model = build_model(config, data)
     optimizer = build_optimizer(config)
     graphdef, state = init_train_state(model, optimizer)

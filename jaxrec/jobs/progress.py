@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -37,7 +38,7 @@ class Progress:
         *,
         quiet: bool = False,
         every: int = 50,
-        stream=None,
+        stream: TextIO | None = None,
         units: Mapping[str, str] | None = None,
     ):
         self.quiet, self.every = quiet, every
@@ -83,7 +84,7 @@ class Progress:
             for k, v in values.items()
         }
         first = self._first is None
-        if first:  # the first step compiles: rates start after it
+        if self._first is None:  # the first step compiles: rates start after it
             self._first, self._paused = (step, samples, now), 0.0
         s0, n0, t0 = self._first
         elapsed = max(now - t0, 1e-9)
@@ -97,6 +98,8 @@ class Progress:
             return
         parts = [f"step {step}/{self.total}", *(f"{k} {v}" for k, v in shown.items())]
         if rate:
+            if self.total is None:
+                raise RuntimeError("Progress.update: call start(total) first")
             eta = (self.total - step) * elapsed / (step - s0)
             parts += [rate, f"eta {timedelta(seconds=round(eta))}"]
         print("  ".join(parts), file=self.stream, flush=True)
@@ -118,12 +121,12 @@ class Progress:
 
 def plan_table(rows: Iterable[tuple[str, str, Sequence[int]]]) -> str:
     """``(table, sharding type, ranks)`` rows as an aligned table; ranks as ``0-7``."""
-    rows = [(t, kind, _ranks(r)) for t, kind, r in rows]
+    text = [(t, kind, _ranks(r)) for t, kind, r in rows]
     head = ("table", "sharding", "ranks")
-    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    widths = [max(len(x) for x in col) for col in zip(head, *text, strict=True)]
     return "\n".join(
         "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
-        for row in [head, *rows]
+        for row in [head, *text]
     )
 
 

@@ -11,20 +11,30 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TypedDict, Unpack
 
-from ..datasets import Part
+from ..datasets import Batch, Part, TableDataset
+
+
+class BatchOptions(TypedDict, total=False):
+    """``TableDataset.batches``' keyword arguments that :func:`rank_batches` passes on."""
+
+    shuffle: bool
+    seed: int
+    epoch: int
+    capacities: Sequence[int] | None
+    overflow: str
 
 
 def rank_batches(
-    data: Any,
+    data: TableDataset,
     batch_size: int,
     ranks: Sequence[int],
     world: int,
     *,
     drop_last: bool = True,
-    **kwargs: Any,
-) -> Iterator[list]:
+    **kwargs: Unpack[BatchOptions],
+) -> Iterator[list[Batch | None]]:
     """Per step, the batches of ``ranks`` (of ``world`` devices), in that order.
 
     Args:

@@ -49,23 +49,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple, NoReturn
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from ..cache import CacheTooSmallError
 from ..checkpoint import CheckpointManager
 from ..configs import EmbeddingBagConfig
 from ..cpu.hugepages import restart_with_huge_pages, started_with_huge_pages
-from ..datasets import Part
+from ..datasets import Part, TableDataset
 from ..datasets.movielens import ML100K_FILES, default_cache_dir
 from ..distributed import (
     PEER_LOST,
@@ -81,6 +83,8 @@ from ..train import (
     TrainPipeline,
     TrainPipelineSemiSync,
     TrainPipelineSparseDist,
+    TrainState,
+    TrainStep,
     stack_micro_batches,
 )
 from .dlrm_cache import (
@@ -102,6 +106,7 @@ from .dlrm_dynamic import (
 from .dlrm_flags import parse_args as parse_args
 from .dlrm_flags import parse_config
 from .dlrm_parts import (
+    EvalStep,
     build_model,
     build_optimizer,
     fit_capacities,
@@ -111,7 +116,7 @@ from .dlrm_parts import (
     shard,
     table_configs,
 )
-from .dlrm_tables import CachedTables, DeviceTables, Tables
+from .dlrm_tables import CachedTables, DeviceTables, Tables, ToDevice
 from .progress import Progress, plan_table
 from .run_dir import clear_outputs, new_run_dir, resume_needs_run_dir
 from .run_log import ScalarWriter, missing, plot_curves
@@ -147,7 +152,7 @@ def run(config: DlrmJobConfig) -> int:
         stop_watching(ok=finished)  # the other processes stop too when this one fails
 
 
-def _stop_lost(what: str) -> None:
+def _stop_lost(what: str) -> NoReturn:
     """Another process died or failed: this one cannot go on. Exits at once (a normal
     exit would wait in JAX's shutdown barrier for it until the heartbeat timeout)."""
     hint = "restart every process with --resume (the run continues from its last checkpoint)"
@@ -168,8 +173,9 @@ def _run(config: DlrmJobConfig) -> int:
     data = _open_data(config, log)
     job = _build(config, data, log)
     # Everything that can refuse has been checked: the run writes from here on.
-    config = dataclasses.replace(config, run_dir=str(_make_run_dir(config, lead)))
-    run_dir = Path(config.run_dir)  # args.json records where the run is
+    made = str(_make_run_dir(config, lead))
+    config = dataclasses.replace(config, run_dir=made)  # args.json records where the run is
+    run_dir = Path(made)
     log.note(f"run directory: {run_dir}")
     ckpt = None if config.no_checkpoint else _checkpoints(run_dir, config)
     state, start_step = _restore(config, job, ckpt, run_dir, lead, log)
@@ -225,8 +231,8 @@ def _check_flags(config: DlrmJobConfig) -> None:
 class _Data(NamedTuple):
     """The run's data: its datasets, logical tables and optimizer steps per epoch."""
 
-    train: Any
-    eval: Any
+    train: TableDataset
+    eval: TableDataset
     tables: list[EmbeddingBagConfig]
     per_epoch: int
 
@@ -249,11 +255,11 @@ class _Job(NamedTuple):
     mesh: jax.sharding.Mesh | None
     ranks: list[int]  # the devices this process feeds
     plan_text: str  # the sharding types, for the summary
-    graphdef: Any
-    state: Any
-    step: Callable
-    eval_step: Callable
-    to_device: Callable  # host batch (or a step's micro-batches) -> device batch
+    graphdef: nnx.GraphDef
+    state: TrainState
+    step: TrainStep
+    eval_step: EvalStep
+    to_device: ToDevice  # host batch (or a step's micro-batches) -> device batch
     tables: Tables
 
 
@@ -270,7 +276,11 @@ def _build(config: DlrmJobConfig, data: _Data, log: Progress) -> _Job:
     if mesh is not None:
         log.note(f"sharding plan over {config.devices} devices ({config.sharding}):")
         log.note(plan_table(plan_rows(model)))
-        view = (lambda kjt: slot_view(kjt, configs, plan, cached)) if cached else None
+        view = None
+        if cached:
+            if plan is None:  # (place_tables plans every run over several devices)
+                raise RuntimeError("cached tables over several devices need a plan")
+            view = functools.partial(slot_view, configs=configs, plan=plan, cached=cached)
         if not config.dynamic_tables:  # (a dynamic table's rows are known only in the step)
             fit_capacities(model, data.train, config, view=view)
     if cached:
@@ -287,7 +297,7 @@ def _build(config: DlrmJobConfig, data: _Data, log: Progress) -> _Job:
     return _Job(mesh, ranks, plan_text, graphdef, state, step, eval_step, to_device, tables)
 
 
-def _to_device(mesh: jax.sharding.Mesh | None, k: int) -> Callable:
+def _to_device(mesh: jax.sharding.Mesh | None, k: int) -> ToDevice:
     """Host batch -> device batch; with ``k > 1``, a step's ``k`` micro-batches, each
     placed as a plain step's, stacked."""
     one = (lambda b: shard_batch(b, mesh)) if mesh is not None else jax.device_put
@@ -303,13 +313,15 @@ def _restore(
     run_dir: Path,
     lead: bool,
     log: Progress,
-) -> tuple[Any, int]:
+) -> tuple[TrainState, int]:
     """``(train state, step)`` to start from: the newest intact checkpoint with
     ``--resume`` (``_check_flags`` found one), else the initial state at step 0."""
     if not config.resume:
         if lead:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         return job.state, 0
+    if ckpt is None:  # (_check_run_dir_flags refuses it)
+        raise SystemExit("--resume starts from a checkpoint: drop --no-checkpoint")
     state, start_step = job.tables.resume(ckpt, job.state)  # newest intact step
     log.note(f"resumed from step {start_step}")
     return state, start_step
@@ -385,7 +397,7 @@ def _train(
                 if config.dynamic_tables:
                     log.note(dynamic_text(dynamic_summary(job.graphdef, pipeline.state)))
                 t0 = time.perf_counter()
-            if saves and step_i % saves == 0:
+            if saves and ckpt is not None and step_i % saves == 0:
                 job.tables.save(ckpt, step_i, pipeline.state)
         pipeline.close()
     jax.block_until_ready(pipeline.state)
@@ -486,6 +498,11 @@ class _Reports:
         self.run_dir = run_dir
         self.writer = ScalarWriter(self.run_dir / "tb") if self.tensorboard else None
 
+    def _dir(self) -> Path:
+        if self.run_dir is None:
+            raise RuntimeError("_Reports.open(run_dir) comes before the reports")
+        return self.run_dir
+
     def train_loss(self, step: int, mean_loss: float) -> None:
         self.curves["train_loss"].append((step, mean_loss))
         if self.writer:
@@ -495,7 +512,7 @@ class _Reports:
         """One evaluation into the history, metrics.jsonl, the curves and TensorBoard."""
         self.history.append(entry)
         if self.lead:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
+            with open(self._dir() / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
         self.curves["eval_auc"].append((entry["step"], entry["auc"]))
         self.curves["eval_ne"].append((entry["step"], entry["ne"]))
@@ -508,7 +525,7 @@ class _Reports:
         if self.writer:
             self.writer.close()
         if self.plot:
-            run_dir = self.run_dir
+            run_dir = self._dir()
             plot_curves(self.curves, f"{title} ({run_dir.name})", run_dir / "curves.png")
 
 
@@ -604,7 +621,7 @@ def _check_run_dir(config: DlrmJobConfig) -> None:
         )
 
 
-def _steps_per_epoch(train_data, config: DlrmJobConfig) -> int:
+def _steps_per_epoch(train_data: TableDataset, config: DlrmJobConfig) -> int:
     """Optimizer steps per epoch (``k`` micro-batches each; a partial group is left out);
     refuses data too small for one."""
     world, k = config.devices, config.grad_accumulation
@@ -697,7 +714,7 @@ def _cpu_devices(n: int) -> None:
 
 
 def _device_batches(
-    data, config: DlrmJobConfig, epoch: int, ranks: list[int], world: int, skip: int
+    data: TableDataset, config: DlrmJobConfig, epoch: int, ranks: list[int], world: int, skip: int
 ) -> Iterator:
     """Host batches for the pipeline: one per step, or a list of this process's
     devices' batches (``ranks`` of ``world``)."""
@@ -709,7 +726,7 @@ def _device_batches(
     return itertools.islice(groups, skip, None)
 
 
-def _save_args(run_dir: Path, config: DlrmJobConfig, data) -> None:
+def _save_args(run_dir: Path, config: DlrmJobConfig, data: TableDataset) -> None:
     """``run_dir/args.json``: the flags and data sizes that rebuild this run's model
     (read by ``jaxrec.jobs.from_run.model_from_run``)."""
     info = {
