@@ -9,6 +9,7 @@ time. All are deterministic and bounded by ``max_proposals``.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from collections.abc import Sequence
@@ -22,19 +23,25 @@ def _by_perf(opts: Sequence[ShardingOption]) -> list[ShardingOption]:
     return sorted(opts, key=lambda o: (o.perf, o.per_device_bytes))
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """Interface: ``load`` the options, then ``propose`` / ``feedback`` until ``None``."""
 
     name = "proposer"
 
+    @abc.abstractmethod
     def load(self, options: Options, usable_bytes: float) -> None:
-        raise NotImplementedError
+        """Takes every table's options (and the usable bytes per device) for a search."""
 
+    @abc.abstractmethod
     def propose(self) -> list[ShardingOption] | None:
-        raise NotImplementedError
+        """One option per table, or ``None``: no proposal left."""
 
     def feedback(
-        self, feasible: bool, seconds: float, overflow: Sequence[str], host_overflow=()
+        self,
+        feasible: bool,
+        seconds: float,
+        overflow: Sequence[str],
+        host_overflow: Sequence[str] = (),
     ) -> None:
         """``overflow``: the tables placed beyond memory, ``host_overflow`` those of them
         beyond host memory."""
