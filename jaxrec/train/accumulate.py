@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..embedding.collection import LookupGrad
 from ..embedding.optimizer import CombinedOptimizer
@@ -114,7 +115,7 @@ def stack_micro_batches(batches: Sequence[Any]) -> Any:
     return jax.tree.unflatten(first, out)
 
 
-def _dtype(x: Any) -> np.dtype:
+def _dtype(x: Any) -> np.dtype:  # any pytree leaf of a batch
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
@@ -253,7 +254,7 @@ def accumulate_gradients(
     )
 
 
-def _accumulator_dtype(dtype) -> Any:
+def _accumulator_dtype(dtype: DTypeLike) -> DTypeLike:
     """float32 sums for low-precision params (their gradients add up k times)."""
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) else dtype
 

@@ -180,7 +180,7 @@ class TrainStep:
         step_warnings: the :class:`StepWarnings` of pending warnings.
     """
 
-    def __init__(self, jitted: Any):
+    def __init__(self, jitted: jax.stages.Wrapped):
         self.jitted = jitted
         self.skipped_steps = guard.SkipCounter()
         self.step_warnings = StepWarnings()
@@ -199,7 +199,7 @@ class TrainStep:
             self.flush_warnings()  # the step has finished: log what it found before raising
             raise
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (``jax.jit(...).lower``), for inspection."""
         return self.jitted.lower(*args, **kwargs)
 
