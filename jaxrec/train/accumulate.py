@@ -46,7 +46,7 @@ from ..embedding.optimizer import CombinedOptimizer
 from ..ops import Implementation
 from ..sparse import KeyedJaggedTensor
 from .forward import Forward, differentiate
-from .step import TrainState, TrainStep, apply_forward
+from .step import LossFn, TrainState, TrainStep, apply_forward
 from .table_update import CollectionCall
 
 LossReduction = Literal["mean", "sum"]
@@ -122,7 +122,7 @@ def _dtype(x: Any) -> np.dtype:  # any pytree leaf of a batch
 def make_accumulating_train_step(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: LossFn,
     *,
     micro_batches: int,
     loss_reduction: LossReduction = "mean",

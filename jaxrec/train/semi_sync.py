@@ -50,7 +50,7 @@ from ..ops import Implementation
 from .forward import Given, given_outputs
 from .guard import merge_reports
 from .sparse_dist_step import _tainted
-from .step import TrainState, TrainStep, _step
+from .step import LossFn, TrainState, TrainStep, _step
 
 LOOKUP_SCOPE = "semi_sync_lookup"
 
@@ -58,7 +58,7 @@ LOOKUP_SCOPE = "semi_sync_lookup"
 def make_semi_sync_train_step(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: LossFn,
     *,
     has_aux: bool = False,
     donate: bool = True,

@@ -30,7 +30,7 @@ from ..distributed import input_dist
 from ..embedding.optimizer import CombinedOptimizer
 from ..embedding.tape import Tape
 from ..ops import Implementation
-from .step import TrainState, TrainStep, _step
+from .step import LossFn, TrainState, TrainStep, _step
 
 AHEAD_SCOPE = "input_dist_ahead"
 
@@ -38,7 +38,7 @@ AHEAD_SCOPE = "input_dist_ahead"
 def make_sparse_dist_train_step(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: LossFn,
     *,
     has_aux: bool = False,
     donate: bool = True,
