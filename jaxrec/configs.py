@@ -6,9 +6,10 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 
 class PoolingType(enum.Enum):
@@ -26,13 +27,13 @@ class DataType(enum.Enum):
 _DTYPES = {DataType.FP32: jnp.float32, DataType.FP16: jnp.float16, DataType.BF16: jnp.bfloat16}
 
 
-def data_type_to_dtype(data_type: DataType) -> Any:
+def data_type_to_dtype(data_type: DataType) -> DTypeLike:
     """The JAX dtype a table of ``data_type`` is stored in."""
     return _DTYPES[data_type]
 
 
 # init_fn(key, shape, dtype) -> array, flax's initializer signature.
-InitFn = Callable[[Any, tuple[int, ...], Any], Any]
+InitFn = Callable[[jax.Array, tuple[int, ...], DTypeLike], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,7 +104,7 @@ class BaseEmbeddingConfig:
         return len(self.feature_names)
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> DTypeLike:
         return data_type_to_dtype(self.data_type)
 
 

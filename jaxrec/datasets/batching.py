@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
+import jax
 import numpy as np
+import numpy.typing as npt
 
 from ..metrics import roc_auc
 from ..sparse import KeyedJaggedTensor
@@ -29,9 +31,9 @@ class Batch(NamedTuple):
         labels: ``[B]`` float32.
     """
 
-    dense_features: Any
+    dense_features: np.ndarray | jax.Array  # numpy until moved to the device
     sparse_features: KeyedJaggedTensor
-    labels: Any
+    labels: np.ndarray | jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Ragged:
             raise ValueError(f"Ragged offsets end at {off[-1]} but there are {len(self.values)=}")
 
     @staticmethod
-    def from_lengths(values: Any, lengths: Any) -> Ragged:
+    def from_lengths(values: npt.ArrayLike, lengths: npt.ArrayLike) -> Ragged:
         lengths = np.asarray(lengths, np.int64)
         return Ragged(np.asarray(values), np.concatenate([[0], np.cumsum(lengths)]))
 
@@ -70,7 +72,9 @@ class Ragged:
         return self.values[src], lengths
 
 
-Column = Any  # np.ndarray [N] (one id per row), np.ndarray [N, L] (fixed L ids) or Ragged
+# np.ndarray [N] (one id per row), np.ndarray [N, L] (fixed L ids) or Ragged; Any because
+# readers take every table's column i to be of one kind (checked on the first only)
+Column: TypeAlias = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +87,9 @@ class Table:
         labels: ``[N]`` or ``[N, 1]`` numbers (float32 in batches).
     """
 
-    dense: Any
+    dense: np.ndarray
     sparse: Sequence[Column]
-    labels: Any
+    labels: np.ndarray
 
     def __len__(self) -> int:
         return int(np.shape(self.labels)[0])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import numpy as np
 
@@ -47,7 +46,10 @@ class TsvIndex:
     bounds: tuple[int, int]
     has_label: bool = True
     rows_parsed: int = 0
-    _last: Any = dataclasses.field(default=None, repr=False)
+    # (rows key, (dense, sparse, labels)) of the last read
+    _last: tuple[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = dataclasses.field(
+        default=None, repr=False
+    )
 
     def __len__(self) -> int:
         return len(self.starts)

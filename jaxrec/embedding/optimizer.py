@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..optim.base import SparseOptimizer
+from ..optim.base import SparseOptimizer, SparseOptState
 from .collection import embedding_collections
 
 
@@ -39,7 +39,7 @@ class SubGroup:
 
 class CombinedOptState(NamedTuple):
     dense: optax.OptState
-    sparse: dict[str, Any]  # "<module path>/<group>[#k]" -> sparse optimizer state
+    sparse: dict[str, SparseOptState]  # "<module path>/<group>[#k]" -> its state
 
 
 class CombinedOptimizer:
@@ -74,6 +74,7 @@ class CombinedOptimizer:
     def for_table(self, name: str) -> SparseOptimizer:
         return self.per_table.get(name, self.sparse)
 
+    # group: a TableGroup, Any because tables.py imports this module (no import back)
     def subgroups(self, group: Any) -> list[SubGroup]:
         """Splits a stacked ``TableGroup`` by optimizer (one subgroup in the common case)."""
         opts: list[SparseOptimizer] = []

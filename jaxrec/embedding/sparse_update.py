@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..ops import Implementation
 from ..ops.dispatch import dispatch
-from ..optim.base import apply_rows, row_fields
+from ..optim.base import SparseOptState, apply_rows, row_fields
 from ..xla.backward import backward_update_xla
 from .optimizer import SubGroup
 
@@ -19,12 +17,12 @@ def update_subgroup(
     sub: SubGroup,
     row_offsets: tuple[int, ...],
     table: jax.Array,
-    state: Any,
+    state: SparseOptState,
     rows: jax.Array,
     grads: jax.Array,
     *,
     implementation: Implementation = None,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, SparseOptState]:
     """One optimizer step on the subgroup's touched rows of a stacked buffer.
 
     Args:
@@ -71,7 +69,7 @@ def subgroup_rows(
 def backward_update(
     optimizer,
     table: jax.Array,
-    state: Any,
+    state: SparseOptState,
     out_grad: jax.Array,
     seg: jax.Array,
     scale: jax.Array,
@@ -79,7 +77,7 @@ def backward_update(
     valid: jax.Array,
     *,
     implementation: Implementation = None,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, SparseOptState]:
     """A lookup's backward fused with one optimizer step over a whole stacked buffer.
 
     Id ``c`` adds ``out_grad[seg[c]] * scale[c]`` to row ``rows[c]`` (see
@@ -102,7 +100,9 @@ def backward_update(
     )
 
 
-def reset_state_rows(sub: SubGroup, state: Any, rows: jax.Array, dim: int) -> Any:
+def reset_state_rows(
+    sub: SubGroup, state: SparseOptState, rows: jax.Array, dim: int
+) -> SparseOptState:
     """``state`` with its per-row fields at their initial values in ``rows`` ``[K]`` (state
     rows of the subgroup; fill ``>= sub.num_rows``); skipped when every row is fill."""
     fields = row_fields(state)

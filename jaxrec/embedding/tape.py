@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Protocol, SupportsInt
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..xla.bounds import FatalReport, collect_checks, logger
-from .touched import mark_touched
+from .collection import EmbeddingCollectionInterface
+from .touched import CallFeatures, mark_touched
 
 _TAPE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("jaxrec_tape", default=None)
 
@@ -30,10 +31,17 @@ class Call:
     """One collection call seen by the tape."""
 
     path: tuple  # module path in the model
-    module: Any  # the collection (for its static layout only)
-    features: Any  # the KeyedJaggedTensor it looked up
+    module: EmbeddingCollectionInterface  # the collection (for its static layout only)
+    features: CallFeatures  # the KeyedJaggedTensor it looked up (or a Prefetched holding it)
     shapes: Any  # pytree of ShapeDtypeStruct of its tapped output
     output: Any = None  # the output as the collection looked it up (before any replacement)
+
+
+class RowResetter(Protocol):
+    """What re-initialised rows: it resets their optimizer state too (``TableStorage``, a
+    sharded collection)."""
+
+    def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows) -> dict: ...
 
 
 @dataclasses.dataclass
@@ -41,10 +49,10 @@ class Reset:
     """Rows of one table group re-initialised during the forward (see ``reset.py``)."""
 
     path: tuple  # the collection's module path in the model
-    module: Any  # the collection
+    module: RowResetter  # the collection (or the TableStorage) that reset the rows
     group: str  # its table group (stacked buffer) name
-    rows: Any  # [K] group rows; fill entries are >= the group's rows
-    old: Any  # [K, D] the rows' values before the reset (written back if the step skips)
+    rows: jax.Array  # [K] group rows; fill entries are >= the group's rows
+    old: jax.Array  # [K, D] the rows' values before the reset (written back if the step skips)
 
 
 class Tape:
@@ -83,7 +91,7 @@ class Tape:
         _TAPE.reset(self._token)
 
 
-def tap(module: nnx.Module, output: Any, features: Any) -> Any:
+def tap(module: EmbeddingCollectionInterface, output: Any, features: CallFeatures) -> Any:
     """Identity, except inside a train step's tape (see module docstring)."""
     tape = _TAPE.get()
     if tape is None:
@@ -116,7 +124,7 @@ def _given(outputs: list, i: int, shapes: Any) -> Any:
     return outputs[i]
 
 
-def report_overflow(count: Any, mode: str = "raise") -> bool:
+def report_overflow(count: jax.Array, mode: str = "raise") -> bool:
     """Hands a sharded call's count of ids beyond its fast path to the train step, which
     raises on dropped ones (``mode="raise"``) or returns the count for the host to log
     (``"warn"``: dropped; ``"exact"``: sent in extra exchange rounds).
@@ -140,7 +148,7 @@ _LAST_REROUTE_LOG = [-float("inf")]
 REROUTE_LOG_SECONDS = 60.0  # extra rounds are logged at most this often
 
 
-def log_overflow(count: Any, mode: str = "warn") -> None:
+def log_overflow(count: SupportsInt, mode: str = "warn") -> None:
     """The warning of a sharded call whose ``count > 0`` ids did not fit the fast path:
     dropped (``mode="warn"``) or sent in extra rounds (``"exact"``, logged at most once a
     minute: a fast path sized too small costs time on every step)."""
@@ -165,7 +173,7 @@ def log_overflow(count: Any, mode: str = "warn") -> None:
     )
 
 
-def record_reset(module: nnx.Module, group: str, rows: Any, old: Any) -> bool:
+def record_reset(module: RowResetter, group: str, rows: jax.Array, old: jax.Array) -> bool:
     """Tells the train step that ``rows`` of ``module``'s ``group`` were re-initialised
     (their values were ``old``), so that it resets their optimizer state too, or puts
     ``old`` back if it skips its update. Returns False outside a train step."""
@@ -184,7 +192,7 @@ def call_path(module: nnx.Module) -> tuple:
     return _path(tape, module, "was called")
 
 
-def _path(tape: Tape, module: nnx.Module, did: str) -> tuple:
+def _path(tape: Tape, module: object, did: str) -> tuple:
     """``module``'s path in the model being trained (an error if it is not part of it)."""
     if id(module) not in tape.paths:
         raise ValueError(

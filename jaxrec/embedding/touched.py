@@ -24,7 +24,8 @@ reads and clears the marks when it publishes a delta.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -89,12 +90,22 @@ def zero_marks(module: EmbeddingCollectionInterface, rows: int) -> jax.Array:
     return jax.device_put(jnp.zeros((padded,), jnp.bool_), sharding)
 
 
-def is_tracked(module: Any) -> bool:
+class HoldsFeatures(Protocol):
+    """A sharded call's batch with its ids received ahead (``input_dist.Prefetched``)."""
+
+    @property
+    def kjt(self) -> KeyedJaggedTensor: ...
+
+
+CallFeatures: TypeAlias = KeyedJaggedTensor | HoldsFeatures  # what a collection call looked up
+
+
+def is_tracked(module: object) -> bool:
     """Whether ``module`` carries touched-row marks (:func:`track_touched_rows`)."""
     return isinstance(getattr(module, ATTRIBUTE, None), nnx.Dict)
 
 
-def mark_touched(module: Any, features: Any) -> None:
+def mark_touched(module: EmbeddingCollectionInterface, features: CallFeatures) -> None:
     """Marks, in ``module``'s :class:`TouchedRows`, the rows of every valid id of
     ``features`` (a no-op for a module :func:`track_touched_rows` did not track).
 
@@ -121,7 +132,7 @@ def mark_touched(module: Any, features: Any) -> None:
 
 
 def table_rows(
-    kjt: KeyedJaggedTensor, features: Any, num_embeddings: int, *, fill: int
+    kjt: KeyedJaggedTensor, features: Iterable[str], num_embeddings: int, *, fill: int
 ) -> jax.Array:
     """``[N]`` int32: the table row of every id of ``features`` in ``kjt`` (flattened over
     a stacked KJT's devices); ``fill`` (past the mask's end: dropped by the scatter)

@@ -43,10 +43,14 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeGuard
 
 import jax
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:  # not at run time: this module loads without jaxrec (see _is_kjt)
+    from ..sparse import KeyedJaggedTensor
 
 FORMAT = "jaxrec.export/2"  # /2 adds the "integrity" section
 WIDE_IDS = "uint32x2"  # manifest "ids_dtype" of 64-bit ids as id words (values [b, C, 2])
@@ -57,6 +61,9 @@ LEGACY_FORMATS = ("jaxrec.export/1",)
 MANIFEST = "manifest.json"
 MODULE = "module.jaxexport"
 WEIGHTS = "weights.npz"
+
+# {feature: ids per sample} or a KeyedJaggedTensor (see ExportedModel)
+SparseInput: TypeAlias = "Mapping[str, Sequence] | KeyedJaggedTensor"
 
 
 class InputError(ValueError):
@@ -164,11 +171,15 @@ class ExportedModel:
         )
 
     # ----- calling -----
-    def __call__(self, dense: Any, sparse: Any, weights: Mapping | None = None) -> np.ndarray:
+    def __call__(
+        self, dense: npt.ArrayLike, sparse: SparseInput, weights: Mapping | None = None
+    ) -> np.ndarray:
         """Predictions ``[B, ...]`` for a batch (see the class docstring)."""
         return self.run(*self.prepare(dense, sparse, weights))
 
-    def prepare(self, dense: Any, sparse: Any, weights: Mapping | None = None) -> tuple:
+    def prepare(
+        self, dense: npt.ArrayLike, sparse: SparseInput, weights: Mapping | None = None
+    ) -> tuple:
         """Validated per-sample arrays ``(dense, values, lengths[, weights])``."""
         d = self._dense(dense)
         b = d.shape[0]
@@ -204,7 +215,7 @@ class ExportedModel:
         return np.asarray(out)[:b]
 
     # ----- input conversion -----
-    def _dense(self, dense: Any) -> np.ndarray:
+    def _dense(self, dense: npt.ArrayLike) -> np.ndarray:
         try:
             d = np.asarray(dense, dtype=self.manifest["dense_dtype"])
         except (TypeError, ValueError) as e:
@@ -268,7 +279,7 @@ class ExportedModel:
                     wts[i, lo : lo + n] = w
         return (values, lengths) + ((wts,) if wts is not None else ())
 
-    def _ids(self, key: str, k: int, i: int, ids: Any) -> np.ndarray:
+    def _ids(self, key: str, k: int, i: int, ids: object) -> np.ndarray:
         where = f"feature {key!r} sample {i}"
         if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
             raise InputError(f"{where}: ids must be a list of integers, got {type(ids).__name__}")
@@ -314,7 +325,7 @@ class ExportedModel:
             if lo < first or hi >= end:
                 raise InputError(f"{where}: {id_range_error(self, k, lo if lo < first else hi)}")
 
-    def _from_kjt(self, kjt: Any, b: int) -> tuple:
+    def _from_kjt(self, kjt: KeyedJaggedTensor, b: int) -> tuple:
         keys = list(kjt.keys())
         self.check_features(keys)
         if kjt.stride() != b:
@@ -369,7 +380,7 @@ class ExportedModel:
         return min(fits)
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
@@ -379,7 +390,7 @@ def empty_values(model: ExportedModel, b: int) -> np.ndarray:
     return np.zeros((b, c, 2), np.uint32) if model.wide_ids else np.zeros((b, c), np.int32)
 
 
-def pack_ids(ids: Any, wide: bool) -> np.ndarray:
+def pack_ids(ids: npt.ArrayLike, wide: bool) -> np.ndarray:
     """Checked integer ids (numpy, or Python ints as an object array) as the layout's
     values: int32 ``[N]``, or ``uint32[N, 2]`` id words (low word first; signed ids as
     two's complement, unsigned by value), as ``jaxrec.sparse.ids64.to_id_words``."""
@@ -549,7 +560,9 @@ def _shape(aval: Any) -> str:
     return f"[{dims}] {np.dtype(aval.dtype).name}"
 
 
-def check_facts(path: Path, m: Mapping, exported: Any, npz: Any) -> None:
+def check_facts(
+    path: Path, m: Mapping, exported: jax.export.Exported, npz: np.lib.npyio.NpzFile
+) -> None:
     """The manifest's facts against the module's input/output types and the weights.
 
     Raises:
@@ -628,7 +641,7 @@ def check_facts(path: Path, m: Mapping, exported: Any, npz: Any) -> None:
         )
 
 
-def _load_leaf(path: Path, npz: Any, w: Mapping) -> np.ndarray:
+def _load_leaf(path: Path, npz: np.lib.npyio.NpzFile, w: Mapping) -> np.ndarray:
     arr = npz[w["name"]]
     dtype = np.dtype(jax.numpy.dtype(w["dtype"]))
     if arr.dtype != dtype and arr.dtype.itemsize == dtype.itemsize:  # e.g. bfloat16 as uint16
@@ -643,7 +656,7 @@ def _load_leaf(path: Path, npz: Any, w: Mapping) -> np.ndarray:
     return arr
 
 
-def _is_kjt(x: Any) -> bool:
+def _is_kjt(x: object) -> TypeGuard[KeyedJaggedTensor]:
     """``isinstance(x, jaxrec.sparse.KeyedJaggedTensor)`` without importing jaxrec (this
     module also loads on its own): a KeyedJaggedTensor exists only once its module has
     been imported."""

@@ -27,13 +27,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
+from .artifact import ExportedModel
 from .request import check_finite_output
 
-Done = Callable[[Any], None]  # receives the predictions (a list) or the exception
+Done = Callable[[list | Exception], None]  # receives the predictions (a list) or the exception
 
 
 class Pending(NamedTuple):
@@ -69,7 +70,9 @@ class DynamicBatcher:
             others; 0 takes only what is already queued.
     """
 
-    def __init__(self, model: Any, *, max_batch_size: int = 256, batch_timeout_ms: float = 0.0):
+    def __init__(
+        self, model: ExportedModel, *, max_batch_size: int = 256, batch_timeout_ms: float = 0.0
+    ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not batch_timeout_ms >= 0:
@@ -146,12 +149,12 @@ class DynamicBatcher:
             start += p.n
             try:
                 check_finite_output(rows)  # instance numbers within this request
-                result: Any = prediction_rows(rows)
+                result: list | Exception = prediction_rows(rows)
             except Exception as e:
                 result = e
             _call(p.done, result)
 
 
-def _call(done: Done, result: Any) -> None:
+def _call(done: Done, result: list | Exception) -> None:
     with contextlib.suppress(Exception):  # a callback must not kill the batcher's thread
         done(result)

@@ -10,11 +10,11 @@ only those (:mod:`jaxrec.inference.quant_ops`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..configs import BaseEmbeddingConfig, get_embedding_names_by_table
 from ..embedding.collection import replace_collection
@@ -23,7 +23,13 @@ from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..ops import BoundsCheckMode, Implementation
 from ..sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from ..xla.quantize import DEFAULT_ROW_ALIGNMENT, canonical_dtype, quantize_rows, row_bytes
+from ..xla.quantize import (
+    DEFAULT_ROW_ALIGNMENT,
+    QuantDType,
+    canonical_dtype,
+    quantize_rows,
+    row_bytes,
+)
 from .quant_ops import quant_grouped_pooled_lookup, quant_grouped_sequence_lookup
 
 quantize_jit = quantize_rows  # already jitted (dtype, row_alignment static); sharded.py imports it
@@ -34,7 +40,9 @@ class QuantTable(nnx.Variable):
 
 
 def table_dtypes(
-    tables: Sequence[BaseEmbeddingConfig], dtype: Any, per_table_dtype: Mapping[str, Any] | None
+    tables: Sequence[BaseEmbeddingConfig],
+    dtype: QuantDType,
+    per_table_dtype: Mapping[str, QuantDType] | None,
 ) -> dict[str, str]:
     """``{table: canonical dtype}``; unknown table names in ``per_table_dtype`` raise."""
     per_table_dtype = dict(per_table_dtype or {})
@@ -63,7 +71,7 @@ class QuantStorage(nnx.Module):
         self,
         tables: Sequence[BaseEmbeddingConfig],
         quantized: Mapping[str, jax.typing.ArrayLike],
-        dtypes: Mapping[str, Any],
+        dtypes: Mapping[str, QuantDType],
         *,
         prefix: str,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
@@ -143,10 +151,10 @@ class QuantEmbeddingBagCollection(QuantStorage):
         self,
         tables: Sequence[BaseEmbeddingConfig],
         quantized: Mapping[str, jax.typing.ArrayLike],
-        dtypes: Mapping[str, Any],
+        dtypes: Mapping[str, QuantDType],
         is_weighted: bool = False,
         *,
-        output_dtype: Any = jnp.float32,
+        output_dtype: DTypeLike = jnp.float32,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
         implementation: Implementation = None,
@@ -163,10 +171,10 @@ class QuantEmbeddingBagCollection(QuantStorage):
     def from_float(
         cls,
         ebc: EmbeddingBagCollection,
-        dtype: Any = "int8",
+        dtype: QuantDType = "int8",
         *,
-        per_table_dtype: Mapping[str, Any] | None = None,
-        output_dtype: Any = None,
+        per_table_dtype: Mapping[str, QuantDType] | None = None,
+        output_dtype: DTypeLike | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         implementation: Implementation = None,
     ) -> QuantEmbeddingBagCollection:
@@ -218,10 +226,10 @@ class QuantEmbeddingCollection(QuantStorage):
         self,
         tables: Sequence[BaseEmbeddingConfig],
         quantized: Mapping[str, jax.typing.ArrayLike],
-        dtypes: Mapping[str, Any],
+        dtypes: Mapping[str, QuantDType],
         need_indices: bool = False,
         *,
-        output_dtype: Any = jnp.float32,
+        output_dtype: DTypeLike = jnp.float32,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
         implementation: Implementation = None,
@@ -237,10 +245,10 @@ class QuantEmbeddingCollection(QuantStorage):
     def from_float(
         cls,
         ec: EmbeddingCollection,
-        dtype: Any = "int8",
+        dtype: QuantDType = "int8",
         *,
-        per_table_dtype: Mapping[str, Any] | None = None,
-        output_dtype: Any = None,
+        per_table_dtype: Mapping[str, QuantDType] | None = None,
+        output_dtype: DTypeLike | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
         implementation: Implementation = None,
     ) -> QuantEmbeddingCollection:
@@ -288,9 +296,9 @@ QUANTIZERS: dict[type, Callable] = {
 def quantize_inference_model(
     model: nnx.Module,
     *,
-    dtype: Any = "int8",
-    per_table_dtype: Mapping[str, Any] | None = None,
-    output_dtype: Any = None,
+    dtype: QuantDType = "int8",
+    per_table_dtype: Mapping[str, QuantDType] | None = None,
+    output_dtype: DTypeLike | None = None,
     row_alignment: int = DEFAULT_ROW_ALIGNMENT,
     implementation: Implementation = None,
 ) -> nnx.Module:

@@ -32,8 +32,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
-from .artifact import InputError, id_range_error, pack_ids
+from .artifact import ExportedModel, InputError, id_range_error, pack_ids
 
 MAX_JSON_DEPTH = 32  # a valid request nests 5 deep
 # A JSON string (escapes included): removed before counting brackets.
@@ -105,7 +106,7 @@ def parse_json(body: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def decode_request(
-    model: Any,
+    model: ExportedModel,
     body: bytes | str,
     *,
     max_instances: int | None = None,
@@ -136,7 +137,7 @@ def decode_request(
 
 
 def decode_instances(
-    model: Any, instances: Any, *, max_instances: int | None = None
+    model: ExportedModel, instances: Any, *, max_instances: int | None = None
 ) -> DecodedBatch:
     """Parsed JSON ``instances`` (a list of objects) as a validated batch.
 
@@ -181,13 +182,13 @@ def decode_instances(
     return DecodedBatch(dense, sparse, weights)
 
 
-def _kind(x: Any) -> str:
+def _kind(x: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
         type(x), "null" if x is None else "a number"
     )
 
 
-def _per_feature(model: Any, x: Any, where: str) -> Mapping:
+def _per_feature(model: ExportedModel, x: Any, where: str) -> Mapping:
     if not isinstance(x, dict):
         raise RequestError(f"{where} must be an object {{feature: [...]}}, got {_kind(x)}")
     unknown = [k for k in x if k not in model.features]
@@ -219,7 +220,9 @@ def _numbers(x: Any, where: str, n: int) -> list[float]:
         return [float(v) if abs(v) < 1e308 else math.inf for v in x]
 
 
-def _finite(rows: list[list[float]], dtype: Any, what: str, ragged: bool = False) -> Any:
+def _finite(
+    rows: list[list[float]], dtype: npt.DTypeLike, what: str, ragged: bool = False
+) -> Any:  # np.ndarray, or list[list[float]] if ragged
     """``rows`` (one per instance) as ``dtype`` (a ``[B, n]`` array, or lists of
     rounded floats if ``ragged``); a value not finite in ``dtype`` is a RequestError."""
     lens = [len(r) for r in rows]
@@ -243,13 +246,13 @@ def _finite(rows: list[list[float]], dtype: Any, what: str, ragged: bool = False
     return out
 
 
-def _bounds(model: Any, k: int) -> tuple[int, int]:
+def _bounds(model: ExportedModel, k: int) -> tuple[int, int]:
     """Feature ``k``'s ids ``[lo, hi)``: its table's rows, or raw ids (managed collision)."""
     bounds = getattr(model, "id_bounds", None)  # a stub model may give only num_embeddings
     return (0, model.num_embeddings[k]) if bounds is None else bounds[k]
 
 
-def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
+def _ids(model: ExportedModel, k: int, x: Any, where: str) -> list[int]:
     if not isinstance(x, list):
         raise RequestError(f"{where}: ids must be a list of integers, got {_kind(x)}")
     limit, (lo, hi) = model.max_ids[k], _bounds(model, k)
@@ -272,7 +275,7 @@ def _ids(model: Any, k: int, x: Any, where: str) -> list[int]:
     return list(x)
 
 
-def batch_arrays(model: Any, batch: DecodedBatch) -> tuple:
+def batch_arrays(model: ExportedModel, batch: DecodedBatch) -> tuple:
     """``(dense, values, lengths[, weights])`` for ``ExportedModel.run``: the
     per-sample layout, built without re-checking what the decoder checked."""
     b, wide = batch.dense.shape[0], bool(getattr(model, "wide_ids", False))

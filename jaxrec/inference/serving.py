@@ -400,7 +400,7 @@ class PredictionServer:
         loop = asyncio.get_running_loop()
         answered = loop.create_future()
 
-        def done(result: Any) -> None:  # on the batcher's thread
+        def done(result: list | Exception) -> None:  # on the batcher's thread
             loop.call_soon_threadsafe(_resolve, answered, result)
 
         try:
@@ -427,7 +427,7 @@ class PredictionServer:
         return None
 
 
-def _resolve(future: asyncio.Future, result: Any) -> None:
+def _resolve(future: asyncio.Future, result: list | Exception) -> None:
     if not future.done():
         future.set_result(result)
 

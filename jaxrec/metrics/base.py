@@ -17,15 +17,17 @@ the states are float64).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-State = Any
+State: TypeAlias = Any  # a metric's state: any pytree of arrays (each metric its own)
 
 
 def acc_dtype() -> jnp.dtype:
@@ -65,7 +67,7 @@ def sum_value(acc: Sum) -> jax.Array:
     return acc.hi + acc.lo
 
 
-def _is_sum(x: Any) -> bool:
+def _is_sum(x: object) -> bool:
     return isinstance(x, Sum)
 
 
@@ -110,7 +112,9 @@ class Metric:
         (TorchRec's ``required_inputs``, e.g. ``"session_ids"``), passed by keyword."""
         return ()
 
-    def take_inputs(self, inputs: dict[str, Any], batch_size: int) -> dict[str, jax.Array]:
+    def take_inputs(
+        self, inputs: Mapping[str, npt.ArrayLike], batch_size: int
+    ) -> dict[str, jax.Array]:
         """Checks the keyword inputs of `update`: exactly `input_names()`, each an
         integer array of shape `[B]`."""
         name = type(self).__name__

@@ -8,13 +8,12 @@ donated state, host-side overflow check before compute).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Metric, validate_inputs
+from .base import Metric, State, validate_inputs
 from .processes import reduce_across_processes
 
 KEY_FORMATS = ("flat", "torchrec")
@@ -88,7 +87,7 @@ class MetricCollection:
             )
         self.task_names = tuple(task_names)
 
-    def init(self) -> dict[str, Any]:
+    def init(self) -> dict[str, State]:
         return {n: m.init() for n, m in self.metrics}
 
     def input_names(self) -> tuple[str, ...]:

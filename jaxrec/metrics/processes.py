@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
+from .base import State
 
-def reduce_across_processes(metric: Any, state: Any) -> Any:
+
+class Mergeable(Protocol):
+    """A ``Metric`` or ``MetricCollection``: anything with ``merge``."""
+
+    def merge(self, a: Any, b: Any, /) -> Any: ...
+
+
+def reduce_across_processes(metric: Mergeable, state: State) -> State:
     """Merges the states of every process (TorchRec's metric `sync()` across ranks).
 
     For states each process built from its own batches (process-local arrays). A

@@ -12,12 +12,12 @@ a fixed batch size `B`, TorchRec's `window_size=N` is `window_batches = N // B`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from .base import Metric, SumMetric
+from .base import Metric, State, SumMetric
 
 
 class WindowState(NamedTuple):
@@ -25,8 +25,8 @@ class WindowState(NamedTuple):
     the last `window_batches` batches (leaves `[W, ...]`, zeros before the first
     `W` batches); `head`: the ring slot the next batch writes (int32)."""
 
-    lifetime: Any
-    ring: Any
+    lifetime: State
+    ring: State
     head: jax.Array
 
 
@@ -124,7 +124,7 @@ class WindowedMetric(Metric):
             state.head,
         )
 
-    def window_state(self, state: WindowState) -> Any:
+    def window_state(self, state: WindowState) -> State:
         """The metric's state over the window (the ring's batches merged)."""
         merged, _ = jax.lax.scan(
             lambda acc, b: (self.metric.merge(acc, b), None), self.metric.init(), state.ring

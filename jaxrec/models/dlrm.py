@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -296,7 +295,7 @@ class DLRM(nnx.Module):
         )
         self.over_arch = OverArch(over_in, over_arch_layer_sizes, **kw)
 
-    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[Any, int]:
+    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[nnx.Module, int]:
         del dense_sizes, kw
         return InteractionArch(num_sparse), dim + math.comb(num_sparse, 2) + num_sparse
 
@@ -348,7 +347,7 @@ class DLRM_DCN(DLRM):  # TorchRec's name
             param_dtype=param_dtype,
         )
 
-    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[Any, int]:
+    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[nnx.Module, int]:
         width = (num_sparse + 1) * dim
         num_layers, low_rank = self._dcn
         crossnet = LowRankCrossNet(
@@ -396,7 +395,7 @@ class DLRM_Projection(DLRM):  # TorchRec's name
             param_dtype=param_dtype,
         )
 
-    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[Any, int]:
+    def _interaction(self, num_sparse: int, dim: int, dense_sizes, **kw) -> tuple[nnx.Module, int]:
         branches, projected = [], []
         for i, sizes in enumerate(self._branches, start=1):
             if sizes[-1] % dim != 0:

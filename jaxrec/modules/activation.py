@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-Activation = str | nnx.Module | Callable[..., Any]
+Activation = str | nnx.Module | Callable[..., jax.Array]
 
 _BY_NAME: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,

@@ -19,7 +19,7 @@ from .embedding_bag_collection import EmbeddingBagCollection
 from .embedding_collection import EmbeddingCollection
 
 
-def tower_input_params(module: Any) -> tuple[bool, bool]:
+def tower_input_params(module: nnx.Module) -> tuple[bool, bool]:
     """``(needs features, needs weighted_features)`` for a tower's embedding module.
 
     An ``EmbeddingCollection`` reads ``features``; an ``EmbeddingBagCollection``
@@ -46,7 +46,9 @@ class EmbeddingTower(nnx.Module):
         >>> tower(kjt).shape  # [B, sum(D)]
     """
 
-    def __init__(self, embedding_module: nnx.Module, interaction_module: Callable[[Any], Any]):
+    def __init__(
+        self, embedding_module: nnx.Module, interaction_module: Callable[[Any], jax.Array]
+    ):
         if not callable(embedding_module) or not callable(interaction_module):
             raise TypeError("embedding_module and interaction_module must be callable")
         self.embedding = embedding_module

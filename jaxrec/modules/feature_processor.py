@@ -17,7 +17,6 @@ tables still get sparse updates.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ def position_weights(jt: JaggedTensor, position_weight: jax.Array) -> jax.Array:
     return jnp.where(keep, gathered, jnp.zeros((), position_weight.dtype))
 
 
-def _check_length(name: str, length: Any) -> int:
+def _check_length(name: str, length: object) -> int:
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ValueError(f"max feature length of {name!r} must be a positive int, got {length!r}")
     return length
@@ -207,7 +206,10 @@ class FeatureProcessedEmbeddingBagCollection(nnx.Module):
         return self._embedding_bag_collection
 
 
-def apply_processors(processors: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+def apply_processors(
+    processors: PositionWeightedModuleCollection | Mapping[str, PositionWeightedModule],
+    features: KeyedJaggedTensor,
+) -> KeyedJaggedTensor:
     """``features`` weighted by ``processors`` (a :class:`PositionWeightedModuleCollection`
     or ``{feature: PositionWeightedModule}``); keys without a processor get weight 1."""
     if isinstance(processors, PositionWeightedModuleCollection):

@@ -29,8 +29,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,7 +51,7 @@ class EvictedRows(PlanLocal):
 LRU = HashZchEvictionConfig()  # the default policy
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
+def _int(value: object, name: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -219,7 +217,7 @@ class HashZchManagedCollisionModule(nnx.Module):
         return {**dict(zip(COUNTER_NAMES, c, strict=True)), "occupancy": self.occupancy[...]}
 
     def rebuild_with_output_id_range(
-        self, output_id_range: tuple[int, int], output_segments: Any = None
+        self, output_id_range: tuple[int, int], output_segments: object = None
     ) -> HashZchManagedCollisionModule:
         """A fresh module for rows ``[start, end)`` of this one: whole buckets, same hash."""
         del output_segments

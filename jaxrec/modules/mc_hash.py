@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ def _murmur3_8bytes(xp, hi, lo, seed: int):
     return h ^ (h >> u(16))
 
 
-def _check_size(n: Any, name: str = "input_hash_size") -> int:
+def _check_size(n: object, name: str = "input_hash_size") -> int:
     if not isinstance(n, int | np.integer) or isinstance(n, bool) or not 1 <= n <= 2**32 - 1:
         raise ValueError(f"{name} must be an int in [1, 2**32 - 1], got {n!r}")
     return int(n)
@@ -110,7 +110,9 @@ def hash_ids(ids: jax.Array, input_hash_size: int, *, seed: int = 0) -> jax.Arra
     return hash_id_pairs(hi, lo, input_hash_size, seed=seed)
 
 
-def hash_ids_64(ids: Any, input_hash_size: int, *, seed: int = 0) -> np.ndarray:
+def hash_ids_64(
+    ids: np.ndarray | Sequence[int], input_hash_size: int, *, seed: int = 0
+) -> np.ndarray:
     """Hashes 64-bit ids into ``[0, input_hash_size)`` on the host (numpy, exact).
 
     Args:
@@ -135,7 +137,7 @@ def hash_ids_64(ids: Any, input_hash_size: int, *, seed: int = 0) -> np.ndarray:
     return _murmur3_8bytes(np, hi, lo, seed) % np.uint32(n)
 
 
-def _as_u32_bits(x: Any, name: str) -> jax.Array:
+def _as_u32_bits(x: jax.typing.ArrayLike, name: str) -> jax.Array:
     x = jnp.asarray(x)
     if x.dtype == jnp.uint32:
         return x

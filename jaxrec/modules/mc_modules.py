@@ -53,11 +53,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from ..sparse import JaggedTensor
@@ -83,7 +84,7 @@ class _History(NamedTuple):
     evicted: MCState  # [max_evictions] int32 rows
 
 
-def _positive_int(value: Any, name: str, minimum: int = 1) -> int:
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -268,7 +269,7 @@ class MCHManagedCollisionModule(nnx.Module):
         ok = ok & (keys < jnp.uint32(self.input_hash_size))
         return jnp.where(ok, keys, jnp.uint32(SENTINEL))
 
-    def validate_ids(self, values: Any, valid: Any = None) -> None:
+    def validate_ids(self, values: npt.ArrayLike, valid: jax.Array | None = None) -> None:
         """Host check: raises ``ValueError`` if a real id falls outside ``[0, input_hash_size)``.
 
         On the device such ids silently remap to the miss row and are never
@@ -413,7 +414,7 @@ class MCHManagedCollisionModule(nnx.Module):
         return jnp.int32(self.zch_size - 1) - used
 
     def rebuild_with_output_id_range(
-        self, output_id_range: tuple[int, int], output_segments: Any = None
+        self, output_id_range: tuple[int, int], output_segments: object = None
     ) -> MCHManagedCollisionModule:
         """A fresh module (same configuration) for rows ``[start, end)`` (row-wise shards)."""
         del output_segments  # TorchRec's resharding metadata; unused
@@ -453,7 +454,7 @@ def _with_values(jt: JaggedTensor, values: jax.Array) -> JaggedTensor:
     return JaggedTensor.from_parts(values, jt.lengths(), jt.weights_or_none())
 
 
-def _check_features(features: Any) -> Mapping[str, JaggedTensor]:
+def _check_features(features: object) -> Mapping[str, JaggedTensor]:
     if not isinstance(features, Mapping):
         raise TypeError(
             f"features must be a dict of JaggedTensor (TorchRec's API), got "

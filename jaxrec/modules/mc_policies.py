@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ import numpy as np
 SENTINEL = np.uint32(0xFFFFFFFF)  # empty slot / invalid id key
 _INT32_MAX = 2**31 - 1
 
-ThresholdFilter = Callable[..., tuple[jax.Array, Any]]
+# (..., counts) -> (kept mask, threshold), as TorchRec's threshold_filtering_func
+ThresholdFilter = Callable[..., tuple[jax.Array, jax.typing.ArrayLike]]
 
 
 def average_threshold_filter(

@@ -49,7 +49,7 @@ class _Entry:
     """One TorchRec tensor and where it lives in the jaxrec model."""
 
     shape: tuple[int, ...]  # torch shape
-    get: Callable[[], Any]  # -> torch-layout array
+    get: Callable[[], jax.Array]  # -> torch-layout array
     variable: nnx.Variable | None = None  # a parameter, or None for a table
     transpose: bool = False
     table: tuple[TableStorage, str] | None = None  # (collection, its own state_dict key)
@@ -174,7 +174,7 @@ def _params(model: nnx.Module) -> Iterator[tuple[tuple, nnx.Variable]]:
             yield path, var
 
 
-def _torch_path(path: tuple, modules: Mapping[tuple, Any]) -> list[str]:
+def _torch_path(path: tuple, modules: Mapping[tuple, nnx.Module]) -> list[str]:
     """Module path -> torch module path: ``Sequential.layers.<i>`` becomes ``<i>``."""
     out = []
     for i, part in enumerate(path):

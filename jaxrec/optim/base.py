@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import optax
 
 ScalarOrSchedule = float | optax.Schedule
+
+# A sparse optimizer's state: a NamedTuple whose first field is an int32 ``count`` and
+# whose others are per-row arrays (see the module docstring). Each optimizer has its own
+# NamedTuple (``AdagradState``...), and no Protocol can name "any NamedTuple with
+# ``count``" (``count`` clashes with ``tuple.count``), so this stays Any, as optax's
+# ``OptState`` is an arbitrary pytree.
+SparseOptState: TypeAlias = Any
 
 
 class WeightDecayMode(enum.Enum):
@@ -78,8 +85,8 @@ class SparseOptimizer(NamedTuple):
             them; ``update`` closes over them.
     """
 
-    init: Callable[[int, int], Any]
-    update: Callable[..., tuple[jax.Array, Any]]
+    init: Callable[[int, int], SparseOptState]
+    update: Callable[..., tuple[jax.Array, SparseOptState]]
     kind: EmbOptimType | None
     learning_rate: ScalarOrSchedule
     params: NamedTuple = NoParams()
@@ -117,19 +124,21 @@ def lr_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
     return jnp.asarray(learning_rate, jnp.float32)
 
 
-def row_fields(state: Any) -> tuple[str, ...]:
+def row_fields(state: SparseOptState) -> tuple[str, ...]:
     """Names of the per-row fields of a state (every field but ``count``)."""
     return tuple(f for f in state._fields if f != "count")
 
 
-def gather_state(state: Any, rows: jax.Array) -> Any:
+def gather_state(state: SparseOptState, rows: jax.Array) -> SparseOptState:
     """State slices of ``rows`` (out-of-range rows read zeros)."""
     return state._replace(
         **{f: getattr(state, f).at[rows].get(mode="fill", fill_value=0) for f in row_fields(state)}
     )
 
 
-def scatter_state(state: Any, rows: jax.Array, new_rows: Any) -> Any:
+def scatter_state(
+    state: SparseOptState, rows: jax.Array, new_rows: SparseOptState
+) -> SparseOptState:
     """Writes row slices back; out-of-range rows (fill ids) are dropped."""
     return state._replace(
         **{
@@ -142,12 +151,12 @@ def scatter_state(state: Any, rows: jax.Array, new_rows: Any) -> Any:
 def apply_rows(
     optimizer: SparseOptimizer,
     table: jax.Array,
-    state: Any,
+    state: SparseOptState,
     rows: jax.Array,
     grads: jax.Array,
     state_rows: jax.Array | None = None,
     **update_kwargs: Any,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, SparseOptState]:
     """Applies one optimizer step to the touched ``rows`` of ``table``: the XLA row update
     (gather, ``optimizer.update``, scatter) every kernel is checked against.
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..optim.base import SparseOptimizer, apply_rows, row_fields
+from ..optim.base import SparseOptimizer, SparseOptState, apply_rows, row_fields
 from ..xla.backward import backward_update_xla
 from .runs import DEFAULT_PIECE_LEN, PieceLayout, RunPlan, piece_layout, plan_runs
 from .tiling import Tiling, check_table, check_vector, next_pow2
@@ -277,14 +277,14 @@ def _fresh(kernel):
 def sparse_update(
     optimizer: SparseOptimizer,
     table: jax.Array,
-    state: Any,
+    state: SparseOptState,
     rows: jax.Array,
     grads: jax.Array,
     state_rows: jax.Array | None = None,
     *,
     tiling: Tiling = DEFAULT_TILING,
     interpret: bool = False,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, SparseOptState]:
     """One optimizer step on unique ``rows`` of ``table``, in place (``apply_rows`` as a kernel).
 
     Args:
@@ -325,7 +325,7 @@ def sparse_update(
 def fused_backward_update(
     optimizer: SparseOptimizer,
     table: jax.Array,
-    state: Any,
+    state: SparseOptState,
     out_grad: jax.Array,
     segment_ids: jax.Array,
     scale: jax.Array,
@@ -335,7 +335,7 @@ def fused_backward_update(
     tiling: Tiling = DEFAULT_TILING,
     piece_len: int | None = DEFAULT_PIECE_LEN,
     interpret: bool = False,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, SparseOptState]:
     """Backward of a lookup fused with the optimizer step, exact and in place.
 
     Occurrence ``c`` contributes ``out_grad[segment_ids[c]] * scale[c]`` to

@@ -34,11 +34,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 WORD_BITS = 32
 _MASK32 = 0xFFFFFFFF
@@ -48,13 +47,13 @@ _FMIX_C2 = 0xC4CEB9FE1A85EC53
 _GOLDEN = 0x9E3779B97F4A7C15  # seeds are spread by this odd constant
 
 
-def is_wide(values: Any) -> bool:
+def is_wide(values: npt.ArrayLike) -> bool:
     """Whether ``values`` are id words (``uint32[..., N, 2]``) rather than plain ids."""
     shape, dtype = np.shape(values), getattr(values, "dtype", None)
     return len(shape) >= 2 and shape[-1] == 2 and dtype == np.uint32
 
 
-def to_id_words(ids: Any) -> np.ndarray:
+def to_id_words(ids: npt.ArrayLike) -> np.ndarray:
     """Host ids (any integer dtype, int64/uint64 included) -> ``uint32[N, 2]`` words.
 
     Signed ids are taken as two's complement (``-1`` is all ones), unsigned
@@ -76,7 +75,7 @@ def to_id_words(ids: Any) -> np.ndarray:
     return np.stack([(u & np.uint64(_MASK32)), u >> np.uint64(WORD_BITS)], axis=1).astype(np.uint32)
 
 
-def from_id_words(words: Any, *, signed: bool = False) -> np.ndarray:
+def from_id_words(words: npt.ArrayLike, *, signed: bool = False) -> np.ndarray:
     """``uint32[N, 2]`` words -> host ids: uint64, or int64 (two's complement) if ``signed``."""
     w = np.asarray(words)
     if not is_wide(w) or w.ndim != 2:
@@ -148,7 +147,7 @@ def hash64_words(lo: jax.Array, hi: jax.Array, *, seed: int = 0) -> tuple[jax.Ar
         return (k & u64(_MASK32)).astype(jnp.uint32), (k >> u64(WORD_BITS)).astype(jnp.uint32)
 
 
-def hash64_np(ids: Any, *, seed: int = 0) -> np.ndarray:
+def hash64_np(ids: npt.ArrayLike, *, seed: int = 0) -> np.ndarray:
     """Host twin of :func:`hash64_words`: ids (any integer dtype, or words) -> uint64 hashes."""
     a = np.asarray(ids)
     u = from_id_words(a) if is_wide(a) else from_id_words(to_id_words(a))

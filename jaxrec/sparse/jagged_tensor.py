@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from . import validation as v
 from .bags import checked_lengths
@@ -49,10 +49,10 @@ class JaggedTensor:
 
     def __init__(
         self,
-        values: Any,
-        weights: Any = None,
-        lengths: Any = None,
-        offsets: Any = None,
+        values: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
+        lengths: npt.ArrayLike | None = None,
+        offsets: npt.ArrayLike | None = None,
         *,
         validate: bool | None = None,
     ):
@@ -189,8 +189,8 @@ class JaggedTensor:
 
     @staticmethod
     def from_dense(
-        values: Sequence[Any],
-        weights: Sequence[Any] | None = None,
+        values: Sequence[npt.ArrayLike],
+        weights: Sequence[npt.ArrayLike] | None = None,
         *,
         capacity: int | None = None,
     ) -> JaggedTensor:
@@ -220,7 +220,9 @@ class JaggedTensor:
         return JaggedTensor(values=flat, lengths=lengths, weights=w)
 
     @staticmethod
-    def from_dense_lengths(values: Any, lengths: Any, weights: Any = None) -> JaggedTensor:
+    def from_dense_lengths(
+        values: npt.ArrayLike, lengths: npt.ArrayLike, weights: npt.ArrayLike | None = None
+    ) -> JaggedTensor:
         """From a padded ``[B, N, ...]`` array and ``[B]`` lengths (jit-able; capacity ``B*N``)."""
         values = jnp.asarray(values)
         lengths = v.as_int_array(lengths, "lengths")
@@ -273,7 +275,7 @@ def segment_ids_from_ends(ends: jax.Array, capacity: int) -> jax.Array:
     return jnp.cumsum(marks)[:capacity]
 
 
-def _split_host(x: Any, lengths: Any) -> list[np.ndarray]:
+def _split_host(x: npt.ArrayLike, lengths: npt.ArrayLike) -> list[np.ndarray]:
     x, lengths = v.to_host(x), v.to_host(lengths)
     if lengths.size == 0:
         return []  # np.split would return one empty piece

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+from jax.typing import DTypeLike
 
 from . import validation as v
 from .bags import checked_lengths
@@ -102,16 +103,16 @@ class KeyedJaggedTensor:
     def __init__(
         self,
         keys: Sequence[str],
-        values: Any,
-        weights: Any = None,
-        lengths: Any = None,
-        offsets: Any = None,
+        values: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
+        lengths: npt.ArrayLike | None = None,
+        offsets: npt.ArrayLike | None = None,
         stride: int | None = None,
         *,
         capacities: Capacities = None,
         validate: bool | None = None,
         stride_per_key: Sequence[int] | None = None,
-        inverse_indices: Any = None,
+        inverse_indices: npt.ArrayLike | tuple[Sequence[str], npt.ArrayLike] | None = None,
     ):
         keys = _check_keys(keys)
         if lengths is None:
@@ -159,7 +160,7 @@ class KeyedJaggedTensor:
                 self._check_layout()
                 if spk is not None and v.is_host(inverse_indices):
                     check_inverse(keys, spk, inverse)
-            if host_weights:
+            if host_weights and weights is not None:  # converted: a jax.Array here
                 v.check_finite_weights(weights)
 
     # ----- pytree -----
@@ -450,15 +451,15 @@ class KeyedJaggedTensor:
     @staticmethod
     def from_lengths_sync(
         keys: Sequence[str],
-        values: Any,
-        lengths: Any,
-        weights: Any = None,
+        values: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
         stride: int | None = None,
         *,
         capacities: Capacities = None,
         on_host: bool = False,
         stride_per_key: Sequence[int] | None = None,
-        inverse_indices: Any = None,
+        inverse_indices: npt.ArrayLike | tuple[Sequence[str], npt.ArrayLike] | None = None,
     ) -> KeyedJaggedTensor:
         """From TorchRec's packed layout; each key gets a bucketed capacity unless given.
 
@@ -527,9 +528,9 @@ class KeyedJaggedTensor:
     @staticmethod
     def from_offsets_sync(
         keys: Sequence[str],
-        values: Any,
-        offsets: Any,
-        weights: Any = None,
+        values: npt.ArrayLike,
+        offsets: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
         stride: int | None = None,
         *,
         capacities: Capacities = None,
@@ -542,7 +543,7 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def empty(
-        is_weighted: bool = False, stride: int = 0, values_dtype: Any = jnp.int32
+        is_weighted: bool = False, stride: int = 0, values_dtype: DTypeLike = jnp.int32
     ) -> KeyedJaggedTensor:
         weights = jnp.zeros((0,), jnp.float32) if is_weighted else None
         return KeyedJaggedTensor.from_parts(
@@ -719,7 +720,7 @@ def _repack(vals: np.ndarray, w: np.ndarray | None, lpk: np.ndarray, caps) -> tu
     return out_v, out_w
 
 
-def _narrow(values: Any) -> Any:
+def _narrow(values: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     """:func:`narrow_ids` that keeps host (numpy) words on the host."""
     if not isinstance(values, np.ndarray):
         return narrow_ids(values)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import SupportsInt
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from . import validation as v
 
 
-def check_strides(keys: tuple[str, ...], stride_per_key: Any) -> tuple[int, ...]:
+def check_strides(keys: tuple[str, ...], stride_per_key: Iterable[SupportsInt]) -> tuple[int, ...]:
     spk = tuple(int(x) for x in stride_per_key)
     if len(spk) != len(keys) or any(x < 0 for x in spk):
         raise ValueError(

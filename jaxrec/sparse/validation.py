@@ -8,26 +8,27 @@ path only: when the caller passes numpy arrays or lists, or asks with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.core  # jax.core.Tracer: a submodule the type checker sees only when imported
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from .ids64 import is_wide, to_id_words
 
 
-def is_traced(x: Any) -> bool:
+def is_traced(x: object) -> TypeGuard[jax.Array]:  # a Tracer types as a jax.Array
     return isinstance(x, jax.core.Tracer)
 
 
-def is_host(x: Any) -> bool:
+def is_host(x: object) -> bool:
     """True for inputs that live on the host (numpy arrays, lists, scalars)."""
     return isinstance(x, np.ndarray | list | tuple | int | float | np.generic)
 
 
-def to_host(x: Any) -> np.ndarray:
+def to_host(x: npt.ArrayLike) -> np.ndarray:
     if is_traced(x):
         raise TypeError(
             "this method needs concrete values but got a traced array; call it outside "
@@ -42,7 +43,7 @@ def _int32_ok(a: np.ndarray) -> bool:
     return int(a.min()) >= np.iinfo(np.int32).min and int(a.max()) <= np.iinfo(np.int32).max
 
 
-def as_int_array(x: Any, name: str) -> jax.Array:
+def as_int_array(x: npt.ArrayLike, name: str) -> jax.Array:
     """Converts ids or lengths to a JAX integer array, checking the dtype.
 
     64-bit host integers are narrowed to int32 when JAX runs without x64 (the
@@ -58,7 +59,7 @@ def as_int_array(x: Any, name: str) -> jax.Array:
     return jnp.asarray(host_int_array(x, name))
 
 
-def as_ids_array(x: Any, name: str) -> jax.Array:
+def as_ids_array(x: npt.ArrayLike, name: str) -> jax.Array:
     """Converts ids to a JAX array: integers, or ``uint32[N, 2]`` id words (``ids64``).
 
     As :func:`as_int_array`, except that 64-bit host ids that do not fit int32
@@ -69,7 +70,7 @@ def as_ids_array(x: Any, name: str) -> jax.Array:
     return jnp.asarray(host_ids_array(x, name))
 
 
-def host_ids_array(x: Any, name: str) -> np.ndarray:
+def host_ids_array(x: npt.ArrayLike, name: str) -> np.ndarray:
     """:func:`as_ids_array` for host inputs, staying on the host (numpy).
 
     Without x64, int64 / uint64 ids that fit int32 narrow to int32 (most callers
@@ -91,14 +92,14 @@ def host_ids_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def untyped_empty_as_int(a: np.ndarray, x: Any) -> np.ndarray:
+def untyped_empty_as_int(a: np.ndarray, x: npt.ArrayLike) -> np.ndarray:
     """``a = np.asarray(x)``, as int32 when ``x`` is an empty Python list (it carries no dtype)."""
     if a.size == 0 and a.dtype == np.float64 and not isinstance(x, np.ndarray):
         return a.astype(np.int32)
     return a
 
 
-def host_int_array(x: Any, name: str) -> np.ndarray:
+def host_int_array(x: npt.ArrayLike, name: str) -> np.ndarray:
     """:func:`as_int_array` for host inputs, staying on the host (numpy)."""
     a = untyped_empty_as_int(np.asarray(x), x)
     if not np.issubdtype(a.dtype, np.integer):
@@ -114,7 +115,7 @@ def host_int_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def as_float_array(x: Any, name: str) -> jax.Array:
+def as_float_array(x: npt.ArrayLike, name: str) -> jax.Array:
     if is_traced(x) or isinstance(x, jax.Array):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name} must have a floating dtype, got {x.dtype=}")
@@ -130,7 +131,7 @@ def as_float_array(x: Any, name: str) -> jax.Array:
     return jnp.asarray(a)
 
 
-def as_values_array(x: Any, name: str) -> jax.Array:
+def as_values_array(x: npt.ArrayLike, name: str) -> jax.Array:
     """Values of a JaggedTensor: ids (integer or id words) or embeddings (floating)."""
     if is_traced(x) or isinstance(x, jax.Array):
         return x
@@ -142,7 +143,7 @@ def as_values_array(x: Any, name: str) -> jax.Array:
     return as_float_array(a, name)
 
 
-def check_finite_weights(weights: Any, name: str = "weights") -> None:
+def check_finite_weights(weights: npt.ArrayLike, name: str = "weights") -> None:
     """Host value check: per-sample weights must be finite (NaN / inf would poison a bag)."""
     w = to_host(weights)
     if w.size and not np.all(np.isfinite(w)):
@@ -171,7 +172,8 @@ def check_lengths_values(lengths: np.ndarray, capacity: int, name: str = "length
         )
 
 
-def lengths_from_offsets(offsets: Any) -> Any:
+def lengths_from_offsets(offsets: Any) -> np.ndarray | jax.Array:
+    # Any: host offsets (any sequence) or a jax.Array, told apart by is_host at run time
     """Lengths from TorchRec offsets ``[0, o_1, ..., o_n]``, checking them on the host."""
     if is_host(offsets):
         o = np.asarray(offsets)

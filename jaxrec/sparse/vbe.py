@@ -18,9 +18,9 @@ the distinct users and expands its output to the batch (TorchRec's VBE).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import validation as v
 from .keyed_jagged_tensor import Capacities, KeyedJaggedTensor
@@ -28,7 +28,7 @@ from .keyed_jagged_tensor import Capacities, KeyedJaggedTensor
 
 def dedup_features(
     kjt: KeyedJaggedTensor,
-    group_ids: Mapping[str, Any],
+    group_ids: Mapping[str, npt.ArrayLike],
     *,
     stride_per_key: Mapping[str, int] | None = None,
     capacities: Capacities = None,
@@ -210,7 +210,9 @@ def pad_strides(kjt: KeyedJaggedTensor, stride_per_key: Sequence[int]) -> KeyedJ
     )
 
 
-def _cat(parts: list, dtype: Any = None, ids_like: np.ndarray | None = None) -> np.ndarray:
+def _cat(
+    parts: list, dtype: npt.DTypeLike | None = None, ids_like: np.ndarray | None = None
+) -> np.ndarray:
     if parts:
         return np.concatenate(parts)
     if ids_like is not None:

@@ -39,13 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from ..embedding.collection import LookupGrad
 from ..embedding.optimizer import CombinedOptimizer
 from ..ops import Implementation
 from ..sparse import KeyedJaggedTensor
 from .forward import Forward, differentiate
-from .step import TrainState, TrainStep, apply_forward
+from .step import LossFn, TrainState, TrainStep, apply_forward
 from .table_update import CollectionCall
 
 LossReduction = Literal["mean", "sum"]
@@ -114,14 +115,14 @@ def stack_micro_batches(batches: Sequence[Any]) -> Any:
     return jax.tree.unflatten(first, out)
 
 
-def _dtype(x: Any) -> np.dtype:
+def _dtype(x: Any) -> np.dtype:  # any pytree leaf of a batch
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def make_accumulating_train_step(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: LossFn,
     *,
     micro_batches: int,
     loss_reduction: LossReduction = "mean",
@@ -253,7 +254,7 @@ def accumulate_gradients(
     )
 
 
-def _accumulator_dtype(dtype) -> Any:
+def _accumulator_dtype(dtype: DTypeLike) -> DTypeLike:
     """float32 sums for low-precision params (their gradients add up k times)."""
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) else dtype
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 
+from .guard import StepReport
 from .pipeline import TrainPipeline
-from .step import TrainState
+from .step import TrainState, TrainStep
 
 _END = object()
 
@@ -31,7 +32,7 @@ class AheadPipeline(TrainPipeline):
 
     def __init__(
         self,
-        train_step: Any,
+        train_step: TrainStep,
         state: TrainState,
         *,
         to_device: Callable[[Any], Any] | None = None,
@@ -63,7 +64,7 @@ class AheadPipeline(TrainPipeline):
             self._ahead = (ahead, after)
         return self._done(report, loss, aux)
 
-    def _done(self, report: Any, loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
+    def _done(self, report: StepReport, loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
         """Records a launched step (its report is checked one step late)."""
         self._step.record(report)
         self._check_report()

@@ -94,7 +94,9 @@ def warned(warnings: dict, overflow: Sequence[tuple[str, jax.Array]]) -> tuple:
     return warnings, by_call, stacked
 
 
-def fatal_failures(fatal: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple[int, int]]:
+def fatal_failures(
+    fatal: Mapping[str, tuple[jax.Array, jax.Array]],
+) -> dict[str, tuple[int, int]]:
     """The failed checks of a step's report, on the host (one sync)."""
     got = jax.device_get(dict(fatal))
     return {w: (int(c), int(e)) for w, (c, e) in got.items() if int(c) > 0}
@@ -111,7 +113,9 @@ def apply_mask(loss, g_params, g_probes, fatal, skip_nonfinite: bool) -> jax.Arr
     return jnp.all(jnp.stack(checks)) if checks else None
 
 
-def without_ids(features: Any, ok: jax.Array) -> Any:
+def without_ids(
+    features: KeyedJaggedTensor | Prefetched, ok: jax.Array
+) -> KeyedJaggedTensor | Prefetched:
     """``features`` (a KeyedJaggedTensor, leaves of any leading shape) with every length
     zeroed unless ``ok``: a sparse update from it touches no row."""
     if isinstance(features, Prefetched):  # a pipelined step's call: its ids already arrived

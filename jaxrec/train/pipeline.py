@@ -64,7 +64,7 @@ class TrainPipeline:
 
     def __init__(
         self,
-        train_step: TrainStep | Callable[[Any, Any], tuple[Any, jax.Array, Any]],
+        train_step: TrainStep | Callable[[TrainState, Any], tuple[TrainState, jax.Array, Any]],
         state: TrainState,
         *,
         to_device: Callable[[Any], Any] | None = None,

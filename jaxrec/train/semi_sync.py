@@ -44,20 +44,21 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 from flax import nnx
 
+from ..embedding.optimizer import CombinedOptimizer
 from ..embedding.tape import Tape
 from ..ops import Implementation
 from .forward import Given, given_outputs
 from .guard import merge_reports
 from .sparse_dist_step import _tainted
-from .step import TrainState, TrainStep, _step
+from .step import LossFn, TrainState, TrainStep, _step
 
 LOOKUP_SCOPE = "semi_sync_lookup"
 
 
 def make_semi_sync_train_step(
     graphdef: nnx.GraphDef,
-    optimizer: Any,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    optimizer: CombinedOptimizer,
+    loss_fn: LossFn,
     *,
     has_aux: bool = False,
     donate: bool = True,
@@ -131,7 +132,9 @@ class SemiSyncTrainStep(TrainStep):
             ``start_batch`` warm-up; compiled only if called).
     """
 
-    def __init__(self, jitted: Any, lookup: Any, sync: Any):
+    def __init__(
+        self, jitted: jax.stages.Wrapped, lookup: jax.stages.Wrapped, sync: jax.stages.Wrapped
+    ):
         super().__init__(jitted)
         self.lookup = lookup
         self.sync = sync
@@ -144,7 +147,9 @@ class SemiSyncTrainStep(TrainStep):
         return new, loss, aux, ahead
 
 
-def lookup_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: Any) -> LookedUp:
+def lookup_ahead(
+    graphdef: nnx.GraphDef, loss_fn: Callable, state: TrainState, batch: Any
+) -> LookedUp:
     """Every collection call's output for ``batch`` with ``state``'s tables (traced: runs
     the model under a recording tape; everything but the lookups is dead code).
 

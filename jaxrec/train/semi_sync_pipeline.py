@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from .ahead_pipeline import AheadPipeline
-from .semi_sync import SemiSyncTrainStep
+from .semi_sync import LookedUp, SemiSyncTrainStep
 from .step import TrainState
 
 
@@ -62,7 +62,7 @@ class TrainPipelineSemiSync(AheadPipeline):
         super().__init__(train_step, state, to_device=to_device, mesh=mesh, depth=depth)
         self._sync_left = start_batch  # batches still to train synchronously
 
-    def _prime(self, batch: Any) -> Any:
+    def _prime(self, batch: Any) -> LookedUp:
         return self._step.lookup(self.state, batch)
 
     def progress(self, dataloader_iter: Iterator) -> tuple[jax.Array, Any]:

@@ -49,5 +49,5 @@ class TrainPipelineSparseDist(AheadPipeline):
             )
         super().__init__(train_step, state, to_device=to_device, mesh=mesh, depth=depth)
 
-    def _prime(self, batch: Any) -> Any:
+    def _prime(self, batch: Any) -> dict:
         return self._step.input_dist(self.state, batch)

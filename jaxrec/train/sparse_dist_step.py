@@ -27,17 +27,18 @@ import jax.extend.core as jcore
 from flax import nnx
 
 from ..distributed import input_dist
+from ..embedding.optimizer import CombinedOptimizer
 from ..embedding.tape import Tape
 from ..ops import Implementation
-from .step import TrainState, TrainStep, _step
+from .step import LossFn, TrainState, TrainStep, _step
 
 AHEAD_SCOPE = "input_dist_ahead"
 
 
 def make_sparse_dist_train_step(
     graphdef: nnx.GraphDef,
-    optimizer: Any,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    optimizer: CombinedOptimizer,
+    loss_fn: LossFn,
     *,
     has_aux: bool = False,
     donate: bool = True,
@@ -83,17 +84,19 @@ class SparseDistTrainStep(TrainStep):
         input_dist: jitted ``(state, batch) -> ids``, the first batch's distribution.
     """
 
-    def __init__(self, jitted: Any, input_dist: Any):
+    def __init__(self, jitted: jax.stages.Wrapped, input_dist: jax.stages.Wrapped):
         super().__init__(jitted)
         self.input_dist = input_dist
 
-    def __call__(self, state: TrainState, ids: Any, batch: Any, next_batch: Any) -> tuple:
+    def __call__(self, state: TrainState, ids: dict, batch: Any, next_batch: Any) -> tuple:
         new, loss, aux, report, next_ids = self.jitted(state, ids, batch, next_batch)
         self.handle(report, new)
         return new, loss, aux, next_ids
 
 
-def distribute_ahead(graphdef: nnx.GraphDef, loss_fn: Callable, state: Any, batch: Any) -> dict:
+def distribute_ahead(
+    graphdef: nnx.GraphDef, loss_fn: Callable, state: TrainState, batch: Any
+) -> dict:
     """Round 0 of every sharded collection call's id exchange for ``batch`` (traced: runs the
     model in recording mode; everything but the exchange is dead code)."""
     record = functools.partial(_record, graphdef, loss_fn)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,10 @@ from .forward import Forward, differentiate
 from .guard import BoundsCheckError, CapacityOverflowError, StepReport
 from .step_warnings import StepWarnings
 from .table_update import apply_sparse_gradients
+
+# ``loss_fn(model, batch) -> loss`` (a scalar), or ``(loss, aux)`` with ``has_aux=True``;
+# the batch and aux are any pytrees (KeyedJaggedTensors, arrays, ...), as in JAX.
+LossFn: TypeAlias = Callable[[nnx.Module, Any], Any]
 
 
 class TrainState(NamedTuple):
@@ -59,7 +63,7 @@ def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: CombinedOptimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: LossFn,
     *,
     has_aux: bool = False,
     donate: bool = True,
@@ -180,7 +184,7 @@ class TrainStep:
         step_warnings: the :class:`StepWarnings` of pending warnings.
     """
 
-    def __init__(self, jitted: Any):
+    def __init__(self, jitted: jax.stages.Wrapped):
         self.jitted = jitted
         self.skipped_steps = guard.SkipCounter()
         self.step_warnings = StepWarnings()
@@ -199,7 +203,7 @@ class TrainStep:
             self.flush_warnings()  # the step has finished: log what it found before raising
             raise
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (``jax.jit(...).lower``), for inspection."""
         return self.jitted.lower(*args, **kwargs)
 

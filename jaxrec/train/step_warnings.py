@@ -18,12 +18,12 @@ launched), or by :meth:`StepWarnings.flush`. A step reads one small array
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import numpy as np
 
 from ..embedding.tape import log_overflow
 from ..xla.bounds import log_out_of_range
+from .guard import StepReport
 
 
 class StepWarnings:
@@ -38,7 +38,7 @@ class StepWarnings:
         self._keep = keep
         self._pending: collections.deque = collections.deque()
 
-    def add(self, report: Any) -> None:
+    def add(self, report: StepReport) -> None:
         """Queues a step's :class:`~jaxrec.train.guard.StepReport`, then logs every
         queued step that is ready (in order) or beyond ``keep``."""
         if report.counts is not None:  # a step that cannot warn costs nothing
@@ -54,7 +54,7 @@ class StepWarnings:
             _log(self._pending.popleft())
 
 
-def _log(report: Any) -> None:
+def _log(report: StepReport) -> None:
     counts = np.asarray(report.counts)
     if not counts.any():
         return

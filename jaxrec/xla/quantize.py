@@ -26,12 +26,18 @@ dequantize only the rows it gathered.
 from __future__ import annotations
 
 import functools
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from ..configs import DataType
+
+# A quantized table's type: a name ("int8", "int4", "fp16", "bf16", "fp32"), a DataType
+# or a JAX float dtype (see canonical_dtype).
+QuantDType: TypeAlias = DataType | DTypeLike
 
 QUANT_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
 DEFAULT_ROW_ALIGNMENT = 16  # TorchRec's DEFAULT_ROW_ALIGNMENT
@@ -40,7 +46,7 @@ _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
 _FLOAT = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
-def canonical_dtype(dtype) -> str:
+def canonical_dtype(dtype: QuantDType) -> str:
     """``"int8" | "int4" | "fp16" | "bf16" | "fp32"`` from a name, ``DataType`` or JAX dtype.
 
     Raises:
