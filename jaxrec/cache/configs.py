@@ -53,15 +53,18 @@ def device_plan(
             out_configs.append(c)
             out_plan[c.name] = p
             continue
-        starts = sorted({s.shard_offsets[0] for s in p.sharding_spec})
-        slots = slots_per_shard(c.num_embeddings, len(starts), p.cache_params)
+        shards, params = p.sharding_spec, p.cache_params
+        if shards is None or params is None:  # a cached table is sharded, with its params
+            raise ValueError(f"table {c.name!r}: a fused_uvm_caching plan without its shards")
+        starts = sorted({s.shard_offsets[0] for s in shards})
+        slots = slots_per_shard(c.num_embeddings, len(starts), params)
         spec = tuple(
             ShardMetadata(
                 shard_offsets=(starts.index(s.shard_offsets[0]) * slots, s.shard_offsets[1]),
                 shard_sizes=(slots, s.shard_sizes[1]),
                 placement=s.placement,
             )
-            for s in p.sharding_spec
+            for s in shards
         )
         out_configs.append(dataclasses.replace(c, num_embeddings=len(starts) * slots,
                                                cached_rows=c.num_embeddings))  # fmt: skip

@@ -12,8 +12,8 @@ no work per id. A batch that does not fit in some table's cache changes no table
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,9 @@ from ..sparse import bucket_capacity
 from .ids import CachedTable
 from .sets import SetLayout, SlotState, empty_state, plan_many, set_layout
 from .slots import CacheTooSmallError, Move
+
+if TYPE_CHECKING:  # jax exports the class as a variable (jax.Device), not a type
+    from jaxlib._jax import Device
 
 
 class TableCounts(NamedTuple):
@@ -61,7 +64,7 @@ class DeviceSlotMaps:
         self,
         tables: Mapping[str, CachedTable],
         algorithms: Mapping[str, CacheAlgorithm],
-        device: jax.Device | None = None,
+        device: Device | None = None,
     ):
         self.tables = dict(tables)
         self.device = device or jax.devices()[0]
@@ -70,12 +73,13 @@ class DeviceSlotMaps:
             for name, t in self.tables.items()
         }
         self.states = {n: self._empty(lay) for n, lay in self.layouts.items()}
-        self._programs: dict = {}
+        # (routes, KJTs used) -> the jitted _plan_batch
+        self._programs: dict[tuple[tuple[_Route, ...], tuple[int, ...]], Callable[..., Any]] = {}
 
     def _empty(self, layout: SetLayout) -> SlotState:
         return jax.device_put(empty_state(layout), self.device)
 
-    def plan(self, values: Sequence[Any],
+    def plan(self, values: Sequence[jax.Array | np.ndarray],
              spans: Mapping[str, list[tuple[int, int, int, int]]]) -> DevicePlan:  # fmt: skip
         """Plans a batch: ``values`` of each KJT (host or device arrays), ``spans[name]``
         the ``(kjt, lo, hi, capacity)`` of each cached table's features (ids ``[lo, hi)``
@@ -121,7 +125,7 @@ class DeviceSlotMaps:
             fr, fs = _by_row(got[1, :n_fill], got[0, :n_fill])
             er, es = _by_row(got[3, :n_evict], got[2, :n_evict])
             moves[self.tables[r.name].key] = Move(fs, fr, es, er)
-        out = [None] * len(values)
+        out: list[jax.Array | None] = [None] * len(values)
         for i, v in zip(used, new_values, strict=True):
             out[i] = v
         return DevicePlan(out, moves, counts)
@@ -150,7 +154,7 @@ def _prefix(packed: jax.Array, n: int) -> np.ndarray:
     return np.asarray(_slice(packed, k))[:, :n]
 
 
-def _int32(values: Any) -> Any:
+def _int32(values: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     """KJT values as the int32 a device program takes. 64-bit host ids beyond int32 stay
     out of range (below 0: -1, above: int32's top, past any cached table's rows)
     rather than wrap into range (a pass over them on the host: int32 ids need none)."""

@@ -71,14 +71,17 @@ class Peers:
                              f"{len(payloads)}")  # fmt: skip
         if self.n == 1:
             return list(payloads)
+        pool = self._pool  # made by __init__ with several processes
+        if pool is None:
+            raise RuntimeError("Peers: no connections to the other processes")
         with self._lock:
             if self._failed is not None:
                 raise RuntimeError(f"the exchange between processes failed earlier "
                                    f"({self._failed}): restart the job's processes")  # fmt: skip
-            sends = [self._pool.submit(c.sendall, len(payloads[j]).to_bytes(_HEADER, "big")
-                                       + payloads[j])
+            sends = [pool.submit(c.sendall, len(payloads[j]).to_bytes(_HEADER, "big")
+                                 + payloads[j])
                      for j, c in self.conns.items()]  # fmt: skip
-            recvs = {j: self._pool.submit(_message, c) for j, c in self.conns.items()}
+            recvs = {j: pool.submit(_message, c) for j, c in self.conns.items()}
             out = [payloads[self.me]] * self.n
             try:
                 for j, f in recvs.items():
@@ -128,7 +131,11 @@ def _read(conn: socket.socket, n: int) -> bytes:
 def _address() -> str:
     """This host's address as the other processes reach it: the one its packets to the
     coordinator leave from (a UDP connect sends nothing)."""
-    host = distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
+    coordinator = distributed.global_state.coordinator_address
+    if coordinator is None:
+        raise RuntimeError("several processes but no jax.distributed coordinator: call "
+                           "jax.distributed.initialize first")  # fmt: skip
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((host, 1))

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ..configs import BaseEmbeddingConfig
+from ..embedding.optimizer import CombinedOptimizer
 from ..ops.init import TablePiece, uniform_rows
 from ..optim.base import SparseOptimizer, row_fields
 
@@ -126,7 +127,8 @@ def initial_state(optimizer: SparseOptimizer, rows: int, dim: int) -> dict[str, 
     return out
 
 
-def check_host(name, host: HostTable, device, optimizer, readers) -> None:
+def check_host(name: str, host: HostTable, device: BaseEmbeddingConfig,
+               optimizer: CombinedOptimizer, readers: Mapping[str, list[str]]) -> None:  # fmt: skip
     """The host table fits the device's slot table, its optimizer and its features."""
     hc = host.config
     if (hc.embedding_dim, hc.dtype) != (device.embedding_dim, device.dtype):

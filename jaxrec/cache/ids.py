@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Container, Iterator
+from typing import NamedTuple, TypeGuard
 
+import jax
 import numpy as np
 
 from ..sparse import KeyedJaggedTensor
 from .host import HostTable
-from .slots import SlotMap
+from .slots import Plan, SlotMap
 
 
 class CachedTable(NamedTuple):
@@ -22,25 +23,37 @@ class CachedTable(NamedTuple):
     shard_rows: int  # logical rows per row shard (ceil blocks; the last may be smaller)
     slots: int  # slots per row shard
     maps: list[SlotMap | None]  # None: a shard of another process (see owned.py)
-    owners: np.ndarray | None = None  # the process of each row shard
+    owners: np.ndarray  # the process of each row shard
 
 
-def plan_table(t: CachedTable, parts: list[np.ndarray], outs: list[np.ndarray]) -> tuple[int, list]:
+def all_maps(t: CachedTable) -> list[SlotMap]:
+    """Every row shard's slot map of ``t``: one process holds them all (several
+    processes plan their own shards' only, see ``owned.py``)."""
+    maps = [m for m in t.maps if m is not None]
+    if len(maps) != len(t.maps):
+        raise ValueError(f"cached table {t.name!r}: another process holds some of its slot "
+                         "maps (plan it with owned.plan_shards)")  # fmt: skip
+    return maps
+
+
+def plan_table(
+    t: CachedTable, parts: list[np.ndarray], outs: list[np.ndarray] | None
+) -> tuple[int, list[Plan]]:
     """``(ids in range, a Plan per row shard)`` for a table's ids (``parts``); every
     shard is checked before any changes. ``outs``: where :func:`touch` will write the
     parts' slots (one shard, every id in range: the plan's pass starts them)."""
-    rows = t.host.config.num_embeddings
+    rows, maps = t.host.config.num_embeddings, all_maps(t)
     if not all(in_range(p, rows) for p in parts):
         parts, outs = [p[(p >= 0) & (p < rows)] for p in parts], None
     n_ids = sum(len(p) for p in parts)
-    if len(t.maps) == 1:
-        return n_ids, [t.maps[0].plan(parts, f"cached table {t.name!r}", outs)]
+    if len(maps) == 1:
+        return n_ids, [maps[0].plan(parts, f"cached table {t.name!r}", outs)]
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     shard = ids // t.shard_rows
     return n_ids, [
         m.plan([(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
                f"cached table {t.name!r} shard {s}")
-        for s, m in enumerate(t.maps)
+        for s, m in enumerate(maps)
     ]  # fmt: skip
 
 
@@ -48,19 +61,20 @@ def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray, scanned: bool) -> No
     """``out[:]``: the global slots of ``ids`` (assigned); ids out of range stay out of
     range (``-1`` / the slot count), for the device's bounds check. ``scanned``: the
     plan's pass wrote the hits' slots already."""
+    maps = all_maps(t)
     if scanned:
-        t.maps[0].finish(ids, out)
+        maps[0].finish(ids, out)
         return
     rows = t.host.config.num_embeddings
-    if len(t.maps) == 1 and in_range(ids, rows):
-        t.maps[0].touch(ids, out, 0)  # the common case, one pass
+    if len(maps) == 1 and in_range(ids, rows):
+        maps[0].touch(ids, out, 0)  # the common case, one pass
         return
     ok = (ids >= 0) & (ids < rows)
     out[:] = np.where(ids < 0, -1, t.slots * len(t.maps))
     good = ids[ok]
     shard = good // t.shard_rows
     slots = np.empty(len(good), out.dtype)
-    for s, m in enumerate(t.maps):
+    for s, m in enumerate(maps):
         sel = shard == s
         part = np.empty(int(sel.sum()), out.dtype)
         m.touch((good[sel] - s * t.shard_rows).astype(ids.dtype), part, s * t.slots)
@@ -68,7 +82,7 @@ def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray, scanned: bool) -> No
     out[ok] = slots
 
 
-def with_values(kjt: KeyedJaggedTensor, values: np.ndarray) -> KeyedJaggedTensor:
+def with_values(kjt: KeyedJaggedTensor, values: jax.Array | np.ndarray) -> KeyedJaggedTensor:
     children, aux = kjt.tree_flatten()
     return KeyedJaggedTensor.tree_unflatten(aux, (values, *children[1:]))
 
@@ -77,7 +91,7 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
     return not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < rows)
 
 
-def is_kjt(x) -> bool:
+def is_kjt(x: object) -> TypeGuard[KeyedJaggedTensor]:
     return isinstance(x, KeyedJaggedTensor)
 
 
@@ -91,7 +105,7 @@ class FeatureSpan(NamedTuple):
     capacity: int
 
 
-def feature_spans(kjt: KeyedJaggedTensor, features: Mapping[str, Any]):
+def feature_spans(kjt: KeyedJaggedTensor, features: Container[str]) -> Iterator[FeatureSpan]:
     """A :class:`FeatureSpan` for each cached feature of ``kjt``.
 
     A per-device KJT stacked by ``shard_batch`` has a leading device axis: not here

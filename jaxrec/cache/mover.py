@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
@@ -28,6 +28,11 @@ from ..embedding.blocks import Block
 from ..sparse import bucket_capacity
 from . import native
 from .slots import Move
+
+if TYPE_CHECKING:  # jax exports the class as a variable (jax.Device), not a type
+    from jaxlib._jax import Device
+
+HostFields = Mapping[str, Mapping[str, np.ndarray]]  # table key -> field -> host array
 
 
 class Columns(NamedTuple):
@@ -86,7 +91,7 @@ class HostWrite(NamedTuple):
     ``device``."""
 
     buffer: int  # index into Mover.buffers
-    device: jax.Device  # the lane's device: its shard holds the rows
+    device: Device  # the lane's device: its shard holds the rows
     host: np.ndarray  # the host field written
     rows: np.ndarray  # [k] int64, rows of ``host`` (this process's)
     at: int  # the first of them in the lane's evicted entries
@@ -133,11 +138,12 @@ class Pending(NamedTuple):
 
     evicted: list[jax.Array]  # per buffer: each lane's rows on its device
     parts: list[HostWrite]
-    keep: tuple = ()  # in place: the host arrays the program writes, alive until it ends
+    keep: tuple[np.ndarray, ...] = ()  # in place: the host arrays the program writes, alive
+    # until it ends
 
     def write_back(self) -> None:
         jax.block_until_ready(self.evicted)  # in place: the program's end
-        got = {}
+        got: dict[tuple[int, Device], np.ndarray] = {}
         for w in self.parts:
             i, device, host, rows = w.buffer, w.device, w.host, w.rows
             if (i, device) not in got:  # this process's lanes only
@@ -146,7 +152,7 @@ class Pending(NamedTuple):
             vals = got[i, device][w.at : w.at + len(rows)]
             whole = host.ndim == 1 or (w.col == 0 and w.cols == host.shape[1] == vals.shape[1])
             if whole and native.AVAILABLE and _contiguous(host, vals) and rows.dtype == np.int64:
-                native.kernels.cache_rows(vals, rows, host, True)  # over threads
+                native.require().cache_rows(vals, rows, host, True)  # over threads
             elif host.ndim == 1:
                 host[rows] = vals
             else:
@@ -156,7 +162,7 @@ class Pending(NamedTuple):
 class Lane(NamedTuple):
     """A device's share of a buffer's moves: it holds buffer rows ``[lo, hi)``."""
 
-    device: jax.Device
+    device: Device
     lo: int
     hi: int
     first: int  # the first lane holding these rows: it reads them back (replicas only fill)
@@ -169,7 +175,7 @@ class Mover:
     of each cached table (by checkpoint key); ``names``: their table names; ``paths``:
     the move paths allowed (default: each where it applies)."""
 
-    def __init__(self, buffers: list[Buffer], host: Mapping[str, Mapping[str, np.ndarray]],
+    def __init__(self, buffers: list[Buffer], host: HostFields,
                  names: Mapping[str, str] | None = None,
                  offsets: Mapping[str, int] | None = None,
                  paths: MovePaths = MovePaths()):  # fmt: skip
@@ -180,7 +186,7 @@ class Mover:
         self.buffers = [b for b in buffers if any(x.table in keys for x in b.blocks)]
         self.cols = [{k: columns(b.blocks, k) for k in keys} for b in self.buffers]
         # each device moves the rows of its own buffer rows: no copies between devices
-        per_buffer = [lanes(b.array.sharding, b.array.shape) for b in self.buffers]
+        per_buffer = [lanes(b.device_array.sharding, b.array.shape) for b in self.buffers]
         self.lanes = [x[0] for x in per_buffer]
         self.chunks = [x[1] for x in per_buffer]  # each lane's entries on its device
         self.specs = [x[2] for x in per_buffer]  # (mesh, buffer spec, lane spec), or None
@@ -196,7 +202,7 @@ class Mover:
     def stage(
         self,
         moves: Mapping[str, Move],
-        host: Mapping[str, Mapping[str, np.ndarray]],
+        host: HostFields,
         late: Mapping[str, np.ndarray] | None = None,
     ) -> Staged | InPlace | None:
         """The host side of a move (``None`` when nothing moves): positions, and the
@@ -277,7 +283,8 @@ class Mover:
             )
         return local
 
-    def _global(self, i: int, chunks: Mapping[int, np.ndarray], n: int, sharding) -> jax.Array:
+    def _global(self, i: int, chunks: Mapping[int, np.ndarray], n: int,
+                sharding: jax.sharding.Sharding) -> jax.Array:  # fmt: skip
         """One array of every lane's ``n`` entries from this process's lanes' chunks."""
         lanes = self.lanes[i]
         shape = (n * len(lanes), *next(iter(chunks.values())).shape[1:])
@@ -303,7 +310,7 @@ class Mover:
                 out.evict_rows[j, : len(m.evict_rows)] = m.evict_rows
         return out
 
-    def check_host(self, host: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    def check_host(self, host: HostFields) -> None:
         """In place, the kernel reads whole rows at each host array's address: every
         one must still be contiguous (a field replaced rather than filled may not be)."""
         for p in self.parts if self.inplace else ():
@@ -313,7 +320,10 @@ class Mover:
                 raise ValueError(f"host table {name!r} field {field!r} was replaced by a "
                                  "non-contiguous array; fill it in place")  # fmt: skip
 
-    def _apply_inplace(self, arrays, staged: InPlace, host) -> tuple[list[jax.Array], Pending]:
+    def _apply_inplace(self, arrays: Sequence[jax.Array], staged: InPlace,
+                       host: HostFields | None) -> tuple[list[jax.Array], Pending]:  # fmt: skip
+        if host is None:
+            raise ValueError("an in-place move needs the host arrays (Mover.apply's host)")
         self.check_host(host)
         attrs, keep = [], []
         for p in self.parts:
@@ -333,8 +343,7 @@ class Mover:
         return new, Pending(done, [], tuple(keep))
 
     def apply(self, arrays: list[jax.Array], staged: Staged | InPlace,
-              host: Mapping[str, Mapping[str, np.ndarray]] | None = None,
-              ) -> tuple[list[jax.Array], Pending]:  # fmt: skip
+              host: HostFields | None = None) -> tuple[list[jax.Array], Pending]:  # fmt: skip
         """Runs a staged move on the buffers ``arrays`` (donated): the evicted rows are
         read, then the missed rows written. Returns the new buffers and the evicted rows
         (not yet on the host: :meth:`Pending.write_back`; in place: written by the
@@ -363,7 +372,7 @@ class Mover:
         new = self._programs["scatter"](list(arrays), fill_pos, fill_vals)
         return new, Pending(evicted, staged.parts)
 
-    def _make_programs(self, arrays) -> None:
+    def _make_programs(self, arrays: Sequence[jax.Array]) -> None:
         if not self._programs:
             specs, kinds = tuple(self.specs), self.staging or self.chunks
             self._programs = {
@@ -376,7 +385,7 @@ class Mover:
             }
 
     def copy_out(self, arrays: list[jax.Array], staged: Staged | InPlace,
-                 host: Mapping[str, Mapping[str, np.ndarray]]) -> Pending:  # fmt: skip
+                 host: HostFields) -> Pending:  # fmt: skip
         """The evictions of a move without fills (a flush) on their way to the host,
         reading the buffers ``arrays`` without taking them: nothing is donated, so the
         state they belong to stays valid. In place, the rows are copied now, from the
@@ -418,7 +427,7 @@ class Staged(NamedTuple):
 
     n: int
     fill_pos: list[dict[int, np.ndarray]]  # lane positions: rows of its device's block
-    fill_vals: list  # dict[int, np.ndarray] or jax.Array
+    fill_vals: list[dict[int, np.ndarray] | jax.Array]  # one array once staged
     evict_pos: list[dict[int, np.ndarray]]
     parts: list[HostWrite]  # the evictions' writes, as Pending.parts
     patches: list[LateFill]
@@ -437,7 +446,7 @@ def _rows_into(out: np.ndarray, src: np.ndarray, rows: np.ndarray, c: Columns) -
     """Host rows ``rows`` (the columns of piece ``c``) into ``out``, one copy."""
     whole = src.ndim == 1 or (c.col == 0 and c.cols == src.shape[1] == out.shape[1])
     if whole and native.AVAILABLE and _contiguous(src, out) and rows.dtype == np.int64:
-        native.kernels.cache_rows(src, rows, out, False)  # over threads
+        native.require().cache_rows(src, rows, out, False)  # over threads
     elif src.ndim == 1:
         np.take(src, rows, out=out)
     elif c.col == 0 and c.cols == src.shape[1] == out.shape[1]:
@@ -474,7 +483,9 @@ def _on_lanes(spec, fn, lane_args: int, out: int | None = None):
                          out_specs=buffer if out == 0 else lane, check_vma=False)  # fmt: skip
 
 
-def lanes(sharding, shape: tuple) -> tuple[list[Lane], jax.sharding.Sharding, tuple | None]:
+def lanes(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[list[Lane], jax.sharding.Sharding, tuple | None]:
     """A buffer's lanes (its devices, in the order of their moves' entries), the sharding
     that gives each lane's entries to its device, and the ``shard_map`` specs."""
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -530,7 +541,7 @@ def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
     return arrays, [a.reshape(-1)[:1] for a in arrays]
 
 
-def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host) -> bool:
+def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host: HostFields) -> bool:
     """Whether moves can run in place (``jaxrec_cache_move``): the C++ kernels
     registered, every buffer on one CPU device, the host arrays contiguous, of the
     buffer's dtype and row shape."""
@@ -539,7 +550,7 @@ def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host) -> bool:
     for p in parts:
         b, c = buffers[p.buffer], p.columns
         h = host[p.key][b.field]
-        devs = b.array.sharding.device_set
+        devs = b.device_array.sharding.device_set
         ok = (
             len(devs) == 1 and next(iter(devs)).platform == "cpu"
             and h.flags.c_contiguous and h.dtype == b.array.dtype
@@ -551,7 +562,9 @@ def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host) -> bool:
     return available()  # the FFI target registered (the CPU backend, the extension)
 
 
-def _staging(chunks: list, pinned: bool | None) -> list | None:
+def _staging(
+    chunks: list[jax.sharding.Sharding], pinned: bool | None
+) -> list[jax.sharding.Sharding] | None:
     """Pinned-host shardings for the moves' rows, or None (the CPU, where host and
     device memory are one, or a backend without pinned host memory). Each device's
     rows are its own lane (``lanes``): it copies them across over its own link, and

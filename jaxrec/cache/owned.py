@@ -19,17 +19,21 @@ shard would leave them: a plan does not depend on the order of its ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import numpy as np
 
+from ..checkpoint.layout import Buffer
 from .ids import CachedTable
-from .mover import columns, lanes
+from .mover import Lane, columns, lanes
+from .slots import Plan, SlotMap
 
 
-def shard_lanes(weights, key: str, slots: int):
+def shard_lanes(weights: Iterable[Buffer], key: str, slots: int) -> Iterator[tuple[Lane, int, int]]:
     """``(lane, first shard, end shard)`` for each device lane holding slots of row
     shards ``[first, end)`` of table ``key`` (``weights``: its weight buffers)."""
     for b in weights:
-        where = lanes(b.array.sharding, b.array.shape)[0]
+        where = lanes(b.device_array.sharding, b.array.shape)[0]
         for c in columns(b.blocks, key):
             for r, start, size in zip(c.rows, c.starts, c.sizes, strict=True):
                 for x in where:
@@ -37,7 +41,7 @@ def shard_lanes(weights, key: str, slots: int):
                         yield x, int(r) // slots, -(-int(r + size) // slots)
 
 
-def shard_owners(weights, key: str, slots: int, n_shards: int) -> np.ndarray:
+def shard_owners(weights: Iterable[Buffer], key: str, slots: int, n_shards: int) -> np.ndarray:
     """The process whose devices hold each row shard's slots (a shard on devices of two
     processes was refused before, by ``placement.held_rows``)."""
     owner = np.full(n_shards, -1, np.int64)
@@ -62,7 +66,9 @@ def route(t: CachedTable, parts: list[np.ndarray], n: int) -> tuple[np.ndarray, 
     return ids, np.split(order, ends[:n])[:n]
 
 
-def _shards(t: CachedTable, ids: np.ndarray):
+def _shards(
+    t: CachedTable, ids: np.ndarray
+) -> Iterator[tuple[int, SlotMap, np.ndarray, np.ndarray]]:
     """``(shard, its maps, shard-local ids)`` for each owned shard that ``ids`` touch."""
     shard = ids // t.shard_rows
     for s, m in enumerate(t.maps):
@@ -71,11 +77,11 @@ def _shards(t: CachedTable, ids: np.ndarray):
             yield s, m, sel, (ids[sel] - s * t.shard_rows).astype(ids.dtype)
 
 
-def plan_shards(t: CachedTable, received: list[np.ndarray]) -> tuple[int, list]:
+def plan_shards(t: CachedTable, received: list[np.ndarray]) -> tuple[int, list[Plan | None]]:
     """``(ids, a Plan per owned shard, None for the others)`` for every process's ids of
     this process's shards of ``t`` (``received``, in process order)."""
     n_ids = sum(len(r) for r in received)
-    by_shard: dict[int, list] = {}
+    by_shard: dict[int, list[np.ndarray]] = {}
     mine = 0
     for r in received:
         for s, _, _, local in _shards(t, r):
@@ -85,7 +91,7 @@ def plan_shards(t: CachedTable, received: list[np.ndarray]) -> tuple[int, list]:
         raise ValueError(f"cached table {t.name!r}: another process sent ids of shards this "
                          "one does not own; every process must build the same model and "
                          "plan")  # fmt: skip
-    plans: list = [None] * len(t.maps)
+    plans: list[Plan | None] = [None] * len(t.maps)
     for s, m in enumerate(t.maps):
         if m is not None:
             plans[s] = m.plan(by_shard.get(s, []), f"cached table {t.name!r} shard {s}")

@@ -3,10 +3,13 @@ shards, and the logical rows whose slots are on this process's devices."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Sequence
+
 from flax import nnx
 
-from ..checkpoint.layout import table_buffers
+from ..checkpoint.layout import Buffer, table_buffers
 from ..checkpoint.paths import table_key
+from ..configs import BaseEmbeddingConfig
 from ..embedding.collection import embedding_collections
 from ..embedding.optimizer import CombinedOptimizer
 from ..train.step import TrainState, merge_model
@@ -14,10 +17,13 @@ from . import owned
 from .mover import columns
 
 
-def find_tables(graphdef, state, names) -> tuple[dict, dict]:
+def find_tables(
+    graphdef: nnx.GraphDef, state: TrainState, names: Collection[str]
+) -> tuple[dict[str, tuple[str, BaseEmbeddingConfig]], dict[str, list[str]]]:
     """``({table: (checkpoint key, device config)}, {feature: [tables reading it]})`` for
     the cached tables ``names``."""
-    found, readers = {}, {}
+    found: dict[str, tuple[str, BaseEmbeddingConfig]] = {}
+    readers: dict[str, list[str]] = {}
     for path, module in embedding_collections(merge_model(graphdef, state)):
         for t in module.table_configs:
             for f in tuple(t.feature_names) or (t.name,):
@@ -32,17 +38,22 @@ def find_tables(graphdef, state, names) -> tuple[dict, dict]:
     return found, readers
 
 
-def slot_shards(weights, key: str, device) -> tuple[int, int]:
+def slot_shards(
+    weights: Sequence[Buffer], key: str, device: BaseEmbeddingConfig
+) -> tuple[int, int]:
     """``(row shards, slots per shard)`` of a cached table's device table."""
     blocks = [c for b in weights for c in columns(b.blocks, key)]
     n_shards = len(set(int(r) for c in blocks[:1] for r in c.rows))
     return n_shards, device.num_embeddings // n_shards
 
 
-def held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tuple[int, int]:
+def held_rows(
+    weights: Iterable[Buffer], key: str, slots: int, shard_rows: int, rows: int
+) -> tuple[int, int]:
     """The logical rows whose slots lie on this process's devices: ``(lo, hi)``. A row
     shard must lie in one process: its host rows are written back from one."""
-    shards, elsewhere = set(), set()
+    shards: set[int] = set()
+    elsewhere: set[int] = set()
     for lane, first, end in owned.shard_lanes(weights, key, slots):
         (shards if lane.local else elsewhere).update(range(first, end))
     if shards & elsewhere:
@@ -64,7 +75,7 @@ def held_rows(weights, key: str, slots: int, shard_rows: int, rows: int) -> tupl
 
 
 def host_rows(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState,
-              config) -> tuple[int, int]:  # fmt: skip
+              config: BaseEmbeddingConfig) -> tuple[int, int]:  # fmt: skip
     """The logical rows ``(lo, hi)`` of cached table ``config`` (its logical config)
     whose slots lie on this process's devices: what its ``HostTable`` holds here
     (``HostTable.create(config, optimizer, rows=host_rows(...))``); all rows in one

@@ -27,9 +27,9 @@ import itertools
 import os
 import pickle
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -38,6 +38,7 @@ from flax import nnx
 from ..checkpoint.delta import ModelDeltaTracker, Published, Restored
 from ..checkpoint.delta_rows import marked
 from ..checkpoint.layout import HostRows, replace_tables, table_buffers
+from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.paths import components
 from ..distributed.types import CacheParams
 from ..embedding.optimizer import CombinedOptimizer
@@ -45,13 +46,17 @@ from ..train.step import TrainState
 from . import exchange, owned
 from .changes import ChangedRows, changed_rows
 from .device_maps import DeviceSlotMaps
+from .errors import with_state
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .inflight import InFlight
-from .mover import MovePaths, Mover, Staged
+from .mover import InPlace, MovePaths, Mover, Staged
 from .placement import find_tables, held_rows, slot_shards
-from .slots import CacheTooSmallError, Move, SlotMap
+from .slots import CacheTooSmallError, Move, Plan, SlotMap
 from .unloaded import device_rows
+
+KeyT = TypeVar("KeyT")
+OutT = TypeVar("OutT")
 
 
 @dataclasses.dataclass
@@ -83,10 +88,11 @@ class CacheStats:
 
 class Prepared(NamedTuple):
     """A batch with cached tables' ids rewritten as slots, and its staged move (the
-    missed rows already gathered from the host; ``None``: nothing moves)."""
+    missed rows already gathered from the host, or an in-place move's positions;
+    ``None``: nothing moves)."""
 
     batch: Any
-    staged: Staged | None
+    staged: Staged | InPlace | None
     serial: int
 
 
@@ -146,7 +152,7 @@ class RowCache:
         found, readers = find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
         on_host = _on_host(slot_maps, {d.platform for b in weights
-                                       for d in b.array.sharding.device_set})  # fmt: skip
+                                       for d in b.device_array.sharding.device_set})  # fmt: skip
         algorithms = {}
         for name, host in host_tables.items():
             key, device = found[name]
@@ -205,7 +211,7 @@ class RowCache:
         self._prepared = 0  # serial numbers: loads must follow prepares in order
         self._loaded = 0
         # each prepared batch not loaded yet: serial -> (its moves, its staged move)
-        self._unloaded: dict[int, tuple[dict[str, Move], Staged | None]] = {}
+        self._unloaded: dict[int, tuple[dict[str, Move], Staged | InPlace | None]] = {}
         self._lock = threading.Lock()  # prepare() may run in a pipeline's thread
         self._changes: ChangedRows | None = None  # rows written back since the last delta link
         self.stats = {name: CacheStats() for name in self.tables}
@@ -219,11 +225,12 @@ class RowCache:
         with self._lock, _annotate("prepare"):
             originals = [x for x in jax.tree.leaves(batch, is_leaf=is_kjt) if is_kjt(x)]
             kjts = [k.narrow_ids() for k in originals]  # id words -> int32, wide ids out of range
-            spans = {name: [] for name in self.tables}  # (kjt, lo, hi) of each table's ids
+            # (kjt, lo, hi, capacity) of each table's ids
+            spans: dict[str, list[tuple[int, int, int, int]]] = {name: [] for name in self.tables}
             for i, kjt in enumerate(kjts):
                 for f, lo, hi, cap in feature_spans(kjt, self._feature_table):
                     spans[self._feature_table[f].name].append((i, lo, hi, cap))
-            error = None
+            error: ValueError | None = None
             try:  # before anything changes
                 self._check_host()
                 self._inflight.check_room()
@@ -231,6 +238,7 @@ class RowCache:
                 error = e
             if error is not None and self._maps is not None:
                 raise error
+            new: Sequence[jax.Array | np.ndarray]  # each KJT's values, the ids as slots
             if self._maps is not None:  # on the device: the values stay there, as slots
                 planned = self._maps.plan([k.values() for k in kjts], spans)
                 new = [k.values() if v is None else v for k, v in zip(kjts, planned.values,
@@ -242,10 +250,10 @@ class RowCache:
                     st.misses, st.evictions = st.misses + c.fills, st.evictions + c.evictions
             else:
                 values = [np.asarray(k.values()) for k in kjts]
-                new = [v.copy() for v in values]  # the ids as slots
+                new = slots = [v.copy() for v in values]  # the ids as slots
                 # each table's id parts, and where their slots go: every process's, in order
                 parts = {n: [values[i][lo:hi] for i, lo, hi, _ in s] for n, s in spans.items()}
-                outs = {n: [new[i][lo:hi] for i, lo, hi, _ in s] for n, s in spans.items()}
+                outs = {n: [slots[i][lo:hi] for i, lo, hi, _ in s] for n, s in spans.items()}
                 if jax.process_count() > 1:  # every process refuses the batch, or none
                     moves = self._plan_owned(parts, outs, error)
                 elif error is not None:
@@ -267,16 +275,18 @@ class RowCache:
     def _threads_for(self, ids: int) -> int:
         return self._threads if ids >= _THREAD_IDS * len(self.tables) else 1
 
-    def _plan_here(self, parts, outs) -> dict:
+    def _plan_here(self, parts: Mapping[str, list[np.ndarray]],
+                   outs: Mapping[str, list[np.ndarray]]) -> dict[str, Move]:  # fmt: skip
         """One process: plans every table's shards on the batch's ids, rewrites them."""
 
-        def plan(name):  # reads the maps' scratch marks only: every shard checked first
+        # reads the maps' scratch marks only: every shard checked first
+        def plan(name: str) -> tuple[int, list[Plan]]:
             return plan_table(self.tables[name], parts[name], outs[name])
 
         threads = self._threads_for(sum(len(p) for ps in parts.values() for p in ps))
-        plans = dict(zip(self.tables, self._each(plan, threads), strict=True))
+        plans = dict(zip(self.tables, self._each(plan, threads, self.tables), strict=True))
 
-        def commit(name):
+        def commit(name: str) -> tuple[str, Move]:
             t = self.tables[name]
             move = self._commit(t, *plans[name])
             scanned = plans[name][1][0].scanned
@@ -284,9 +294,11 @@ class RowCache:
                 touch(t, ids, out, scanned)
             return t.key, move
 
-        return dict(self._each(commit, threads))
+        return dict(self._each(commit, threads, self.tables))
 
-    def _plan_owned(self, parts, outs, error) -> dict:
+    def _plan_owned(self, parts: Mapping[str, list[np.ndarray]],
+                    outs: Mapping[str, list[np.ndarray]],
+                    error: ValueError | None) -> dict[str, Move]:  # fmt: skip
         """Several processes: each plans the shards it owns on every process's ids of
         them, in three exchanges (see ``owned.py``); a batch any process refuses is
         refused on all of them before any map changes."""
@@ -307,12 +319,13 @@ class RowCache:
                 raise ValueError(f"process {q} refused this batch: {g['error']}")
         received = {name: [g["ids"][i] for g in got] for i, name in enumerate(self.tables)}
         threads = self._threads_for(sum(len(r) for rs in received.values() for r in rs))
+        plans: list[tuple[int, list[Plan | None]]] = []
+        refusal: Exception | None = None
         try:  # the plans change scratch marks only
-            plans = self._each(lambda name: owned.plan_shards(self.tables[name],
-                                                              received[name]), threads)  # fmt: skip
-            refusal = None
+            plans = self._each(lambda name: owned.plan_shards(self.tables[name], received[name]),
+                               threads, self.tables)  # fmt: skip
         except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
-            plans, refusal = None, e
+            refusal = e
         mine = None if refusal is None else (isinstance(refusal, CacheTooSmallError), str(refusal))
         said = self._peers.allgather(pickle.dumps(mine), f"{what}'s plans")
         if refusal is not None:
@@ -322,15 +335,16 @@ class RowCache:
                 kind = CacheTooSmallError if r[0] else ValueError
                 raise kind(f"process {q} refused this batch: {r[1]}")
 
-        def commit(i):
+        def commit(i: int) -> tuple[str, Move, list[np.ndarray]]:
             t = self.tables[list(self.tables)[i]]
             return t.key, self._commit(t, *plans[i]), owned.slots_of(t, received[t.name])
 
+        done: list[tuple[str, Move, list[np.ndarray]]] = []
+        failure: Exception | None = None
         try:
-            done = self._each(commit, threads, keys=range(len(self.tables)))
-            failure = None
+            done = self._each(commit, threads, range(len(self.tables)))
         except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
-            done, failure = None, e
+            failure = e
         back = [pickle.dumps(str(failure) if failure else [x[2][q] for x in done], 5)
                 for q in range(n)]  # fmt: skip
         got = [pickle.loads(b) for b in self._peers.exchange(back, f"{what}'s slots")]
@@ -347,11 +361,11 @@ class RowCache:
             owned.place(t, ids, sent, [g[i] for g in got], outs[name])
         return {key: move for key, move, _ in done}
 
-    def _each(self, fn, threads: int, keys=None) -> list:
-        """``fn(name)`` for each cached table (or each of ``keys``), in order; on
+    def _each(self, fn: Callable[[KeyT], OutT], threads: int, keys: Iterable[KeyT]) -> list[OutT]:
+        """``fn(key)`` for each of ``keys`` (the cached tables' names, say), in order; on
         ``threads`` threads when more than one (the C++ passes release the GIL). Every
-        call ends before the first error (in table order) is raised."""
-        keys = list(self.tables) if keys is None else list(keys)
+        call ends before the first error (in key order) is raised."""
+        keys = list(keys)
         if threads == 1:
             return [fn(k) for k in keys]
         futures = [_pool(threads).submit(fn, k) for k in keys]
@@ -368,13 +382,13 @@ class RowCache:
             self.stats[name].late += int(out[t.key].sum())
         return out
 
-    def _commit(self, t: CachedTable, n_ids: int, plans) -> Move:
+    def _commit(self, t: CachedTable, n_ids: int, plans: Sequence[Plan | None]) -> Move:
         st = self.stats[t.name]
         st.ids += n_ids
         none = np.zeros(0, np.int64)
         fills, evicts = [(none, none)], [(none, none)]  # (a process may own no shard of t)
         for s, (m, plan) in enumerate(zip(t.maps, plans, strict=True)):
-            if m is None:  # another process's shard
+            if m is None or plan is None:  # another process's shard
                 continue
             a = m.assign(plan)
             base_slot, base_row = s * t.slots, s * t.shard_rows
@@ -446,7 +460,7 @@ class RowCache:
                 )
         self._mover.check_host(self._host)
 
-    def _apply(self, state, staged, serial):
+    def _apply(self, state: TrainState, staged: Staged | InPlace, serial: int) -> TrainState:
         wheres = [b.where for b in self._mover.buffers]
         new, pending = self._mover.apply(_arrays(state, wheres), staged, self._host)
         self._inflight.hold(pending, serial)
@@ -527,11 +541,13 @@ class RowCache:
                     staged = self._unloaded[serial][1]
                     state = self._load(state, Prepared(None, staged, serial))
             except Exception as e:
-                if self._loaded >= first:  # earlier loads here took the caller's buffers
-                    e.state = state
-                    e.add_note("jaxrec.cache: earlier batches were loaded, and the state "
-                               "passed in was donated to them: go on with err.state")  # fmt: skip
-                raise
+                if self._loaded < first:  # nothing loaded: the caller's state is valid
+                    raise
+                # earlier loads here took the caller's buffers: hand back the state
+                handed = with_state(e, state)
+                handed.add_note("jaxrec.cache: earlier batches were loaded, and the state "
+                                "passed in was donated to them: go on with err.state")  # fmt: skip
+                raise handed from handed.__cause__  # (with_state's: e's cause or context)
             return state
 
     def clear(self) -> None:
@@ -548,13 +564,14 @@ class RowCache:
                 if m is not None:
                     m.clear()
 
-    def host_fields(self) -> dict[str, dict[str, np.ndarray]]:
+    def host_fields(self) -> dict[str, HostRows]:
         """``{checkpoint key: HostRows}``: what a checkpoint saves for the cached tables,
         this process's rows of each (call :meth:`flush` first)."""
         return {t.key: HostRows(t.host.fields, t.host.rows[0], t.host.config.num_embeddings)
                 for t in self.tables.values()}  # fmt: skip
 
-    def save(self, manager: Any, step: int, state: TrainState, **kwargs: Any) -> TrainState:
+    def save(self, manager: CheckpointManager, step: int, state: TrainState,
+             **kwargs: Any) -> TrainState:  # fmt: skip
         """Flushes the cache (:meth:`flush`: also while a pipeline has batches
         prefetched) and saves the state with the host tables in place of the device
         caches (``CheckpointManager.save``; synchronous). Returns ``state``, which stays
@@ -564,7 +581,8 @@ class RowCache:
                      **kwargs)  # fmt: skip
         return state
 
-    def restore(self, manager: Any, target: TrainState, *, step: int | None = None) -> TrainState:
+    def restore(self, manager: CheckpointManager, target: TrainState, *,
+                step: int | None = None) -> TrainState:  # fmt: skip
         """Restores a checkpoint (of this model, cached or not, any plan) into the host
         tables and ``target``; the cache starts empty. A restore refused before it
         reads (no such step, another model) leaves the cache as it was; one that fails
@@ -627,7 +645,7 @@ class RowCache:
         self._changes = ChangedRows(self.tables.values())
         return restored
 
-    def resume(self, manager: Any, state: TrainState) -> tuple[TrainState, int]:
+    def resume(self, manager: CheckpointManager, state: TrainState) -> tuple[TrainState, int]:
         """``CheckpointManager.resume`` into the host tables; the cache starts empty when a
         step was restored (with none, nothing changes)."""
         self.write_back()

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..distributed.types import CacheAlgorithm
 from .native import AVAILABLE as NATIVE
-from .native import kernels as _native
+from .native import require as _kernels
 
 
 class CacheTooSmallError(ValueError):
@@ -93,7 +93,8 @@ class SlotMap:
             self.lru_log, self.lru_pos = np.zeros(0, np.int32), np.zeros(0, np.int64)
         self.lru_ends = np.zeros(2, np.int64)  # head, tail (tail -1: rebuilt from last_used)
         lfu = self.algorithm is CacheAlgorithm.LFU and NATIVE
-        self.lfu_order = _native.lfu_order() if lfu else None  # the C++ pass's (cache.h)
+        # the C++ pass's (cache.h)
+        self.lfu_order: object | None = _kernels().lfu_order() if lfu else None
         self.used = 0  # slots [0, used) have held a row
         self.clock = 0
         self.epoch = 0
@@ -125,10 +126,10 @@ class SlotMap:
         if native:
             miss = np.empty(sum(len(p) for p in parts), np.int64)
             hits = n_miss = 0
-            none = np.zeros(0, np.int32)
+            none, kernels = np.zeros(0, np.int32), _kernels()
             for j, p in enumerate(parts):  # misses are marked -2 in slot_of_row until unmarked
-                out = outs[j] if scanned else none
-                h, n_miss = _native.cache_scan(p, self.slot_of_row, self.slots, miss, n_miss,
+                out = outs[j] if scanned and outs is not None else none
+                h, n_miss = kernels.cache_scan(p, self.slot_of_row, self.slots, miss, n_miss,
                                                out, 0, self.marks)  # fmt: skip
                 hits += h
             fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
@@ -171,7 +172,7 @@ class SlotMap:
             m = (self.slot_of_row, self.row_of_slot, self.last_used, counts)
             m += (self.used, self.clock, fill_slots, evict_rows, self.marks)
             m += (self.lru_log, self.lru_pos, self.lru_ends, self.lfu_order)  # victims' orders
-            self.used = _native.cache_assign(fill_rows, *m)
+            self.used = _kernels().cache_assign(fill_rows, *m)
             evict_slots = fill_slots[:k]
         else:
             fresh_slots = np.arange(self.used, self.used + fresh, dtype=np.int64)
@@ -195,14 +196,14 @@ class SlotMap:
     def finish(self, ids: np.ndarray, out: np.ndarray) -> None:
         """After a scanned :meth:`plan` (its ``outs``) and :meth:`assign`: the missed ids'
         slots into ``out`` (the hits' are there already), rows counted (LFU)."""
-        _native.cache_fix(ids, self.slot_of_row, self.slots, 0, out, self._counts())
+        _kernels().cache_fix(ids, self.slot_of_row, self.slots, 0, out, self._counts())
 
     def touch(self, ids: np.ndarray, out: np.ndarray, base: int) -> None:
         """``out[:] = base + slot`` of each id (assigned, in range), rows counted (LFU).
         (The batch's slots were stamped by :meth:`assign`.)"""
         if self.native and ids.dtype == out.dtype == np.int32:
             out.fill(-1)  # every id is remapped
-            _native.cache_fix(ids, self.slot_of_row, self.slots, base, out, self._counts())
+            _kernels().cache_fix(ids, self.slot_of_row, self.slots, base, out, self._counts())
             return
         if self.counts is not None:  # saturating, as the C++ pass
             rows, n = np.unique(ids, return_counts=True)
@@ -214,7 +215,7 @@ class SlotMap:
         """The C++ victim orders are rebuilt from the stamps and counts when next used."""
         self.lru_ends[1] = -1
         if self.lfu_order is not None:
-            _native.lfu_reset(self.lfu_order)
+            _kernels().lfu_reset(self.lfu_order)
 
     def _counts(self) -> np.ndarray:
         return self.counts if self.counts is not None else np.zeros(0, np.uint32)
@@ -226,7 +227,7 @@ class SlotMap:
         if k <= 0:
             return np.zeros(0, np.int64)
         free = np.flatnonzero(self.seen[: self.used] != self.epoch)
-        if self.algorithm is CacheAlgorithm.LRU:
+        if self.counts is None:  # LRU (LFU counts rows)
             order = np.lexsort((free, self.last_used[free]))
         else:
             count = self.counts[self.row_of_slot[free]]

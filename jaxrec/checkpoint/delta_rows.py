@@ -144,7 +144,7 @@ def _take(x: jax.Array, rows: jax.Array) -> jax.Array:
 def gather_pieces(buf: Buffer, ids: Mapping[str, np.ndarray]) -> list[RowPiece]:
     """The pieces of ``buf``'s marked rows that this process writes (replica 0 of each
     shard), one device gather per shard."""
-    array = buf.array
+    array = buf.device_array
     shape = tuple(array.shape)
     two_d = len(shape) == 2
     blocks = Blocks(buf)

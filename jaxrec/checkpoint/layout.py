@@ -26,14 +26,25 @@ from .paths import components, table_key
 class Buffer(NamedTuple):
     """One physical array of table rows and where it lives in the state.
 
-    ``where`` is ``("tables", path components)`` for a weight buffer or
-    ``("sparse", state key, field)`` for an optimizer state field.
+    ``where`` is ``("tables", path components)`` for a weight buffer,
+    ``("sparse", state key, field)`` for an optimizer state field, or ``("host", table
+    key, field, whether this process writes it)`` for a host table's field
+    (``jaxrec.cache``), whose ``array`` is the host numpy table itself.
     """
 
     field: str  # "weight" or the optimizer state field
-    array: jax.Array
+    array: jax.Array | np.ndarray  # numpy: a host table's field (where[0] == "host")
     blocks: tuple[Block, ...]  # with table names made checkpoint keys
     where: tuple
+
+    @property
+    def device_array(self) -> jax.Array:
+        """``array`` of a train state's buffer (a device array); a host table's raises."""
+        if not isinstance(self.array, jax.Array):
+            raise TypeError(
+                f"buffer {'/'.join(map(str, self.where))} is a host table, not a device array"
+            )
+        return self.array
 
 
 class Tables(NamedTuple):

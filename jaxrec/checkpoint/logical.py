@@ -65,7 +65,7 @@ def logical_state(
     shapes = _shapes(graphdef, state)
     tables: dict[str, dict] = {}
     for buf in layout.buffers:
-        host = gathered(buf.array)
+        host = gathered(buf.device_array)
         for b in buf.blocks:
             entry = tables.setdefault(b.table, {})
             if buf.field not in entry:

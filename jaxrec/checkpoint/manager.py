@@ -71,6 +71,9 @@ class CheckpointManager:
             steps not after the latest saved one (orbax's policy).
         staging_bytes: the host buffer for table rows (default 64 MiB).
         commit_timeout_s: how long processes wait for each other to finish a step.
+        host_views: save a CPU device's table shards through zero-copy views of its
+            memory; ``False``: slice them on the device and copy a staging window at
+            a time, as off the CPU (tests take that path on a CPU).
 
     Example:
         >>> mgr = CheckpointManager("/tmp/run", max_to_keep=3)
@@ -91,6 +94,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         staging_bytes: int = stream.STAGING_BYTES,
         commit_timeout_s: float = 1800.0,
+        host_views: bool = True,
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
@@ -101,6 +105,7 @@ class CheckpointManager:
         self.save_interval_steps = max(1, int(save_interval_steps))
         self.staging_bytes = int(staging_bytes)
         self.commit_timeout_s = commit_timeout_s
+        self.host_views = host_views
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         _LIVE.add(self)
@@ -171,7 +176,8 @@ class CheckpointManager:
         _barrier(f"jaxrec_checkpoint_start_{step}")
         copy = self.async_save and not host_tables
         tables = [
-            (buf, stream.shard_sources(buf, copy, self.staging_bytes)) for buf in layout.buffers
+            (buf, stream.shard_sources(buf, copy, self.staging_bytes, host_views=self.host_views))
+            for buf in layout.buffers
         ]
         shards = {name: dense.snapshot(tree, copy) for name, tree in parts.items()}
         if not copy:

@@ -13,19 +13,24 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
 import tensorstore as ts
 from jax import lax
 
+from ..embedding.blocks import Block
 from . import store
 from .layout import Buffer
 
+if TYPE_CHECKING:  # jax exports the class as a variable (jax.Device), not a type
+    from jaxlib._jax import Device
+
 STAGING_BYTES = 64 << 20
-HOST_VIEWS = True  # read CPU shards through zero-copy views (tests turn it off)
+Index = tuple[slice, ...]  # a shard's place in its global array
+Rows = Callable[[int, int], np.ndarray]  # (start, n) -> host rows [start, start + n)
 
 
 class Piece(NamedTuple):
@@ -43,7 +48,7 @@ def piece_path(root: str, table_id: int, field: str, p: Piece) -> str:
     return os.path.join(root, "tables", str(table_id), field, f"{p.row}_{p.col}")
 
 
-def _span(index: tuple, dim: int, size: int) -> tuple[int, int]:
+def _span(index: Index, dim: int, size: int) -> tuple[int, int]:
     if dim >= len(index):
         return 0, size
     s = index[dim]
@@ -61,7 +66,7 @@ class Blocks:
             raise ValueError(f"blocks of buffer {'/'.join(map(str, buf.where))} overlap")
         self.shape = tuple(buf.array.shape)
 
-    def inside(self, index: tuple, lo: int, hi: int):
+    def inside(self, index: Index, lo: int, hi: int) -> Iterator[tuple[Block, int, int, int, int]]:
         """``(block, physical rows [r0, r1), physical cols [c0, c1))`` of the blocks inside
         rows ``[lo, hi)`` and the columns of shard ``index``."""
         two_d = len(self.shape) == 2
@@ -90,7 +95,7 @@ def _put_rows(x: jax.Array, rows: jax.Array, start) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, rows, start, 0)
 
 
-def writes_shard(array: jax.Array, shard) -> bool:
+def writes_shard(array: jax.Array, shard: jax.Shard) -> bool:
     """Whether this process writes ``shard``: replica 0 of a global array; a
     process-local array only from process 0 (every process holds its own)."""
     if shard.replica_id != 0:
@@ -101,39 +106,42 @@ def writes_shard(array: jax.Array, shard) -> bool:
 class ShardSource(NamedTuple):
     """One shard to write: its global index and a reader of row windows."""
 
-    index: tuple
-    shape: tuple
-    rows: Callable[[int, int], np.ndarray]  # (start, n) -> host rows
+    index: Index
+    shape: tuple[int, ...]
+    rows: Rows  # (start, n) -> host rows
 
 
 def shard_sources(
-    buf: Buffer, snapshot: bool, staging_bytes: int = STAGING_BYTES
+    buf: Buffer, snapshot: bool, staging_bytes: int = STAGING_BYTES, *, host_views: bool = True
 ) -> list[ShardSource]:
     """The shards of ``buf`` this process writes, read from the device a window at a
     time while writing, or, with ``snapshot`` (an asynchronous save: the caller may
     donate the array at once), copied to host now: only the rows of its pieces, not a
-    padded layout's padding, through one staging window."""
+    padded layout's padding, through one staging window. ``host_views``: read a CPU
+    device's shards through zero-copy views of its memory (``False``: sliced on the
+    device and copied a window at a time, as off the CPU)."""
     array, out = buf.array, []
     if isinstance(array, np.ndarray):  # a host table (jaxrec.cache): read in place
         if not buf.where[3]:  # another process writes these rows
             return []
-        index = tuple(slice(0, n) for n in array.shape)
-        read = lambda s, n: array[s : s + n]  # noqa: E731
         if snapshot:
             raise ValueError("a host table is written in place by training: save it synchronously")
-        return [ShardSource(index, array.shape, read)]
+        table = array
+        index = tuple(slice(0, n) for n in table.shape)
+        return [ShardSource(index, table.shape, lambda s, n: table[s : s + n])]
     for shard in array.addressable_shards:
         if not writes_shard(array, shard):
             continue
-        index, data = tuple(shard.index), shard.data
-        read = _reader(data, HOST_VIEWS and shard.device.platform == "cpu")
+        index: Index = tuple(shard.index)
+        data: jax.Array = shard.data
+        read = _reader(data, host_views and shard.device.platform == "cpu")
         if snapshot:
             read = _snapshot(buf, index, data, read, staging_bytes)
         out.append(ShardSource(index, data.shape, read))
     return out
 
 
-def _reader(data: jax.Array, view: bool) -> Callable[[int, int], np.ndarray]:
+def _reader(data: jax.Array, view: bool) -> Rows:
     """Rows ``[s, s + n)`` of a shard on the host: a view of a CPU device's memory (no
     copy), else a window sliced on the device and copied."""
     if view:
@@ -142,7 +150,7 @@ def _reader(data: jax.Array, view: bool) -> Callable[[int, int], np.ndarray]:
     return lambda s, n: np.asarray(_rows(data, s, n))
 
 
-def _snapshot(buf: Buffer, index: tuple, data: jax.Array, read, staging_bytes: int):
+def _snapshot(buf: Buffer, index: Index, data: jax.Array, read: Rows, staging_bytes: int) -> Rows:
     """A host copy of the rows of ``buf``'s blocks in one shard, and its window reader
     (rows outside the blocks read as zeros: no piece holds them)."""
     shape, local = tuple(buf.array.shape), data.shape
@@ -154,7 +162,7 @@ def _snapshot(buf: Buffer, index: tuple, data: jax.Array, read, staging_bytes: i
     n = _window(local[0], row_bytes, staging_bytes)
     for w0 in range(0, local[0], max(n, 1)):
         w0 = min(w0, local[0] - n)
-        window = None
+        window: np.ndarray | None = None
         for (s, e), at in zip(spans, starts, strict=False):
             a, b = max(s, w0), min(e, w0 + n)
             if a < b:
@@ -190,7 +198,7 @@ def save_buffer(
         row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * dtype.itemsize
         cr = store.row_chunks(src.shape, dtype)[0]
         ca = _span(src.index, 1, shape[1])[0] if len(shape) == 2 else 0
-        found = []  # (piece, first shard row, shard col)
+        found: list[tuple[str, Piece, int, int]] = []  # (table, piece, first shard row, shard col)
         for b, r0, r1, c0, c1 in blocks.inside(src.index, lo, hi):
             if len(shape) == 1 and b.col != 0:
                 continue  # a row-wise field: column pieces hold equal copies
@@ -240,13 +248,14 @@ def restore_buffer(
     target = buf.array
     shape, dtype = tuple(target.shape), np.dtype(target.dtype)
     blocks = Blocks(buf)
-    by_index: dict = {}
+    by_index: dict[tuple[tuple[int, int], ...], list[Device]] = {}  # spans -> their devices
     if isinstance(target, np.ndarray):
         by_index[_normal((), shape)] = []
     else:
         for device, index in target.sharding.addressable_devices_indices_map(shape).items():
-            by_index.setdefault(_normal(index, shape), []).append(device)
-    needed = {}  # the pieces this process's shards read (ordered), opened at once
+            by_index.setdefault(_normal(index or (), shape), []).append(device)
+    # the pieces this process's shards read (an ordered set), opened at once
+    needed: dict[tuple[str, Piece], None] = {}
     for spans in by_index:
         index = tuple(slice(a, b) for a, b in spans)
         for b, r0, r1, _, _ in blocks.inside(index, spans[0][0], spans[0][1]):
@@ -256,7 +265,7 @@ def restore_buffer(
                     needed[(b.table, p)] = None
     opened = _open(root, buf.field, needed, table_ids, dtype, what)
 
-    def fill(host: np.ndarray, g0: int, index: tuple) -> None:
+    def fill(host: np.ndarray, g0: int, index: Index) -> None:
         """Writes the window's rows into ``host`` (TensorStore copies straight into it)."""
         host.fill(0)  # padding rows and columns
         into = ts.array(host, copy=False, write=True)
@@ -318,7 +327,7 @@ def restore_buffer(
     return jax.make_array_from_single_device_arrays(shape, target.sharding, arrays)
 
 
-def _normal(index: tuple, shape: tuple) -> tuple:
+def _normal(index: Index, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(_span(index, d, shape[d]) for d in range(len(shape)))
 
 
@@ -326,9 +335,16 @@ def _dims(p: Piece) -> tuple[int, ...]:
     return (p.rows, p.cols) if p.cols else (p.rows,)
 
 
-def _open(root, field, keys, table_ids, dtype, what) -> dict:
+def _open(
+    root: str,
+    field: str,
+    keys: Iterable[tuple[str, Piece]],
+    table_ids: Mapping[str, int],
+    dtype: np.dtype,
+    what: str,
+) -> dict[tuple[str, Piece], ts.TensorStore]:
     """``{(table, Piece): array}`` of pieces ``keys``, opened concurrently."""
-    by_table: dict = {}
+    by_table: dict[str, list[Piece]] = {}
     for table, p in keys:
         by_table.setdefault(table, []).append(p)
     out = {}

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Final, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +61,10 @@ C++ on CPU, Pallas on GPUs, XLA elsewhere), ``"xla"``, ``"pallas"``, ``"cpu"`` o
 ``"mosaic_gpu"`` (see the table of ``jaxrec.ops.dispatch``)."""
 IMPLEMENTATIONS: tuple[Implementation, ...] = (None, "xla", "pallas", "cpu", "mosaic_gpu")
 GPU_PLATFORMS = ("cuda", "rocm")
-# Whether ``implementation=None`` picks the C++ kernels on the CPU platform.
-CPU_BY_DEFAULT = True
+CPU_BY_DEFAULT: Final = True
+"""Whether ``implementation=None`` picks the C++ kernels on the CPU platform. A constant
+(``Final``: the type checker refuses assignments to it, here or as
+``dispatch.CPU_BY_DEFAULT = ...``): to run XLA on the CPU, pass ``implementation="xla"``."""
 # The platform whose branch is being traced (None outside any branch): calls
 # nested in a branch choose directly instead of staging branches again.
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(

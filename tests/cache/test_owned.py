@@ -13,6 +13,8 @@ import pytest
 from jaxrec.cache import CacheAlgorithm, owned
 from jaxrec.cache.ids import CachedTable, plan_table, touch
 from jaxrec.cache.slots import SlotMap
+from jaxrec.checkpoint.layout import Buffer
+from jaxrec.embedding.blocks import Block
 
 ROWS, SHARDS, SLOTS = 400, 4, 40
 SHARD_ROWS = ROWS // SHARDS
@@ -90,6 +92,6 @@ def test_ids_of_a_shard_not_owned_are_refused():
 def test_owners_from_the_devices():
     # an unsharded table's buffer on this process's device: one shard, owned here
     arr = jax.numpy.zeros((SLOTS, 4))
-    blocks = [SimpleNamespace(table="t", col=0, cols=4, row=0, start=0, rows=SLOTS)]
-    buffer = SimpleNamespace(array=arr, blocks=blocks)
+    block = Block(table="t", row=0, rows=SLOTS, col=0, cols=4, start=0)
+    buffer = Buffer("weight", arr, (block,), ("tables", ("t",)))
     assert owned.shard_owners([buffer], "t", SLOTS, 1).tolist() == [jax.process_index()]

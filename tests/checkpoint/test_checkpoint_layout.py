@@ -203,10 +203,9 @@ def test_streaming_in_small_windows_across_plans(
     read back into other column splits, an async save's host copy skips padding rows;
     the result is exact. Shards are read through host views (CPU devices) or sliced on
     the device (as on GPUs)."""
-    from jaxrec.checkpoint import store, stream
+    from jaxrec.checkpoint import store
 
     monkeypatch.setattr(store, "CHUNK_BYTES", 64)  # 2 rows of 8 floats
-    monkeypatch.setattr(stream, "HOST_VIEWS", host_views)
 
     def state_of(name):
         return build("unsharded", OPT)[:2] if name == "unsharded" else build_plan(name, OPT)
@@ -214,7 +213,9 @@ def test_streaming_in_small_windows_across_plans(
     graphdef, state = state_of(saved_under)
     logical = filled(ckpt.logical_state(graphdef, OPT, state), seed=3, constant_rows=True)
     state = ckpt.place_state(graphdef, OPT, state, logical)
-    with ckpt.CheckpointManager(tmp_path, async_save=async_save, staging_bytes=200) as mgr:
+    with ckpt.CheckpointManager(
+        tmp_path, async_save=async_save, staging_bytes=200, host_views=host_views
+    ) as mgr:
         mgr.save(1, graphdef, OPT, state)
         zero = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t), donate_argnums=0)
         zero((state.tables, state.opt_state.sparse))  # a donating step overwrites them
