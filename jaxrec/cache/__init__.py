@@ -5,7 +5,6 @@ from ..distributed.types import CacheParams as CacheParams
 from .configs import cached_configs as cached_configs
 from .configs import device_plan as device_plan
 from .configs import slots_per_shard as slots_per_shard
-from .errors import StateHandedBack as StateHandedBack
 from .host import HostTable as HostTable
 from .mover import MovePaths as MovePaths
 from .placement import host_rows as host_rows

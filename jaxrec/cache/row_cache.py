@@ -46,7 +46,7 @@ from ..train.step import TrainState
 from . import exchange, owned
 from .changes import ChangedRows, changed_rows
 from .device_maps import DeviceSlotMaps
-from .errors import with_state
+from .errors import hand_back
 from .host import HostTable, check_host
 from .ids import CachedTable, feature_spans, is_kjt, plan_table, touch, with_values
 from .inflight import InFlight
@@ -544,10 +544,9 @@ class RowCache:
                 if self._loaded < first:  # nothing loaded: the caller's state is valid
                     raise
                 # earlier loads here took the caller's buffers: hand back the state
-                handed = with_state(e, state)
-                handed.add_note("jaxrec.cache: earlier batches were loaded, and the state "
-                                "passed in was donated to them: go on with err.state")  # fmt: skip
-                raise handed from handed.__cause__  # (with_state's: e's cause or context)
+                hand_back(e, state, "jaxrec.cache: earlier batches were loaded, and the state "
+                          "passed in was donated to them: go on with err.state")  # fmt: skip
+                raise
             return state
 
     def clear(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from ..train.step import TrainState, TrainStep
-from .errors import with_state
+from .errors import hand_back
 from .row_cache import Prepared, RowCache
 
 
@@ -38,14 +38,12 @@ class CachedTrainStep(TrainStep):
 def handed_back(err: Exception, state: TrainState) -> Exception:
     """``err`` with ``err.state``: the state after a cache load, for a step that failed
     after it (say, a batch the step cannot trace). The load took the caller's table
-    buffers, so this is the state to go on with (``TrainPipeline`` adopts it): the
-    error is then a :class:`~jaxrec.cache.StateHandedBack` of its own type. Not set
+    buffers, so this is the state to go on with (``TrainPipeline`` adopts it). Not set
     when the failure also took the loaded state's buffers (a failed run)."""
     if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
         err.add_note(_LOST)
         return err
-    err = with_state(err, state)
-    err.add_note(_HANDED_BACK)
+    hand_back(err, state, _HANDED_BACK)
     return err
 
 
