@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -18,7 +18,8 @@ class CachedTrainStep(TrainStep):
     train step on slots. A ``TrainPipeline`` runs it as any ``TrainStep``."""
 
     def __init__(self, step: TrainStep, cache: RowCache):
-        super().__init__(self._run)
+        # Not a jitted function: this class's lower() replaces the one that needs one.
+        super().__init__(cast(jax.stages.Wrapped, self._run))
         self.inner, self.cache = step, cache
         self.skipped_steps = step.skipped_steps
         self.step_warnings = step.step_warnings
