@@ -41,8 +41,7 @@ class ChangedRows:
     def __init__(self, tables: Iterable[CachedTable]):
         tables = list(tables)
         self.offsets = {t.key: t.host.rows[0] for t in tables}
-        self.masks = {t.key: np.zeros(t.host.rows[1] - t.host.rows[0], np.bool_)
-                      for t in tables}  # fmt: skip
+        self.masks = {t.key: np.zeros(t.host.rows[1] - t.host.rows[0], np.bool_) for t in tables}
 
     def written_back(self, moves: Mapping[str, Move]) -> None:
         """Records a loaded batch's evictions (its :class:`Move` per key, logical rows)."""

@@ -29,9 +29,11 @@ def cached_configs(
     out = []
     for c in configs:
         if c.name in params:
-            c = dataclasses.replace(c, num_embeddings=slots_per_shard(c.num_embeddings, 1,
-                                                                     params[c.name]),
-                                    cached_rows=c.num_embeddings)  # fmt: skip
+            c = dataclasses.replace(
+                c,
+                num_embeddings=slots_per_shard(c.num_embeddings, 1, params[c.name]),
+                cached_rows=c.num_embeddings,
+            )
         out.append(c)
     return out
 
@@ -66,8 +68,9 @@ def device_plan(
             )
             for s in shards
         )
-        out_configs.append(dataclasses.replace(c, num_embeddings=len(starts) * slots,
-                                               cached_rows=c.num_embeddings))  # fmt: skip
+        out_configs.append(
+            dataclasses.replace(c, num_embeddings=len(starts) * slots, cached_rows=c.num_embeddings)
+        )
         out_plan[c.name] = dataclasses.replace(
             p, compute_kernel=EmbeddingComputeKernel.FUSED, cache_params=None, sharding_spec=spec
         )

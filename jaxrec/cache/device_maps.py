@@ -79,14 +79,20 @@ class DeviceSlotMaps:
     def _empty(self, layout: SetLayout) -> SlotState:
         return jax.device_put(empty_state(layout), self.device)
 
-    def plan(self, values: Sequence[jax.Array | np.ndarray],
-             spans: Mapping[str, list[tuple[int, int, int, int]]]) -> DevicePlan:  # fmt: skip
+    def plan(
+        self,
+        values: Sequence[jax.Array | np.ndarray],
+        spans: Mapping[str, list[tuple[int, int, int, int]]],
+    ) -> DevicePlan:
         """Plans a batch: ``values`` of each KJT (host or device arrays), ``spans[name]``
         the ``(kjt, lo, hi, capacity)`` of each cached table's features (ids ``[lo, hi)``
         in the static slice ``[lo, lo + capacity)``). Raises ``CacheTooSmallError`` (no
         slot map changed) when a table's rows do not fit in its cache's sets."""
-        routes = tuple(_Route(n, self.layouts[n], tuple((i, lo, c) for i, lo, _, c in spans[n]))
-                       for n in self.tables if spans[n])  # fmt: skip
+        routes = tuple(
+            _Route(n, self.layouts[n], tuple((i, lo, c) for i, lo, _, c in spans[n]))
+            for n in self.tables
+            if spans[n]
+        )
         used = sorted({i for r in routes for i, _, _ in r.slices})
         none = np.zeros(0, np.int64)
         counts = {n: TableCounts(0, 0, 0, 0) for n in self.tables}
@@ -96,8 +102,7 @@ class DeviceSlotMaps:
         lengths = np.array([hi - lo for r in routes for _, lo, hi, _ in spans[r.name]], np.int32)
         program = self._programs.get((routes, tuple(used)))
         if program is None:
-            program = jax.jit(functools.partial(_plan_batch, routes, tuple(used)),
-                              donate_argnums=0)  # fmt: skip
+            program = jax.jit(functools.partial(_plan_batch, routes, tuple(used)), donate_argnums=0)
             self._programs[(routes, tuple(used))] = program
         states = tuple(self.states[r.name] for r in routes)
         new_states, new_values, summary, packed = program(
@@ -206,8 +211,13 @@ def _plan_batch(routes: tuple[_Route, ...], used: tuple[int, ...], states, value
             got = planned.slots[off : off + cap].astype(v.dtype)  # padding: unchanged
             new_values[at[k]] = jax.lax.dynamic_update_slice(v, got, (lo,))
             off += cap
-    summary = jnp.stack([jnp.stack([p.n_ids, p.n_rows, p.n_fill, p.n_evict,
-                                    p.overflow.astype(jnp.int32)]) for p in plans])  # fmt: skip
-    packed = tuple(jnp.stack([p.fill_slots, p.fill_rows, p.evict_slots, p.evict_rows])
-                   for p in plans)  # fmt: skip
+    summary = jnp.stack(
+        [
+            jnp.stack([p.n_ids, p.n_rows, p.n_fill, p.n_evict, p.overflow.astype(jnp.int32)])
+            for p in plans
+        ]
+    )
+    packed = tuple(
+        jnp.stack([p.fill_slots, p.fill_rows, p.evict_slots, p.evict_rows]) for p in plans
+    )
     return tuple(p.state for p in plans), tuple(new_values), summary, packed

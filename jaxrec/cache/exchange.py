@@ -36,13 +36,14 @@ class Peers:
             return
         client = distributed.global_state.client
         if client is None:
-            raise RuntimeError("several processes but no jax.distributed client: call "
-                               "jax.distributed.initialize first")  # fmt: skip
+            raise RuntimeError(
+                "several processes but no jax.distributed client: call "
+                "jax.distributed.initialize first"
+            )
         ms = int(timeout_s * 1000)
         with socket.create_server(("", 0)) as server:
             server.settimeout(timeout_s)
-            client.key_value_set(f"{tag}/addr/{self.me}",
-                                 f"{_address()}:{server.getsockname()[1]}")  # fmt: skip
+            client.key_value_set(f"{tag}/addr/{self.me}", f"{_address()}:{server.getsockname()[1]}")
             for j in range(self.me + 1, self.n):  # connect to the later ones
                 host, port = client.blocking_key_value_get(f"{tag}/addr/{j}", ms).rsplit(":", 1)
                 conn = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -67,8 +68,9 @@ class Peers:
         After a failure every later call raises: a message half read or sent would be
         read as the next one."""
         if len(payloads) != self.n:
-            raise ValueError(f"exchange takes a payload per process ({self.n}), got "
-                             f"{len(payloads)}")  # fmt: skip
+            raise ValueError(
+                f"exchange takes a payload per process ({self.n}), got {len(payloads)}"
+            )
         if self.n == 1:
             return list(payloads)
         pool = self._pool  # made by __init__ with several processes
@@ -76,11 +78,14 @@ class Peers:
             raise RuntimeError("Peers: no connections to the other processes")
         with self._lock:
             if self._failed is not None:
-                raise RuntimeError(f"the exchange between processes failed earlier "
-                                   f"({self._failed}): restart the job's processes")  # fmt: skip
-            sends = [pool.submit(c.sendall, len(payloads[j]).to_bytes(_HEADER, "big")
-                                 + payloads[j])
-                     for j, c in self.conns.items()]  # fmt: skip
+                raise RuntimeError(
+                    f"the exchange between processes failed earlier "
+                    f"({self._failed}): restart the job's processes"
+                )
+            sends = [
+                pool.submit(c.sendall, len(payloads[j]).to_bytes(_HEADER, "big") + payloads[j])
+                for j, c in self.conns.items()
+            ]
             recvs = {j: pool.submit(_message, c) for j, c in self.conns.items()}
             out = [payloads[self.me]] * self.n
             try:
@@ -133,8 +138,10 @@ def _address() -> str:
     coordinator leave from (a UDP connect sends nothing)."""
     coordinator = distributed.global_state.coordinator_address
     if coordinator is None:
-        raise RuntimeError("several processes but no jax.distributed coordinator: call "
-                           "jax.distributed.initialize first")  # fmt: skip
+        raise RuntimeError(
+            "several processes but no jax.distributed coordinator: call "
+            "jax.distributed.initialize first"
+        )
     host = coordinator.rsplit(":", 1)[0].strip("[]")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:

@@ -127,8 +127,13 @@ def initial_state(optimizer: SparseOptimizer, rows: int, dim: int) -> dict[str, 
     return out
 
 
-def check_host(name: str, host: HostTable, device: BaseEmbeddingConfig,
-               optimizer: CombinedOptimizer, readers: Mapping[str, list[str]]) -> None:  # fmt: skip
+def check_host(
+    name: str,
+    host: HostTable,
+    device: BaseEmbeddingConfig,
+    optimizer: CombinedOptimizer,
+    readers: Mapping[str, list[str]],
+) -> None:
     """The host table fits the device's slot table, its optimizer and its features."""
     hc = host.config
     if (hc.embedding_dim, hc.dtype) != (device.embedding_dim, device.dtype):

@@ -31,8 +31,10 @@ def all_maps(t: CachedTable) -> list[SlotMap]:
     processes plan their own shards' only, see ``owned.py``)."""
     maps = [m for m in t.maps if m is not None]
     if len(maps) != len(t.maps):
-        raise ValueError(f"cached table {t.name!r}: another process holds some of its slot "
-                         "maps (plan it with owned.plan_shards)")  # fmt: skip
+        raise ValueError(
+            f"cached table {t.name!r}: another process holds some of its slot "
+            "maps (plan it with owned.plan_shards)"
+        )
     return maps
 
 
@@ -51,10 +53,12 @@ def plan_table(
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     shard = ids // t.shard_rows
     return n_ids, [
-        m.plan([(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
-               f"cached table {t.name!r} shard {s}")
+        m.plan(
+            [(ids[shard == s] - s * t.shard_rows).astype(ids.dtype)],
+            f"cached table {t.name!r} shard {s}",
+        )
         for s, m in enumerate(maps)
-    ]  # fmt: skip
+    ]
 
 
 def touch(t: CachedTable, ids: np.ndarray, out: np.ndarray, scanned: bool) -> None:
@@ -114,5 +118,6 @@ def feature_spans(kjt: KeyedJaggedTensor, features: Container[str]) -> Iterator[
     starts = kjt.capacity_offsets()
     for k, f in enumerate(kjt.keys()):
         if f in features:
-            yield FeatureSpan(f, starts[k], starts[k] + int(lengths[k].sum()),
-                              starts[k + 1] - starts[k])  # fmt: skip
+            yield FeatureSpan(
+                f, starts[k], starts[k] + int(lengths[k].sum()), starts[k + 1] - starts[k]
+            )

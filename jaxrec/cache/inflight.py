@@ -75,8 +75,10 @@ class InFlight:
         with self.lock:
             if not self.batches:
                 return None
-            return {key: self.counts[key][m.fill_rows - self.offsets[key]] > 0
-                    for key, m in moves.items()}  # fmt: skip
+            return {
+                key: self.counts[key][m.fill_rows - self.offsets[key]] > 0
+                for key, m in moves.items()
+            }
 
     def add(self, serial: int, moves: Mapping[str, Move]) -> None:
         """Records prepared batch ``serial``'s evictions (after every earlier one's)."""

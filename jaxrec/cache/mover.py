@@ -65,8 +65,16 @@ def columns(blocks: tuple[Block, ...], table: str) -> list[Columns]:
     out = []
     for (col, cols), bs in sorted(by_col.items()):
         bs.sort(key=lambda b: b.row)
-        out.append(Columns(col, cols, *(np.array(x, np.int64) for x in zip(
-            *[(b.row, b.start, b.rows) for b in bs], strict=True))))  # fmt: skip
+        out.append(
+            Columns(
+                col,
+                cols,
+                *(
+                    np.array(x, np.int64)
+                    for x in zip(*[(b.row, b.start, b.rows) for b in bs], strict=True)
+                ),
+            )
+        )
     return out
 
 
@@ -175,10 +183,14 @@ class Mover:
     of each cached table (by checkpoint key); ``names``: their table names; ``paths``:
     the move paths allowed (default: each where it applies)."""
 
-    def __init__(self, buffers: list[Buffer], host: HostFields,
-                 names: Mapping[str, str] | None = None,
-                 offsets: Mapping[str, int] | None = None,
-                 paths: MovePaths = MovePaths()):  # fmt: skip
+    def __init__(
+        self,
+        buffers: list[Buffer],
+        host: HostFields,
+        names: Mapping[str, str] | None = None,
+        offsets: Mapping[str, int] | None = None,
+        paths: MovePaths = MovePaths(),
+    ):
         keys = set(host)
         self.paths = paths
         self.names = dict(names or {})  # checkpoint key -> table name, for messages
@@ -192,12 +204,18 @@ class Mover:
         self.specs = [x[2] for x in per_buffer]  # (mesh, buffer spec, lane spec), or None
         self.staging = _staging(self.chunks, paths.pinned)
         self._programs: dict = {}
-        self.parts = [InPlacePart(i, k, c, len(b.array.shape) == 2 or j == 0)
-                      for i, b in enumerate(self.buffers) for k in sorted(keys)
-                      for j, c in enumerate(self.cols[i][k])]  # fmt: skip
-        self.inplace = (paths.inplace and self.staging is None
-                        and not any(self.offsets.values())
-                        and _inplace(self.buffers, self.parts, host))  # fmt: skip
+        self.parts = [
+            InPlacePart(i, k, c, len(b.array.shape) == 2 or j == 0)
+            for i, b in enumerate(self.buffers)
+            for k in sorted(keys)
+            for j, c in enumerate(self.cols[i][k])
+        ]
+        self.inplace = (
+            paths.inplace
+            and self.staging is None
+            and not any(self.offsets.values())
+            and _inplace(self.buffers, self.parts, host)
+        )
 
     def stage(
         self,
@@ -233,8 +251,9 @@ class Mover:
             return None
         n = _bucket(n)
         fill_pos, fill_vals, evict_pos, parts_out, patches = [], [], [], [], []
-        for i, (buf, lanes, per_lane) in enumerate(zip(self.buffers, self.lanes, split,
-                                                       strict=True)):  # fmt: skip
+        for i, (buf, lanes, per_lane) in enumerate(
+            zip(self.buffers, self.lanes, split, strict=True)
+        ):
             shape, dtype = buf.array.shape, buf.array.dtype
             fp, fv, ep = {}, {}, {}
             for j, (lane, items) in enumerate(zip(lanes, per_lane, strict=True)):
@@ -257,16 +276,17 @@ class Mover:
                     if len(pe):
                         ep[j][e_at : e_at + len(pe)] = pe - lane.lo
                         rows = self._local(key, m.evict_rows[e], off, len(src))
-                        parts_out.append(HostWrite(i, lane.device, src, rows, e_at, c.col,
-                                                   c.cols))  # fmt: skip
+                        parts_out.append(HostWrite(i, lane.device, src, rows, e_at, c.col, c.cols))
                         e_at += len(pe)
             fill_pos.append(fp)
             fill_vals.append(fv)
             evict_pos.append(ep)
         patched = {p.buffer for p in patches}
         if self.staging is not None:  # to pinned host memory now (a prefetch's thread)
-            fill_vals = [v if i in patched else self._global(i, v, n, self.staging[i])
-                         for i, v in enumerate(fill_vals)]  # fmt: skip
+            fill_vals = [
+                v if i in patched else self._global(i, v, n, self.staging[i])
+                for i, v in enumerate(fill_vals)
+            ]
         return Staged(n, fill_pos, fill_vals, evict_pos, parts_out, patches)
 
     def _local(self, key: str, rows: np.ndarray, offset: int, held: int) -> np.ndarray:
@@ -283,24 +303,38 @@ class Mover:
             )
         return local
 
-    def _global(self, i: int, chunks: Mapping[int, np.ndarray], n: int,
-                sharding: jax.sharding.Sharding) -> jax.Array:  # fmt: skip
+    def _global(
+        self, i: int, chunks: Mapping[int, np.ndarray], n: int, sharding: jax.sharding.Sharding
+    ) -> jax.Array:
         """One array of every lane's ``n`` entries from this process's lanes' chunks."""
         lanes = self.lanes[i]
         shape = (n * len(lanes), *next(iter(chunks.values())).shape[1:])
         kind = sharding.memory_kind
-        arrays = [jax.device_put(chunks[j], jax.sharding.SingleDeviceSharding(
-            lanes[j].device, memory_kind=kind)) for j in sorted(chunks)]  # fmt: skip
+        arrays = [
+            jax.device_put(
+                chunks[j], jax.sharding.SingleDeviceSharding(lanes[j].device, memory_kind=kind)
+            )
+            for j in sorted(chunks)
+        ]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     def _stage_inplace(self, moves: Mapping[str, Move]) -> InPlace | None:
-        n = max([0, *(max(len(moves[p.key].fill_slots), len(moves[p.key].evict_slots))
-                      for p in self.parts)])  # fmt: skip
+        n = max(
+            [
+                0,
+                *(
+                    max(len(moves[p.key].fill_slots), len(moves[p.key].evict_slots))
+                    for p in self.parts
+                ),
+            ]
+        )
         if not n:
             return None
         n = _bucket(n)
-        out = InPlace(*(np.full((len(self.parts), n), -1, np.int32) for _ in range(2)),
-                      *(np.zeros((len(self.parts), n), np.int64) for _ in range(2)))  # fmt: skip
+        out = InPlace(
+            *(np.full((len(self.parts), n), -1, np.int32) for _ in range(2)),
+            *(np.zeros((len(self.parts), n), np.int64) for _ in range(2)),
+        )
         for j, p in enumerate(self.parts):
             m = moves[p.key]
             out.fill_pos[j, : len(m.fill_slots)] = p.columns.positions(m.fill_slots)
@@ -317,11 +351,14 @@ class Mover:
             field = self.buffers[p.buffer].field
             if not host[p.key][field].flags.c_contiguous:
                 name = self.names.get(p.key, p.key)
-                raise ValueError(f"host table {name!r} field {field!r} was replaced by a "
-                                 "non-contiguous array; fill it in place")  # fmt: skip
+                raise ValueError(
+                    f"host table {name!r} field {field!r} was replaced by a "
+                    "non-contiguous array; fill it in place"
+                )
 
-    def _apply_inplace(self, arrays: Sequence[jax.Array], staged: InPlace,
-                       host: HostFields | None) -> tuple[list[jax.Array], Pending]:  # fmt: skip
+    def _apply_inplace(
+        self, arrays: Sequence[jax.Array], staged: InPlace, host: HostFields | None
+    ) -> tuple[list[jax.Array], Pending]:
         if host is None:
             raise ValueError("an in-place move needs the host arrays (Mover.apply's host)")
         self.check_host(host)
@@ -330,20 +367,30 @@ class Mover:
             h, c = host[p.key][self.buffers[p.buffer].field], p.columns
             keep.append(h)
             wide = h.ndim == 2
-            attrs.append((p.buffer, h.ctypes.data, len(h), h.strides[0],
-                          c.col * h.itemsize if wide else 0,
-                          (c.cols if wide else 1) * h.itemsize))  # fmt: skip
+            attrs.append(
+                (
+                    p.buffer,
+                    h.ctypes.data,
+                    len(h),
+                    h.strides[0],
+                    c.col * h.itemsize if wide else 0,
+                    (c.cols if wide else 1) * h.itemsize,
+                )
+            )
         attrs = tuple(attrs)
         if attrs not in self._programs:  # the host arrays' addresses are in the program
-            self._programs = {attrs: jax.jit(functools.partial(_move_inplace, attrs),
-                                             donate_argnums=0)}  # fmt: skip
+            self._programs = {
+                attrs: jax.jit(functools.partial(_move_inplace, attrs), donate_argnums=0)
+            }
         pos_e, pos_f, rows_e, rows_f = staged  # int64 rows as int32 pairs (no x64 needed)
-        new, done = self._programs[attrs](list(arrays), pos_e, pos_f, rows_e.view(np.int32),
-                                          rows_f.view(np.int32))  # fmt: skip
+        new, done = self._programs[attrs](
+            list(arrays), pos_e, pos_f, rows_e.view(np.int32), rows_f.view(np.int32)
+        )
         return new, Pending(done, [], tuple(keep))
 
-    def apply(self, arrays: list[jax.Array], staged: Staged | InPlace,
-              host: HostFields | None = None) -> tuple[list[jax.Array], Pending]:  # fmt: skip
+    def apply(
+        self, arrays: list[jax.Array], staged: Staged | InPlace, host: HostFields | None = None
+    ) -> tuple[list[jax.Array], Pending]:
         """Runs a staged move on the buffers ``arrays`` (donated): the evicted rows are
         read, then the missed rows written. Returns the new buffers and the evicted rows
         (not yet on the host: :meth:`Pending.write_back`; in place: written by the
@@ -360,11 +407,14 @@ class Mover:
             else:
                 fv[p.at + where, : p.columns.cols] = vals
         kinds = self.staging or self.chunks
-        fill_vals = [v if isinstance(v, jax.Array) else self._global(i, v, staged.n, kinds[i])
-                     for i, v in enumerate(fill_vals)]  # fmt: skip
-        fill_pos, evict_pos = ([self._global(i, p, staged.n, self.chunks[i])
-                                for i, p in enumerate(pos)]
-                               for pos in (staged.fill_pos, staged.evict_pos))  # fmt: skip
+        fill_vals = [
+            v if isinstance(v, jax.Array) else self._global(i, v, staged.n, kinds[i])
+            for i, v in enumerate(fill_vals)
+        ]
+        fill_pos, evict_pos = (
+            [self._global(i, p, staged.n, self.chunks[i]) for i, p in enumerate(pos)]
+            for pos in (staged.fill_pos, staged.evict_pos)
+        )
         self._make_programs(arrays)
         # two programs: in one, XLA copies each whole buffer to scatter in place after
         # the gather read it; the runtime orders the donation after the read instead
@@ -381,11 +431,12 @@ class Mover:
                     functools.partial(_scatter, specs, self.staging and self.chunks),
                     donate_argnums=0,
                     out_shardings=[a.sharding for a in arrays],
-                ),  # fmt: skip
+                ),
             }
 
-    def copy_out(self, arrays: list[jax.Array], staged: Staged | InPlace,
-                 host: HostFields) -> Pending:  # fmt: skip
+    def copy_out(
+        self, arrays: list[jax.Array], staged: Staged | InPlace, host: HostFields
+    ) -> Pending:
         """The evictions of a move without fills (a flush) on their way to the host,
         reading the buffers ``arrays`` without taking them: nothing is donated, so the
         state they belong to stays valid. In place, the rows are copied now, from the
@@ -393,8 +444,9 @@ class Mover:
         the buffers has ended)."""
         if not isinstance(staged, InPlace):
             self._make_programs(arrays)
-            evict_pos = [self._global(i, p, staged.n, self.chunks[i])
-                         for i, p in enumerate(staged.evict_pos)]  # fmt: skip
+            evict_pos = [
+                self._global(i, p, staged.n, self.chunks[i]) for i, p in enumerate(staged.evict_pos)
+            ]
             return Pending(self._programs["gather"](list(arrays), evict_pos), staged.parts)
         self.check_host(host)
         jax.block_until_ready(arrays)
@@ -469,8 +521,10 @@ def _scatter(specs, to_device, arrays, fill_pos, fill_vals):
     def write(a, p, v):
         return a.at[p].set(v, mode="drop")
 
-    return [_on_lanes(s, write, 2, out=0)(a, p, v)
-            for s, a, p, v in zip(specs, arrays, fill_pos, fill_vals, strict=True)]  # fmt: skip
+    return [
+        _on_lanes(s, write, 2, out=0)(a, p, v)
+        for s, a, p, v in zip(specs, arrays, fill_pos, fill_vals, strict=True)
+    ]
 
 
 def _on_lanes(spec, fn, lane_args: int, out: int | None = None):
@@ -479,8 +533,13 @@ def _on_lanes(spec, fn, lane_args: int, out: int | None = None):
     if spec is None:  # one device
         return fn
     mesh, buffer, lane = spec
-    return jax.shard_map(fn, mesh=mesh, in_specs=(buffer, *[lane] * lane_args),
-                         out_specs=buffer if out == 0 else lane, check_vma=False)  # fmt: skip
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(buffer, *[lane] * lane_args),
+        out_specs=buffer if out == 0 else lane,
+        check_vma=False,
+    )
 
 
 def lanes(
@@ -498,8 +557,10 @@ def lanes(
         devices, spec = list(sharding.device_set), None
         chunk = jax.sharding.SingleDeviceSharding(devices[0])
     else:
-        raise ValueError(f"a cached table's buffer has sharding {sharding}: expected a "
-                         "NamedSharding (a plan over a mesh) or one device")  # fmt: skip
+        raise ValueError(
+            f"a cached table's buffer has sharding {sharding}: expected a "
+            "NamedSharding (a plan over a mesh) or one device"
+        )
     index = sharding.devices_indices_map(shape)
     lanes, first, me = [], {}, jax.process_index()
     for j, dev in enumerate(devices):
@@ -531,12 +592,21 @@ def _move_inplace(attrs, arrays, evict_pos, fill_pos, evict_rows, fill_rows):
     arrays = list(arrays)
     for j, (i, host, rows, stride, offset, nbytes) in enumerate(attrs):
         a = arrays[i]
-        call = jax.ffi.ffi_call("jaxrec_cache_move", jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                input_output_aliases={0: 0})  # fmt: skip
-        arrays[i] = call(a, evict_pos[j], evict_rows[j], fill_pos[j], fill_rows[j],
-                         host=np.int64(host), host_rows=np.int64(rows),
-                         host_stride=np.int64(stride), host_offset=np.int64(offset),
-                         nbytes=np.int64(nbytes))  # fmt: skip
+        call = jax.ffi.ffi_call(
+            "jaxrec_cache_move", jax.ShapeDtypeStruct(a.shape, a.dtype), input_output_aliases={0: 0}
+        )
+        arrays[i] = call(
+            a,
+            evict_pos[j],
+            evict_rows[j],
+            fill_pos[j],
+            fill_rows[j],
+            host=np.int64(host),
+            host_rows=np.int64(rows),
+            host_stride=np.int64(stride),
+            host_offset=np.int64(offset),
+            nbytes=np.int64(nbytes),
+        )
     # a few bytes computed after the calls: waiting for them waits for the host writes
     return arrays, [a.reshape(-1)[:1] for a in arrays]
 
@@ -552,11 +622,13 @@ def _inplace(buffers: list[Buffer], parts: list[InPlacePart], host: HostFields) 
         h = host[p.key][b.field]
         devs = b.device_array.sharding.device_set
         ok = (
-            len(devs) == 1 and next(iter(devs)).platform == "cpu"
-            and h.flags.c_contiguous and h.dtype == b.array.dtype
+            len(devs) == 1
+            and next(iter(devs)).platform == "cpu"
+            and h.flags.c_contiguous
+            and h.dtype == b.array.dtype
             and h.ndim == len(b.array.shape)
             and (h.ndim == 1 or c.col + c.cols <= h.shape[1] and c.cols <= b.array.shape[1])
-        )  # fmt: skip
+        )
         if not ok:
             return False
     return available()  # the FFI target registered (the CPU backend, the extension)

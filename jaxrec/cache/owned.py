@@ -48,8 +48,10 @@ def shard_owners(weights: Iterable[Buffer], key: str, slots: int, n_shards: int)
     for lane, first, end in shard_lanes(weights, key, slots):
         owner[first:end] = lane.device.process_index
     if (owner < 0).any():
-        raise ValueError(f"table {key!r}: row shards {np.flatnonzero(owner < 0).tolist()} have "
-                         "no slots on any device")  # fmt: skip
+        raise ValueError(
+            f"table {key!r}: row shards {np.flatnonzero(owner < 0).tolist()} have "
+            "no slots on any device"
+        )
     return owner
 
 
@@ -88,9 +90,11 @@ def plan_shards(t: CachedTable, received: list[np.ndarray]) -> tuple[int, list[P
             by_shard.setdefault(s, []).append(local)
             mine += len(local)
     if mine != n_ids:  # the processes' routes differ: their meshes or plans do
-        raise ValueError(f"cached table {t.name!r}: another process sent ids of shards this "
-                         "one does not own; every process must build the same model and "
-                         "plan")  # fmt: skip
+        raise ValueError(
+            f"cached table {t.name!r}: another process sent ids of shards this "
+            "one does not own; every process must build the same model and "
+            "plan"
+        )
     plans: list[Plan | None] = [None] * len(t.maps)
     for s, m in enumerate(t.maps):
         if m is not None:
@@ -112,16 +116,22 @@ def slots_of(t: CachedTable, received: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def place(t: CachedTable, ids: np.ndarray, sent: list[np.ndarray], got: list[np.ndarray],
-          outs: list[np.ndarray]) -> None:  # fmt: skip
+def place(
+    t: CachedTable,
+    ids: np.ndarray,
+    sent: list[np.ndarray],
+    got: list[np.ndarray],
+    outs: list[np.ndarray],
+) -> None:
     """The slots each owner sent back (``got``, per process) into ``outs`` (the parts'
     outputs, in order); ids out of range stay out of range (``-1`` / the slot count),
     for the device's bounds check."""
     full = np.where(ids < 0, -1, t.slots * len(t.maps)).astype(np.int32)
     for idx, slots in zip(sent, got, strict=True):
         if len(slots) != len(idx):
-            raise ValueError(f"cached table {t.name!r}: an owner sent {len(slots)} slots for "
-                             f"{len(idx)} ids")  # fmt: skip
+            raise ValueError(
+                f"cached table {t.name!r}: an owner sent {len(slots)} slots for {len(idx)} ids"
+            )
         full[idx] = slots
     at = 0
     for o in outs:

@@ -74,16 +74,19 @@ def held_rows(
     return lo * shard_rows, min(rows, hi * shard_rows)
 
 
-def host_rows(graphdef: nnx.GraphDef, optimizer: CombinedOptimizer, state: TrainState,
-              config: BaseEmbeddingConfig) -> tuple[int, int]:  # fmt: skip
+def host_rows(
+    graphdef: nnx.GraphDef,
+    optimizer: CombinedOptimizer,
+    state: TrainState,
+    config: BaseEmbeddingConfig,
+) -> tuple[int, int]:
     """The logical rows ``(lo, hi)`` of cached table ``config`` (its logical config)
     whose slots lie on this process's devices: what its ``HostTable`` holds here
     (``HostTable.create(config, optimizer, rows=host_rows(...))``); all rows in one
     process."""
     found, _ = find_tables(graphdef, state, [config.name])
     key, device = found[config.name]
-    weights = [b for b in table_buffers(graphdef, optimizer, state).buffers
-               if b.field == "weight"]  # fmt: skip
+    weights = [b for b in table_buffers(graphdef, optimizer, state).buffers if b.field == "weight"]
     n_shards, slots = slot_shards(weights, key, device)
     rows = config.num_embeddings
     return held_rows(weights, key, slots, -(-rows // n_shards), rows)

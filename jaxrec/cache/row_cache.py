@@ -151,8 +151,9 @@ class RowCache:
         self.tables: dict[str, CachedTable] = {}
         found, readers = find_tables(graphdef, state, host_tables)
         weights = [b for b in layout.buffers if b.field == "weight"]
-        on_host = _on_host(slot_maps, {d.platform for b in weights
-                                       for d in b.device_array.sharding.device_set})  # fmt: skip
+        on_host = _on_host(
+            slot_maps, {d.platform for b in weights for d in b.device_array.sharding.device_set}
+        )
         algorithms = {}
         for name, host in host_tables.items():
             key, device = found[name]
@@ -180,20 +181,19 @@ class RowCache:
             owners = owned.shard_owners(weights, key, slots, n_shards)
             maps = [  # this process's shards only (on the host)
                 SlotMap(max(0, min(shard_rows, rows - s * shard_rows)), slots, p.algorithm)
-                if owners[s] == jax.process_index() and on_host else None
+                if owners[s] == jax.process_index() and on_host
+                else None
                 for s in range(n_shards)
-            ]  # fmt: skip
+            ]
             algorithms[name] = p.algorithm
             feats = tuple(host.config.feature_names) or (name,)
-            self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps,
-                                            owners)  # fmt: skip
+            self.tables[name] = CachedTable(name, key, host, feats, shard_rows, slots, maps, owners)
         self._maps = None if on_host else DeviceSlotMaps(self.tables, algorithms)
         self._feature_table = {f: t for t in self.tables.values() for f in t.features}
         self._host = {t.key: t.host.fields for t in self.tables.values()}
         names = {t.key: t.name for t in self.tables.values()}
         offsets = {t.key: t.host.rows[0] for t in self.tables.values()}
-        self._mover = Mover(layout.buffers, self._host, names, offsets,
-                            move_paths or MovePaths())  # fmt: skip
+        self._mover = Mover(layout.buffers, self._host, names, offsets, move_paths or MovePaths())
         self._tag = f"jaxrec-cache-{next(_CACHES)}"  # the same on every process (same order)
         self._peers: exchange.Peers | None = None
         self._closed = False
@@ -241,8 +241,10 @@ class RowCache:
             new: Sequence[jax.Array | np.ndarray]  # each KJT's values, the ids as slots
             if self._maps is not None:  # on the device: the values stay there, as slots
                 planned = self._maps.plan([k.values() for k in kjts], spans)
-                new = [k.values() if v is None else v for k, v in zip(kjts, planned.values,
-                                                                      strict=True)]  # fmt: skip
+                new = [
+                    k.values() if v is None else v
+                    for k, v in zip(kjts, planned.values, strict=True)
+                ]
                 moves = planned.moves
                 for name, c in planned.counts.items():
                     st = self.stats[name]
@@ -268,15 +270,15 @@ class RowCache:
                 self._inflight.add(self._prepared, moves)
             self._unloaded[self._prepared] = (moves, staged)
             by_id = {id(o): with_values(k, v) for o, k, v in zip(originals, kjts, new, strict=True)}
-            out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch,
-                               is_leaf=is_kjt)  # fmt: skip
+            out = jax.tree.map(lambda x: by_id[id(x)] if is_kjt(x) else x, batch, is_leaf=is_kjt)
             return Prepared(out, staged, self._prepared)
 
     def _threads_for(self, ids: int) -> int:
         return self._threads if ids >= _THREAD_IDS * len(self.tables) else 1
 
-    def _plan_here(self, parts: Mapping[str, list[np.ndarray]],
-                   outs: Mapping[str, list[np.ndarray]]) -> dict[str, Move]:  # fmt: skip
+    def _plan_here(
+        self, parts: Mapping[str, list[np.ndarray]], outs: Mapping[str, list[np.ndarray]]
+    ) -> dict[str, Move]:
         """One process: plans every table's shards on the batch's ids, rewrites them."""
 
         # reads the maps' scratch marks only: every shard checked first
@@ -296,9 +298,12 @@ class RowCache:
 
         return dict(self._each(commit, threads, self.tables))
 
-    def _plan_owned(self, parts: Mapping[str, list[np.ndarray]],
-                    outs: Mapping[str, list[np.ndarray]],
-                    error: ValueError | None) -> dict[str, Move]:  # fmt: skip
+    def _plan_owned(
+        self,
+        parts: Mapping[str, list[np.ndarray]],
+        outs: Mapping[str, list[np.ndarray]],
+        error: ValueError | None,
+    ) -> dict[str, Move]:
         """Several processes: each plans the shards it owns on every process's ids of
         them, in three exchanges (see ``owned.py``); a batch any process refuses is
         refused on all of them before any map changes."""
@@ -308,9 +313,16 @@ class RowCache:
             self._peers = exchange.Peers(self._tag, self._timeout_s)
         n, what = jax.process_count(), f"batch {self._prepared + 1}"
         routes = {name: owned.route(t, parts[name], n) for name, t in self.tables.items()}
-        sends = [pickle.dumps({"error": None if error is None else str(error),
-                               "ids": [ids[sent[q]] for ids, sent in routes.values()]}, 5)
-                 for q in range(n)]  # fmt: skip
+        sends = [
+            pickle.dumps(
+                {
+                    "error": None if error is None else str(error),
+                    "ids": [ids[sent[q]] for ids, sent in routes.values()],
+                },
+                5,
+            )
+            for q in range(n)
+        ]
         got = [pickle.loads(b) for b in self._peers.exchange(sends, f"{what}'s ids")]
         if error is not None:
             raise error
@@ -322,8 +334,11 @@ class RowCache:
         plans: list[tuple[int, list[Plan | None]]] = []
         refusal: Exception | None = None
         try:  # the plans change scratch marks only
-            plans = self._each(lambda name: owned.plan_shards(self.tables[name], received[name]),
-                               threads, self.tables)  # fmt: skip
+            plans = self._each(
+                lambda name: owned.plan_shards(self.tables[name], received[name]),
+                threads,
+                self.tables,
+            )
         except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
             refusal = e
         mine = None if refusal is None else (isinstance(refusal, CacheTooSmallError), str(refusal))
@@ -345,8 +360,9 @@ class RowCache:
             done = self._each(commit, threads, range(len(self.tables)))
         except Exception as e:  # noqa: BLE001 (sent to every process, then raised here)
             failure = e
-        back = [pickle.dumps(str(failure) if failure else [x[2][q] for x in done], 5)
-                for q in range(n)]  # fmt: skip
+        back = [
+            pickle.dumps(str(failure) if failure else [x[2][q] for x in done], 5) for q in range(n)
+        ]
         got = [pickle.loads(b) for b in self._peers.exchange(back, f"{what}'s slots")]
         if failure is not None:
             raise failure
@@ -495,8 +511,10 @@ class RowCache:
             none = np.zeros(0, np.int64)
             most = max([0, *(len(es) for es, _ in moves.values())])
             for lo in range(0, most, _FLUSH_ROWS):  # a bounded temporary, not the cache's size
-                chunk = {k: Move(none, none, es[lo : lo + _FLUSH_ROWS], er[lo : lo + _FLUSH_ROWS])
-                         for k, (es, er) in moves.items()}  # fmt: skip
+                chunk = {
+                    k: Move(none, none, es[lo : lo + _FLUSH_ROWS], er[lo : lo + _FLUSH_ROWS])
+                    for k, (es, er) in moves.items()
+                }
                 staged = self._mover.stage(chunk, self._host)
                 if staged is not None:  # copies out only: nothing donated, the state stays
                     pending = self._mover.copy_out(_arrays(state, wheres), staged, self._host)
@@ -544,8 +562,12 @@ class RowCache:
                 if self._loaded < first:  # nothing loaded: the caller's state is valid
                     raise
                 # earlier loads here took the caller's buffers: hand back the state
-                hand_back(e, state, "jaxrec.cache: earlier batches were loaded, and the state "
-                          "passed in was donated to them: go on with err.state")  # fmt: skip
+                hand_back(
+                    e,
+                    state,
+                    "jaxrec.cache: earlier batches were loaded, and the state "
+                    "passed in was donated to them: go on with err.state",
+                )
                 raise
             return state
 
@@ -566,47 +588,56 @@ class RowCache:
     def host_fields(self) -> dict[str, HostRows]:
         """``{checkpoint key: HostRows}``: what a checkpoint saves for the cached tables,
         this process's rows of each (call :meth:`flush` first)."""
-        return {t.key: HostRows(t.host.fields, t.host.rows[0], t.host.config.num_embeddings)
-                for t in self.tables.values()}  # fmt: skip
+        return {
+            t.key: HostRows(t.host.fields, t.host.rows[0], t.host.config.num_embeddings)
+            for t in self.tables.values()
+        }
 
-    def save(self, manager: CheckpointManager, step: int, state: TrainState,
-             **kwargs: Any) -> TrainState:  # fmt: skip
+    def save(
+        self, manager: CheckpointManager, step: int, state: TrainState, **kwargs: Any
+    ) -> TrainState:
         """Flushes the cache (:meth:`flush`: also while a pipeline has batches
         prefetched) and saves the state with the host tables in place of the device
         caches (``CheckpointManager.save``; synchronous). Returns ``state``, which stays
         valid. With several processes, each writes its own host rows."""
         state = self.flush(state)
-        manager.save(step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(),
-                     **kwargs)  # fmt: skip
+        manager.save(
+            step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(), **kwargs
+        )
         return state
 
-    def restore(self, manager: CheckpointManager, target: TrainState, *,
-                step: int | None = None) -> TrainState:  # fmt: skip
+    def restore(
+        self, manager: CheckpointManager, target: TrainState, *, step: int | None = None
+    ) -> TrainState:
         """Restores a checkpoint (of this model, cached or not, any plan) into the host
         tables and ``target``; the cache starts empty. A restore refused before it
         reads (no such step, another model) leaves the cache as it was; one that fails
         while reading leaves the host tables partly written: restore again (``resume``
         falls back by itself)."""
         self.write_back()  # nothing may still write to the host tables
-        state = manager.restore(self.graphdef, self.optimizer, target, step=step,
-                                host_tables=self.host_fields())  # fmt: skip
+        state = manager.restore(
+            self.graphdef, self.optimizer, target, step=step, host_tables=self.host_fields()
+        )
         self.clear()  # the host tables were replaced: what the slots held is stale
         return state
 
     # ----- delta checkpoints (ModelDeltaTracker; see changes.py) -----
-    def save_base(self, tracker: ModelDeltaTracker, step: int, state: TrainState,
-                  **kwargs: Any) -> Published:  # fmt: skip
+    def save_base(
+        self, tracker: ModelDeltaTracker, step: int, state: TrainState, **kwargs: Any
+    ) -> Published:
         """A full checkpoint of the logical tables (as :meth:`save`) that ``tracker``'s next
         deltas follow (``ModelDeltaTracker.save_base``); from here on the rows loads write
         back are recorded. Train on from the returned ``Published.state``."""
         state = self.flush(state)
-        published = tracker.save_base(step, self.graphdef, self.optimizer, state,
-                                      host_tables=self.host_fields(), **kwargs)  # fmt: skip
+        published = tracker.save_base(
+            step, self.graphdef, self.optimizer, state, host_tables=self.host_fields(), **kwargs
+        )
         self._changes = ChangedRows(self.tables.values())
         return published
 
-    def publish_delta(self, tracker: ModelDeltaTracker, step: int, state: TrainState,
-                      **kwargs: Any) -> Published:  # fmt: skip
+    def publish_delta(
+        self, tracker: ModelDeltaTracker, step: int, state: TrainState, **kwargs: Any
+    ) -> Published:
         """Flushes the cache and publishes the delta since the last link
         (``ModelDeltaTracker.publish``): a cached table's rows that a marked slot holds or
         that loads wrote back since the link (``changes.py``), from the host tables. The
@@ -626,20 +657,28 @@ class RowCache:
         with self._lock:  # the maps and the prepared batches hold still
             held = {t.key: self._device_view(t) for t in self.tables.values()}
         rows = changed_rows(self._changes, marked(self.graphdef, state), held)
-        published = tracker.publish(step, self.graphdef, self.optimizer, state,
-                                    host_tables=self.host_fields(), changed_rows=rows,
-                                    **kwargs)  # fmt: skip
+        published = tracker.publish(
+            step,
+            self.graphdef,
+            self.optimizer,
+            state,
+            host_tables=self.host_fields(),
+            changed_rows=rows,
+            **kwargs,
+        )
         self._changes.clear()
         return published
 
-    def restore_deltas(self, tracker: ModelDeltaTracker, target: TrainState, *,
-                       step: int | None = None) -> Restored:  # fmt: skip
+    def restore_deltas(
+        self, tracker: ModelDeltaTracker, target: TrainState, *, step: int | None = None
+    ) -> Restored:
         """``ModelDeltaTracker.restore`` (a full checkpoint, then its deltas, up to ``step``;
         of this model, cached or not, any plan) into the host tables and ``target``; the
         cache starts empty, and the next :meth:`publish_delta` follows the restored link."""
         self.write_back()  # nothing may still write to the host tables
-        restored = tracker.restore(self.graphdef, self.optimizer, target, step=step,
-                                   host_tables=self.host_fields())  # fmt: skip
+        restored = tracker.restore(
+            self.graphdef, self.optimizer, target, step=step, host_tables=self.host_fields()
+        )
         self.clear()
         self._changes = ChangedRows(self.tables.values())
         return restored

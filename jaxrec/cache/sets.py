@@ -77,8 +77,9 @@ def set_layout(rows: int, shards: int, slots: int, algorithm: CacheAlgorithm) ->
             f"{rows} rows and {shards} x {slots} slots exceed the int32 slot map: shard the "
             "table over more processes or lower CacheParams.load_factor"
         )
-    return SetLayout(rows, -(-rows // shards), shards, slots, -(-slots // WAYS),
-                     CacheAlgorithm(algorithm))  # fmt: skip
+    return SetLayout(
+        rows, -(-rows // shards), shards, slots, -(-slots // WAYS), CacheAlgorithm(algorithm)
+    )
 
 
 class SlotState(NamedTuple):
@@ -157,8 +158,9 @@ def plan_sets_many(
     (put back in place: no copy of a state is made)."""
     decided = [_decide(*x) for x in zip(layouts, states, ids, valid, strict=True)]
     refused = jnp.any(jnp.stack([d.overflow for d in decided]))
-    return [_commit(lay, st, d, refused)
-            for lay, st, d in zip(layouts, states, decided, strict=True)]  # fmt: skip
+    return [
+        _commit(lay, st, d, refused) for lay, st, d in zip(layouts, states, decided, strict=True)
+    ]
 
 
 class _Decided(NamedTuple):
@@ -202,11 +204,12 @@ def _decide(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Arra
     miss = ok & ~hit
     n_miss = jnp.sum(miss, dtype=jnp.int32)
     at_miss = jnp.where(miss, jnp.cumsum(miss, dtype=jnp.int32) - 1, n)
-    miss_at = jnp.full(n, n, jnp.int32).at[at_miss].set(jnp.arange(n, dtype=jnp.int32),
-                                                         mode="drop")  # fmt: skip
+    miss_at = jnp.full(n, n, jnp.int32).at[at_miss].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     sizes = sorted({max(1, n // 16), max(1, n // 4), max(n, 1)})
-    branches = [functools.partial(_resolve, layout, state, stamps, clock, start, local, size,
-                                  miss_at, k) for k in sizes]  # fmt: skip
+    branches = [
+        functools.partial(_resolve, layout, state, stamps, clock, start, local, size, miss_at, k)
+        for k in sizes
+    ]
     pick = sum((n_miss > k).astype(jnp.int32) for k in sizes[:-1])
     r = jax.lax.switch(pick, branches) if len(sizes) > 1 else branches[0]()
     p_new = jnp.arange(n, dtype=jnp.int32) < r.n_new
@@ -235,10 +238,22 @@ def _decide(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Arra
     n_fill = r.n_new
     n_evict = ev_seen[-1] if n else jnp.int32(0)
 
-    plan = SetPlan(state, slot, fill_slots, fill_rows, evict_slots, evict_rows, n_fill, n_evict,
-                   jnp.sum(ok, dtype=jnp.int32), hits_distinct + n_fill, overflow)  # fmt: skip
-    return _Decided(stamps, hit, hit_slot, hit_stamp, v_slot, fill_stamp, r.row, ok, row,
-                    clock, overflow, plan)  # fmt: skip
+    plan = SetPlan(
+        state,
+        slot,
+        fill_slots,
+        fill_rows,
+        evict_slots,
+        evict_rows,
+        n_fill,
+        n_evict,
+        jnp.sum(ok, dtype=jnp.int32),
+        hits_distinct + n_fill,
+        overflow,
+    )
+    return _Decided(
+        stamps, hit, hit_slot, hit_stamp, v_slot, fill_stamp, r.row, ok, row, clock, overflow, plan
+    )
 
 
 def _commit(layout: SetLayout, state: SlotState, d: _Decided, refused) -> SetPlan:
@@ -283,10 +298,13 @@ def _resolve(layout, state, stamps, clock, start, local, size, miss_at, k: int) 
     live = pos < n
     pc = jnp.minimum(pos, n - 1)
     ss, sr, order = jax.lax.sort(
-        (jnp.where(live, start[pc], _MAX), jnp.where(live, local[pc], 0),
-         jnp.arange(k, dtype=jnp.int32)),
+        (
+            jnp.where(live, start[pc], _MAX),
+            jnp.where(live, local[pc], 0),
+            jnp.arange(k, dtype=jnp.int32),
+        ),
         num_keys=2,
-    )  # fmt: skip
+    )
     m = ss != _MAX
     prev_s, prev_r = jnp.roll(ss, 1).at[0].set(-1), jnp.roll(sr, 1).at[0].set(-1)
     new = m & ((ss != prev_s) | (sr != prev_r))
@@ -320,8 +338,14 @@ def _resolve(layout, state, stamps, clock, start, local, size, miss_at, k: int) 
         jnp.zeros(n, jnp.int32).at[jnp.where(m, jnp.take(pc, order), n)].set(seen - 1, mode="drop")
     )
     pad = (0, n - k)
-    return _Misses(jnp.pad(p_start, pad), jnp.pad(p_row, pad), jnp.pad(v_way, pad),
-                   jnp.pad(bad, pad), seen[-1], index)  # fmt: skip
+    return _Misses(
+        jnp.pad(p_start, pad),
+        jnp.pad(p_row, pad),
+        jnp.pad(v_way, pad),
+        jnp.pad(bad, pad),
+        seen[-1],
+        index,
+    )
 
 
 def set_hash_np(x: np.ndarray) -> np.ndarray:
@@ -355,23 +379,40 @@ def plan_sets_cpu(layout: SetLayout, state: SlotState, ids: jax.Array, valid: ja
     want = (total, total, layout.rows if lfu else 0)
     got = (state.rows.shape, state.stamps.shape, state.counts.shape)
     if ids.ndim != 1 or valid.shape != ids.shape or got != tuple((k,) for k in want):
-        raise ValueError(f"plan_sets_cpu: state shapes {got} (want {want}), ids {ids.shape}, "
-                         f"valid {valid.shape}")  # fmt: skip
+        raise ValueError(
+            f"plan_sets_cpu: state shapes {got} (want {want}), ids {ids.shape}, valid {valid.shape}"
+        )
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    outs = (i32(total), i32(total), i32(want[2]), i32(), *[i32(n)] * 5, *[i32()] * 4,
-            jax.ShapeDtypeStruct((), jnp.bool_))  # fmt: skip
+    outs = (
+        i32(total),
+        i32(total),
+        i32(want[2]),
+        i32(),
+        *[i32(n)] * 5,
+        *[i32()] * 4,
+        jax.ShapeDtypeStruct((), jnp.bool_),
+    )
     call = jax.ffi.ffi_call(CPU_TARGET, outs, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})
-    res = call(state.rows.astype(jnp.int32), state.stamps.astype(jnp.int32),
-               state.counts.astype(jnp.int32), state.clock.astype(jnp.int32),
-               ids.astype(jnp.int32), valid.astype(jnp.bool_),
-               rows=np.int64(layout.rows), shard_rows=np.int64(layout.shard_rows),
-               shards=np.int64(layout.shards), slots=np.int64(layout.slots),
-               sets=np.int64(layout.sets), lfu=np.int64(lfu))  # fmt: skip
+    res = call(
+        state.rows.astype(jnp.int32),
+        state.stamps.astype(jnp.int32),
+        state.counts.astype(jnp.int32),
+        state.clock.astype(jnp.int32),
+        ids.astype(jnp.int32),
+        valid.astype(jnp.bool_),
+        rows=np.int64(layout.rows),
+        shard_rows=np.int64(layout.shard_rows),
+        shards=np.int64(layout.shards),
+        slots=np.int64(layout.slots),
+        sets=np.int64(layout.sets),
+        lfu=np.int64(lfu),
+    )
     return SetPlan(SlotState(*res[:4]), *res[4:])
 
 
-def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
-         implementation=None) -> SetPlan:  # fmt: skip
+def plan(
+    layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array, implementation=None
+) -> SetPlan:
     """:func:`plan_sets`, run by the C++ kernel (:func:`plan_sets_cpu`) where the program is
     lowered for CPU and the kernel is built, by :func:`plan_sets` elsewhere (chosen per
     lowering platform with ``jax.lax.platform_dependent``, as ``jaxrec.ops.dispatch``: a
@@ -389,9 +430,13 @@ def plan(layout: SetLayout, state: SlotState, ids: jax.Array, valid: jax.Array,
     return dispatch.by_platform(run, inputs=(state, ids, valid))
 
 
-def plan_many(layouts: Sequence[SetLayout], states: Sequence[SlotState],
-              ids: Sequence[jax.Array], valid: Sequence[jax.Array],
-              implementation=None) -> list[SetPlan]:  # fmt: skip
+def plan_many(
+    layouts: Sequence[SetLayout],
+    states: Sequence[SlotState],
+    ids: Sequence[jax.Array],
+    valid: Sequence[jax.Array],
+    implementation=None,
+) -> list[SetPlan]:
     """:func:`plan` of several tables' ids, all kept or none (a table whose batch fits
     keeps its state when another's does not). XLA: :func:`plan_sets_many`, in place; the
     C++ kernel on CPU: each table planned in place, then every state selected whole when
@@ -406,8 +451,10 @@ def plan_many(layouts: Sequence[SetLayout], states: Sequence[SlotState],
             return plan_sets_many(layouts, states, ids, valid)
         plans = [plan_sets_cpu(*x) for x in zip(layouts, states, ids, valid, strict=True)]
         refused = jnp.any(jnp.stack([p.overflow for p in plans]))
-        return [p._replace(state=jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state))
-                for s, p in zip(states, plans, strict=True)]  # fmt: skip
+        return [
+            p._replace(state=jax.tree.map(lambda a, b: jnp.where(refused, a, b), s, p.state))
+            for s, p in zip(states, plans, strict=True)
+        ]
 
     return dispatch.by_platform(run, inputs=(states, ids, valid))
 
@@ -416,8 +463,9 @@ def _wants_kernel(implementation) -> bool:
     """Whether ``implementation`` (checked: as in ``jaxrec.ops``) asks for the C++ plan on
     CPU and it is registered (saying once why not)."""
     if implementation not in dispatch.IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {dispatch.IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")  # fmt: skip
+        raise ValueError(
+            f"implementation must be one of {dispatch.IMPLEMENTATIONS}, got {implementation!r}"
+        )
     explicit = implementation == "cpu"
     wants = explicit or (implementation in (None, "mosaic_gpu") and dispatch.CPU_BY_DEFAULT)
     return wants and _kernel_ready(explicit)

@@ -107,8 +107,9 @@ class SlotMap:
             self._seen = np.zeros(self.slots, np.int64)
         return self._seen
 
-    def plan(self, parts: Sequence[np.ndarray], where: str,
-             outs: Sequence[np.ndarray] | None = None) -> Plan:  # fmt: skip
+    def plan(
+        self, parts: Sequence[np.ndarray], where: str, outs: Sequence[np.ndarray] | None = None
+    ) -> Plan:
         """What a batch's shard-local ids (``parts``, in range, repeats allowed) need.
         Raises ``CacheTooSmallError`` when its distinct rows cannot all be cached at
         once (fully associative: any number up to the slot count can); the slot map is
@@ -129,8 +130,9 @@ class SlotMap:
             none, kernels = np.zeros(0, np.int32), _kernels()
             for j, p in enumerate(parts):  # misses are marked -2 in slot_of_row until unmarked
                 out = outs[j] if scanned and outs is not None else none
-                h, n_miss = kernels.cache_scan(p, self.slot_of_row, self.slots, miss, n_miss,
-                                               out, 0, self.marks)  # fmt: skip
+                h, n_miss = kernels.cache_scan(
+                    p, self.slot_of_row, self.slots, miss, n_miss, out, 0, self.marks
+                )
                 hits += h
             fill_rows = np.sort(miss[:n_miss])  # as numpy's unique: the same slots either way
             self.slot_of_row[fill_rows] = -1

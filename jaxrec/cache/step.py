@@ -48,10 +48,14 @@ def handed_back(err: Exception, state: TrainState) -> Exception:
     return err
 
 
-_LOST = ("jaxrec.cache: the batch's rows were loaded before this failure, which also "
-         "consumed the state's buffers: restore the cache from a checkpoint")  # fmt: skip
-_HANDED_BACK = ("jaxrec.cache: the batch's rows were loaded before the step failed, and the "
-                "state passed in was donated to that load: go on with err.state")  # fmt: skip
+_LOST = (
+    "jaxrec.cache: the batch's rows were loaded before this failure, which also "
+    "consumed the state's buffers: restore the cache from a checkpoint"
+)
+_HANDED_BACK = (
+    "jaxrec.cache: the batch's rows were loaded before the step failed, and the "
+    "state passed in was donated to that load: go on with err.state"
+)
 
 
 def prefetching(cache: RowCache, to_device: Callable[[Any], Any] = jax.device_put):

@@ -21,10 +21,20 @@ def device_rows(slots: np.ndarray, rows: np.ndarray, later: list[Move]) -> tuple
         return slots, rows
     none = np.full(0, -1, np.int64)
     moved = np.concatenate([none, *(x for fs, _, es, _ in later for x in (es, fs))])
-    held = np.concatenate([none, *(x for fs, _, es, er in later  # a batch evicts, then fills
-                                   for x in (er, np.full(len(fs), -1, np.int64)))])  # fmt: skip
+    held = np.concatenate(
+        [
+            none,
+            *(
+                x
+                for fs, _, es, er in later  # a batch evicts, then fills
+                for x in (er, np.full(len(fs), -1, np.int64))
+            ),
+        ]
+    )
     first, at = np.unique(moved, return_index=True)
     held = held[at]
     keep = ~np.isin(slots, first)
-    return (np.concatenate([slots[keep], first[held >= 0]]),
-            np.concatenate([rows[keep], held[held >= 0]]))  # fmt: skip
+    return (
+        np.concatenate([slots[keep], first[held >= 0]]),
+        np.concatenate([rows[keep], held[held >= 0]]),
+    )

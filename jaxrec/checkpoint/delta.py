@@ -145,8 +145,9 @@ class ModelDeltaTracker:
             ValueError: ``step`` is not after the latest full checkpoint.
         """
         step = int(step)
-        saved = self.manager.save(step, graphdef, optimizer, state, metadata=metadata, force=True,
-                                  host_tables=host_tables)  # fmt: skip
+        saved = self.manager.save(
+            step, graphdef, optimizer, state, metadata=metadata, force=True, host_tables=host_tables
+        )
         if not saved:
             raise ValueError(
                 f"save_base: step {step} is not after the latest full checkpoint "
@@ -236,8 +237,9 @@ class ModelDeltaTracker:
         index: dict = {}
         for buf in layout.buffers:
             pieces = host_pieces(buf, ids) if is_host(buf) else gather_pieces(buf, ids)
-            for p, entry in zip(pieces, _write_pieces(partial, buf.field, pieces, table_ids),
-                                strict=True):  # fmt: skip
+            for p, entry in zip(
+                pieces, _write_pieces(partial, buf.field, pieces, table_ids), strict=True
+            ):
                 index.setdefault(p.table, {}).setdefault(buf.field, []).append(entry)
         for name, tree in parts.items():
             dense.save(partial, name, meta["dense"][name], dense.snapshot(tree, False))
@@ -246,16 +248,22 @@ class ModelDeltaTracker:
         if jax.process_index() == 0:
             self._commit(partial, final, meta)
         else:
-            _wait_for(lambda: os.path.isfile(os.path.join(final, "meta.json")),
-                      self.manager.commit_timeout_s, f"process 0 to commit {final}")  # fmt: skip
+            _wait_for(
+                lambda: os.path.isfile(os.path.join(final, "meta.json")),
+                self.manager.commit_timeout_s,
+                f"process 0 to commit {final}",
+            )
         self.last = Link("delta", step, _read(os.path.join(final, "meta.json"))[1])
         return Published(clear_marks(state), self.last, {k: len(v) for k, v in ids.items()})
 
     def _commit(self, partial: str, final: str, meta: dict) -> None:
         index = os.path.join(partial, "index")
         files = [os.path.join(index, f"{i}.json") for i in range(jax.process_count())]
-        _wait_for(lambda: all(map(os.path.isfile, files)), self.manager.commit_timeout_s,
-                  f"every process's index in {index}")  # fmt: skip
+        _wait_for(
+            lambda: all(map(os.path.isfile, files)),
+            self.manager.commit_timeout_s,
+            f"every process's index in {index}",
+        )
         for path in files:
             with open(path) as f:
                 for table, fields in json.load(f).items():
@@ -356,12 +364,14 @@ class ModelDeltaTracker:
                 checkpoint was removed).
         """
         chain = self.chain(step)
-        state = self.manager.restore(graphdef, optimizer, target, step=chain[0].step,
-                                     host_tables=host_tables)  # fmt: skip
+        state = self.manager.restore(
+            graphdef, optimizer, target, step=chain[0].step, host_tables=host_tables
+        )
         at = chain[0]
         for link in chain[1:]:
-            state, at = self.apply_delta(link.step, graphdef, optimizer, state, after=at,
-                                         host_tables=host_tables)  # fmt: skip
+            state, at = self.apply_delta(
+                link.step, graphdef, optimizer, state, after=at, host_tables=host_tables
+            )
         self.last = at
         return Restored(clear_marks(state), at)
 

@@ -106,9 +106,11 @@ def marked(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, np.ndarray]:
 def _cached(graphdef: nnx.GraphDef, state: TrainState) -> dict[str, bool]:
     """``{table key: whether it is a device cache of a host table}``."""
     model = merge_model(graphdef, state)
-    return {table_key(path, module, t.name): t.cached_rows is not None
-            for path, module in embedding_collections(model)
-            for t in module.table_configs}  # fmt: skip
+    return {
+        table_key(path, module, t.name): t.cached_rows is not None
+        for path, module in embedding_collections(model)
+        for t in module.table_configs
+    }
 
 
 def clear_marks(state: TrainState) -> TrainState:

@@ -58,8 +58,7 @@ class HostRows(Mapping):
     them to a checkpoint. ``whole``: every process holds the whole table (a plain
     mapping of fields), and process 0 writes it."""
 
-    def __init__(self, fields: Mapping[str, np.ndarray], lo: int, total: int,
-                 whole: bool = False):  # fmt: skip
+    def __init__(self, fields: Mapping[str, np.ndarray], lo: int, total: int, whole: bool = False):
         self.fields, self.lo, self.total, self.whole = dict(fields), int(lo), int(total), whole
 
     def __getitem__(self, field: str) -> np.ndarray:

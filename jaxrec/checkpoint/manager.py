@@ -387,14 +387,20 @@ class CheckpointManager:
         if jax.process_index() == 0:
             self._commit(partial, final, meta)
         else:
-            _wait_for(lambda: os.path.isfile(os.path.join(final, "meta.json")),
-                      self.commit_timeout_s, f"process 0 to commit {final}")  # fmt: skip
+            _wait_for(
+                lambda: os.path.isfile(os.path.join(final, "meta.json")),
+                self.commit_timeout_s,
+                f"process 0 to commit {final}",
+            )
 
     def _commit(self, partial: str, final: str, meta: dict) -> None:
         index = os.path.join(partial, "index")
         files = [os.path.join(index, f"{i}.json") for i in range(jax.process_count())]
-        _wait_for(lambda: all(map(os.path.isfile, files)), self.commit_timeout_s,
-                  f"every process's index in {index}")  # fmt: skip
+        _wait_for(
+            lambda: all(map(os.path.isfile, files)),
+            self.commit_timeout_s,
+            f"every process's index in {index}",
+        )
         for path in files:
             with open(path) as f:
                 for table, fields in json.load(f).items():

@@ -73,8 +73,11 @@ def state_spec(
             if host and key in host:  # the device table is a cache: the host has the rows
                 part = host_rows(host[key])  # (this process's part of them)
                 rows = part.total
-                fields = {f: {"shape": [rows, *a.shape[1:]], "dtype": np.dtype(a.dtype).name}
-                          for f, a in part.items() if f != "weight"}  # fmt: skip
+                fields = {
+                    f: {"shape": [rows, *a.shape[1:]], "dtype": np.dtype(a.dtype).name}
+                    for f, a in part.items()
+                    if f != "weight"
+                }
             tables[key] = {
                 "shape": [rows, t.embedding_dim],
                 "dtype": np.dtype(t.dtype).name,

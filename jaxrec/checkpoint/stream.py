@@ -203,14 +203,26 @@ def save_buffer(
             if len(shape) == 1 and b.col != 0:
                 continue  # a row-wise field: column pieces hold equal copies
             rows = r1 - r0  # chunks of at most cr rows, equal sizes: zarr pads the last one
-            p = Piece(b.row + r0 - b.start, rows, b.col + c0 if c1 else 0, c1 - c0,
-                      -(-rows // -(-rows // cr)))  # fmt: skip
+            p = Piece(
+                b.row + r0 - b.start,
+                rows,
+                b.col + c0 if c1 else 0,
+                c1 - c0,
+                -(-rows // -(-rows // cr)),
+            )
             found.append((b.table, p, r0 - lo, c0 - ca))
             written.setdefault(b.table, []).append(p)
         arrays = store.create(
-            [(piece_path(root, table_ids[t], buf.field, p), _dims(p), dtype,
-              (p.chunk_rows, *_dims(p)[1:])) for t, p, _, _ in found]
-        )  # fmt: skip
+            [
+                (
+                    piece_path(root, table_ids[t], buf.field, p),
+                    _dims(p),
+                    dtype,
+                    (p.chunk_rows, *_dims(p)[1:]),
+                )
+                for t, p, _, _ in found
+            ]
+        )
         chunks = []  # (first shard row, rows, array, piece row offset, shard col, cols)
         for (_, p, first, col), arr in zip(found, arrays, strict=True):
             for k in range(0, p.rows, p.chunk_rows):
@@ -303,8 +315,9 @@ def restore_buffer(
 
     if isinstance(target, np.ndarray):  # a host table: filled in place, a window at a time
         index = tuple(slice(0, n) for n in shape)
-        n = _window(shape[0], int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize,
-                    staging_bytes)  # fmt: skip
+        n = _window(
+            shape[0], int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize, staging_bytes
+        )
         for w0 in range(0, shape[0], max(n, 1)):
             fill(target[w0 : w0 + n], w0, index)
         return target
@@ -349,8 +362,15 @@ def _open(
         by_table.setdefault(table, []).append(p)
     out = {}
     for table, ps in by_table.items():
-        items = [(piece_path(root, table_ids[table], field, p), _dims(p), dtype,
-                  (p.chunk_rows, *_dims(p)[1:])) for p in ps]  # fmt: skip
+        items = [
+            (
+                piece_path(root, table_ids[table], field, p),
+                _dims(p),
+                dtype,
+                (p.chunk_rows, *_dims(p)[1:]),
+            )
+            for p in ps
+        ]
         name = f"{what}: table {table!r} field {field!r}"
         out.update(zip([(table, p) for p in ps], store.open_arrays(items, name), strict=True))
     return out

@@ -125,7 +125,8 @@ def host_functions():
         logger.warning(
             "jaxrec's C++ extension is stale (cache_api %s, this jaxrec needs %s): jaxrec.cache "
             "runs its numpy passes (the same slots, slower); rebuild it: pip install -e .",
-            built, CACHE_API,
-        )  # fmt: skip
+            built,
+            CACHE_API,
+        )
         return None
     return _kernels

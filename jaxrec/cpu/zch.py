@@ -148,10 +148,11 @@ def train_step_cpu(
     outs = tuple(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(want, dtypes, strict=True))
     i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
     call = jax.ffi.ffi_call(
-        TRAIN_TARGET, (*outs, i32(c), i32(max_evictions), i32(3)),
+        TRAIN_TARGET,
+        (*outs, i32(c), i32(max_evictions), i32(3)),
         input_output_aliases={k: k for k in range(7)},
         vmap_method="sequential",  # a batch of calls: one call per state and ids
-    )  # fmt: skip
+    )
     res = call(
         *(x.astype(dt) for x, dt in zip(state, dtypes, strict=True)),
         lo,

@@ -187,7 +187,7 @@ class TableStorage(EmbeddingCollectionInterface):
                     else jnp.zeros((g.num_rows, g.embedding_dim), self.config(g.tables[0]).dtype)
                 )
                 for g in self.groups
-            }  # fmt: skip
+            }
         )
 
     def config(self, name: str) -> BaseEmbeddingConfig:
@@ -216,7 +216,7 @@ class TableStorage(EmbeddingCollectionInterface):
                 c.embedding_dim,
                 c.get_weight_init_min(),
                 c.get_weight_init_max(),
-            )  # fmt: skip
+            )
             for c, off in zip(configs, group.row_offsets, strict=True)
             if c.init_fn is None
         ]
@@ -303,9 +303,16 @@ class TableStorage(EmbeddingCollectionInterface):
         buffer (the one-optimizer case); ``source`` describes all ``calls``' ids."""
         del calls  # a subclass may read them directly (see EmbeddingBagCollection)
         return backward_update(
-            optimizer, table, state, source.out_grad + 0.0 * dep, source.seg, source.scale,
-            source.rows, source.valid, implementation=implementation,
-        )  # fmt: skip
+            optimizer,
+            table,
+            state,
+            source.out_grad + 0.0 * dep,
+            source.seg,
+            source.scale,
+            source.rows,
+            source.valid,
+            implementation=implementation,
+        )
 
     def init_optimizer_state(self, optimizer, path: tuple) -> dict:
         out = {}
@@ -325,9 +332,15 @@ class TableStorage(EmbeddingCollectionInterface):
             if len(subs) == 1 and subs[0].covers_group:  # one optimizer: the fused path
                 key = state_key(path, g.name, 0)
                 weights[g.name], sparse_state[key] = self.fused_backward_update(
-                    subs[0].optimizer, g, weights[g.name], sparse_state[key], calls, source,
-                    dep=dep, implementation=implementation,
-                )  # fmt: skip
+                    subs[0].optimizer,
+                    g,
+                    weights[g.name],
+                    sparse_state[key],
+                    calls,
+                    source,
+                    dep=dep,
+                    implementation=implementation,
+                )
                 continue
             grads = source_grads(
                 source.out_grad + 0.0 * dep, source.seg, source.scale, source.valid
@@ -336,9 +349,14 @@ class TableStorage(EmbeddingCollectionInterface):
             for k, sub in enumerate(subs):
                 key = state_key(path, g.name, k)
                 weights[g.name], sparse_state[key] = update_subgroup(
-                    sub, g.row_offsets, weights[g.name], sparse_state[key], unique, summed,
+                    sub,
+                    g.row_offsets,
+                    weights[g.name],
+                    sparse_state[key],
+                    unique,
+                    summed,
                     implementation=implementation,
-                )  # fmt: skip
+                )
         return weights, sparse_state
 
     def reset_optimizer_rows(self, optimizer, path, group, sparse_state, rows) -> dict:

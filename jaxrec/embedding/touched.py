@@ -73,8 +73,9 @@ def track_touched_rows(model: nnx.Module) -> nnx.Module:
             "(EmbeddingCollectionInterface); there are no table rows to track"
         )
     for _, module in found:
-        marks = {t.name: TouchedRows(zero_marks(module, t.num_embeddings))
-                 for t in module.table_configs}  # fmt: skip
+        marks = {
+            t.name: TouchedRows(zero_marks(module, t.num_embeddings)) for t in module.table_configs
+        }
         setattr(module, ATTRIBUTE, nnx.Dict(marks))
     return model
 

@@ -129,7 +129,7 @@ def _quantize_module(module, dtype, per_table_dtype, row_alignment) -> tuple[dic
             state[f"{module.prefix}.{t.name}.weight"],
             dtype=dtypes[t.name],
             row_alignment=row_alignment,
-        )  # fmt: skip
+        )
         for t in module.table_configs
     }
     return quantized, dtypes
@@ -160,9 +160,14 @@ class QuantEmbeddingBagCollection(QuantStorage):
         implementation: Implementation = None,
     ):
         super().__init__(
-            tables, quantized, dtypes, prefix="embedding_bags", row_alignment=row_alignment,
-            bounds_check_mode=bounds_check_mode, implementation=implementation,
-        )  # fmt: skip
+            tables,
+            quantized,
+            dtypes,
+            prefix="embedding_bags",
+            row_alignment=row_alignment,
+            bounds_check_mode=bounds_check_mode,
+            implementation=implementation,
+        )
         self._is_weighted = is_weighted
         self.dtype = output_dtype
         self.length_per_embedding = tuple(t.embedding_dim for t in tables for _ in t.feature_names)
@@ -181,11 +186,15 @@ class QuantEmbeddingBagCollection(QuantStorage):
         """Quantizes every table of ``ebc`` (``per_table_dtype`` overrides ``dtype`` per table)."""
         quantized, dtypes = _quantize_module(ebc, dtype, per_table_dtype, row_alignment)
         return cls(
-            ebc.table_configs, quantized, dtypes, ebc.is_weighted(),
+            ebc.table_configs,
+            quantized,
+            dtypes,
+            ebc.is_weighted(),
             output_dtype=ebc.dtype if output_dtype is None else output_dtype,
-            row_alignment=row_alignment, bounds_check_mode=ebc.bounds_check_mode,
+            row_alignment=row_alignment,
+            bounds_check_mode=ebc.bounds_check_mode,
             implementation=ebc.implementation if implementation is None else implementation,
-        )  # fmt: skip
+        )
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
@@ -203,7 +212,7 @@ class QuantEmbeddingBagCollection(QuantStorage):
                 is_weighted=self._is_weighted,
                 bounds_check_mode=self.bounds_check_mode,
                 implementation=self.implementation,
-            )  # fmt: skip  [B, S_g, D_g]
+            )  # [B, S_g, D_g]
             for j, out in enumerate(g.outputs):
                 pieces[out] = p[:, j, :]
         values = jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
@@ -235,9 +244,14 @@ class QuantEmbeddingCollection(QuantStorage):
         implementation: Implementation = None,
     ):
         super().__init__(
-            tables, quantized, dtypes, prefix="embeddings", row_alignment=row_alignment,
-            bounds_check_mode=bounds_check_mode, implementation=implementation,
-        )  # fmt: skip
+            tables,
+            quantized,
+            dtypes,
+            prefix="embeddings",
+            row_alignment=row_alignment,
+            bounds_check_mode=bounds_check_mode,
+            implementation=implementation,
+        )
         self._need_indices = need_indices
         self.dtype = output_dtype
 
@@ -255,11 +269,15 @@ class QuantEmbeddingCollection(QuantStorage):
         """Quantizes every table of ``ec`` (``per_table_dtype`` overrides ``dtype`` per table)."""
         quantized, dtypes = _quantize_module(ec, dtype, per_table_dtype, row_alignment)
         return cls(
-            ec.table_configs, quantized, dtypes, ec.need_indices(),
+            ec.table_configs,
+            quantized,
+            dtypes,
+            ec.need_indices(),
             output_dtype=ec.dtype if output_dtype is None else output_dtype,
-            row_alignment=row_alignment, bounds_check_mode=ec.bounds_check_mode,
+            row_alignment=row_alignment,
+            bounds_check_mode=ec.bounds_check_mode,
             implementation=ec.implementation if implementation is None else implementation,
-        )  # fmt: skip
+        )
 
     def __call__(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if not isinstance(features, KeyedJaggedTensor):
@@ -268,9 +286,13 @@ class QuantEmbeddingCollection(QuantStorage):
         rows: list = [None] * len(self.embedding_names)
         for g in self.groups:
             per_slot = quant_grouped_sequence_lookup(
-                self.qweights[g.name].get_value(), features, g.slots,
-                dim=g.embedding_dim, dtype=g.dtype, bounds_check_mode=self.bounds_check_mode,
-            )  # fmt: skip
+                self.qweights[g.name].get_value(),
+                features,
+                g.slots,
+                dim=g.embedding_dim,
+                dtype=g.dtype,
+                bounds_check_mode=self.bounds_check_mode,
+            )
             for out, slot, emb in zip(g.outputs, g.slots, per_slot, strict=True):
                 rows[out] = (slot.key, emb)
         result = {}
@@ -335,9 +357,13 @@ def quantize_inference_model(
         mine = {k: v for k, v in per_table_dtype.items() if k in names}
         seen |= set(mine)
         quant = quantizer(
-            module, dtype, per_table_dtype=mine, output_dtype=output_dtype,
-            row_alignment=row_alignment, implementation=implementation,
-        )  # fmt: skip
+            module,
+            dtype,
+            per_table_dtype=mine,
+            output_dtype=output_dtype,
+            row_alignment=row_alignment,
+            implementation=implementation,
+        )
         if not path:
             return quant
         replace_collection(model, path, quant)

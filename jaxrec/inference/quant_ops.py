@@ -109,9 +109,15 @@ def quant_grouped_pooled_lookup(
     rows, valid = rows_and_mask(ids, valid, slot_of, slots, bounds_check_mode, where)
     seg = jnp.where(valid, bag * s + slot_of, b * s)
     pooled = quant_embedding_bag(
-        qweights, rows, seg, b * s, w if is_weighted else None,
-        dim=dim, dtype=dtype, implementation=implementation,
-    ).reshape(b, s, dim)  # fmt: skip
+        qweights,
+        rows,
+        seg,
+        b * s,
+        w if is_weighted else None,
+        dim=dim,
+        dtype=dtype,
+        implementation=implementation,
+    ).reshape(b, s, dim)
     scale = mean_scale(features, slots)
     return pooled if scale is None else pooled * scale[:, :, None]
 

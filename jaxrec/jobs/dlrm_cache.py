@@ -61,15 +61,18 @@ def check_cache_flags(config: DlrmJobConfig) -> None:
             f"--cache-statistics-batches must be 0 or more, got {config.cache_statistics_batches}"
         )
     if config.cache_statistics_batches and config.sharding != "planner":
-        raise SystemExit("--cache-statistics-batches prices the planner's caches: use "
-                         "--sharding planner")  # fmt: skip
+        raise SystemExit(
+            "--cache-statistics-batches prices the planner's caches: use --sharding planner"
+        )
     if config.cache_scale_up and config.sharding != "planner":
         raise SystemExit("--cache-scale-up is the planner's: use --sharding planner")
     if config.cache_scale_up and config.devices == 1 and config.hbm_gib is None:
         raise SystemExit("--cache-scale-up: one device plans only with --hbm-gib")
     if config.cache_statistics_batches and config.devices == 1 and config.hbm_gib is None:
-        raise SystemExit("--cache-statistics-batches: one device plans only with --hbm-gib "
-                         "(else nothing is planned or priced)")  # fmt: skip
+        raise SystemExit(
+            "--cache-statistics-batches: one device plans only with --hbm-gib "
+            "(else nothing is planned or priced)"
+        )
     if config.cache_tables and config.sharding == "data_parallel":
         raise SystemExit(
             "--cache-tables: data_parallel tables (a replica on every device) cannot be "
@@ -112,7 +115,7 @@ def constraints(
             compute_kernels=[CACHED] if c.name in always else None,
             cache_params=params,
             cache_statistics=stats.get(c.name),
-        )  # fmt: skip
+        )
         for c in configs
     }
 

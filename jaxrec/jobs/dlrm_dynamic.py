@@ -49,8 +49,9 @@ def check_dynamic_flags(config: DlrmJobConfig) -> None:
             "cannot apply (leave the default or pass row_wise)"
         )
     if config.cache_tables or config.hbm_gib is not None:
-        raise SystemExit("--dynamic-tables keep their rows on the devices: drop --cache-tables "
-                         "and --hbm-gib")  # fmt: skip
+        raise SystemExit(
+            "--dynamic-tables keep their rows on the devices: drop --cache-tables and --hbm-gib"
+        )
     if config.dynamic_admission < 1 or config.dynamic_ttl < 1:
         raise SystemExit("--dynamic-admission and --dynamic-ttl must be >= 1")
 
@@ -74,11 +75,15 @@ def dynamic_collection(
     )
     modules = {
         c.name: HashZchManagedCollisionModule(
-            c.num_embeddings, ways=config.dynamic_ways, eviction_config=eviction,
-            admission=admission, input_hash_seed=i, name=c.name,
+            c.num_embeddings,
+            ways=config.dynamic_ways,
+            eviction_config=eviction,
+            admission=admission,
+            input_hash_seed=i,
+            name=c.name,
         )
         for i, c in enumerate(tables)
-    }  # fmt: skip
+    }
     ebc = EmbeddingBagCollection(
         tables, rngs=nnx.Rngs(seed), bounds_check_mode=BoundsCheckMode.IGNORE
     )

@@ -273,10 +273,13 @@ def logical_plan(
     )
     try:
         plan = planner.plan_for_model(
-            model, mesh, optimizer=build_optimizer(config), topology=topology,
+            model,
+            mesh,
+            optimizer=build_optimizer(config),
+            topology=topology,
             constraints=constraints,
             scale_up_caches=config.cache_scale_up,
-        )  # fmt: skip
+        )
     except planner.PlannerError as e:
         raise SystemExit(f"--sharding planner: {e}") from None
     return plan.plan[EBC_PATH]

@@ -596,8 +596,9 @@ def _check_run_dir_flags(config: DlrmJobConfig) -> None:
         if config.overwrite:
             raise SystemExit("--overwrite needs --run-dir (without one each run gets a new one)")
         if jax.process_count() > 1:  # each process would make its own directory
-            raise SystemExit("several processes write one run: pass --run-dir, a directory "
-                             "every process sees")  # fmt: skip
+            raise SystemExit(
+                "several processes write one run: pass --run-dir, a directory every process sees"
+            )
 
 
 def _check_run_dir(config: DlrmJobConfig) -> None:

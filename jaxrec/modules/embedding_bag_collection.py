@@ -116,12 +116,15 @@ class EmbeddingBagCollection(TableStorage):
         ``[B, sum(D)]`` by one row gather per group (its gradient: a segment sum)."""
         pooled = {
             g.name: grouped_pooled_lookup(
-                self.weights[g.name].get_value(), features, g.slots,
-                is_weighted=self._is_weighted, bounds_check_mode=self.bounds_check_mode,
+                self.weights[g.name].get_value(),
+                features,
+                g.slots,
+                is_weighted=self._is_weighted,
+                bounds_check_mode=self.bounds_check_mode,
                 implementation=self.implementation,
             )  # [sum_j B_j, D_g]
             for g in self.groups
-        }  # fmt: skip
+        }
         pooled = tap(self, pooled, features)  # the step's backward runs on the B_k bags
         values = jnp.concatenate(
             [expand_slots(pooled[g.name], features, g.slots) for g in self.groups], axis=1
@@ -173,17 +176,33 @@ class EmbeddingBagCollection(TableStorage):
         output gradient directly (``source``, traced for the other platforms, is then
         dead code, which XLA drops)."""
         generic = functools.partial(
-            super().fused_backward_update, optimizer, group, table, state, calls, source,
-            dep=dep, implementation=implementation,
-        )  # fmt: skip
+            super().fused_backward_update,
+            optimizer,
+            group,
+            table,
+            state,
+            calls,
+            source,
+            dep=dep,
+            implementation=implementation,
+        )
         if len(calls) != 1 or calls[0].features.variable_stride_per_key():
             return generic()
         cols = self.output_columns()
         return try_cpu(
-            "kjt_backward_update", implementation, generic, optimizer, table, state,
-            calls[0].grad, calls[0].features, group.slots, tuple(cols[o] for o in group.outputs),
-            is_weighted=self._is_weighted, dep=dep,
-        )  # fmt: skip
+            "kjt_backward_update",
+            implementation,
+            generic,
+            optimizer,
+            table,
+            state,
+            calls[0].grad,
+            calls[0].features,
+            group.slots,
+            tuple(cols[o] for o in group.outputs),
+            is_weighted=self._is_weighted,
+            dep=dep,
+        )
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self.table_configs)

@@ -168,6 +168,10 @@ def remap_by_table(
             at += n
     out = jnp.concatenate(pieces) if pieces else plain.astype(jnp.int32)
     return KeyedJaggedTensor.from_parts(
-        keys, out, features.lengths(), features.weights_or_none(),
-        capacities=features.capacity_per_key(), stride=features.stride(),
-    )  # fmt: skip
+        keys,
+        out,
+        features.lengths(),
+        features.weights_or_none(),
+        capacities=features.capacity_per_key(),
+        stride=features.stride(),
+    )

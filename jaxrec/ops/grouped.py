@@ -114,9 +114,13 @@ def _grouped_pooled_xla(
         starts = slot_bag_starts(features, slots)
         seg = jnp.where(valid, starts[slot_of] + bag, starts[-1])
         pooled = embedding_bag(
-            weights, rows, seg, int(starts[-1]), w if is_weighted else None,
+            weights,
+            rows,
+            seg,
+            int(starts[-1]),
+            w if is_weighted else None,
             implementation=implementation,
-        )  # fmt: skip
+        )
         scale = vbe_mean_scale(features, slots)
         return pooled if scale is None else pooled * scale[:, None]
     seg = jnp.where(valid, bag * s + slot_of, b * s)  # output order [B, S]

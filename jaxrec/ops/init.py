@@ -66,25 +66,51 @@ def uniform_rows(
     words = key_words(key)
     aligned = all(p.col0 % 4 == 0 for p in pieces)
     if isinstance(words, jax.core.Tracer):
-        return draw_rows(words, ints, floats, rows=rows, cols=cols, dtype=dtype,
-                         implementation=implementation, aligned=aligned)  # fmt: skip
+        return draw_rows(
+            words,
+            ints,
+            floats,
+            rows=rows,
+            cols=cols,
+            dtype=dtype,
+            implementation=implementation,
+            aligned=aligned,
+        )
     dtype = jnp.dtype(dtype)
     if 0 < rows * cols <= SMALL_VALUES:  # small: shapes bucketed, a few programs serve all
         bucket = 1 << (rows - 1).bit_length()
         ints, floats = _padded(ints, floats, bucket, 1 << (len(ints) - 1).bit_length())
-        out = _draw_rows_jit(words, ints, floats, rows=bucket, cols=cols, dtype=dtype,
-                             implementation=implementation, aligned=aligned)  # fmt: skip
+        out = _draw_rows_jit(
+            words,
+            ints,
+            floats,
+            rows=bucket,
+            cols=cols,
+            dtype=dtype,
+            implementation=implementation,
+            aligned=aligned,
+        )
         return jax.device_put(np.asarray(out)[:rows])  # cut on the host: no program
-    return _draw_rows_jit(words, ints, floats, rows=rows, cols=cols, dtype=dtype,
-                          implementation=implementation, aligned=aligned)  # fmt: skip
+    return _draw_rows_jit(
+        words,
+        ints,
+        floats,
+        rows=rows,
+        cols=cols,
+        dtype=dtype,
+        implementation=implementation,
+        aligned=aligned,
+    )
 
 
 def _padded(ints: np.ndarray, floats: np.ndarray, rows: int, n: int) -> tuple[np.ndarray, ...]:
     """Piece arrays padded to ``n`` pieces with empty ones at ``rows`` (they cover nothing)."""
     pad = np.zeros((n - len(ints), 6), np.int32)
     pad[:, 0] = rows
-    return (np.concatenate([ints, pad]),
-            np.concatenate([floats, np.zeros((n - len(ints), 2), np.float32)]))  # fmt: skip
+    return (
+        np.concatenate([ints, pad]),
+        np.concatenate([floats, np.zeros((n - len(ints), 2), np.float32)]),
+    )
 
 
 def draw_rows(
@@ -103,9 +129,16 @@ def draw_rows(
     ``aligned``: every piece's ``col0`` is a multiple of 4 (a faster XLA program)."""
     xla = functools.partial(_xla_jit, aligned=aligned)
     return dispatch(
-        "uniform_rows", implementation, xla, words, ints, floats,
-        rows=rows, cols=cols, dtype=jnp.dtype(dtype),
-    )  # fmt: skip
+        "uniform_rows",
+        implementation,
+        xla,
+        words,
+        ints,
+        floats,
+        rows=rows,
+        cols=cols,
+        dtype=jnp.dtype(dtype),
+    )
 
 
 # Jitted so that a shape traced once is not traced again (each trace of the XLA path

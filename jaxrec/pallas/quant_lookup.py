@@ -206,6 +206,13 @@ def quant_embedding_bag_pallas(
     scale = jnp.ones(rows.shape, jnp.float32) if per_value_scale is None else per_value_scale
     scale = jnp.where(segment_ids < num_segments, scale.astype(jnp.float32), 0.0)
     return quant_pooled_lookup(
-        qweights, rows, starts, ends, scale, segment_ids, dim=dim, dtype=dtype,
+        qweights,
+        rows,
+        starts,
+        ends,
+        scale,
+        segment_ids,
+        dim=dim,
+        dtype=dtype,
         interpret=interpret,
-    )  # fmt: skip
+    )

@@ -42,9 +42,18 @@ DEFAULT_TILING = Tiling(block_rows=8, num_warps=4, num_stages=2)
 
 
 def sparse_update_kernel(
-    *refs, optimizer, state_type, fields, num_runs, num_rows, num_state_rows, dim, block_runs,
-    runs, partials,
-):  # fmt: skip
+    *refs,
+    optimizer,
+    state_type,
+    fields,
+    num_runs,
+    num_rows,
+    num_state_rows,
+    dim,
+    block_runs,
+    runs,
+    partials,
+):
     """One optimizer step over ``block_runs`` unique rows.
 
     Refs, in order: ``grad_src [N, D] f32``, ``run_rows [U] i32`` (table row,
@@ -142,9 +151,20 @@ class _Items(NamedTuple):
 
 
 def piece_sum_kernel(
-    grad_ref, src_ref, scale_ref, start_ref, length_ref, _partial_in, partial_ref,
-    *, num_pieces, offset, dim, block_pieces, from_occurrences,
-):  # fmt: skip
+    grad_ref,
+    src_ref,
+    scale_ref,
+    start_ref,
+    length_ref,
+    _partial_in,
+    partial_ref,
+    *,
+    num_pieces,
+    offset,
+    dim,
+    block_pieces,
+    from_occurrences,
+):
     """Sums ``block_pieces`` pieces into partial rows ``offset + piece``.
 
     Refs: ``grad [N, D] f32``, ``occ_src [M] i32``, ``occ_scale [M] f32``,
@@ -187,9 +207,17 @@ def _check_optimizer(optimizer, state, dim):
 
 
 def _launch(
-    optimizer, table, state, grad_src, run_rows, run_state_rows, tiling, interpret,
-    plan: RunPlan | None = None, partials: jax.Array | None = None,
-):  # fmt: skip
+    optimizer,
+    table,
+    state,
+    grad_src,
+    run_rows,
+    run_state_rows,
+    tiling,
+    interpret,
+    plan: RunPlan | None = None,
+    partials: jax.Array | None = None,
+):
     """The update launch: one summed gradient per row (no ``plan``), or each run of
     ``plan`` summed from its occurrences and, where given, ``partials`` rows."""
     dim = table.shape[1]

@@ -88,9 +88,7 @@ class KeyedJaggedTensor:
         [5, 6, 7]
     """
 
-    __slots__ = (
-        "_keys", "_caps", "_stride", "_spk", "_values", "_lengths", "_weights", "_inverse"
-    )  # fmt: skip
+    __slots__ = ("_keys", "_caps", "_stride", "_spk", "_values", "_lengths", "_weights", "_inverse")
     _keys: tuple[str, ...]
     _caps: tuple[int, ...]
     _stride: int
@@ -521,9 +519,15 @@ class KeyedJaggedTensor:
                 keys, out_v, lens.astype(np.int32), out_w, capacities=caps, stride=stride, **vbe
             )
         return KeyedJaggedTensor(
-            keys, out_v, out_w, lengths=lens, stride=stride, capacities=caps, validate=False,
+            keys,
+            out_v,
+            out_w,
+            lengths=lens,
+            stride=stride,
+            capacities=caps,
+            validate=False,
             **(vbe if spk is None else {**vbe, "inverse_indices": jnp.asarray(inv)}),
-        )  # fmt: skip
+        )
 
     @staticmethod
     def from_offsets_sync(
@@ -584,9 +588,13 @@ class KeyedJaggedTensor:
         parts = [self[self._keys[i]] for i in indices]
         inverse = None if self._inverse is None else [self._inverse[i] for i in indices]
         return _concat_parts(
-            [self._keys[i] for i in indices], parts, self._stride, self._weights is not None,
-            self, inverse,
-        )  # fmt: skip
+            [self._keys[i] for i in indices],
+            parts,
+            self._stride,
+            self._weights is not None,
+            self,
+            inverse,
+        )
 
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Splits keys into consecutive groups of the given sizes."""
@@ -620,8 +628,9 @@ class KeyedJaggedTensor:
             same = jnp.arange(b, dtype=jnp.int32)
             inverse = [
                 k.inverse_indices()[1][i] if k.variable_stride_per_key() else same
-                for k in kjt_list for i in range(len(k.keys()))
-            ]  # fmt: skip
+                for k in kjt_list
+                for i in range(len(k.keys()))
+            ]
         return _concat_parts(keys, parts, b, weighted.pop(), kjt_list[0], inverse)
 
     # ----- checks and printing -----

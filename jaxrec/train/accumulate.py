@@ -216,8 +216,9 @@ def accumulate_gradients(
 
     def body(carry, micro):
         g_sum, tables, rest = carry
-        fwd = differentiate(graphdef, loss_fn, has_aux, state._replace(tables=tables, rest=rest),
-                            micro)  # fmt: skip
+        fwd = differentiate(
+            graphdef, loss_fn, has_aux, state._replace(tables=tables, rest=rest), micro
+        )
         found.append(([(c.path, c.collection) for c in fwd.calls], fwd.resets))
         g_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), g_sum, fwd.g_params)
         out = MicroBatchOutputs(

@@ -76,8 +76,11 @@ class ZipfCacheStatistics(CacheStatistics):
         k = min(float(rows), max(0.0, load_factor * rows))
         if k < 1:
             return 1.0
-        return max(0.0, 1.0 - generalized_harmonic(k, self.alpha) / generalized_harmonic(
-            float(rows), self.alpha))  # fmt: skip
+        return max(
+            0.0,
+            1.0
+            - generalized_harmonic(k, self.alpha) / generalized_harmonic(float(rows), self.alpha),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

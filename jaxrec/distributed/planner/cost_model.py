@@ -94,9 +94,15 @@ class GroupCost:
     def buffers(self, capacity, slots, split: bool = False, row_sum_values: Num = 0.0):
         """Lookup buffer bytes for fast-path capacity ``C`` and ``S`` slots (arrays ok)."""
         out = sharded_buffer_bytes(
-            self.topology, self.ncols, capacity, slots, weighted=self.weighted, split=split,
-            row_sum_values=row_sum_values, sequence=self.sequence,
-        )  # fmt: skip
+            self.topology,
+            self.ncols,
+            capacity,
+            slots,
+            weighted=self.weighted,
+            split=split,
+            row_sum_values=row_sum_values,
+            sequence=self.sequence,
+        )
         if self.cached:
             out = out + cache_staging_bytes(self.topology, capacity, self.mem_row)
         return out
@@ -104,15 +110,23 @@ class GroupCost:
     def perf(self, capacity, slots, row_sum_sent: Num = 0.0, fetch: Num = 0.0) -> Perf:
         """``fetch``: expected missed ids per source on the busiest rank (cached groups)."""
         p = sharded_perf(
-            self.topology, self.ncols, self.itemsize, self.state_row, capacity, slots,
-            weighted=self.weighted, row_sum_sent=row_sum_sent, sequence=self.sequence,
-        )  # fmt: skip
+            self.topology,
+            self.ncols,
+            self.itemsize,
+            self.state_row,
+            capacity,
+            slots,
+            weighted=self.weighted,
+            row_sum_sent=row_sum_sent,
+            sequence=self.sequence,
+        )
         if not self.cached:
             return p
         fetched = self.topology.world_size * fetch  # every source's misses on the rank
         ids = self.topology.world_size * capacity  # the ids the rank's slot maps plan
-        return p._replace(prefetch_compute=cache_miss_seconds(self.topology, fetched,
-                                                              self.mem_row, ids))  # fmt: skip
+        return p._replace(
+            prefetch_compute=cache_miss_seconds(self.topology, fetched, self.mem_row, ids)
+        )
 
     def time(self, capacity, slots, row_sum_sent: Num = 0.0, fetch: Num = 0.0) -> float:
         return self.perf(capacity, slots, row_sum_sent, fetch).total
@@ -121,8 +135,12 @@ class GroupCost:
     def linear(self) -> tuple[float, float, float, float]:
         """``(bytes per id, bytes per slot, seconds per id, seconds per slot)``: the
         costs' slopes, for cheap per-rank load estimates."""
-        return (float(self.buffers(1, 0)), float(self.buffers(0, 1)),
-                float(self.time(1, 0)), float(self.time(0, 1)))  # fmt: skip
+        return (
+            float(self.buffers(1, 0)),
+            float(self.buffers(0, 1)),
+            float(self.time(1, 0)),
+            float(self.time(0, 1)),
+        )
 
     def memory(
         self, rows, capacity, slots, split: bool = False, row_sum_values: Num = 0.0, cache: Num = 0
@@ -167,10 +185,12 @@ class CostModel:
     """
 
     def __init__(
-        self, topology: Topology, capacity: int | Mapping[str, int] | None = None,
+        self,
+        topology: Topology,
+        capacity: int | Mapping[str, int] | None = None,
         weighted_modules: Iterable[str] = frozenset(),
         capacity_factor: float = CAPACITY_FACTOR,
-    ):  # fmt: skip
+    ):
         fast_path_capacity(1.0, 1, capacity_factor)  # validates it
         self.topology = topology
         self.capacity = capacity
@@ -197,8 +217,14 @@ class CostModel:
 
     def group_cost(self, table: TableInfo, ncols: int, cached: bool = False) -> GroupCost:
         weighted = table.module in self.weighted_modules
-        key = (ncols, table.itemsize, self.state_per_row(table, ncols), weighted, table.sequence,
-               cached)  # fmt: skip
+        key = (
+            ncols,
+            table.itemsize,
+            self.state_per_row(table, ncols),
+            weighted,
+            table.sequence,
+            cached,
+        )
         cost = self._groups.get(key)
         if cost is None:
             cost = self._groups[key] = GroupCost(self.topology, *key)

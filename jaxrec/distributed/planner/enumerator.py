@@ -132,9 +132,15 @@ def _cache_holds_a_step(table: TableInfo, shards, cache: CacheParams, world: int
 
 
 def estimate_option(
-    table: TableInfo, cost: CostModel, st, shards, placement, ranks, blocks=0,
+    table: TableInfo,
+    cost: CostModel,
+    st,
+    shards,
+    placement,
+    ranks,
+    blocks=0,
     cache: CacheParams | None = None,
-) -> ShardingOption:  # fmt: skip
+) -> ShardingOption:
     """A ``ShardingOption`` with its standalone storage and perf estimates."""
     host = total_host = 0.0
     if placement == "replicated":

@@ -66,8 +66,7 @@ def cut(group: PlannedGroup, tables: list[TableInfo]) -> list[dict[int, int]]:
             b -= e
     for i in range(len(tables)):
         if left_rows[i]:  # rows beyond every share (ranks over it from other shards)
-            g_rows = group.load.rows + np.array([sum(s.get(r, 0) for s in sizes)
-                                                 for r in range(n)])  # fmt: skip
+            g_rows = group.load.rows + np.array([sum(s.get(r, 0) for s in sizes) for r in range(n)])
             take(i, int(np.argmin(g_rows)), left_rows[i])
     sizes = [{r: v for r, v in s.items() if v} for s in sizes]
     level(group, tables, dens, sizes)

@@ -130,7 +130,9 @@ class ShardingOption:
         t = self.sharding_type.value
         cols = {s.ncols for s in self.shards}
         if self.sharding_type in (
-            ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD
-        ):  # fmt: skip
+            ShardingType.COLUMN_WISE,
+            ShardingType.TABLE_COLUMN_WISE,
+            ShardingType.GRID_SHARD,
+        ):
             t = f"{t}/{len({(s.col0, s.ncols) for s in self.shards})}x{max(cols)}"
         return t if self.cache is None else f"{t} cached {self.cache.load_factor:g}"

@@ -72,9 +72,12 @@ class GreedyPerfPartitioner:
         self.split = split
 
     def partition(
-        self, proposal: Sequence[ShardingOption], cost: CostModel, usable_bytes: float,
+        self,
+        proposal: Sequence[ShardingOption],
+        cost: CostModel,
+        usable_bytes: float,
         usable_ddr: float = math.inf,
-    ) -> Placement:  # fmt: skip
+    ) -> Placement:
         """``usable_ddr``: host bytes per device (a host's usable memory / its devices)."""
         return _Run(proposal, cost, usable_bytes, self.split, usable_ddr).run()
 
@@ -230,8 +233,9 @@ class _Run:
 
     def _fill(self, group: PlannedGroup, opts: list[tuple[ShardingOption, list]]) -> None:
         """Lays a group's fillable tables over the ranks (``fill.cut``)."""
-        items = sorted(opts, key=lambda x: (x[0].table.expected_ids / x[0].table.rows,
-                                            x[0].table.key))  # fmt: skip
+        items = sorted(
+            opts, key=lambda x: (x[0].table.expected_ids / x[0].table.rows, x[0].table.key)
+        )
         sizes = fill.cut(group, [o.table for o, _ in items])
         for (o, ranks), size in zip(items, sizes, strict=True):
             self._apply_fill(o, ranks, size)

@@ -56,8 +56,13 @@ class Perf(NamedTuple):
 
     @property
     def total(self) -> float:
-        return (self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms
-                + self.prefetch_compute)  # fmt: skip
+        return (
+            self.fwd_compute
+            + self.fwd_comms
+            + self.bwd_compute
+            + self.bwd_comms
+            + self.prefetch_compute
+        )
 
     def __add__(self, other):  # element-wise, not tuple concatenation
         return Perf(*(a + b for a, b in zip(self, other, strict=True)))
@@ -67,9 +72,17 @@ class Perf(NamedTuple):
 
 
 def sharded_perf(
-    topo: Topology, ncols: int, itemsize: int, state_per_row: int, capacity, slots,
-    *, weighted: bool = False, row_sum_sent: Num = 0.0, sequence: bool = False,
-) -> Perf:  # fmt: skip
+    topo: Topology,
+    ncols: int,
+    itemsize: int,
+    state_per_row: int,
+    capacity,
+    slots,
+    *,
+    weighted: bool = False,
+    row_sum_sent: Num = 0.0,
+    sequence: bool = False,
+) -> Perf:
     """Seconds of one width group per step (``capacity`` and ``slots`` may be arrays).
 
     ``row_sum_sent``: float32 row sums the busiest rank sends its column peers.
@@ -130,8 +143,13 @@ def comm_bytes(placement, topo: Topology) -> dict[str, int]:
     gradients (sent to each of the ``N - 1`` peers).
     """
     n, b = topo.world_size, topo.batch_size
-    out = {"ids_all_to_all": 0, "fwd_output_all_to_all": 0, "bwd_grad_all_to_all": 0,
-           "dp_row_grad_all_gather": 0, "row_sum_exchange": 0}  # fmt: skip
+    out = {
+        "ids_all_to_all": 0,
+        "fwd_output_all_to_all": 0,
+        "bwd_grad_all_to_all": 0,
+        "dp_row_grad_all_gather": 0,
+        "row_sum_exchange": 0,
+    }
     for g in placement.groups:
         blocks = n * (g.capacity if g.sequence else g.slots * b) * g.key[1] * F32
         ids = id_payload(g.capacity, g.slots, b, g.weighted, g.sequence)

@@ -45,9 +45,26 @@ def shard_load(cost: CostModel, o: ShardingOption, sh: ShardSpec) -> ShardLoad:
 
 
 class PlannedGroup:
-    __slots__ = ("key", "cost", "model", "n", "load", "peak", "split", "loads", "split_ids",
-                 "total_rows", "total_exp", "cap_rows", "cap_exp", "opts", "tables", "mem_now",
-                 "time_now", "ddr_now")  # fmt: skip
+    __slots__ = (
+        "key",
+        "cost",
+        "model",
+        "n",
+        "load",
+        "peak",
+        "split",
+        "loads",
+        "split_ids",
+        "total_rows",
+        "total_exp",
+        "cap_rows",
+        "cap_exp",
+        "opts",
+        "tables",
+        "mem_now",
+        "time_now",
+        "ddr_now",
+    )
 
     def __init__(self, key, cost: GroupCost, model: CostModel, n: int):
         self.key, self.cost, self.model, self.n = key, cost, model, n
@@ -101,8 +118,10 @@ class PlannedGroup:
             if it.shard.split:
                 self.split = True
                 self.split_ids[it.rank][it.shard.table] = (
-                    it.shard.split_ids, it.shard.calls, it.shard.peers
-                )  # fmt: skip
+                    it.shard.split_ids,
+                    it.shard.calls,
+                    it.shard.peers,
+                )
         self.peak = self.peak.top(placed)
         m_id, m_slot, t_id, t_slot = self.cost.linear
         held = d.cache if self.cost.cached else d.rows

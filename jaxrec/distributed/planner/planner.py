@@ -254,9 +254,7 @@ class EmbeddingShardingPlanner:
                 f"tables {empty}: their constraints allow no sharding on {topo.world_size} "
                 "devices (check sharding_types, compute_kernels, ranks, min_partition)"
             )
-        proposers = self.proposers or (
-            GreedyProposer(), UniformProposer(), GridSearchProposer()
-        )  # fmt: skip
+        proposers = self.proposers or (GreedyProposer(), UniformProposer(), GridSearchProposer())
         best: tuple | None = None
         refused: tuple | None = None  # the best plan whose groups expect more than capacity=
         closest: Placement | None = None
@@ -274,8 +272,9 @@ class EmbeddingShardingPlanner:
                         placed = self.partitioner.partition(proposal, cost, usable, usable_ddr)
                         seen[key] = placed
                         counts[p.name] = counts.get(p.name, 0) + 1
-                    p.feedback(placed.feasible, placed.perf.total, placed.overflow,
-                               placed.host_overflow)  # fmt: skip
+                    p.feedback(
+                        placed.feasible, placed.perf.total, placed.overflow, placed.host_overflow
+                    )
                     if placed.feasible:
                         rank = (placed.perf.total, placed.hbm)
                         errors = capacity_errors(placed, cost)
@@ -291,18 +290,21 @@ class EmbeddingShardingPlanner:
         if best is None and refused is None:  # nothing fits in HBM: cache what may be cached
             cached = [
                 [o for o in enumerate_options(t, cost, caching=True) if o.cache is not None]
-                if not t.constraints.cache_only else []
+                if not t.constraints.cache_only
+                else []
                 for t in tables
-            ]  # fmt: skip
+            ]
             if any(cached):
                 options = [o + c for o, c in zip(options, cached, strict=True)]
                 search(options, (*proposers, CachingProposer()))
         if best is not None and self.scale_up_caches and best[1].cached:
             proposal, placed = scale_up_caches(
-                best[3], best[1], cost,
+                best[3],
+                best[1],
+                cost,
                 lambda trial: self.partitioner.partition(trial, cost, usable, usable_ddr),
                 lambda placed: not capacity_errors(placed, cost),
-            )  # fmt: skip
+            )
             if placed is not best[1]:
                 best = ((placed.perf.total, placed.hbm), placed, best[2] + "+scale_up", proposal)
         elapsed = time.perf_counter() - start
@@ -322,11 +324,19 @@ class EmbeddingShardingPlanner:
             )
             host_fits = [p.ddr for p in seen.values() if p.hbm <= usable and p.ddr]
             raise PlannerError(
-                infeasible_message(tables, options, closest, cost, usable, cons,
-                                   any(o.cache for opts in options for o in opts),
-                                   min(host_fits, default=None), self.reserved_ddr_fraction),
+                infeasible_message(
+                    tables,
+                    options,
+                    closest,
+                    cost,
+                    usable,
+                    cons,
+                    any(o.cache for opts in options for o in opts),
+                    min(host_fits, default=None),
+                    self.reserved_ddr_fraction,
+                ),
                 stats,
-            )  # fmt: skip
+            )
         placed = best[1]
         self.last_placement = placed
         self.last_stats = PlanStats(
@@ -358,13 +368,17 @@ class EmbeddingShardingPlanner:
                 shards, placement, ranks = (ShardSpec(0, t.rows, 0, t.dim),), "replicated", ()
             else:
                 shards = tuple(
-                    ShardSpec(s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1],
-                              s.shard_sizes[1])
+                    ShardSpec(
+                        s.shard_offsets[0], s.shard_sizes[0], s.shard_offsets[1], s.shard_sizes[1]
+                    )
                     for s in ps.sharding_spec
-                )  # fmt: skip
+                )
                 placement, ranks = "fixed", tuple(s.placement for s in ps.sharding_spec)
-            options.append(estimate_option(t, cost, ps.sharding_type, shards, placement, ranks,
-                                           cache=ps.cache_params))  # fmt: skip
+            options.append(
+                estimate_option(
+                    t, cost, ps.sharding_type, shards, placement, ranks, cache=ps.cache_params
+                )
+            )
         placed = self.partitioner.partition(options, cost, usable, usable_ddr)
         elapsed = time.perf_counter() - start
         return PlanStats(placed, cost, self.reserved_hbm_fraction, {}, "the given plan", elapsed)

@@ -94,10 +94,13 @@ class GreedyProposer(Proposer):
         for t in sorted(range(len(self.opts)), key=key):
             cur = self.opts[t][self.idx[t]].per_device_bytes
             nxt = next(
-                (j for j in range(self.idx[t] + 1, len(self.opts[t]))
-                 if self.opts[t][j].per_device_bytes < cur),
+                (
+                    j
+                    for j in range(self.idx[t] + 1, len(self.opts[t]))
+                    if self.opts[t][j].per_device_bytes < cur
+                ),
                 None,
-            )  # fmt: skip
+            )
             if nxt is not None:
                 self.idx[t] = nxt
                 return
@@ -193,8 +196,11 @@ class CachingProposer(Proposer):
             fused = _by_perf([o for o in opts if o.cache is None])
             cached = _by_perf([o for o in opts if o.cache is not None])
             fit = [o for o in fused if o.per_device_bytes <= usable_bytes]
-            base = fit[0] if fit else min(fused, key=lambda o: (o.per_device_bytes, o.perf),
-                                          default=None)  # fmt: skip
+            base = (
+                fit[0]
+                if fit
+                else min(fused, key=lambda o: (o.per_device_bytes, o.perf), default=None)
+            )
             alt = next((o for o in cached if o.per_device_bytes <= usable_bytes), None)
             alt = alt or (cached[0] if cached else None)
             self.base.append(base or alt)

@@ -42,8 +42,16 @@ def _rung(option: ShardingOption, cost: CostModel, load_factor: float) -> Shardi
     cache = None
     if load_factor < 1 or EmbeddingComputeKernel.FUSED not in kernels:
         cache = dataclasses.replace(option.cache, load_factor=min(1.0, load_factor))
-    return estimate_option(option.table, cost, option.sharding_type, option.shards,
-                           option.placement, option.ranks, option.blocks, cache=cache)  # fmt: skip
+    return estimate_option(
+        option.table,
+        cost,
+        option.sharding_type,
+        option.shards,
+        option.placement,
+        option.ranks,
+        option.blocks,
+        cache=cache,
+    )
 
 
 def _target(good: float, bad: float | None) -> float | None:

@@ -35,8 +35,15 @@ SHOWN = 8  # tables listed in an infeasibility report
 class PlanStats:
     """The planner's report on its chosen plan; ``str()`` is the printed table."""
 
-    def __init__(self, placed: Placement, cost: CostModel, reserved: float, counts: Mapping,
-                 winner: str, seconds: float):  # fmt: skip
+    def __init__(
+        self,
+        placed: Placement,
+        cost: CostModel,
+        reserved: float,
+        counts: Mapping,
+        winner: str,
+        seconds: float,
+    ):
         self.placement = placed
         self.cost = cost
         self.reserved = reserved
@@ -58,10 +65,16 @@ class PlanStats:
         topo = self.cost.topology
         out = {"ids": 0.0, "received": 0.0, "blocks": 0.0, "column_split": 0.0}
         for g in self.placement.groups:
-            parts = sharded_buffer_parts(topo, g.key[1], g.capacity, g.slots,
-                                         weighted=g.weighted, split=g.column_split,
-                                         sequence=g.sequence,
-                                         row_sum_values=g.row_sum_values)  # fmt: skip
+            parts = sharded_buffer_parts(
+                topo,
+                g.key[1],
+                g.capacity,
+                g.slots,
+                weighted=g.weighted,
+                split=g.column_split,
+                sequence=g.sequence,
+                row_sum_values=g.row_sum_values,
+            )
             for k, v in parts.items():
                 out[k] += float(v)
         out["data_parallel"] = self.placement.memory[2] - sum(out.values())
@@ -111,11 +124,14 @@ class PlanStats:
         ]
         lo = topo.ranks_per_host
         if p.cached:
-            lines.insert(-1, (
-                f"  host memory (cached tables: rows, optimizer state, cache metadata): "
-                f"{fb(p.ddr)} per device, {fb(p.ddr * lo)} per host of {fb(p.usable_ddr * lo)} "
-                f"usable ({p.ddr / p.usable_ddr:.1%}; ddr_cap {fb(topo.ddr_cap)})"
-            ))  # fmt: skip
+            lines.insert(
+                -1,
+                (
+                    f"  host memory (cached tables: rows, optimizer state, cache metadata): "
+                    f"{fb(p.ddr)} per device, {fb(p.ddr * lo)} per host of {fb(p.usable_ddr * lo)} "
+                    f"usable ({p.ddr / p.usable_ddr:.1%}; ddr_cap {fb(topo.ddr_cap)})"
+                ),
+            )
         host_col = " | own host (unpadded)" if p.cached else ""
         lines += ["", f" rank | own HBM (unpadded) | own time (ms) | shards{host_col}"]
         shards = [0] * topo.world_size
@@ -150,8 +166,11 @@ class PlanStats:
                 f"{_ranks(rs)} | {fb(o.per_device_bytes)} | {_ms(o.perf)}"
             )
         if p.groups:
-            lines += ["", " width group | rows/rank | expected ids/destination | capacity | "
-                          "natural | slots | HBM | ms"]  # fmt: skip
+            lines += [
+                "",
+                " width group | rows/rank | expected ids/destination | capacity | "
+                "natural | slots | HBM | ms",
+            ]
             for g in p.groups:
                 where = f"{g.key[0]}: " if g.key[0] else ""
                 lines.append(
@@ -264,8 +283,9 @@ def infeasible_message(
     need = closest.hbm if closest else max(s.per_device_bytes for s in smallest.values())
     lines.append("suggestions:")
     split = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
-    no_rw = [t.key for t in bad
-             if not any(o.sharding_type in split for o in options[tables.index(t)])]  # fmt: skip
+    no_rw = [
+        t.key for t in bad if not any(o.sharding_type in split for o in options[tables.index(t)])
+    ]
     devices = math.ceil(topo.world_size * need / usable)
     if alone and len(no_rw) == len(alone):
         lines.append(

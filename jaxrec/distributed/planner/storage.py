@@ -141,9 +141,16 @@ def id_payload(capacity, slots, batch: int, weighted: bool, sequence: bool = Fal
 
 
 def sharded_buffer_bytes(
-    topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values: Num = 0.0, sequence: bool = False,
-):  # fmt: skip
+    topo: Topology,
+    ncols: int,
+    capacity,
+    slots,
+    *,
+    weighted: bool = False,
+    split: bool = False,
+    row_sum_values: Num = 0.0,
+    sequence: bool = False,
+):
     """Lookup buffer bytes of one width group on every device (numpy-friendly).
 
     With ``N`` devices, ``B`` samples per device, fast-path capacity ``C`` per
@@ -170,16 +177,29 @@ def sharded_buffer_bytes(
       min(C, sum of the table's feature capacities)``).
     """
     parts = sharded_buffer_parts(
-        topo, ncols, capacity, slots, weighted=weighted, split=split,
-        row_sum_values=row_sum_values, sequence=sequence,
-    )  # fmt: skip
+        topo,
+        ncols,
+        capacity,
+        slots,
+        weighted=weighted,
+        split=split,
+        row_sum_values=row_sum_values,
+        sequence=sequence,
+    )
     return parts["ids"] + parts["received"] + parts["blocks"] + parts["column_split"]
 
 
 def sharded_buffer_parts(
-    topo: Topology, ncols: int, capacity, slots, *, weighted: bool = False,
-    split: bool = False, row_sum_values: Num = 0.0, sequence: bool = False,
-) -> dict:  # fmt: skip
+    topo: Topology,
+    ncols: int,
+    capacity,
+    slots,
+    *,
+    weighted: bool = False,
+    split: bool = False,
+    row_sum_values: Num = 0.0,
+    sequence: bool = False,
+) -> dict:
     """:func:`sharded_buffer_bytes` by part: ``ids`` (the ids ``all_to_all``),
     ``received`` (per received id), ``blocks`` and ``column_split``."""
     n, b = topo.world_size, topo.batch_size

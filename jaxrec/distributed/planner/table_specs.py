@@ -25,11 +25,24 @@ from ..types import CacheParams
 from .constraints import ParameterConstraints
 
 _CONFIG = {"name", "num_embeddings", "embedding_dim", "data_type", "feature_names", "pooling"}
-_LISTS = {"sharding_types", "compute_kernels", "pooling_factors", "num_poolings", "batch_sizes",
-          "feature_capacities", "ranks", "feature_names"}  # fmt: skip
+_LISTS = {
+    "sharding_types",
+    "compute_kernels",
+    "pooling_factors",
+    "num_poolings",
+    "batch_sizes",
+    "feature_capacities",
+    "ranks",
+    "feature_names",
+}
 _SCALARS = {"min_partition", "is_weighted", "hbm_only", "cache_load_factor", "cache_algorithm"}
-_NUMBERS = {"pooling_factors": float, "num_poolings": float, "batch_sizes": int,
-            "feature_capacities": int, "ranks": int}  # fmt: skip
+_NUMBERS = {
+    "pooling_factors": float,
+    "num_poolings": float,
+    "batch_sizes": int,
+    "feature_capacities": int,
+    "ranks": int,
+}
 
 
 def _table(raw: Mapping[str, Any], where: str) -> tuple[EmbeddingBagConfig, ParameterConstraints]:

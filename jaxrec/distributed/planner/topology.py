@@ -83,8 +83,16 @@ class Topology:
         if local < 1 or self.world_size % local:
             raise ValueError(f"local_world_size={local} must divide world_size={self.world_size}")
         object.__setattr__(self, "local_world_size", local)
-        for f in ("hbm_cap", "ddr_cap", "hbm_mem_bw", "ddr_mem_bw", "hbm_to_ddr_mem_bw",
-                  "intra_host_bw", "cross_host_bw", "batch_size"):  # fmt: skip
+        for f in (
+            "hbm_cap",
+            "ddr_cap",
+            "hbm_mem_bw",
+            "ddr_mem_bw",
+            "hbm_to_ddr_mem_bw",
+            "intra_host_bw",
+            "cross_host_bw",
+            "batch_size",
+        ):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Topology.{f} must be positive, got {getattr(self, f)!r}")
 
