@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -22,7 +22,7 @@ from .capacity import CAPACITY_FACTOR
 from .global_mc import GlobalBatchManagedCollision
 from .planner import ParameterConstraints, plan_for_model
 from .qcomms import QCommsConfig
-from .sharded_base import ShardedCollection
+from .sharded_base import ShardedCollection, ShardSource
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .sharded_fp import ShardedFeatureProcessedEmbeddingBagCollection
@@ -224,7 +224,7 @@ def _pooling_constraints(model, pooling_factors) -> dict | None:
         if not isinstance(module, tuple(SHARDERS)):  # what the planner plans
             continue
         prefix = ".".join(map(str, path))
-        for t in module.table_configs:
+        for t in cast(ShardSource, module).table_configs:  # a SHARDERS key: a collection
             if any(f in pooling_factors for f in t.feature_names):
                 pf = [float(pooling_factors.get(f, 1.0)) for f in t.feature_names]
                 out[f"{prefix}.{t.name}" if prefix else t.name] = ParameterConstraints(

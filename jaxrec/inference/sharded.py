@@ -24,7 +24,7 @@ also quantizes float collections per shard.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..distributed import embedding_dist as dist
 from ..distributed.model_parallel import SHARDERS
+from ..distributed.sharded_base import ShardedCollection
 from ..distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from ..distributed.sharded_ec import ShardedEmbeddingCollection
 from ..distributed.types import ParameterSharding, ShardingPlan
@@ -58,7 +59,15 @@ from .quant_ops import (
 _QUANT = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
 
 
-class _QuantShards:
+# The mixin reads the sharded collection's attributes (layout, prefix, weights ...):
+# the type checker sees it as one; at run time it is a plain mixin.
+if TYPE_CHECKING:
+    _MixedInto = ShardedCollection
+else:
+    _MixedInto = object
+
+
+class _QuantShards(_MixedInto):
     """Placement and forward of quantized shards (mixed into the sharded collections)."""
 
     def _setup_quant(self, module, dtype, per_table_dtype, row_alignment) -> None:
@@ -270,6 +279,7 @@ def shard_quant_model(
         elif dtype is not None or per_table_dtype:
             if type(module) not in _FLOAT_SHARDERS:
                 continue
+            assert isinstance(module, EmbeddingBagCollection | EmbeddingCollection)  # (its keys)
             names = {t.name for t in module.table_configs}
             mine = {k: v for k, v in (per_table_dtype or {}).items() if k in names}
             kwargs = dict(dtype=dtype, per_table_dtype=mine, row_alignment=row_alignment)
