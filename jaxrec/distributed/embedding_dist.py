@@ -107,6 +107,7 @@ def pooled_partials(lookup: Callable, table, rec: Received, spec: Spec) -> jax.A
     quantized one); ids that are not there (fill) go to a dropped segment.
     """
     n, sb = spec.n, spec.sb
+    assert rec.seg is not None  # a pooled exchange's ids carry their bags
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     seg = jnp.where(rec.valid & (rec.seg < sb), src * sb + rec.seg, n * sb)
     rows = jnp.where(rec.valid, rec.rows, 0)
@@ -136,6 +137,7 @@ def grads_to_ranks(
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):
     """Per-received-id row gradients: ``rows [K]``, ``grads [K, ncols]``, ``valid [K]``."""
     n, sb = spec.n, spec.sb
+    assert rec.seg is not None  # a pooled exchange's ids carry their bags
     valid = rec.valid & (rec.seg < sb)
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     idx = jnp.where(valid, src * sb + rec.seg, 0).reshape(-1)
