@@ -117,7 +117,10 @@ def is_recording() -> bool:
 def record(collection: Any, features: Any) -> Any:
     """Recording mode's call: distributes ``features``' ids, returns zeros shaped like the
     call's output."""
-    found = _MODE.get().found
+    mode = _MODE.get()
+    if not isinstance(mode, _Recording):
+        raise RuntimeError("input_dist.record is for recording mode only (see is_recording)")
+    found = mode.found
     key = _key(collection)
     if key in found:
         raise NotImplementedError(
