@@ -28,19 +28,21 @@ Blocks and rows may travel in a lower precision (``qcomms``): cast before the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sparse import KeyedJaggedTensor
 from .exchange import Outbox, Received, Spec, round_targets
 from .layout import ShardedLayout, WidthGroup
 
+_Tree = TypeVar("_Tree")  # a pytree of stacked leaves
 
-def local_kjt(kjt_stacked: Any) -> KeyedJaggedTensor:
-    """The device's own KJT from a stacked one (leaves ``[1, ...]`` inside shard_map)."""
+
+def local_kjt(kjt_stacked: _Tree) -> _Tree:
+    """The device's own KJT from a stacked one (leaves ``[1, ...]`` inside shard_map);
+    as well a stacked ``input_dist.Prefetched``."""
     leaves, treedef = jax.tree.flatten(kjt_stacked)
     return jax.tree.unflatten(treedef, [x[0] for x in leaves])
 

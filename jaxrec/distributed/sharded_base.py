@@ -18,7 +18,7 @@ import abc
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 import jax
 import jax.core
@@ -34,7 +34,7 @@ from ..embedding.blocks import Block, TableBlocks
 from ..embedding.collection import EmbeddingCollectionInterface, PlanLocal
 from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
-from ..embedding.tables import EmbeddingTable, group_tables
+from ..embedding.tables import EmbeddingTable, TableGroup, group_tables
 from ..embedding.tape import log_overflow, report_overflow, tap
 from ..ops import Implementation, embedding_bag, embedding_gather
 from ..optim.base import apply_rows
@@ -81,7 +81,23 @@ class ShardSource(Protocol):
     def dtype(self) -> DTypeLike: ...  # the output dtype
     @property
     def embedding_names(self) -> tuple[str, ...]: ...
-    def state_dict(self) -> Mapping[str, Any]: ...  # {"<prefix>.<table>.weight": rows}
+    def state_dict(self) -> Mapping[str, HostOrDevice]: ...  # {"<prefix>.<table>.weight": rows}
+
+
+class ShardOptions(TypedDict, total=False):
+    """The keyword options of a sharded collection (see ``ShardedEmbeddingBagCollection``)."""
+
+    capacity: int | Mapping[str, int] | None
+    overflow: str
+    pooling_factors: Mapping[str, float] | None
+    capacity_factor: float
+    qcomms: QCommsConfig | None
+    exchange: str
+    init_key: jax.Array | None
+
+
+# A logical table as state dicts hold it: a device array or a host copy.
+HostOrDevice = jax.Array | np.ndarray
 
 
 class CheckSite(NamedTuple):
@@ -234,7 +250,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """The config of table ``name``."""
         return next(t for t in self.table_configs if t.name == name)
 
-    def _place(self, state_dict: Mapping[str, Any]) -> dict:
+    def _place(self, state_dict: Mapping[str, HostOrDevice]) -> dict:
         logical = {t.name: state_dict[f"{self.prefix}.{t.name}.weight"] for t in self.table_configs}
         # Traced (jax.eval_shape / jit: a model built without allocating it): jnp ops.
         traced = any(isinstance(x, jax.core.Tracer) for x in logical.values())
@@ -303,7 +319,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for t in self.table_configs
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, HostOrDevice]) -> None:
         expected = {f"{self.prefix}.{t.name}.weight" for t in self.table_configs}
         if set(state_dict) != expected:
             raise ValueError(
@@ -538,9 +554,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         return next(iter(opts.values()))
 
-    def _groups_by_name(self) -> dict[str, Any]:
+    def _groups_by_name(self) -> dict[str, WidthGroup | TableGroup]:
         """``{buffer name: its WidthGroup, or its TableGroup when replicated}``."""
-        out: dict[str, Any] = {g.name: g for g in self.layout.groups}
+        out: dict[str, WidthGroup | TableGroup] = {g.name: g for g in self.layout.groups}
         out.update({self.dp_buffer(rg): rg for rg in self.replicated_groups})
         return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ from ..xla.backward import pooled_row_grads
 from ..xla.slots import slot_bag_starts
 from .embedding_dist import column_offsets
 from .sharded_base import OverflowCount as OverflowCount
-from .sharded_base import PooledShardedCollection, ShardSource
+from .sharded_base import PooledShardedCollection, ShardOptions, ShardSource
 from .types import ParameterSharding
 
 
@@ -81,7 +81,7 @@ class ShardedEmbeddingBagCollection(PooledShardedCollection):
         ebc: PooledSource,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._is_weighted = ebc.is_weighted()
         self.length_per_embedding = ebc.length_per_embedding

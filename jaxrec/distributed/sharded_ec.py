@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ..ops import grouped_sequence_lookup
 from ..sparse import JaggedTensor
 from ..xla.backward import sequence_row_grads
-from .sharded_base import SequenceShardedCollection, ShardSource
+from .sharded_base import SequenceShardedCollection, ShardOptions, ShardSource
 from .types import ParameterSharding
 
 
@@ -44,7 +44,7 @@ class ShardedEmbeddingCollection(SequenceShardedCollection):
         ec: SequenceSource,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._need_indices = ec.need_indices()
         self.output_keys = tuple(f for t in ec.table_configs for f in t.feature_names)
