@@ -12,10 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..embedding.collection import replace_collection
+from ..embedding.optimizer import CombinedOptimizer
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
 from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from ..optim.base import SparseOptimizer
 from ..sparse import KeyedJaggedTensor, pad_strides, to_id_words
 from .abstract_build import build_abstract, draw_unsharded, is_abstract
 from .capacity import CAPACITY_FACTOR
@@ -48,7 +50,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     *,
     capacity: int | Mapping[str, int] | None = None,
     overflow: str = "exact",
-    optimizer: Any = None,
+    optimizer: CombinedOptimizer | SparseOptimizer | str | None = None,
     pooling_factors: Mapping[str, float] | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
     qcomms: QCommsConfig | None = None,
