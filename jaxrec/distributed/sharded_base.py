@@ -65,6 +65,10 @@ OVERFLOW_MODES = ("exact", "raise", "warn", "count")
 _EAGER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# A logical table as state dicts hold it: a device array or a host copy.
+HostOrDevice = jax.Array | np.ndarray
+
+
 class ShardSource(Protocol):
     """What a sharded collection reads of the unsharded collection it shards (a float
     or a quantized one; maybe abstract, from ``nnx.eval_shape``)."""
@@ -94,10 +98,6 @@ class ShardOptions(TypedDict, total=False):
     qcomms: QCommsConfig | None
     exchange: str
     init_key: jax.Array | None
-
-
-# A logical table as state dicts hold it: a device array or a host copy.
-HostOrDevice = jax.Array | np.ndarray
 
 
 class CheckSite(NamedTuple):
