@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -110,7 +109,7 @@ def group_capacity(
     return fast_path_capacity(expected, natural, factor)
 
 
-def check_capacity(capacity: Any) -> None:
+def check_capacity(capacity: object) -> None:
     """``capacity=`` must be ``None``, a positive int or ``{group name: positive int}``."""
     values = capacity.values() if isinstance(capacity, Mapping) else [capacity]
     for v in values:

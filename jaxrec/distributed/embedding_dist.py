@@ -28,19 +28,21 @@ Blocks and rows may travel in a lower precision (``qcomms``): cast before the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sparse import KeyedJaggedTensor
 from .exchange import Outbox, Received, Spec, round_targets
 from .layout import ShardedLayout, WidthGroup
 
+_Tree = TypeVar("_Tree")  # a pytree of stacked leaves
 
-def local_kjt(kjt_stacked: Any) -> KeyedJaggedTensor:
-    """The device's own KJT from a stacked one (leaves ``[1, ...]`` inside shard_map)."""
+
+def local_kjt(kjt_stacked: _Tree) -> _Tree:
+    """The device's own KJT from a stacked one (leaves ``[1, ...]`` inside shard_map);
+    as well a stacked ``input_dist.Prefetched``."""
     leaves, treedef = jax.tree.flatten(kjt_stacked)
     return jax.tree.unflatten(treedef, [x[0] for x in leaves])
 
@@ -107,6 +109,7 @@ def pooled_partials(lookup: Callable, table, rec: Received, spec: Spec) -> jax.A
     quantized one); ids that are not there (fill) go to a dropped segment.
     """
     n, sb = spec.n, spec.sb
+    assert rec.seg is not None  # a pooled exchange's ids carry their bags
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     seg = jnp.where(rec.valid & (rec.seg < sb), src * sb + rec.seg, n * sb)
     rows = jnp.where(rec.valid, rec.rows, 0)
@@ -136,6 +139,7 @@ def grads_to_ranks(
 def pooled_row_grads(grad_blocks: jax.Array, rec: Received, spec: Spec):
     """Per-received-id row gradients: ``rows [K]``, ``grads [K, ncols]``, ``valid [K]``."""
     n, sb = spec.n, spec.sb
+    assert rec.seg is not None  # a pooled exchange's ids carry their bags
     valid = rec.valid & (rec.seg < sb)
     src = jnp.arange(n, dtype=jnp.int32)[:, None]
     idx = jnp.where(valid, src * sb + rec.seg, 0).reshape(-1)

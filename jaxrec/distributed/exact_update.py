@@ -66,13 +66,17 @@ def _smallest(buf, new1, new2, fill: int):
     return out1, out2, cut
 
 
+# Round r's (rows [K], valid [K], grads) of a width group; grads() -> [K, D] float32.
+RoundIds = tuple[jax.Array, jax.Array, Callable[[], jax.Array]]
+
+
 def exact_update(
     update: Callable,
     table: jax.Array,
     state,
     round0: tuple[jax.Array, jax.Array, jax.Array],
-    more: Callable | None,
-    rounds: jax.Array,
+    more: Callable[[jax.Array], RoundIds] | None,
+    rounds: jax.Array | None,
     *,
     fill: int,
     size: int,
@@ -89,7 +93,8 @@ def exact_update(
             inside the overflow loop), ``grads`` a function (called only when
             they are needed); it exchanges ids, so every device must call it
             alike. ``None`` (drop modes): only round 0.
-        rounds: rounds any device needed (the same on every device).
+        rounds: rounds any device needed (the same on every device); ``None``
+            with ``more=None``.
         fill: the group's rows per rank (out-of-range row).
         size: distinct rows an overflow pass holds (more than the shards a rank
             holds, so every pass makes progress).
@@ -100,11 +105,13 @@ def exact_update(
     no more gradient memory than the fast path.
     """
     rows0, grads0, valid0 = round0
-    fast = valid0 if more is None else valid0 & (rounds == 1)
-    uniq, summed = dedup_rows(rows0, grads0, fast, fill)
+    if more is None or rounds is None:  # round 0 only
+        if more is not None:
+            raise ValueError("exact_update: more needs rounds (the rounds any device needed)")
+        uniq, summed = dedup_rows(rows0, grads0, valid0, fill)
+        return update(table, state, uniq, summed)
+    uniq, summed = dedup_rows(rows0, grads0, valid0 & (rounds == 1), fill)
     table, state = update(table, state, uniq, summed)
-    if more is None:
-        return table, state
     width = grads0.shape[1]
 
     def keys(rows, valid, lo):
@@ -116,9 +123,12 @@ def exact_update(
         lo, table, state = carry
         # the rows of this pass: the `size` smallest keys >= lo over every round
         buf = (jnp.full((size,), INF, jnp.int32), jnp.full((size,), fill, jnp.int32), INF)
-        buf = jax.lax.fori_loop(
-            0, rounds, lambda r, b: _smallest(b, *keys(*more(r)[:2], lo), fill), buf
-        )
+
+        def add_keys(r, b):
+            r_rows, r_valid, _ = more(r)
+            return _smallest(b, *keys(r_rows, r_valid, lo), fill)
+
+        buf = jax.lax.fori_loop(0, rounds, add_keys, buf)
         keys1, keys2, cut = buf
         hi = jax.lax.pmin(cut, axis)  # every device stops at the same logical row
         rows = jnp.sort(jnp.where(keys1 < hi, keys2, fill))

@@ -199,13 +199,18 @@ def send(box: Outbox, spec: Spec, r, axis, *, first: bool) -> jax.Array:
         t = round_targets(box.index[p], r, c)
         cols = [jnp.full((c,), spec.fill, jnp.int32).at[t].set(box.rows[p], mode="drop")]
         if spec.segments:
+            assert box.bags is not None  # a pooled outbox (segments are pooled only)
             seg = jnp.full((c,), spec.sb, jnp.int32)
             cols.append(seg.at[t].set(box.bags[p], mode="drop"))
         if spec.weighted:
+            assert box.weights is not None  # outbox() keeps weights iff spec.weighted
             w = jnp.zeros((c,), jnp.float32).at[t].set(box.weights[p], mode="drop")
             cols.append(jax.lax.bitcast_convert_type(w, jnp.int32))
         ids = jnp.stack(cols, axis=1).reshape(-1)
-        out.append(jnp.concatenate([box.bag_counts[p], ids]) if m else ids)
+        if m:
+            assert box.bag_counts is not None  # outbox() counts bags iff spec.by_counts
+            ids = jnp.concatenate([box.bag_counts[p], ids])
+        out.append(ids)
     payload = jnp.stack(out)
     if not spec.ragged:
         return jax.lax.all_to_all(payload, axis, 0, 0, tiled=True)
@@ -267,6 +272,10 @@ def receive(recv: jax.Array, spec: Spec, r, bag_counts: jax.Array | None, *, fir
     seg = None
     if not spec.sequence:
         if not spec.segments:
+            if bag_counts is None:
+                raise ValueError(
+                    f"receive: round {r} of a counts-mode exchange needs round 0's bag_counts"
+                )
             ends = jnp.cumsum(bag_counts, axis=1)  # [N, S * B]: end of each bag's ids
             d = r * c + jnp.arange(c, dtype=jnp.int32)
             seg = jax.vmap(lambda e: jnp.searchsorted(e, d, side="right"))(ends).astype(jnp.int32)

@@ -8,6 +8,7 @@ copies instead (``jnp`` ops only where the values are traced).
 from __future__ import annotations
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..embedding.tape import call_path
+from ..sparse import KeyedJaggedTensor
 from ..xla.bounds import collect_checks
 from . import exchange
 from .embedding_dist import local_kjt
@@ -54,11 +55,11 @@ class Prefetched:
     so that the update sees no id, as it would from the zeroed batch.
     """
 
-    kjt: Any  # the stacked KeyedJaggedTensor of the call
+    kjt: KeyedJaggedTensor  # the stacked KeyedJaggedTensor of the call
     received: dict[str, jax.Array]  # width group -> [world, N_src, width] int32
     keep: jax.Array | None = None
 
-    def masked(self, kjt: Any, ok: jax.Array) -> Prefetched:
+    def masked(self, kjt: KeyedJaggedTensor, ok: jax.Array) -> Prefetched:
         """This call on ``kjt`` (its lengths zeroed unless ``ok``), its ids kept iff ``ok``."""
         world = jax.tree.leaves(kjt)[0].shape[0]
         return dataclasses.replace(self, kjt=kjt, keep=jnp.broadcast_to(ok, (world,)))
@@ -114,10 +115,13 @@ def is_recording() -> bool:
     return isinstance(_MODE.get(), _Recording)
 
 
-def record(collection: Any, features: Any) -> Any:
+def record(collection: Any, features: KeyedJaggedTensor) -> Any:
     """Recording mode's call: distributes ``features``' ids, returns zeros shaped like the
     call's output."""
-    found = _MODE.get().found
+    mode = _MODE.get()
+    if not isinstance(mode, _Recording):
+        raise RuntimeError("input_dist.record is for recording mode only (see is_recording)")
+    found = mode.found
     key = _key(collection)
     if key in found:
         raise NotImplementedError(
@@ -136,7 +140,7 @@ def record(collection: Any, features: Any) -> Any:
     return collection._finish(values, features)
 
 
-def fed(collection: Any, features: Any) -> Any:
+def fed(collection: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor | Prefetched:
     """``features``, or a :class:`Prefetched` of them in feeding mode."""
     feed = _MODE.get()
     if not isinstance(feed, _Feeding):
@@ -152,7 +156,7 @@ def fed(collection: Any, features: Any) -> Any:
     return Prefetched(features, feed.ids[key])
 
 
-def distribute(collection: Any, features: Any) -> dict[str, jax.Array]:
+def distribute(collection: Any, features: KeyedJaggedTensor) -> dict[str, jax.Array]:
     """Round 0 of ``collection``'s id exchange for the stacked batch ``features``:
     ``{width group: [world, N_src, width] int32}``, sharded over the devices."""
 
@@ -168,7 +172,7 @@ def distribute(collection: Any, features: Any) -> dict[str, jax.Array]:
     return run(features)
 
 
-def split(local: Any) -> tuple[Any, Prefetched | None]:
+def split(local: KeyedJaggedTensor | Prefetched) -> tuple[KeyedJaggedTensor, Prefetched | None]:
     """``(kjt, prefetched or None)`` of a call's local (per-device) features."""
     if isinstance(local, Prefetched):
         return local.kjt, local

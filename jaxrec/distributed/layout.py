@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..configs import BaseEmbeddingConfig, PoolingType, get_embedding_names_by_table
-from .types import ParameterSharding, ShardingType
+from .types import ParameterSharding, ShardingType, ShardMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,16 @@ class ShardSlice(NamedTuple):
     local_offset: int
 
 
+class NarrowShard(NamedTuple):
+    """A shard narrower than its width group: ``ncols`` columns from ``col0`` of
+    ``table``'s rows from ``row0``, zero-padded up to the group's width."""
+
+    table: str
+    row0: int
+    col0: int
+    ncols: int
+
+
 @dataclasses.dataclass(frozen=True)
 class WidthGroup:
     """Shards of one ``(ncols, dtype)`` across ranks; ``slots[rank]`` in stacking order."""
@@ -70,13 +80,15 @@ class WidthGroup:
     rows_per_rank: int  # padded: the largest rank's total rows (at least 1)
     slots: tuple[tuple[Slot, ...], ...]
     shards: tuple[tuple[ShardSlice, ...], ...]  # per rank, in stacking order
-    # (table, row0, col0, ncols) of the shards narrower than ``ncols`` (zero-padded)
-    narrow: tuple[tuple[str, int, int, int], ...] = ()
+    # the shards narrower than ``ncols`` (zero-padded), sorted
+    narrow: tuple[NarrowShard, ...] = ()
 
     def width(self, table: str, row0: int, col0: int) -> int:
         """Columns of ``table``'s shard at ``(row0, col0)``: ``ncols`` unless padded."""
-        return next((w for t, r, c, w in self.narrow if (t, r, c) == (table, row0, col0)),
-                    self.ncols)  # fmt: skip
+        return next(
+            (s.ncols for s in self.narrow if (s.table, s.row0, s.col0) == (table, row0, col0)),
+            self.ncols,
+        )
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -139,7 +151,7 @@ def build_layout(
             continue
         if not p.sharding_spec:
             raise ValueError(f"table {t.name!r}: {p.sharding_type.value} sharding needs shards")
-        _check_cover(t, p)
+        _check_cover(t, p.sharding_spec)
         wide = max((s.shard_sizes[1] for s in p.sharding_spec if s.shard_sizes[0]), default=0)
         for s in p.sharding_spec:
             (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
@@ -154,13 +166,14 @@ def build_layout(
             ranks[s.placement].append((t, i, r0, nr, c0, nc, mean))
     groups = []
     for (nc, dtype), ranks in per_group.items():
-        slots, shards, rows, narrow = [], [], [], []
+        slots, shards, rows = [], [], []
+        narrow: list[NarrowShard] = []
         for entries in ranks:
             off, rank_slots, rank_shards = 0, [], []
             for t, i, r0, nr, c0, w, mean in entries:
                 rank_shards.append(ShardSlice(t.name, r0, nr, c0, off))
                 if w < nc:
-                    narrow.append((t.name, r0, c0, w))
+                    narrow.append(NarrowShard(t.name, r0, c0, w))
                 for j, f in enumerate(t.feature_names):
                     rank_slots.append(
                         Slot(f, first_output[i] + j, off, r0, nr, c0, mean, t.num_embeddings, w)
@@ -189,10 +202,10 @@ def build_layout(
     )
 
 
-def _check_cover(t: BaseEmbeddingConfig, p: ParameterSharding) -> None:
+def _check_cover(t: BaseEmbeddingConfig, shards: Sequence[ShardMetadata]) -> None:
     """Shards must tile the table exactly: inside it, no overlap, full area."""
     boxes = []
-    for s in p.sharding_spec:
+    for s in shards:
         (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
         if r0 < 0 or c0 < 0 or r0 + nr > t.num_embeddings or c0 + nc > t.embedding_dim:
             raise ValueError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -12,17 +12,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..embedding.collection import replace_collection
+from ..embedding.optimizer import CombinedOptimizer
 from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection
 from ..modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from ..optim.base import SparseOptimizer
 from ..sparse import KeyedJaggedTensor, pad_strides, to_id_words
 from .abstract_build import build_abstract, draw_unsharded, is_abstract
 from .capacity import CAPACITY_FACTOR
 from .global_mc import GlobalBatchManagedCollision
 from .planner import ParameterConstraints, plan_for_model
 from .qcomms import QCommsConfig
-from .sharded_base import ShardedCollection
+from .sharded_base import ShardedCollection, ShardSource
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .sharded_ec import ShardedEmbeddingCollection
 from .sharded_fp import ShardedFeatureProcessedEmbeddingBagCollection
@@ -48,7 +50,7 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     *,
     capacity: int | Mapping[str, int] | None = None,
     overflow: str = "exact",
-    optimizer: Any = None,
+    optimizer: CombinedOptimizer | SparseOptimizer | str | None = None,
     pooling_factors: Mapping[str, float] | None = None,
     capacity_factor: float = CAPACITY_FACTOR,
     qcomms: QCommsConfig | None = None,
@@ -224,7 +226,7 @@ def _pooling_constraints(model, pooling_factors) -> dict | None:
         if not isinstance(module, tuple(SHARDERS)):  # what the planner plans
             continue
         prefix = ".".join(map(str, path))
-        for t in module.table_configs:
+        for t in cast(ShardSource, module).table_configs:  # a SHARDERS key: a collection
             if any(f in pooling_factors for f in t.feature_names):
                 pf = [float(pooling_factors.get(f, 1.0)) for f in t.feature_names]
                 out[f"{prefix}.{t.name}" if prefix else t.name] = ParameterConstraints(

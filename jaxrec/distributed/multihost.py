@@ -11,6 +11,7 @@ TorchRec's counterpart is ``torch.distributed.init_process_group`` under
 from __future__ import annotations
 
 import os
+from typing import TypedDict
 
 import jax
 
@@ -34,6 +35,15 @@ def launched_processes() -> int | None:
             except ValueError:
                 raise ValueError(f"{count}={env[count]!r} is not a process count") from None
     return None
+
+
+class _InitArgs(TypedDict, total=False):
+    """The keywords :func:`initialize` passes to ``jax.distributed.initialize``."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    heartbeat_timeout_seconds: int
 
 
 def initialize(
@@ -104,13 +114,13 @@ def initialize(
         coordinator_address = _check_process_args(coordinator_address, num_processes, process_id)
         if num_processes == 1:
             return False
-        kwargs = dict(
+        kwargs = _InitArgs(
             coordinator_address=coordinator_address,
             num_processes=num_processes,
             process_id=process_id,
         )
     elif auto or (launched_processes() or 1) > 1:
-        kwargs = {}
+        kwargs = _InitArgs()
     else:
         return False
     if heartbeat_timeout_s is not None:
@@ -167,7 +177,8 @@ def _check_process_args(
     return address
 
 
-def mesh_devices(n: int) -> list[jax.Device]:
+# jax.Device aliases a compiled (stub-less) class: pyright sees a variable, not a type.
+def mesh_devices(n: int) -> list[jax.Device]:  # pyright: ignore[reportInvalidTypeForm]
     """``n`` devices for a one-axis mesh: ``n / process_count`` from each process,
     process 0's first, so that each process feeds a contiguous block of ranks.
 

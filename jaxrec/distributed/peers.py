@@ -27,7 +27,10 @@ import struct
 import warnings
 
 from jax._src import distributed, xla_bridge  # the runtime's client; the CPU backend
-from jax._src.lib import _jax
+
+# make_gloo_tcp_collectives (gloo with a chosen interface) exists only in the private
+# module: jax has no public way to bind the CPU collectives to an interface.
+from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
 
 _KEY = "jaxrec/process_address/{}"
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
@@ -85,6 +88,8 @@ def publish_address(interface: str | None = None) -> None:
             stacklevel=3,
         )
     client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("publish_address needs jax.distributed.initialize to have run first")
     # (not jax.process_index(): that would start the backend before its settings)
     me, n = distributed.global_state.process_id, distributed.global_state.num_processes
     client.key_value_set(_KEY.format(me), address)

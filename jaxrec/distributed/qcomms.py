@@ -65,11 +65,11 @@ class QCommsConfig:
 
     @property
     def forward_dtype(self):
-        return _DTYPES[self.forward_precision]
+        return _DTYPES[CommType(self.forward_precision)]  # a CommType since __post_init__
 
     @property
     def backward_dtype(self):
-        return _DTYPES[self.backward_precision]
+        return _DTYPES[CommType(self.backward_precision)]  # a CommType since __post_init__
 
 
 FP32_COMMS = QCommsConfig()

@@ -18,22 +18,25 @@ import abc
 import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypedDict, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
+from ..configs import BaseEmbeddingConfig
 from ..embedding.blocks import Block, TableBlocks
 from ..embedding.collection import EmbeddingCollectionInterface, PlanLocal
 from ..embedding.optimizer import SubGroup, state_key
 from ..embedding.sparse_update import update_subgroup
-from ..embedding.tables import EmbeddingTable, group_tables
+from ..embedding.tables import EmbeddingTable, TableGroup, group_tables
 from ..embedding.tape import log_overflow, report_overflow, tap
-from ..ops import embedding_bag, embedding_gather
+from ..ops import Implementation, embedding_bag, embedding_gather
 from ..optim.base import apply_rows
 from ..xla.backward import dedup_rows
 from ..xla.bounds import BoundsCheckMode, collect_checks, report_out_of_range
@@ -62,6 +65,61 @@ OVERFLOW_MODES = ("exact", "raise", "warn", "count")
 _EAGER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# A logical table as state dicts hold it: a device array or a host copy.
+HostOrDevice = jax.Array | np.ndarray
+
+
+class ShardSource(Protocol):
+    """What a sharded collection reads of the unsharded collection it shards (a float
+    or a quantized one; maybe abstract, from ``nnx.eval_shape``)."""
+
+    @property
+    def table_configs(self) -> tuple[BaseEmbeddingConfig, ...]: ...
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def bounds_check_mode(self) -> BoundsCheckMode: ...
+    @property
+    def implementation(self) -> Implementation: ...
+    @property
+    def dtype(self) -> DTypeLike: ...  # the output dtype
+    @property
+    def embedding_names(self) -> tuple[str, ...]: ...
+    def state_dict(self) -> Mapping[str, HostOrDevice]: ...  # {"<prefix>.<table>.weight": rows}
+
+
+class ShardOptions(TypedDict, total=False):
+    """The keyword options of a sharded collection (see ``ShardedEmbeddingBagCollection``)."""
+
+    capacity: int | Mapping[str, int] | None
+    overflow: str
+    pooling_factors: Mapping[str, float] | None
+    capacity_factor: float
+    qcomms: QCommsConfig | None
+    exchange: str
+    init_key: jax.Array | None
+
+
+class CheckSite(NamedTuple):
+    """One bounds check collected inside ``shard_map``: its mode, where it is, and its
+    example id's dtype name (examples are stacked per dtype)."""
+
+    mode: BoundsCheckMode
+    where: str
+    dtype: str
+
+
+_T = TypeVar("_T")
+
+
+def alive(ref: weakref.ReferenceType[_T]) -> _T:
+    """The object of ``ref``; an eager-forward cache entry only runs while its module
+    lives (the caches are weak-keyed by it)."""
+    obj = ref()
+    assert obj is not None, "a cached eager forward outlived its module"
+    return obj
+
+
 class OverflowCount(PlanLocal):
     """Ids beyond the fast-path capacity, per device, since construction: sent in extra
     rounds (``overflow="exact"``) or dropped (the drop modes)."""
@@ -72,10 +130,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
 
     sequence = False  # the exchange's form: one output row per id instead of per bag
     vbe = False  # takes a variable batch per key (pooled collections that expand it)
+    mesh: jax.sharding.Mesh  # (the interface's, never None here)
 
     def __init__(
         self,
-        module: Any,
+        module: ShardSource,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
         *,
@@ -191,7 +250,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """The config of table ``name``."""
         return next(t for t in self.table_configs if t.name == name)
 
-    def _place(self, state_dict: Mapping[str, Any]) -> dict:
+    def _place(self, state_dict: Mapping[str, HostOrDevice]) -> dict:
         logical = {t.name: state_dict[f"{self.prefix}.{t.name}.weight"] for t in self.table_configs}
         # Traced (jax.eval_shape / jit: a model built without allocating it): jnp ops.
         traced = any(isinstance(x, jax.core.Tracer) for x in logical.values())
@@ -202,13 +261,14 @@ class ShardedCollection(EmbeddingCollectionInterface):
         n = self.layout.world_size
         for g in self.layout.groups:
             dtype = self.config(g.tables[0]).dtype
-            buf = xp.zeros((n * g.rows_per_rank, g.ncols), np.float32)
+            shape = (n * g.rows_per_rank, g.ncols)
+            buf = jnp.zeros(shape, np.float32) if traced else np.zeros(shape, np.float32)
             for rank, shards in enumerate(g.shards):
                 for s in shards:
                     start, nr = rank * g.rows_per_rank + s.local_offset, s.nrows
                     w = g.width(s.table, s.row0, s.col0)  # zero-padded up to g.ncols
                     block = logical[s.table][s.row0 : s.row0 + nr, s.col0 : s.col0 + w]
-                    if traced:
+                    if isinstance(buf, jax.Array):  # traced
                         buf = buf.at[start : start + nr, :w].set(block.astype(np.float32))
                     else:
                         buf[start : start + nr, :w] = block
@@ -259,7 +319,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             for t in self.table_configs
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, HostOrDevice]) -> None:
         expected = {f"{self.prefix}.{t.name}.weight" for t in self.table_configs}
         if set(state_dict) != expected:
             raise ValueError(
@@ -335,7 +395,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
             out.append((g, spec, box))
         return out
 
-    def _rounds(self, plans) -> tuple[list, jax.Array]:
+    def _rounds(self, plans) -> tuple[list[jax.Array | None], jax.Array]:
         """Rounds per group (the same on every device) and this device's ids beyond round 0."""
         beyond = sum(exchange.beyond(box.counts, spec.capacity) for _, spec, box in plans)
         if not self.exact or not plans:
@@ -355,7 +415,7 @@ class ShardedCollection(EmbeddingCollectionInterface):
         return exchange.receive(got, spec, r, bag_counts, first=False)[0]
 
     def _forward(self, tables, features):
-        wheres: list[tuple[BoundsCheckMode, str]] = []
+        wheres: list[CheckSite] = []
 
         def local(tables, kjt_stacked):
             # Checks collected here report again out here (summed over devices):
@@ -365,7 +425,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             with collect_checks() as checks:
                 values, overflow = self._forward_local(tables, kjt_stacked)
             found = checks.by_mode()
-            wheres.extend((mode, r.where, jnp.dtype(r.example.dtype).name) for mode, r in found)
+            wheres.extend(
+                CheckSite(mode, r.where, jnp.dtype(r.example.dtype).name) for mode, r in found
+            )
             return values, overflow, _stack_checks([r for _, r in found])
 
         values, overflow, (counts, examples) = jax.shard_map(
@@ -381,11 +443,11 @@ class ShardedCollection(EmbeddingCollectionInterface):
         totals = jnp.sum(counts, axis=0)
         picked = {}
         for dt, ex in examples.items():
-            idx = [k for k, w in enumerate(wheres) if w[2] == dt]
+            idx = [k for k, w in enumerate(wheres) if w.dtype == dt]
             best = jnp.max(jnp.where(bad[:, idx], ex, _lowest(ex.dtype)), axis=0)
             picked.update((k, best[i]) for i, k in enumerate(idx))
-        for k, (mode, where, _) in enumerate(wheres):
-            report_out_of_range(totals[k], picked[k], mode, where)
+        for k, site in enumerate(wheres):
+            report_out_of_range(totals[k], picked[k], site.mode, site.where)
         return values, overflow
 
     def __call__(self, features):
@@ -404,7 +466,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             fn = _EAGER_FORWARD.get(self)
             if fn is None:
                 ref = weakref.ref(self)  # the cache must not keep the module alive
-                fn = _EAGER_FORWARD.setdefault(self, jax.jit(lambda t, f: ref()._forward(t, f)))
+                fn = _EAGER_FORWARD.setdefault(
+                    self, jax.jit(lambda t, f: alive(ref)._forward(t, f))
+                )
             values, overflow = fn(tables, features)
         total = jnp.sum(overflow)
         # A train step takes the count: it raises on drops ("raise") or returns it for
@@ -490,9 +554,9 @@ class ShardedCollection(EmbeddingCollectionInterface):
             )
         return next(iter(opts.values()))
 
-    def _groups_by_name(self) -> dict[str, Any]:
+    def _groups_by_name(self) -> dict[str, WidthGroup | TableGroup]:
         """``{buffer name: its WidthGroup, or its TableGroup when replicated}``."""
-        out: dict[str, Any] = {g.name: g for g in self.layout.groups}
+        out: dict[str, WidthGroup | TableGroup] = {g.name: g for g in self.layout.groups}
         out.update({self.dp_buffer(rg): rg for rg in self.replicated_groups})
         return out
 
@@ -589,15 +653,15 @@ class ShardedCollection(EmbeddingCollectionInterface):
         lossy = not self.exact and spec.capacity < natural_load(caps, group.slots)
 
         def update(table, state, rows, grads):
-            if reduce is None and problem is None:
+            if problem is not None:
+                row_sum, width = _refuse(problem), None
+            elif reduce is not None:
+                row_sum, width = reduce(rows)
+            else:
                 return update_subgroup(
                     SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,),
                     table, state, rows, grads,
                 )  # fmt: skip
-            if problem is not None:
-                row_sum, width = _refuse(problem), None
-            else:
-                row_sum, width = reduce(rows)
             if lossy:
                 row_sum = _refuse(
                     NotImplementedError(

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..modules.embedding_bag_collection import EmbeddingBagCollection
 from ..ops import grouped_pooled_lookup
 from ..sparse import KeyedTensor
 from ..xla.backward import pooled_row_grads
 from ..xla.slots import slot_bag_starts
 from .embedding_dist import column_offsets
 from .sharded_base import OverflowCount as OverflowCount
-from .sharded_base import PooledShardedCollection
+from .sharded_base import PooledShardedCollection, ShardOptions, ShardSource
 from .types import ParameterSharding
+
+
+class PooledSource(ShardSource, Protocol):
+    """What :class:`ShardedEmbeddingBagCollection` reads of the module it shards (an
+    ``EmbeddingBagCollection`` or a quantized one)."""
+
+    def is_weighted(self) -> bool: ...
+    @property
+    def length_per_embedding(self) -> tuple[int, ...]: ...
 
 
 class ShardedEmbeddingBagCollection(PooledShardedCollection):
@@ -70,10 +78,10 @@ class ShardedEmbeddingBagCollection(PooledShardedCollection):
 
     def __init__(
         self,
-        ebc: EmbeddingBagCollection,
+        ebc: PooledSource,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._is_weighted = ebc.is_weighted()
         self.length_per_embedding = ebc.length_per_embedding

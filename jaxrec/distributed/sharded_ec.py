@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol, Unpack
 
 import jax
 import jax.numpy as jnp
 
-from ..modules.embedding_collection import EmbeddingCollection
 from ..ops import grouped_sequence_lookup
 from ..sparse import JaggedTensor
 from ..xla.backward import sequence_row_grads
-from .sharded_base import SequenceShardedCollection
+from .sharded_base import SequenceShardedCollection, ShardOptions, ShardSource
 from .types import ParameterSharding
+
+
+class SequenceSource(ShardSource, Protocol):
+    """What :class:`ShardedEmbeddingCollection` reads of the module it shards (an
+    ``EmbeddingCollection`` or a quantized one)."""
+
+    def need_indices(self) -> bool: ...
 
 
 class ShardedEmbeddingCollection(SequenceShardedCollection):
@@ -35,10 +41,10 @@ class ShardedEmbeddingCollection(SequenceShardedCollection):
 
     def __init__(
         self,
-        ec: EmbeddingCollection,
+        ec: SequenceSource,
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._need_indices = ec.need_indices()
         self.output_keys = tuple(f for t in ec.table_configs for f in t.feature_names)

@@ -11,13 +11,14 @@ differentiated by JAX).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Unpack
 
 import jax
 from flax import nnx
 
 from ..modules.feature_processor import FeatureProcessedEmbeddingBagCollection, apply_processors
 from ..sparse import KeyedJaggedTensor, KeyedTensor
+from .sharded_base import ShardOptions
 from .sharded_ebc import ShardedEmbeddingBagCollection
 from .types import ParameterSharding
 from .weight_grads import weight_gradient_term
@@ -44,7 +45,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(nnx.Module):
         fp_ebc: FeatureProcessedEmbeddingBagCollection,
         plan: Mapping[str, ParameterSharding] | None = None,
         mesh: jax.sharding.Mesh | None = None,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         if not isinstance(fp_ebc, FeatureProcessedEmbeddingBagCollection):
             raise TypeError(

@@ -29,6 +29,7 @@ import functools
 import weakref
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -40,6 +41,7 @@ from ..modules.mc_modules import MCHManagedCollisionModule, MCState
 from ..modules.mc_policies import SENTINEL
 from ..sparse import KeyedJaggedTensor
 from .embedding_dist import local_kjt
+from .sharded_base import alive
 
 STATE_FIELDS = (
     "sorted_ids",
@@ -94,6 +96,12 @@ class ShardedManagedCollisionCollection(nnx.Module):
         factories = {}
         for c in self.configs:
             mc = collection.managed_collision_modules[c.name]
+            if not isinstance(mc, MCHManagedCollisionModule):
+                raise TypeError(
+                    f"table {c.name!r}: ShardedManagedCollisionCollection shards "
+                    f"MCHManagedCollisionModule tables, got {type(mc).__name__} (dynamic "
+                    "tables: ShardedHashZchCollection)"
+                )
             if mc.mch_size:
                 raise NotImplementedError(f"table {c.name!r}: row-wise sharding with mch_size")
             if mc.zch_size % n or mc.zch_size // n < 2:
@@ -111,7 +119,8 @@ class ShardedManagedCollisionCollection(nnx.Module):
             )
         self._factories = factories  # static: shard k's fresh module, rebuilt on demand
         self.deterministic = deterministic  # flax's mode flag (model.train() / model.eval())
-        self.state = nnx.data(None)
+        # {table: {field: MCState}}, allocated by ensure_buffers
+        self.state: nnx.Dict | None = nnx.data(None)
 
     # ----- state -----
     def ensure_buffers(self, features: KeyedJaggedTensor) -> None:
@@ -143,27 +152,28 @@ class ShardedManagedCollisionCollection(nnx.Module):
 
     def shard_state(self, table: str, rank: int) -> dict[str, np.ndarray]:
         """Host copies of the state arrays of ``table``'s module on ``rank``."""
-        self._need_state()
-        return {f: np.asarray(self.state[table][f][...])[rank] for f in STATE_FIELDS}
+        state = self._need_state()
+        return {f: np.asarray(state[table][f][...])[rank] for f in STATE_FIELDS}
 
     def evict(self) -> dict[str, jax.Array]:
         """Table -> ``[N, E]`` int32 global rows evicted by the latest training call."""
-        self._need_state()
-        return {c.name: self.state[c.name]["evicted"][...] for c in self.configs}
+        state = self._need_state()
+        return {c.name: state[c.name]["evicted"][...] for c in self.configs}
 
     def open_slots(self) -> dict[str, jax.Array]:
         """Table -> ``[N]`` free slots per shard."""
-        self._need_state()
+        state = self._need_state()
         out = {}
         for c in self.configs:
-            ids = self.state[c.name]["sorted_ids"][...]
+            ids = state[c.name]["sorted_ids"][...]
             used = jnp.sum(ids != SENTINEL, axis=1, dtype=jnp.int32)
             out[c.name] = ids.shape[1] - 1 - used
         return out
 
-    def _need_state(self):
+    def _need_state(self) -> nnx.Dict:
         if self.state is None:
             raise ValueError("no state yet: call ensure_buffers(features) or the module once")
+        return self.state
 
     # ----- forward -----
     def __call__(self, features: KeyedJaggedTensor, *, deterministic: bool | None = None):
@@ -184,12 +194,13 @@ class ShardedManagedCollisionCollection(nnx.Module):
                 f"shard_batch), got {features.values().shape=}"
             )
         self.ensure_buffers(features)
-        state = {t: {f: v[...] for f, v in d.items()} for t, d in self.state.items()}
+        placed = self._need_state()
+        state = {t: {f: v[...] for f, v in d.items()} for t, d in placed.items()}
         run = self._forward if _traced(features) else self._eager(deterministic)
         new_state, out = run(state, features, deterministic)
         for t, d in new_state.items():
             for f, x in d.items():
-                self.state[t][f][...] = x
+                placed[t][f][...] = x
         return out
 
     def _eager(self, deterministic):
@@ -197,7 +208,9 @@ class ShardedManagedCollisionCollection(nnx.Module):
         fns = _EAGER.setdefault(self, {})
         if deterministic not in fns:
             ref = weakref.ref(self)  # the cache must not keep the module alive
-            fns[deterministic] = jax.jit(lambda s, f, d: ref()._forward(s, f, d), static_argnums=2)
+            fns[deterministic] = jax.jit(
+                lambda s, f, d: alive(ref)._forward(s, f, d), static_argnums=2
+            )
         return fns[deterministic]
 
     def _forward(self, state, features, deterministic):

@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Mapping
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -54,6 +55,7 @@ from ..modules.mc_modules import MCState
 from ..sparse import KeyedJaggedTensor
 from ..sparse.ids64 import id_words
 from .embedding_dist import local_kjt
+from .sharded_base import alive
 from .sharding_plan import row_wise
 from .types import ShardingType
 
@@ -122,6 +124,17 @@ class ShardedHashZchTable(nnx.Module):
         deterministic: ``True`` = eval (lookup only); ``None`` keeps the module's flag.
     """
 
+    # SLOT_FIELDS and SCALAR_FIELDS, set by name in __init__
+    id_lo: MCState
+    id_hi: MCState
+    last_seen: MCState
+    counts: MCState
+    sketch: MCState
+    current_iter: MCState
+    occupancy: MCState
+    last_counts: MCState
+    evicted: EvictedRows | None  # allocated by ensure_buffers unless the module had one
+
     def __init__(
         self,
         module: HashZchManagedCollisionModule,
@@ -169,12 +182,15 @@ class ShardedHashZchTable(nnx.Module):
 
     @property
     def max_evictions(self) -> int:
+        return self._evicted().shape[0]
+
+    def _evicted(self) -> EvictedRows:
         if self.evicted is None:
             raise ValueError(
                 "no eviction buffer yet: call ensure_buffers(stacked_batch) (or the collection "
                 "once, eagerly) first, or build the module with max_evictions=..."
             )
-        return self.evicted.shape[0]
+        return self.evicted
 
     def ensure_buffers(self, global_capacity: int) -> None:
         """Allocates :meth:`evict`'s buffer for global batches of ``global_capacity`` ids (the
@@ -187,8 +203,7 @@ class ShardedHashZchTable(nnx.Module):
     def evict(self) -> jax.Array:
         """``[max_evictions]`` int32 global rows evicted by the latest training call, of
         every shard, in bucket order (``FILL``-padded): the unsharded module's list."""
-        self.max_evictions  # noqa: B018 (raises without buffers)
-        return self.evicted[...]
+        return self._evicted()[...]  # (raises without buffers)
 
     def open_slots(self) -> jax.Array:
         return jnp.int32(self.zch_size) - self.occupancy[...]
@@ -235,10 +250,12 @@ class ShardedHashZchCollection(nnx.Module):
             raise TypeError(
                 f"collection must be a ManagedCollisionCollection, got {type(collection).__name__}"
             )
-        modules = collection.managed_collision_modules
-        other = sorted(
-            n for n, m in modules.items() if not isinstance(m, HashZchManagedCollisionModule)
-        )
+        modules = {
+            n: m
+            for n, m in collection.managed_collision_modules.items()
+            if isinstance(m, HashZchManagedCollisionModule)
+        }
+        other = sorted(set(collection.managed_collision_modules) - set(modules))
         if other:
             raise TypeError(
                 f"ShardedHashZchCollection shards dynamic tables only; tables {other} have "
@@ -311,7 +328,7 @@ class ShardedHashZchCollection(nnx.Module):
         """One compiled program per mode for eager calls (not op-by-op over the mesh)."""
         if self not in _EAGER:
             ref = weakref.ref(self)  # the cache must not keep the module alive
-            _EAGER[self] = jax.jit(lambda s, f, t: ref()._forward(s, f, t), static_argnums=2)
+            _EAGER[self] = jax.jit(lambda s, f, t: alive(ref)._forward(s, f, t), static_argnums=2)
         return _EAGER[self]
 
     def _forward(self, state, features, train):
@@ -356,8 +373,14 @@ class ShardedHashZchCollection(nnx.Module):
 
         r_lo, r_hi, r_ok = send(lo, 0), send(hi, 0), send(valid, False)
         row0 = jax.lax.axis_index(axis).astype(jnp.int32) * jnp.int32(local.slots)
-        block = zi.ZchState(
-            *(state[f] for f in SLOT_FIELDS), state["current_iter"], jnp.zeros((), jnp.int32)
+        block = zi.ZchState(  # the block's occupancy counts this call's change only
+            id_lo=state["id_lo"],
+            id_hi=state["id_hi"],
+            last_seen=state["last_seen"],
+            counts=state["counts"],
+            sketch=state["sketch"],
+            current_iter=state["current_iter"],
+            occupancy=jnp.zeros((), jnp.int32),
         )
         new = dict(state)
         if training:

@@ -22,6 +22,7 @@ from flax.nnx.module import ModuleMeta
 
 from ..configs import BaseEmbeddingConfig
 from ..ops import Implementation
+from ..xla.bounds import BoundsCheckMode
 from .blocks import TableBlocks
 
 
@@ -68,6 +69,11 @@ class EmbeddingCollectionInterface(nnx.Module, metaclass=ContractMeta):
         weights: an ``nnx.Dict`` of ``EmbeddingTable`` buffers by name; the
             train step hands a collection its buffers under these names.
         mesh: the device mesh of a sharded collection, ``None`` when unsharded.
+        implementation: the lookups' implementation (``jaxrec.ops.Implementation``).
+        bounds_check_mode: out-of-range id handling for lookups.
+
+    ``weights``, ``implementation`` and ``bounds_check_mode`` are declared here
+    (annotations only, no class value) and set by every subclass's ``__init__``.
 
     Subclasses implement the abstract methods below: one that leaves any out
     cannot be instantiated (``TypeError`` naming them). ``optimizer`` is always the
@@ -78,6 +84,9 @@ class EmbeddingCollectionInterface(nnx.Module, metaclass=ContractMeta):
     table_configs: tuple[BaseEmbeddingConfig, ...] = ()
     prefix: str = ""
     mesh: jax.sharding.Mesh | None = None
+    weights: nnx.Dict
+    implementation: Implementation
+    bounds_check_mode: BoundsCheckMode
 
     @abc.abstractmethod
     def init_optimizer_state(self, optimizer: Any, path: tuple) -> dict[str, Any]:
@@ -145,11 +154,21 @@ def replace_collection(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
     parent = model
     for key in path[:-1]:
         parent = (
-            parent[key]
+            _entries(parent, key)[key]
             if isinstance(key, int) or not hasattr(parent, key)
             else getattr(parent, key)
         )
     if isinstance(parent, nnx.Dict | nnx.List) or isinstance(path[-1], int):
-        parent[path[-1]] = new
+        _entries(parent, path[-1])[path[-1]] = new
     else:
         setattr(parent, path[-1], new)
+
+
+def _entries(parent: nnx.Module, key: str | int) -> nnx.Dict | nnx.List:
+    """``parent`` as the ``nnx.Dict`` / ``nnx.List`` a path ``key`` indexes."""
+    if not isinstance(parent, nnx.Dict | nnx.List):
+        raise TypeError(
+            f"path entry {key!r}: {type(parent).__name__} is not an nnx.Dict / nnx.List "
+            "and has no such attribute"
+        )
+    return parent

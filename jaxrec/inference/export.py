@@ -114,7 +114,7 @@ def export(
     path: str | os.PathLike,
     *,
     max_ids_per_sample: Mapping[str, int] | int | None = None,
-    apply_fn: Callable[[nnx.Module, jax.Array, Any], jax.Array] | None = None,
+    apply_fn: Callable[[nnx.Module, jax.Array, KeyedJaggedTensor], jax.Array] | None = None,
     platforms: Sequence[str] = ("cpu",),
     implementation: Literal["xla", "pallas"] = "xla",
     output_name: str = "logits",
@@ -304,7 +304,7 @@ def _split_batch(batch: Any) -> tuple[Any, KeyedJaggedTensor]:
     return dense, sparse
 
 
-def _max_ids(kjt: Any, given: Mapping[str, int] | int | None) -> dict[str, int]:
+def _max_ids(kjt: KeyedJaggedTensor, given: Mapping[str, int] | int | None) -> dict[str, int]:
     keys, b = kjt.keys(), kjt.stride()
     if given is None:
         if b == 0:

@@ -24,7 +24,7 @@ also quantizes float collections per shard.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
+from ..configs import DataType
 from ..distributed import embedding_dist as dist
 from ..distributed.model_parallel import SHARDERS
+from ..distributed.sharded_base import HostOrDevice, ShardedCollection, ShardOptions
 from ..distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from ..distributed.sharded_ec import ShardedEmbeddingCollection
 from ..distributed.types import ParameterSharding, ShardingPlan
@@ -56,9 +59,19 @@ from .quant_ops import (
 )
 
 _QUANT = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
+# A quantized row dtype: "int8" | "int4" | "fp16" | "bf16" | "fp32", a DataType or a JAX dtype.
+QuantDType = DataType | DTypeLike
 
 
-class _QuantShards:
+# The mixin reads the sharded collection's attributes (layout, prefix, weights ...):
+# the type checker sees it as one; at run time it is a plain mixin.
+if TYPE_CHECKING:
+    _MixedInto = ShardedCollection
+else:
+    _MixedInto = object
+
+
+class _QuantShards(_MixedInto):
     """Placement and forward of quantized shards (mixed into the sharded collections)."""
 
     def _setup_quant(self, module, dtype, per_table_dtype, row_alignment) -> None:
@@ -98,7 +111,7 @@ class _QuantShards:
             block = np.pad(block, [(0, 0), (0, pad_to - nc)], mode="edge")
         return np.asarray(quantize_jit(block, dtype=dt, row_alignment=self.row_alignment))
 
-    def _place(self, state_dict: Mapping[str, Any]) -> dict:
+    def _place(self, state_dict: Mapping[str, HostOrDevice]) -> dict:
         n = self.layout.world_size
         self.group_dtypes = {}
         out = {}
@@ -185,10 +198,10 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
         *,
-        dtype: Any = None,
-        per_table_dtype: Mapping[str, Any] | None = None,
+        dtype: QuantDType | None = None,
+        per_table_dtype: Mapping[str, QuantDType] | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._setup_quant(module, dtype, per_table_dtype, row_alignment)
         super().__init__(module, plan, mesh, **options)
@@ -215,10 +228,10 @@ class ShardedQuantEmbeddingCollection(_QuantShards, ShardedEmbeddingCollection):
         plan: Mapping[str, ParameterSharding],
         mesh: jax.sharding.Mesh,
         *,
-        dtype: Any = None,
-        per_table_dtype: Mapping[str, Any] | None = None,
+        dtype: QuantDType | None = None,
+        per_table_dtype: Mapping[str, QuantDType] | None = None,
         row_alignment: int = DEFAULT_ROW_ALIGNMENT,
-        **options: Any,
+        **options: Unpack[ShardOptions],
     ):
         self._setup_quant(module, dtype, per_table_dtype, row_alignment)
         super().__init__(module, plan, mesh, **options)
@@ -245,8 +258,8 @@ def shard_quant_model(
     plan: ShardingPlan,
     mesh: jax.sharding.Mesh,
     *,
-    dtype: Any = None,
-    per_table_dtype: Mapping[str, Any] | None = None,
+    dtype: QuantDType | None = None,
+    per_table_dtype: Mapping[str, QuantDType] | None = None,
     row_alignment: int = DEFAULT_ROW_ALIGNMENT,
     capacity: int | None = None,
     overflow: str = "exact",
@@ -270,6 +283,7 @@ def shard_quant_model(
         elif dtype is not None or per_table_dtype:
             if type(module) not in _FLOAT_SHARDERS:
                 continue
+            assert isinstance(module, EmbeddingBagCollection | EmbeddingCollection)  # (its keys)
             names = {t.name for t in module.table_configs}
             mine = {k: v for k, v in (per_table_dtype or {}).items() if k in names}
             kwargs = dict(dtype=dtype, per_table_dtype=mine, row_alignment=row_alignment)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..embedding.collection import EmbeddingCollectionInterface, LookupGrad
+from ..embedding.optimizer import CombinedOptimizer
 from ..ops import Implementation
 
 
@@ -53,7 +54,7 @@ class TableBuffers:
 
 
 def apply_sparse_gradients(
-    optimizer: Any,
+    optimizer: CombinedOptimizer,
     tables: nnx.State,
     sparse_state: Mapping[str, Any],
     calls: Sequence[CollectionCall],

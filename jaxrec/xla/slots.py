@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,14 @@ def slot_positions(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) ->
     return SlotPositions(ids, w, slot_of, bag, valid, caps)
 
 
-def slot_bag_starts(features: KeyedJaggedTensor, slots: Sequence[FeatureSlot]) -> np.ndarray:
+class KeyedSlot(Protocol):
+    """A slot that names the key it reads (``FeatureSlot``, or a sharded layout's slot)."""
+
+    @property
+    def key(self) -> str: ...
+
+
+def slot_bag_starts(features: KeyedJaggedTensor, slots: Sequence[KeyedSlot]) -> np.ndarray:
     """``[S + 1]`` static first row of each slot's bags in a VBE lookup's output
     ``[sum_j B_j, D]`` (slot-major: slot ``j`` holds its key's ``B_j`` bags)."""
     keys, spk = features.keys(), features.stride_per_key()
