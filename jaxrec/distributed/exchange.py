@@ -128,9 +128,11 @@ def _entry_tables(kjt: KeyedJaggedTensor, group: WidthGroup):
                 ("kbag0", bag0[k]),  # the key's first bag in the KJT
                 ("nb", max(spk[k], 1)),  # the key's bags (its stride)
             ):
-                cols[name].append(np.full(n, v))  # fmt: skip
-    return {k: np.concatenate(v).astype(np.int32) if v else np.zeros(0, np.int32)
-            for k, v in cols.items()}  # fmt: skip
+                cols[name].append(np.full(n, v))
+    return {
+        k: np.concatenate(v).astype(np.int32) if v else np.zeros(0, np.int32)
+        for k, v in cols.items()
+    }
 
 
 def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
@@ -166,7 +168,7 @@ def outbox(kjt: KeyedJaggedTensor, group: WidthGroup, spec: Spec) -> Outbox:
             tuple(
                 idx[first[p * (s + 1) + j] : first[p * (s + 1) + j + 1]]
                 for j in range(len(group.slots[p]))
-            )  # fmt: skip
+            )
             for p in range(n)
         )
     return Outbox(

@@ -59,7 +59,7 @@ class GlobalBatchManagedCollision(nnx.Module):
                 kjt.weights_or_none(),
                 capacities=kjt.capacity_per_key(),
                 stride=kjt.stride(),
-            )  # fmt: skip
+            )
         )(features, local)
 
     def evict(self) -> dict[str, jax.Array]:
@@ -101,7 +101,11 @@ def to_global(features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, jax.Array
     values = jnp.zeros((total,), features.values().dtype)
     values = values.at[positions.reshape(-1)].set(features.values().reshape(-1), mode="drop")
     glob = KeyedJaggedTensor.from_parts(
-        keys, values, jnp.transpose(lengths, (1, 0, 2)).reshape(-1), None,
-        capacities=tuple(n * c for c in caps), stride=n * b,
-    )  # fmt: skip
+        keys,
+        values,
+        jnp.transpose(lengths, (1, 0, 2)).reshape(-1),
+        None,
+        capacities=tuple(n * c for c in caps),
+        stride=n * b,
+    )
     return glob, positions

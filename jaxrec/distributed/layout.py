@@ -191,7 +191,7 @@ def build_layout(
                 tuple(slots),
                 tuple(shards),
                 tuple(sorted(narrow)),
-            )  # fmt: skip
+            )
         )
     return ShardedLayout(
         world_size,

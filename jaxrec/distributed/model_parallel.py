@@ -108,16 +108,27 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
     _check_auto(mesh)
     if plan is None:
         plan = plan_for_model(
-            model, mesh, optimizer=optimizer, capacity_factor=capacity_factor,
+            model,
+            mesh,
+            optimizer=optimizer,
+            capacity_factor=capacity_factor,
             capacity=None if isinstance(capacity, Mapping) else capacity,  # groups unknown yet
             constraints=_pooling_constraints(model, pooling_factors),
-        )  # fmt: skip
+        )
     options = dict(
-        capacity=capacity, overflow=overflow, pooling_factors=pooling_factors,
-        capacity_factor=capacity_factor, qcomms=qcomms, exchange=exchange,
-    )  # fmt: skip
-    cached = [f"{m}.{t}" for m, mp in plan.plan.items() for t, p in mp.items()
-              if p.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING]  # fmt: skip
+        capacity=capacity,
+        overflow=overflow,
+        pooling_factors=pooling_factors,
+        capacity_factor=capacity_factor,
+        qcomms=qcomms,
+        exchange=exchange,
+    )
+    cached = [
+        f"{m}.{t}"
+        for m, mp in plan.plan.items()
+        for t, p in mp.items()
+        if p.compute_kernel is EmbeddingComputeKernel.FUSED_UVM_CACHING
+    ]
     if cached:
         raise ValueError(
             f"tables {cached} are planned as fused_uvm_caching (host memory + a device cache): "
@@ -138,9 +149,12 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         if attr is not None:
             _adapt(model, path, module, attr, plan, mesh, options, found, init_keys)
     features = {
-        f for _, m in nnx.iter_modules(model) if isinstance(m, ShardedCollection)
-        for t in m.table_configs for f in t.feature_names
-    }  # fmt: skip
+        f
+        for _, m in nnx.iter_modules(model)
+        if isinstance(m, ShardedCollection)
+        for t in m.table_configs
+        for f in t.feature_names
+    }
     stray = sorted(set(pooling_factors or {}) - features)
     if stray:
         raise ValueError(
@@ -156,9 +170,11 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
         draw_unsharded(model, init_keys, mesh)
     replicated = NamedSharding(mesh, P())
     placed = {  # a dynamic table's index, sharded over its slots already
-        id(v) for _, m in nnx.iter_modules(model) if isinstance(m, ShardedHashZchCollection)
+        id(v)
+        for _, m in nnx.iter_modules(model)
+        if isinstance(m, ShardedHashZchCollection)
         for _, v in nnx.to_flat_state(nnx.state(m))
-    }  # fmt: skip
+    }
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Not(_is_sharded_table))):
         if id(var) not in placed:
             var.set_value(jax.device_put(var.get_value(), replicated))
@@ -167,9 +183,10 @@ def DistributedModelParallel(  # noqa: N802 (TorchRec's name)
 
 def _check_auto(mesh: jax.sharding.Mesh) -> None:
     explicit = [
-        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
         if t == jax.sharding.AxisType.Explicit
-    ]  # fmt: skip
+    ]
     if explicit:
         raise ValueError(
             f"DistributedModelParallel needs a mesh with Auto axes; axes {explicit} are "

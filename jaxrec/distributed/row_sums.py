@@ -160,9 +160,9 @@ def column_split_row_sum(schedule: PeerSchedule | None, rows_per_rank: int, axis
     def reduce(rows):
         me = jax.lax.axis_index(axis)
         o, base, size, wd = (
-            jnp.asarray(x)[me] for x in (schedule.offsets, schedule.base, schedule.size,
-                                         schedule.width)
-        )  # fmt: skip
+            jnp.asarray(x)[me]
+            for x in (schedule.offsets, schedule.base, schedule.size, schedule.width)
+        )
         j = jnp.clip(jnp.searchsorted(o, rows, side="right") - 1, 0, k)
         srt = jnp.sort(rows)
         ordinal = jnp.searchsorted(srt, rows) - jnp.searchsorted(srt, o[j])

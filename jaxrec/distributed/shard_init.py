@@ -70,7 +70,7 @@ def group_pieces(
                 configs[s.table].get_weight_init_max(),
             )
             for s in shards
-        ]  # fmt: skip
+        ]
         for shards in group.shards
     ]
     ints, floats = host_pieces(per_rank, group.rows_per_rank)
@@ -105,10 +105,11 @@ def groups_program(mesh: jax.sharding.Mesh, draws: tuple[GroupDraw, ...]):
     def local(words, ints, floats):
         rank = jax.lax.axis_index(axis)
         return tuple(
-            draw_rows(words, i[rank], f[rank], rows=g.rows, cols=g.cols, dtype=g.dtype,
-                      aligned=g.aligned)
+            draw_rows(
+                words, i[rank], f[rank], rows=g.rows, cols=g.cols, dtype=g.dtype, aligned=g.aligned
+            )
             for g, i, f in zip(draws, ints, floats, strict=True)
-        )  # fmt: skip
+        )
 
     body = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axis))
     return jax.jit(body, out_shardings=NamedSharding(mesh, P(axis)))
@@ -123,10 +124,18 @@ def draw_replicated(
 ) -> jax.Array:
     """A data-parallel group's stacked tables, drawn whole on every device."""
     pieces = [
-        TablePiece(off, configs[t].num_embeddings, streams[t], 0, 0, group.embedding_dim,
-                   configs[t].get_weight_init_min(), configs[t].get_weight_init_max())
+        TablePiece(
+            off,
+            configs[t].num_embeddings,
+            streams[t],
+            0,
+            0,
+            group.embedding_dim,
+            configs[t].get_weight_init_min(),
+            configs[t].get_weight_init_max(),
+        )
         for t, off in zip(group.tables, group.row_offsets, strict=True)
-    ]  # fmt: skip
+    ]
     dtype = configs[group.tables[0]].dtype
     draw = jax.jit(
         lambda k: uniform_rows(k, pieces, group.num_rows, group.embedding_dim, dtype),

@@ -180,9 +180,8 @@ class ShardedCollection(EmbeddingCollectionInterface):
             raise ValueError(f"pooling_factors must be positive (mean ids per bag), got {bad}")
         dims = {t.name: t.embedding_dim for t in self.table_configs}
         self._column_split = {
-            g.name for g in self.layout.groups
-            if any(g.ncols < dims[t] for t in g.tables)
-        }  # fmt: skip
+            g.name for g in self.layout.groups if any(g.ncols < dims[t] for t in g.tables)
+        }
         groups = {g.name for g in self.layout.groups}
         if isinstance(capacity, Mapping) and set(capacity) - groups:
             raise ValueError(
@@ -349,9 +348,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
         if kjt.variable_stride_per_key():  # a user feature's load follows its B_k
             stride = dict(zip(kjt.keys(), kjt.stride_per_key(), strict=True))
         return group_capacity(
-            caps, stride, group, capacity=self.capacity,
-            pooling_factors=self.pooling_factors, factor=self.capacity_factor,
-        )  # fmt: skip
+            caps,
+            stride,
+            group,
+            capacity=self.capacity,
+            pooling_factors=self.pooling_factors,
+            factor=self.capacity_factor,
+        )
 
     def capacities(self, features) -> dict[str, int]:
         """``{width group: fast-path ids per destination}`` for a batch like ``features``
@@ -511,9 +514,10 @@ class ShardedCollection(EmbeddingCollectionInterface):
         """Reports out-of-range ids of sharded tables (no shard holds them: they drop)."""
         pairs = [
             (f, t.name, t.num_embeddings)
-            for t in self.table_configs if t.name not in self.layout.replicated
+            for t in self.table_configs
+            if t.name not in self.layout.replicated
             for f in t.feature_names
-        ]  # fmt: skip
+        ]
         check_sharded_ids(kjt, pairs, self.bounds_check_mode)
 
     def _dp_outputs(self, rg):
@@ -606,17 +610,25 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 name = self.dp_buffer(rg)
                 k = state_key(path, name, 0)
                 tables[name], states[k] = update_subgroup(
-                    SubGroup(opts[name], (True,), (0,), rg.num_rows), (0,),
-                    tables[name], states[k], uniq, summed,
-                )  # fmt: skip
+                    SubGroup(opts[name], (True,), (0,), rg.num_rows),
+                    (0,),
+                    tables[name],
+                    states[k],
+                    uniq,
+                    summed,
+                )
             return tables, states
 
         specs = self._specs()
         state_specs = {
-            k: type(states[k])(*(P() if self.buffers[n].replicated or x.ndim == 0
-                                 else P(self.axis) for x in states[k]))
+            k: type(states[k])(
+                *(
+                    P() if self.buffers[n].replicated or x.ndim == 0 else P(self.axis)
+                    for x in states[k]
+                )
+            )
             for n, k in zip(names, keys, strict=True)
-        }  # fmt: skip
+        }
         run = jax.shard_map(
             local,
             mesh=self.mesh,
@@ -659,9 +671,13 @@ class ShardedCollection(EmbeddingCollectionInterface):
                 row_sum, width = reduce(rows)
             else:
                 return update_subgroup(
-                    SubGroup(opt, (True,), (0,), group.rows_per_rank), (0,),
-                    table, state, rows, grads,
-                )  # fmt: skip
+                    SubGroup(opt, (True,), (0,), group.rows_per_rank),
+                    (0,),
+                    table,
+                    state,
+                    rows,
+                    grads,
+                )
             if lossy:
                 row_sum = _refuse(
                     NotImplementedError(
@@ -730,10 +746,11 @@ class PooledShardedCollection(ShardedCollection):
         partials = lookup(rec0)
         if n_rounds is not None:
             partials = jax.lax.fori_loop(
-                1, n_rounds,
+                1,
+                n_rounds,
                 lambda r, acc: acc + lookup(self._round(spec, box, bag_counts, r)),
                 partials,
-            )  # fmt: skip
+            )
         sizes = dist.slot_counts(g, self.axis) if spec.ragged else None  # no pad slots
         received = dist.send_back(partials, self.axis, self.qcomms.forward_dtype, ragged=sizes)
         return self._add_group(list(out), kjt, g, received)

@@ -161,9 +161,13 @@ class ShardedEmbeddingBagCollection(PooledShardedCollection):
 
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = grouped_pooled_lookup(
-            table, kjt, rg.slots, is_weighted=self._is_weighted,
-            bounds_check_mode=self.bounds_check_mode, implementation=self.implementation,
-        )  # fmt: skip
+            table,
+            kjt,
+            rg.slots,
+            is_weighted=self._is_weighted,
+            bounds_check_mode=self.bounds_check_mode,
+            implementation=self.implementation,
+        )
         if kjt.variable_stride_per_key():  # [sum_j B_j, D] into the packed output
             out[0] = out[0].at[self._vbe_dp_positions(kjt, rg)].set(pooled.reshape(-1))
             return
@@ -241,9 +245,12 @@ class ShardedEmbeddingBagCollection(PooledShardedCollection):
             return jnp.take(packed, base + rows * mult, axis=0)
 
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(self.axis), P(self.axis)),
-            out_specs=P(self.axis), check_vma=False,
-        )(packed, features.inverse_indices()[1])  # fmt: skip
+            local,
+            mesh=self.mesh,
+            in_specs=(P(self.axis), P(self.axis)),
+            out_specs=P(self.axis),
+            check_vma=False,
+        )(packed, features.inverse_indices()[1])
 
     def _finish(self, values, features):
         if features.variable_stride_per_key():

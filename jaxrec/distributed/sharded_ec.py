@@ -79,9 +79,12 @@ class ShardedEmbeddingCollection(SequenceShardedCollection):
 
     def _dp_lookup(self, table, kjt, rg, out):
         rows = grouped_sequence_lookup(
-            table, kjt, rg.slots, bounds_check_mode=self.bounds_check_mode,
+            table,
+            kjt,
+            rg.slots,
+            bounds_check_mode=self.bounds_check_mode,
             implementation=self.implementation,
-        )  # fmt: skip
+        )
         for o, r in zip(self._dp_outputs(rg), rows, strict=True):
             out[o] = r.astype(jnp.float32)
 

@@ -197,8 +197,9 @@ class ShardedHashZchTable(nnx.Module):
         unsharded module's size for that batch: ``min(capacity, zch_size)``)."""
         if self.evicted is None:
             e = max(min(global_capacity, self.zch_size), 1)
-            self.evicted = EvictedRows(jax.device_put(jnp.full((e,), zi.FILL, jnp.int32),
-                                                  self._replicated))  # fmt: skip
+            self.evicted = EvictedRows(
+                jax.device_put(jnp.full((e,), zi.FILL, jnp.int32), self._replicated)
+            )
 
     def evict(self) -> jax.Array:
         """``[max_evictions]`` int32 global rows evicted by the latest training call, of

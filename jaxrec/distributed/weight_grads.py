@@ -80,9 +80,14 @@ def _local(coll, tables, kjt, g_local):
 
     for grp in coll.layout.groups:
         spec = exchange.Spec(
-            n=coll.layout.world_size, capacity=natural_load(caps, grp.slots),
-            slots=grp.max_slots, bags=0, fill=grp.rows_per_rank, weighted=False, sequence=True,
-        )  # fmt: skip
+            n=coll.layout.world_size,
+            capacity=natural_load(caps, grp.slots),
+            slots=grp.max_slots,
+            bags=0,
+            fill=grp.rows_per_rank,
+            weighted=False,
+            sequence=True,
+        )
         box = exchange.outbox(kjt, grp, spec)
         got = exchange.send(box, spec, 0, coll.axis, first=True)
         rec, _ = exchange.receive(got, spec, 0, None, first=True)

@@ -198,8 +198,10 @@ def export(
     # key data and are re-wrapped inside the exported function: jax.export takes
     # no key-typed arguments.
     key_impls = [_key_impl(leaf) for leaf in leaves]
-    leaves = [leaf if impl is None else jax.random.key_data(leaf) for leaf, impl in zip(
-        leaves, key_impls, strict=True)]  # fmt: skip
+    leaves = [
+        leaf if impl is None else jax.random.key_data(leaf)
+        for leaf, impl in zip(leaves, key_impls, strict=True)
+    ]
     paths_leaves = [(p, leaf) for (p, _), leaf in zip(paths_leaves, leaves, strict=True)]
     caps = tuple(max_ids[k] for k in keys)
     apply_fn = apply_fn or (lambda m, d, s: m(d, s))

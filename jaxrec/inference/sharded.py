@@ -144,9 +144,15 @@ class _QuantShards(_MixedInto):
     def _pooled_lookup(self, group, table, rows, seg, num_segments, scale):
         """The dequantizing pooled lookup of a shard's uint8 rows."""
         return quant_embedding_bag(
-            table, rows, seg, num_segments, scale, dim=group.ncols,
-            dtype=self.group_dtypes[group.name], implementation=self.implementation,
-        )  # fmt: skip
+            table,
+            rows,
+            seg,
+            num_segments,
+            scale,
+            dim=group.ncols,
+            dtype=self.group_dtypes[group.name],
+            implementation=self.implementation,
+        )
 
     def _gather_rows(self, group, table, rows, valid):
         """Dequantized rows of a shard, one per id (a pooled lookup of one-id bags)."""
@@ -208,10 +214,15 @@ class ShardedQuantEmbeddingBagCollection(_QuantShards, ShardedEmbeddingBagCollec
 
     def _dp_lookup(self, table, kjt, rg, out):
         pooled = quant_grouped_pooled_lookup(
-            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes[self.dp_buffer(rg)],
-            is_weighted=self._is_weighted, bounds_check_mode=self.bounds_check_mode,
+            table,
+            kjt,
+            rg.slots,
+            dim=rg.embedding_dim,
+            dtype=self.group_dtypes[self.dp_buffer(rg)],
+            is_weighted=self._is_weighted,
+            bounds_check_mode=self.bounds_check_mode,
             implementation=self.implementation,
-        )  # fmt: skip
+        )
         cols = dist.column_offsets(self.layout)
         for j, o in enumerate(self._dp_outputs(rg)):
             out[0] = out[0].at[:, cols[o] : cols[o + 1]].set(pooled[:, j])
@@ -238,9 +249,13 @@ class ShardedQuantEmbeddingCollection(_QuantShards, ShardedEmbeddingCollection):
 
     def _dp_lookup(self, table, kjt, rg, out):
         rows = quant_grouped_sequence_lookup(
-            table, kjt, rg.slots, dim=rg.embedding_dim, dtype=self.group_dtypes[self.dp_buffer(rg)],
+            table,
+            kjt,
+            rg.slots,
+            dim=rg.embedding_dim,
+            dtype=self.group_dtypes[self.dp_buffer(rg)],
             bounds_check_mode=self.bounds_check_mode,
-        )  # fmt: skip
+        )
         for o, r in zip(self._dp_outputs(rg), rows, strict=True):
             out[o] = r
 

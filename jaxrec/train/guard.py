@@ -119,13 +119,17 @@ def without_ids(
     """``features`` (a KeyedJaggedTensor, leaves of any leading shape) with every length
     zeroed unless ``ok``: a sparse update from it touches no row."""
     if isinstance(features, Prefetched):  # a pipelined step's call: its ids already arrived
-        return features.masked(without_ids(features.kjt, ok), ok)
+        return features.masked(_zero_lengths(features.kjt, ok), ok)
     if not isinstance(features, KeyedJaggedTensor):
         raise NotImplementedError(
             f"cannot skip the sparse update of a lookup on {type(features).__name__}; "
             "collections are called with a KeyedJaggedTensor"
         )
-    children, aux = features.tree_flatten()  # VBE: inverse_indices is a fourth child
+    return _zero_lengths(features, ok)
+
+
+def _zero_lengths(kjt: KeyedJaggedTensor, ok: jax.Array) -> KeyedJaggedTensor:
+    children, aux = kjt.tree_flatten()  # VBE: inverse_indices is a fourth child
     values, lengths, *rest = children
     lengths = jnp.where(ok, lengths, jnp.zeros_like(lengths))
     return KeyedJaggedTensor.tree_unflatten(aux, (values, lengths, *rest))
