@@ -13,4 +13,3 @@ def hand_back(err: BaseException, state: TrainState, note: str) -> None:
     # Any exception takes attributes; pipeline.py reads it (exceptions declare none).
     err.state = state  # pyright: ignore[reportAttributeAccessIssue]
     err.add_note(note)
-
