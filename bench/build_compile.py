@@ -69,7 +69,7 @@ def make_tables(n, *, dims, dtypes, min_rows, max_rows, total_rows=None, seed=0)
             embedding_dim=dims[i % len(dims)],
             feature_names=[f"f{i}"],
             data_type=DTYPES[dtypes[(i // len(dims)) % len(dtypes)]],
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -138,9 +138,19 @@ def draw_rates(model, tables, reps: int) -> dict:
     draws = []
     for g in ebc.groups:
         cfgs = [ebc.config(n) for n in g.tables]
-        pieces = [TablePiece(off, c.num_embeddings, i, 0, 0, c.embedding_dim,
-                             c.get_weight_init_min(), c.get_weight_init_max())
-                  for i, (c, off) in enumerate(zip(cfgs, g.row_offsets, strict=True))]  # fmt: skip
+        pieces = [
+            TablePiece(
+                off,
+                c.num_embeddings,
+                i,
+                0,
+                0,
+                c.embedding_dim,
+                c.get_weight_init_min(),
+                c.get_weight_init_max(),
+            )
+            for i, (c, off) in enumerate(zip(cfgs, g.row_offsets, strict=True))
+        ]
         draws.append((pieces, g.num_rows, g.embedding_dim, cfgs[0].dtype))
 
     def draw_all():
@@ -192,8 +202,9 @@ def plan_for(kind: str, make, tables, mesh):
         rank = int(np.argmin(ranks))
         ranks[rank] += t.num_embeddings
         gens[t.name] = d.table_wise(rank)
-    return d.ShardingPlan({"ebc": d.construct_module_sharding_plan(abstract.ebc, gens,
-                                                                    world_size=n)})  # fmt: skip
+    return d.ShardingPlan(
+        {"ebc": d.construct_module_sharding_plan(abstract.ebc, gens, world_size=n)}
+    )
 
 
 def run_plan(kind, tables, args, mesh):
@@ -213,10 +224,18 @@ def run_plan(kind, tables, args, mesh):
     del sharded
     step = train.make_train_step(graphdef, opt, loss_fn)
     data = [
-        d.shard_batch(local_batches(tables, world=args.devices, batch=args.batch,
-                                    ids_per_sample=args.ids_per_sample, seed=s), mesh)
+        d.shard_batch(
+            local_batches(
+                tables,
+                world=args.devices,
+                batch=args.batch,
+                ids_per_sample=args.ids_per_sample,
+                seed=s,
+            ),
+            mesh,
+        )
         for s in range(2)
-    ]  # fmt: skip
+    ]
     start = time.perf_counter()
     traced = step.jitted.trace(state, data[0])
     trace_s = time.perf_counter() - start
@@ -264,20 +283,38 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dims = [int(x) for x in args.dims.split(",")]
     dtypes = args.dtypes.split(",")
-    base = {"bench": "build_compile", **machine(), "jax_version": jax.__version__,
-            "devices": args.devices, "batch": args.batch,
-            "ids_per_sample": args.ids_per_sample, "total_rows": args.total_rows,
-            "dims": dims, "dtypes": dtypes, "overflow": "exact"}  # fmt: skip
+    base = {
+        "bench": "build_compile",
+        **machine(),
+        "jax_version": jax.__version__,
+        "devices": args.devices,
+        "batch": args.batch,
+        "ids_per_sample": args.ids_per_sample,
+        "total_rows": args.total_rows,
+        "dims": dims,
+        "dtypes": dtypes,
+        "overflow": "exact",
+    }
     mesh = jax.make_mesh((args.devices,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     for n in [int(x) for x in args.tables.split(",")]:
-        tables = make_tables(n, dims=dims, dtypes=dtypes, min_rows=args.min_rows,
-                             max_rows=args.max_rows, total_rows=args.total_rows)  # fmt: skip
+        tables = make_tables(
+            n,
+            dims=dims,
+            dtypes=dtypes,
+            min_rows=args.min_rows,
+            max_rows=args.max_rows,
+            total_rows=args.total_rows,
+        )
         model, unsharded_s = timed(lambda: Model(tables, rngs=nnx.Rngs(0)))  # noqa: B023
-        common = {**base, "tables": n, "groups": len(model.ebc.groups),
-                  "rows": sum(t.num_embeddings for t in tables),
-                  "table_bytes": table_bytes(tables),
-                  "unsharded_build_s": round(unsharded_s, 2),
-                  **draw_rates(model, tables, args.reps)}  # fmt: skip
+        common = {
+            **base,
+            "tables": n,
+            "groups": len(model.ebc.groups),
+            "rows": sum(t.num_embeddings for t in tables),
+            "table_bytes": table_bytes(tables),
+            "unsharded_build_s": round(unsharded_s, 2),
+            **draw_rates(model, tables, args.reps),
+        }
         del model
         for kind in args.plans.split(","):
             emit({**common, **run_plan(kind, tables, args, mesh)}, args.out)

@@ -104,12 +104,28 @@ class Config:
 LARGE_BYTES = 4 << 30
 
 PRESETS = {
-    "tiny": Config(T=2, E=20_000, D=16, B=128, L=5, warmup=3, reps=3, load_factors=(0.1, 1.0),
-                   alphas=(None, 1.05)),
+    "tiny": Config(
+        T=2,
+        E=20_000,
+        D=16,
+        B=128,
+        L=5,
+        warmup=3,
+        reps=3,
+        load_factors=(0.1, 1.0),
+        alphas=(None, 1.05),
+    ),
     "cpu": Config(),
-    "gpu": Config(T=4, E=2_000_000, D=128, B=8192, L=20, load_factors=(0.05, 0.1, 0.2, 1.0),
-                  alphas=(None, 1.05)),
-}  # fmt: skip
+    "gpu": Config(
+        T=4,
+        E=2_000_000,
+        D=128,
+        B=8192,
+        L=20,
+        load_factors=(0.05, 0.1, 0.2, 1.0),
+        alphas=(None, 1.05),
+    ),
+}
 
 
 class Model(nnx.Module):
@@ -128,10 +144,11 @@ def loss_fn(model, batch):
 
 def configs(cfg: Config):
     return [
-        jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=cfg.E, embedding_dim=cfg.D,
-                              feature_names=[f"f{i}"])
+        jr.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=cfg.E, embedding_dim=cfg.D, feature_names=[f"f{i}"]
+        )
         for i in range(cfg.T)
-    ]  # fmt: skip
+    ]
 
 
 def batches(cfg: Config, alpha: float | None, n: int, seed: int = 0) -> list:
@@ -147,8 +164,9 @@ def stream(cfg: Config, alpha: float | None, n: int, seed: int = 0):
     for _ in range(n):
         values = perm[zipf_ids(rng, cfg.E, cfg.T * cfg.B * cfg.L, alpha)]
         lengths = np.full(cfg.T * cfg.B, cfg.L, np.int32)
-        kjt = jr.KeyedJaggedTensor(keys, values.astype(np.int32), lengths=lengths,
-                                   capacities=[cfg.B * cfg.L] * cfg.T)  # fmt: skip
+        kjt = jr.KeyedJaggedTensor(
+            keys, values.astype(np.int32), lengths=lengths, capacities=[cfg.B * cfg.L] * cfg.T
+        )
         yield kjt, rng.normal(size=cfg.B).astype(np.float32)
 
 
@@ -172,7 +190,7 @@ def copy_rates(cfg: Config) -> dict:
         "host_gather_GBps": gb_s(time_ms(lambda: table[idx], 5, 0)),
         "host_to_device_GBps": gb_s(
             time_ms(lambda: jax.device_put(block, dev).block_until_ready(), 5, 0)
-        ),  # fmt: skip
+        ),
         "device_to_host_GBps": gb_s(time_ms(lambda: np.asarray(on_device + 0), 5, 0)),
         **pinned_rates(block, dev, gb_s),
         "copy_MiB": round(nbytes / 2**20, 1),
@@ -186,8 +204,12 @@ def pinned_rates(block: np.ndarray, dev, gb_s) -> dict:
     Null, with ``pinned_reason``, where the device lacks either kind. On the CPU both
     kinds are host memory: the figures are memcpy rates, not a link's."""
     kinds = sorted(m.kind for m in dev.addressable_memories())
-    out = {"memory_kinds": kinds, "pinned_host_to_device_GBps": None,
-           "device_to_pinned_host_GBps": None, "pinned_reason": None}  # fmt: skip
+    out = {
+        "memory_kinds": kinds,
+        "pinned_host_to_device_GBps": None,
+        "device_to_pinned_host_GBps": None,
+        "pinned_reason": None,
+    }
     missing = [k for k in ("pinned_host", "device") if k not in kinds]
     if missing:
         out["pinned_reason"] = f"no {' / '.join(missing)} memory kind on {dev.platform}"
@@ -211,8 +233,10 @@ def pinned_rates(block: np.ndarray, dev, gb_s) -> dict:
 def row_bytes(cache) -> dict[str, int]:
     """Bytes a move copies per row of each cached table (by name): the weight row and
     every optimizer state row (row-wise Adagrad: one float more)."""
-    return {name: sum(a.itemsize * int(np.prod(a.shape[1:])) for a in t.host.fields.values())
-            for name, t in cache.tables.items()}  # fmt: skip
+    return {
+        name: sum(a.itemsize * int(np.prod(a.shape[1:])) for a in t.host.fields.values())
+        for name, t in cache.tables.items()
+    }
 
 
 def moved(stats, per_row: dict[str, int], steps: int) -> dict:
@@ -251,31 +275,39 @@ def optimizer() -> CombinedOptimizer:
     return CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
 
 
-def cached_model(cfg: Config, opt, lf: float, weights: dict | None = None,
-                 slot_maps: str = "device", threads: int | None = None,
-                 paths: jc.MovePaths | None = None):  # fmt: skip
+def cached_model(
+    cfg: Config,
+    opt,
+    lf: float,
+    weights: dict | None = None,
+    slot_maps: str = "device",
+    threads: int | None = None,
+    paths: jc.MovePaths | None = None,
+):
     """``(state, cache, step)``: the model with every table cached (``cfg.algorithm``,
     load factor ``lf``, the slot maps ``slot_maps``, ``threads`` planning threads, the
     move paths ``paths``), host
     tables from ``weights`` (by table name), or drawn here (large tables: drawn rather
     than copied)."""
-    params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf)
-              for t in configs(cfg)}  # fmt: skip
+    params = {t.name: jc.CacheParams(algorithm=cfg.algorithm, load_factor=lf) for t in configs(cfg)}
     graphdef, state = train.init_train_state(
         Model(jc.cached_configs(configs(cfg), params), rngs=nnx.Rngs(1)), opt
     )
     hosts = {
         t.name: jc.HostTable.from_arrays(t, opt.for_table(t.name), weights[t.name])
-        if weights is not None else jc.HostTable.create(t, opt.for_table(t.name))
+        if weights is not None
+        else jc.HostTable.create(t, opt.for_table(t.name))
         for t in configs(cfg)
-    }  # fmt: skip
-    cache = jc.RowCache(graphdef, opt, state, hosts, params, slot_maps=slot_maps,
-                        threads=threads, move_paths=paths)  # fmt: skip
+    }
+    cache = jc.RowCache(
+        graphdef, opt, state, hosts, params, slot_maps=slot_maps, threads=threads, move_paths=paths
+    )
     return state, cache, jc.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), cache)
 
 
-def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device",
-             paths: jc.MovePaths | None = None) -> dict:  # fmt: skip
+def run_case(
+    cfg, opt, weights, data, alpha, lf, slot_maps: str = "device", paths: jc.MovePaths | None = None
+) -> dict:
     """One cached case: ``cfg.warmup`` steps on fresh batches, then ``data[:reps]``
     timed, then a pipelined run on ``data[reps:]`` (batches it has not seen)."""
     s2, cache, step = cached_model(cfg, opt, lf, weights, slot_maps, paths=paths)
@@ -297,11 +329,11 @@ def run_case(cfg, opt, weights, data, alpha, lf, slot_maps: str = "device",
     prepared = cache.prepare(data[box["i"]])  # host planning alone
     prep = (time.perf_counter() - t0) * 1e3
     box["s"] = cache.load(box["s"], prepared)  # loads follow prepares in order
-    pipelined = pipelined_ms(step, box["s"], data[cfg.reps + 1 :], cfg.reps,
-                             jc.prefetching(cache))  # fmt: skip
+    pipelined = pipelined_ms(step, box["s"], data[cfg.reps + 1 :], cfg.reps, jc.prefetching(cache))
     ids = sum(s.ids for s in stats)
-    floor = move_floor_ms(hosts, cache.tables["t0"].slots,
-                          sum(s.misses for s in stats) // (cfg.reps * cfg.T))  # fmt: skip
+    floor = move_floor_ms(
+        hosts, cache.tables["t0"].slots, sum(s.misses for s in stats) // (cfg.reps * cfg.T)
+    )
     mv = moved(by_name, row_bytes(cache), cfg.reps)
     cached = statistics.median(ms)
     return {
@@ -359,13 +391,22 @@ def scaling_kjt(cfg: Config, ids_per_table: list[np.ndarray]) -> jr.KeyedJaggedT
     lengths[-1] = n - cfg.L * (len(lengths) - 1)
     keys = [f"f{i}" for i in range(cfg.T)]
     values = np.concatenate(ids_per_table).astype(np.int32)
-    return jr.KeyedJaggedTensor(keys, values, lengths=np.tile(lengths, cfg.T),
-                                capacities=[n] * cfg.T)  # fmt: skip
+    return jr.KeyedJaggedTensor(
+        keys, values, lengths=np.tile(lengths, cfg.T), capacities=[n] * cfg.T
+    )
 
 
-def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses: int,
-                 scales: tuple[int, ...], repeats: int, lf: float,
-                 paths: jc.MovePaths | None = None) -> None:  # fmt: skip
+def host_scaling(
+    cfg: Config,
+    base: dict,
+    slot_maps: list[str],
+    ids: int,
+    misses: int,
+    scales: tuple[int, ...],
+    repeats: int,
+    lf: float,
+    paths: jc.MovePaths | None = None,
+) -> None:
     """Host CPU time of ``prepare`` + ``load`` per step at a fixed number of missed rows
     as the ids per step grow (see the module docstring): per table, ``scale * ids`` ids
     a step, of which ``misses`` rows never seen before and the rest a pool of rows
@@ -382,8 +423,10 @@ def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses
         run = ScalingRun(cfg, model, perm[max(pools) :])
         slots = run.cache.tables["t0"].slots
         if max(pools) + 2 * misses > slots // 2:
-            raise SystemExit(f"{max(pools) + 2 * misses} rows a step against {slots} slots: "
-                             "raise --hs-load-factor")  # fmt: skip
+            raise SystemExit(
+                f"{max(pools) + 2 * misses} rows a step against {slots} slots: "
+                "raise --hs-load-factor"
+            )
         run.fill(max(1, slots // 4), 8)  # every miss then evicts a row
         steps = [(ids * scale, pool[:n]) for scale, n in zip(scales, pools, strict=True)]
         for k, p in steps:  # each pool loaded, each shape's programs compiled
@@ -404,23 +447,38 @@ def host_scaling(cfg: Config, base: dict, slot_maps: list[str], ids: int, misses
             first = first or med
             mv = moved(st, row_bytes(run.cache), cfg.reps)
             n_miss = sum(x.misses for x in st.values()) / cfg.reps
-            print(json.dumps({
-                **base, "host_scaling": True, "slot_maps": sm, "load_factor": lf,
-                "slots_per_table": slots, "tables": cfg.T, "scale": scale,
-                "repeats": repeats, "ids_per_table_step": ids * scale,
-                "ids_per_step": sum(x.ids for x in st.values()) / cfg.reps,
-                "distinct_rows_per_step": sum(x.rows for x in st.values()) / cfg.reps,
-                "misses_per_step": n_miss,
-                "evictions_per_step": sum(x.evictions for x in st.values()) / cfg.reps,
-                "misses_as_built": all(sum(x.misses for x in s.values()) == misses * cfg.T
-                                       for _, s in g),
-                "host_cpu_ms": med["cpu"], "host_cpu_prepare_ms": med["cpu_prepare"],
-                "host_cpu_load_ms": med["cpu_load"], "process_cpu_ms": med["process_cpu"],
-                "wall_ms": med["wall"],
-                "host_cpu_over_x1": round(med["cpu"] / first["cpu"], 3),
-                "wall_over_x1": round(med["wall"] / first["wall"], 3),
-                **mv, "moved_GBps_at_wall": rate_GBps(mv["moved_MB_per_step"], med["wall"]),
-            }), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        **base,
+                        "host_scaling": True,
+                        "slot_maps": sm,
+                        "load_factor": lf,
+                        "slots_per_table": slots,
+                        "tables": cfg.T,
+                        "scale": scale,
+                        "repeats": repeats,
+                        "ids_per_table_step": ids * scale,
+                        "ids_per_step": sum(x.ids for x in st.values()) / cfg.reps,
+                        "distinct_rows_per_step": sum(x.rows for x in st.values()) / cfg.reps,
+                        "misses_per_step": n_miss,
+                        "evictions_per_step": sum(x.evictions for x in st.values()) / cfg.reps,
+                        "misses_as_built": all(
+                            sum(x.misses for x in s.values()) == misses * cfg.T for _, s in g
+                        ),
+                        "host_cpu_ms": med["cpu"],
+                        "host_cpu_prepare_ms": med["cpu_prepare"],
+                        "host_cpu_load_ms": med["cpu_load"],
+                        "process_cpu_ms": med["process_cpu"],
+                        "wall_ms": med["wall"],
+                        "host_cpu_over_x1": round(med["cpu"] / first["cpu"], 3),
+                        "wall_over_x1": round(med["wall"] / first["wall"], 3),
+                        **mv,
+                        "moved_GBps_at_wall": rate_GBps(mv["moved_MB_per_step"], med["wall"]),
+                    }
+                ),
+                flush=True,
+            )
         del run
 
 
@@ -470,8 +528,13 @@ class ScalingRun:
         jax.block_until_ready(self.state)
         cache.write_back()  # the moves' end (in place: the evicted rows written)
         w1, p1 = time.perf_counter(), time.process_time()
-        ms = {"cpu_prepare": c1 - c0, "cpu_load": c2 - c1, "cpu": c2 - c0,
-              "process_cpu": p1 - p0, "wall": w1 - w0}  # fmt: skip
+        ms = {
+            "cpu_prepare": c1 - c0,
+            "cpu_load": c2 - c1,
+            "cpu": c2 - c0,
+            "process_cpu": p1 - p0,
+            "wall": w1 - w0,
+        }
         return {key: v * 1e3 for key, v in ms.items()}, dict(cache.stats)
 
 
@@ -487,8 +550,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="cached steps before the timed ones (default: preset)",
     )
-    p.add_argument("--algorithm", choices=["lru", "lfu"], default=None,
-                   help="the cache's replacement policy (default: preset, lru)")  # fmt: skip
+    p.add_argument(
+        "--algorithm",
+        choices=["lru", "lfu"],
+        default=None,
+        help="the cache's replacement policy (default: preset, lru)",
+    )
     p.add_argument("--alphas", default=None, help="comma list; 0 = uniform (default: preset)")
     p.add_argument("--load-factors", default=None, help="comma list (default: preset)")
     p.add_argument(
@@ -504,18 +571,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="batches per policy run (the last third counted)",
     )
     p.add_argument("--policy-algorithms", default="lru,lfu")
-    p.add_argument("--staged", action="store_true",
-                   help="moves staged in pinned host memory, as off the CPU (the GPU "
-                        "path's host side, timed on the CPU)")  # fmt: skip
-    p.add_argument("--slot-maps", default=None,
-                   help="RowCache(slot_maps=...): device (planned by one device program, "
-                        "the default), host (the C++ planner), or a comma list of both "
-                        "(default: device; with --host-scaling, device,host)")  # fmt: skip
-    p.add_argument("--host-scaling", action="store_true",
-                   help="only the host CPU time of prepare + load at fixed misses as the "
-                        "ids per step grow (see the module docstring)")  # fmt: skip
-    p.add_argument("--hs-ids", type=int, default=None,
-                   help="ids per table per step at scale 1 (default: preset B * L)")  # fmt: skip
+    p.add_argument(
+        "--staged",
+        action="store_true",
+        help="moves staged in pinned host memory, as off the CPU (the GPU "
+        "path's host side, timed on the CPU)",
+    )
+    p.add_argument(
+        "--slot-maps",
+        default=None,
+        help="RowCache(slot_maps=...): device (planned by one device program, "
+        "the default), host (the C++ planner), or a comma list of both "
+        "(default: device; with --host-scaling, device,host)",
+    )
+    p.add_argument(
+        "--host-scaling",
+        action="store_true",
+        help="only the host CPU time of prepare + load at fixed misses as the "
+        "ids per step grow (see the module docstring)",
+    )
+    p.add_argument(
+        "--hs-ids",
+        type=int,
+        default=None,
+        help="ids per table per step at scale 1 (default: preset B * L)",
+    )
     p.add_argument(
         "--hs-misses",
         type=int,
@@ -523,16 +603,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="missed rows per table per step (default: a tenth of --hs-ids)",
     )
     p.add_argument("--hs-scales", default="1,2,4", help="multiples of --hs-ids")
-    p.add_argument("--hs-repeats", type=int, default=4,
-                   help="ids per cached pool row per step")  # fmt: skip
+    p.add_argument("--hs-repeats", type=int, default=4, help="ids per cached pool row per step")
     p.add_argument("--hs-load-factor", type=float, default=0.1)
-    p.add_argument("--policy-only", action="store_true",
-                   help="only the policies' hit rates (no training)")  # fmt: skip
+    p.add_argument(
+        "--policy-only", action="store_true", help="only the policies' hit rates (no training)"
+    )
     return p.parse_args(argv)
 
 
-def policy_hit_rates(rows: int, cfg: Config, base: dict, batches: int = 60,
-                     algorithms: tuple[str, ...] = ("lru", "lfu")) -> None:  # fmt: skip
+def policy_hit_rates(
+    rows: int,
+    cfg: Config,
+    base: dict,
+    batches: int = 60,
+    algorithms: tuple[str, ...] = ("lru", "lfu"),
+) -> None:
     """Steady-state hit rates of the replacement policies alone (``SlotMap``, the
     cache's own bookkeeping, no tables) on one table of ``rows`` rows: ``batches``
     batches of at least a fifth of the slots, the last third counted (a big cache
@@ -549,8 +634,10 @@ def policy_hit_rates(rows: int, cfg: Config, base: dict, batches: int = 60,
         for lf in [x for x in cfg.load_factors if x < 1]:
             slots = max(1, int(lf * rows))
             n = max(cfg.B * cfg.L, slots // 5)
-            model = {"lru_che": round(lru_hit_rate(rows, slots, alpha), 4),
-                     "top_rows": round(top_rows_hit_rate(rows, slots, alpha), 4)}  # fmt: skip
+            model = {
+                "lru_che": round(lru_hit_rate(rows, slots, alpha), 4),
+                "top_rows": round(top_rows_hit_rate(rows, slots, alpha), 4),
+            }
             for algorithm in algorithms:
                 rng = np.random.default_rng(1)  # the same ids for each policy
                 m = SlotMap(rows, slots, jc.CacheAlgorithm(algorithm))
@@ -563,11 +650,24 @@ def policy_hit_rates(rows: int, cfg: Config, base: dict, batches: int = 60,
                     if i >= batches - batches // 3:
                         ids, misses = ids + len(v), misses + len(a.fill_rows)
                 del m
-                print(json.dumps({**base, "policy_only": True, "rows": rows, "alpha": alpha,
-                                  "algorithm": algorithm, "load_factor": lf, "ids_per_batch": n,
-                                  "batches": batches, "hit_rate": round(1 - misses / ids, 4),
-                                  **model, "seconds": round(time.perf_counter() - t0, 1)}),
-                      flush=True)  # fmt: skip
+                print(
+                    json.dumps(
+                        {
+                            **base,
+                            "policy_only": True,
+                            "rows": rows,
+                            "alpha": alpha,
+                            "algorithm": algorithm,
+                            "load_factor": lf,
+                            "ids_per_batch": n,
+                            "batches": batches,
+                            "hit_rate": round(1 - misses / ids, 4),
+                            **model,
+                            "seconds": round(time.perf_counter() - t0, 1),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 def main(argv=None) -> int:
@@ -608,13 +708,22 @@ def main(argv=None) -> int:
     print(json.dumps({**base, "copy": copy_rates(cfg)}), flush=True)
     if a.host_scaling:
         ids = a.hs_ids or cfg.B * cfg.L
-        host_scaling(cfg, base, slot_maps, ids, a.hs_misses or max(1, ids // 10),
-                     tuple(int(x) for x in a.hs_scales.split(",")), a.hs_repeats,
-                     a.hs_load_factor, paths)  # fmt: skip
+        host_scaling(
+            cfg,
+            base,
+            slot_maps,
+            ids,
+            a.hs_misses or max(1, ids // 10),
+            tuple(int(x) for x in a.hs_scales.split(",")),
+            a.hs_repeats,
+            a.hs_load_factor,
+            paths,
+        )
         return 0
     if a.policy_rows:
-        policy_hit_rates(a.policy_rows, cfg, base, a.policy_batches,
-                         tuple(a.policy_algorithms.split(",")))  # fmt: skip
+        policy_hit_rates(
+            a.policy_rows, cfg, base, a.policy_batches, tuple(a.policy_algorithms.split(","))
+        )
     if a.policy_only:
         return 0
     opt = optimizer()
@@ -629,8 +738,7 @@ def main(argv=None) -> int:
     weights = None
     if not large:
         logical = ckpt.logical_state(graphdef, opt, state0).tables
-        weights = {t.name: logical[f"ebc.embedding_bags.{t.name}"]["weight"]
-                   for t in configs(cfg)}  # fmt: skip
+        weights = {t.name: logical[f"ebc.embedding_bags.{t.name}"]["weight"] for t in configs(cfg)}
         del logical
     del state
     full = train.make_train_step(graphdef, opt, loss_fn)

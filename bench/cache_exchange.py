@@ -50,11 +50,18 @@ def worker(process_id: int, port: int, sizes_mb: list[float], reps: int) -> None
             assert len(other) == len(payload)
         if process_id == 0:
             tcp_ms, kv_ms = statistics.median(tcp[2:]), statistics.median(kv[2:])
-            print(json.dumps({"payload_MB": mb, "exchange_ms": round(tcp_ms, 3),
-                              "key_value_store_ms": round(kv_ms, 3),
-                              "exchange_MBps": round(mb / tcp_ms * 1e3, 1),
-                              "key_value_store_MBps": round(mb / kv_ms * 1e3, 1)}),
-                  flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "payload_MB": mb,
+                        "exchange_ms": round(tcp_ms, 3),
+                        "key_value_store_ms": round(kv_ms, 3),
+                        "exchange_MBps": round(mb / tcp_ms * 1e3, 1),
+                        "key_value_store_MBps": round(mb / kv_ms * 1e3, 1),
+                    }
+                ),
+                flush=True,
+            )
 
 
 def main() -> int:
@@ -78,14 +85,20 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, __file__, "--sizes-mb", a.sizes_mb, "--reps", str(a.reps), "--worker"]
-    procs = [subprocess.Popen([*cmd, str(i), str(port)], env=env, stdout=subprocess.PIPE,
-                              text=True) for i in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen([*cmd, str(i), str(port)], env=env, stdout=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
     out = [q.communicate(timeout=600)[0] for q in procs]
     if any(q.returncode for q in procs):
         print(out, file=sys.stderr)
         return 1
-    base = {"bench": "cache_exchange", "date": datetime.date.today().isoformat(),
-            "processes": 2, **machine()}  # fmt: skip
+    base = {
+        "bench": "cache_exchange",
+        "date": datetime.date.today().isoformat(),
+        "processes": 2,
+        **machine(),
+    }
     for line in out[0].splitlines():
         if line.startswith("{"):
             print(json.dumps({**base, **json.loads(line)}), flush=True)

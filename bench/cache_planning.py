@@ -34,9 +34,12 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
     jax.config.update("jax_num_cpu_devices", local)
     if n_proc > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n_proc,
-                                   process_id=process_id,
-                                   local_device_ids=list(range(local)))  # fmt: skip
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=n_proc,
+            process_id=process_id,
+            local_device_ids=list(range(local)),
+        )
     import dataclasses
     import statistics
     import time
@@ -53,8 +56,12 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
     from jaxrec.datasets.random import zipf_ids
     from jaxrec.embedding import CombinedOptimizer
 
-    configs = [jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=a.rows, embedding_dim=a.dim,
-                                     feature_names=[f"f{i}"]) for i in range(a.tables)]  # fmt: skip
+    configs = [
+        jr.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=a.rows, embedding_dim=a.dim, feature_names=[f"f{i}"]
+        )
+        for i in range(a.tables)
+    ]
     keys = [f"f{i}" for i in range(a.tables)]
 
     class Model(nnx.Module):
@@ -64,32 +71,41 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
     opt = CombinedOptimizer(optax.sgd(0.01), optim.rowwise_adagrad(0.05))
     params = {c.name: jc.CacheParams(algorithm=a.algorithm, load_factor=0.1) for c in configs}
-    plan = d.construct_module_sharding_plan(Model(configs).ebc, {c.name: d.row_wise()
-                                            for c in configs}, world_size=WORLD)  # fmt: skip
+    plan = d.construct_module_sharding_plan(
+        Model(configs).ebc, {c.name: d.row_wise() for c in configs}, world_size=WORLD
+    )
     for name, p in params.items():
         plan[name] = dataclasses.replace(
             plan[name], compute_kernel=d.EmbeddingComputeKernel.FUSED_UVM_CACHING, cache_params=p
         )
     slot_configs, slot_plan = jc.device_plan(configs, plan)
-    model = d.DistributedModelParallel(Model(slot_configs), d.ShardingPlan({"ebc": slot_plan}),
-                                       mesh)  # fmt: skip
+    model = d.DistributedModelParallel(
+        Model(slot_configs), d.ShardingPlan({"ebc": slot_plan}), mesh
+    )
     graphdef, state = train.init_train_state(model, opt)
-    hosts = {c.name: jc.HostTable.create(c, opt.for_table(c.name),
-                                         rows=jc.host_rows(graphdef, opt, state, c))
-             for c in configs}  # fmt: skip
+    hosts = {
+        c.name: jc.HostTable.create(
+            c, opt.for_table(c.name), rows=jc.host_rows(graphdef, opt, state, c)
+        )
+        for c in configs
+    }
     # the host's maps in one process too: the owned planning of several is what is timed
     staged = jc.MovePaths(inplace=False)  # in both setups (in place is one process's)
-    cache = jc.RowCache(graphdef, opt, state, hosts, params, timeout_s=120, slot_maps="host",
-                        move_paths=staged)  # fmt: skip
+    cache = jc.RowCache(
+        graphdef, opt, state, hosts, params, timeout_s=120, slot_maps="host", move_paths=staged
+    )
     perm = np.random.default_rng(0).permutation(a.rows)
     mine = [i for i, dev in enumerate(mesh.devices.flat) if dev.process_index == process_id]
 
     def device_batch(step: int, device: int):  # the same global batch in both setups
         rng = np.random.default_rng([step, device])
         values = perm[zipf_ids(rng, a.rows, a.tables * a.batch * a.bag, a.alpha)]
-        return jr.KeyedJaggedTensor(keys, values.astype(np.int32),
-                                    lengths=np.full(a.tables * a.batch, a.bag, np.int32),
-                                    capacities=[a.batch * a.bag] * a.tables)  # fmt: skip
+        return jr.KeyedJaggedTensor(
+            keys,
+            values.astype(np.int32),
+            lengths=np.full(a.tables * a.batch, a.bag, np.int32),
+            capacities=[a.batch * a.bag] * a.tables,
+        )
 
     ms, cpu = [], []
     for step in range(a.warmup + a.reps):
@@ -101,15 +117,20 @@ def worker(process_id: int, n_proc: int, port: int, a: argparse.Namespace) -> No
         if len(cache._inflight) > 200:  # nothing is loaded here: forget their evictions
             cache._inflight.release(cache._prepared)
     st = cache.stats
-    out = {"bench": "cache_planning", "date": datetime.date.today().isoformat(), **machine(),
-           "processes": n_proc, "process": process_id, "devices_per_process": len(mine),
-           "config": {k: v for k, v in vars(a).items() if k != "worker"},
-           "global_ids_per_step": WORLD * a.tables * a.batch * a.bag,
-           "shards_planned": sum(m is not None for t in cache.tables.values() for m in t.maps),
-           "prepare_ms": round(statistics.median(ms[a.warmup:]), 2),
-           "prepare_cpu_ms": round(statistics.median(cpu[a.warmup:]), 2),  # all its threads
-           "planned_misses_per_step": sum(s.misses for s in st.values())
-                                      // (a.warmup + a.reps)}  # fmt: skip
+    out = {
+        "bench": "cache_planning",
+        "date": datetime.date.today().isoformat(),
+        **machine(),
+        "processes": n_proc,
+        "process": process_id,
+        "devices_per_process": len(mine),
+        "config": {k: v for k, v in vars(a).items() if k != "worker"},
+        "global_ids_per_step": WORLD * a.tables * a.batch * a.bag,
+        "shards_planned": sum(m is not None for t in cache.tables.values() for m in t.maps),
+        "prepare_ms": round(statistics.median(ms[a.warmup :]), 2),
+        "prepare_cpu_ms": round(statistics.median(cpu[a.warmup :]), 2),  # all its threads
+        "planned_misses_per_step": sum(s.misses for s in st.values()) // (a.warmup + a.reps),
+    }
     cache.close()
     print(json.dumps(out), flush=True)
 
@@ -123,13 +144,20 @@ def free_port() -> int:
 def run(n_proc: int, argv: list[str]) -> int:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE,
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.dirname(HERE), HERE, env.get("PYTHONPATH")])
+    )
     # each worker's own pipe, printed here whole: workers sharing this stdout interleave
     # their lines when Python writes unbuffered (PYTHONUNBUFFERED: text, then "\n")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{i},{n_proc},{port}",
-                               *argv], env=env, stdout=subprocess.PIPE, text=True)
-             for i in range(n_proc)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", f"{i},{n_proc},{port}", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n_proc)
+    ]
     for p in procs:
         sys.stdout.write(p.communicate(timeout=1800)[0])
     sys.stdout.flush()

@@ -56,8 +56,10 @@ def trace(run, log_dir: str) -> list[dict]:
     options.python_tracer_level = 0  # Python's own calls slow the steps; annotations stay
     with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
         run()
-    path = max(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True),
-               key=os.path.getmtime)  # fmt: skip
+    path = max(
+        glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True),
+        key=os.path.getmtime,
+    )
     with gzip.open(path) as f:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
 
@@ -125,8 +127,9 @@ def union(runs: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def custom_call_targets(hlo_text: str) -> dict[str, str]:
     """``{op name: custom call target}`` of a compiled program's text."""
-    return dict(re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = .*custom_call_target="([^"]+)"',
-                           hlo_text, re.M))  # fmt: skip
+    return dict(
+        re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = .*custom_call_target="([^"]+)"', hlo_text, re.M)
+    )
 
 
 def summarize(events: list[dict], step_module: str, names: dict | None = None) -> dict:
@@ -134,15 +137,24 @@ def summarize(events: list[dict], step_module: str, names: dict | None = None) -
     first and last steps left out (the trace's edges)."""
     runs = program_runs(events)
     if not runs:  # (read on the CPU only so far; a GPU trace may name its runs otherwise)
-        raise SystemExit("the trace has no op with an hlo_module and a run_id: this "
-                         "backend's traces are not read by this script yet")  # fmt: skip
+        raise SystemExit(
+            "the trace has no op with an hlo_module and a run_id: this "
+            "backend's traces are not read by this script yet"
+        )
     steps = runs.get(step_module, [])[1:-1]
     if len(steps) < 2:
-        raise SystemExit(f"the trace has {len(steps)} inner runs of {step_module!r} "
-                         f"(programs: {sorted(runs)}): trace more --steps")  # fmt: skip
+        raise SystemExit(
+            f"the trace has {len(steps)} inner runs of {step_module!r} "
+            f"(programs: {sorted(runs)}): trace more --steps"
+        )
     lo, hi = steps[0][0], steps[-1][0]  # whole intervals between the inner steps
-    loads = [r for m, rs in runs.items() if "move_inplace" in m or m in ("jit__gather",
-             "jit__scatter") for r in rs if lo <= r[0] < hi]  # fmt: skip
+    loads = [
+        r
+        for m, rs in runs.items()
+        if "move_inplace" in m or m in ("jit__gather", "jit__scatter")
+        for r in rs
+        if lo <= r[0] < hi
+    ]
     prepare = [s for s in spans(events, "jaxrec.cache.prepare") if lo <= s[0] < hi]
     write_back = [s for s in spans(events, "jaxrec.cache.write_back") if lo <= s[0] < hi]
     n = len(steps) - 1
@@ -219,8 +231,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--rows", type=int, default=None, help="rows per table (default: preset)")
     p.add_argument("--steps", type=int, default=40, help="traced steps per model")
-    p.add_argument("--warmup", type=int, default=1000,
-                   help="cached steps before the trace (LFU's counts converge slowly)")  # fmt: skip
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1000,
+        help="cached steps before the trace (LFU's counts converge slowly)",
+    )
     p.add_argument("--algorithm", choices=["lru", "lfu"], default="lfu")
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--load-factor", type=float, default=0.1)
@@ -235,10 +251,18 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, E=a.rows)
     log_dir = a.trace_dir or tempfile.mkdtemp(prefix="cache_timeline_")
     dev = jax.devices()[0]
-    base = {"bench": "cache_timeline", "preset": a.preset,
-            "date": datetime.date.today().isoformat(), "device": dev.device_kind,
-            "platform": dev.platform, **machine(), "config": dataclasses.asdict(cfg),
-            "alpha": a.alpha, "load_factor": a.load_factor, "trace_dir": log_dir}  # fmt: skip
+    base = {
+        "bench": "cache_timeline",
+        "preset": a.preset,
+        "date": datetime.date.today().isoformat(),
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        **machine(),
+        "config": dataclasses.asdict(cfg),
+        "alpha": a.alpha,
+        "load_factor": a.load_factor,
+        "trace_dir": log_dir,
+    }
     opt = optimizer()
     # batches not seen before by each cached run (seen ones would hit more); the
     # all-device run gets the pipelined run's

@@ -51,10 +51,11 @@ DIM = 128
 class Model(nnx.Module):
     def __init__(self, tables: int, rows: int):
         configs = [
-            jr.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows,
-                                  feature_names=[f"f{i}"])
+            jr.EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f{i}"]
+            )
             for i in range(tables)
-        ]  # fmt: skip
+        ]
         self.ebc = jr.EmbeddingBagCollection(configs, rngs=nnx.Rngs(0))
 
 
@@ -90,12 +91,23 @@ def main() -> None:
         graphdef, state = build(
             args.tables, rows, {f"t{i}": d.row_wise() for i in range(args.tables)}
         )
-        other = {f"t{i}": d.table_wise(i % 8) if i % 2 else d.column_wise([i % 8, (i + 3) % 8])
-                 for i in range(args.tables)}  # fmt: skip
+        other = {
+            f"t{i}": d.table_wise(i % 8) if i % 2 else d.column_wise([i % 8, (i + 3) % 8])
+            for i in range(args.tables)
+        }
         graphdef2, target2 = build(args.tables, rows, other)
-        out = {"bench": "checkpoint", "cpu": cpu_model(), "cores": os.cpu_count(),
-               "jax_version": jax.__version__, "logical_bytes": logical, "tables": args.tables,
-               "rows": rows, "dim": DIM, "devices": 8, "reps": args.reps}  # fmt: skip
+        out = {
+            "bench": "checkpoint",
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "jax_version": jax.__version__,
+            "logical_bytes": logical,
+            "tables": args.tables,
+            "rows": rows,
+            "dim": DIM,
+            "devices": 8,
+            "reps": args.reps,
+        }
         n = iter(range(10**6))
 
         def save(async_save: bool, wait: bool = True):

@@ -92,8 +92,11 @@ class Batches:
 
 
 def du(path: str) -> int:
-    return int(subprocess.run(["du", "-sb", path], capture_output=True, text=True,
-                              check=True).stdout.split()[0])  # fmt: skip
+    return int(
+        subprocess.run(
+            ["du", "-sb", path], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
+    )
 
 
 def run_steps(step, state, batches):
@@ -125,10 +128,18 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     every = [int(x) for x in args.every.split(",")]
-    common = {"bench": "delta", "cpu": cpu_model(), "cores": os.cpu_count(),
-              "jax_version": jax.__version__, "rows": args.rows, "dim": args.dim,
-              "batch": args.batch, "ids_per_bag": args.ids, "alpha": args.alpha,
-              "optimizer": "rowwise_adagrad"}  # fmt: skip
+    common = {
+        "bench": "delta",
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "rows": args.rows,
+        "dim": args.dim,
+        "batch": args.batch,
+        "ids_per_bag": args.ids,
+        "alpha": args.alpha,
+        "optimizer": "rowwise_adagrad",
+    }
     data = Batches(args.rows, args.batch, args.ids, args.alpha)
     root = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -149,8 +160,17 @@ def main() -> None:
             tracked_t += b
         del plain_state
         a, b = statistics.median(plain_t), statistics.median(tracked_t)
-        emit({**common, "line": "step", "plain_s": a, "tracked_s": b, "ratio": b / a,
-              "steps": len(plain_t)}, args.out)  # fmt: skip
+        emit(
+            {
+                **common,
+                "line": "step",
+                "plain_s": a,
+                "tracked_s": b,
+                "ratio": b / a,
+                "steps": len(plain_t),
+            },
+            args.out,
+        )
 
         for _ in range(args.warmup):
             state, _ = run_steps(step, state, [data.next()[0]])
@@ -182,8 +202,17 @@ def main() -> None:
         restored = jax.block_until_ready(tracker.manager.restore(graphdef, OPT, target, step=0))
         full_restore = time.perf_counter() - start
         del target
-        emit({**common, "line": "full", "save_s": full_save, "restore_s": full_restore,
-              "bytes": full_bytes, "warmup_steps": args.warmup}, args.out)  # fmt: skip
+        emit(
+            {
+                **common,
+                "line": "full",
+                "save_s": full_save,
+                "restore_s": full_restore,
+                "bytes": full_bytes,
+                "warmup_steps": args.warmup,
+            },
+            args.out,
+        )
         at = tracker.full_link(0)
         ok = True
         for k, pub, publish_s, want in published:
@@ -194,11 +223,23 @@ def main() -> None:
             delta_bytes = du(os.path.join(root, "deltas", str(pub.link.step)))
             rows = pub.rows["ebc.embedding_bags.t0"]
             ok &= rows == want
-            emit({**common, "line": "delta", "steps": k, "delta_rows": rows, "distinct_ids": want,
-                  "rows_share": rows / args.rows, "bytes": delta_bytes,
-                  "bytes_vs_full": delta_bytes / full_bytes, "publish_s": publish_s,
-                  "publish_vs_full_save": publish_s / full_save, "apply_s": apply_s,
-                  "apply_vs_full_restore": apply_s / full_restore}, args.out)  # fmt: skip
+            emit(
+                {
+                    **common,
+                    "line": "delta",
+                    "steps": k,
+                    "delta_rows": rows,
+                    "distinct_ids": want,
+                    "rows_share": rows / args.rows,
+                    "bytes": delta_bytes,
+                    "bytes_vs_full": delta_bytes / full_bytes,
+                    "publish_s": publish_s,
+                    "publish_vs_full_save": publish_s / full_save,
+                    "apply_s": apply_s,
+                    "apply_vs_full_restore": apply_s / full_restore,
+                },
+                args.out,
+            )
         got = ckpt.logical_state(graphdef, OPT, restored)
         for key, fields in final_tables.items():
             for f, x in fields.items():

@@ -111,8 +111,9 @@ def compile_train_step(
         batch = abstract_batch(local_batch, mesh)
     else:
         spec = NamedSharding(mesh, P())
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec),
-                             local_batch)  # fmt: skip
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec), local_batch
+        )
     compiled = step.jitted.trace(state, batch).lower().compile(compiler_options=COMPILER_OPTIONS)
     return compiled, state
 

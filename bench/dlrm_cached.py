@@ -74,8 +74,10 @@ def main() -> None:
     base = runs["device"]
     for name, rs in runs.items():
         ratios = [r["train_seconds"] / b["train_seconds"] for r, b in zip(rs, base, strict=True)]
-        hit = {t: statistics.median(r["cached_tables"][t]["hit_rate"] for r in rs)
-               for t in rs[0].get("cached_tables", {})}  # fmt: skip
+        hit = {
+            t: statistics.median(r["cached_tables"][t]["hit_rate"] for r in rs)
+            for t in rs[0].get("cached_tables", {})
+        }
         rec = {
             "bench": "dlrm_cached",
             "config": name,

@@ -358,9 +358,18 @@ def run_train_step(spec, stream, args, mc, out) -> list[dict]:
 
         times = time_ms(one, args.reps, args.warmup)
         recs.append(
-            _timed("train_step", spec, impl, times, spec.T * spec.B * spec.L, args, stream,
-                   optimizer="EXACT_ROWWISE_ADAGRAD", learning_rate=0.05)
-        )  # fmt: skip
+            _timed(
+                "train_step",
+                spec,
+                impl,
+                times,
+                spec.T * spec.B * spec.L,
+                args,
+                stream,
+                optimizer="EXACT_ROWWISE_ADAGRAD",
+                learning_rate=0.05,
+            )
+        )
         emit(recs[-1], out)
         box.clear()
     _ratios(recs, spec, "train_step", out)
@@ -426,8 +435,15 @@ def memory_line(spec: LookupSpec, args, out) -> dict:
             "matches_documented": per_slot / spec.E == model,
             "share_of_fp32_row": round(per_slot / spec.E / (spec.D * 4), 4),
         }
-    rec = {"bench": BENCH, "kind": "memory", "preset": args.preset, **spec.as_dict(),
-           "slots": spec.E, "row_bytes": spec.D * 4, **rows}  # fmt: skip
+    rec = {
+        "bench": BENCH,
+        "kind": "memory",
+        "preset": args.preset,
+        **spec.as_dict(),
+        "slots": spec.E,
+        "row_bytes": spec.D * 4,
+        **rows,
+    }
     emit(rec, out)
     return rec
 
@@ -435,8 +451,13 @@ def memory_line(spec: LookupSpec, args, out) -> dict:
 # ----- 4. occupancy and eviction -----
 def run_occupancy(spec, args, out) -> list[dict]:
     slots, c = args.occ_slots or spec.E, spec.B * spec.L
-    stream = Stream(slots=slots, alpha=spec.alpha, factor=args.universe_factor,
-                    drift=args.occ_drift or max(slots // 1000, 1), seed=args.seed + 1)  # fmt: skip
+    stream = Stream(
+        slots=slots,
+        alpha=spec.alpha,
+        factor=args.universe_factor,
+        drift=args.occ_drift or max(slots // 1000, 1),
+        seed=args.seed + 1,
+    )
     words = [jnp.asarray(to_id_words(stream.raw(i, 1, c))) for i in range(args.occ_steps)]
     recs = []
     for name, (ev, adm) in POLICIES.items():
@@ -465,14 +486,25 @@ def run_occupancy(spec, args, out) -> list[dict]:
         half, full = s[len(s) // 2 :], s[:, 5] >= slots
         every = max(args.occ_every, 1)
         rec = {
-            "bench": BENCH, "kind": "occupancy", "preset": args.preset, "policy": name,
-            "eviction": ev.policy.name, "single_ttl": ev.single_ttl,
+            "bench": BENCH,
+            "kind": "occupancy",
+            "preset": args.preset,
+            "policy": name,
+            "eviction": ev.policy.name,
+            "single_ttl": ev.single_ttl,
             "admission": f"FrequencyAdmission(threshold={adm.threshold})" if adm else None,
-            "slots": slots, "ways": args.ways, "ids_per_call": c, "calls": len(s),
-            "alpha": spec.alpha, "universe": stream.factor * slots, "drift": stream.drift,
-            "final_occupancy": int(s[-1, 5]), "final_occupancy_share": round(s[-1, 5] / slots, 4),
+            "slots": slots,
+            "ways": args.ways,
+            "ids_per_call": c,
+            "calls": len(s),
+            "alpha": spec.alpha,
+            "universe": stream.factor * slots,
+            "drift": stream.drift,
+            "final_occupancy": int(s[-1, 5]),
+            "final_occupancy_share": round(s[-1, 5] / slots, 4),
             "first_call_full": int(np.argmax(full)) + 1 if full.any() else None,
-            "admitted_total": int(s[:, 2].sum()), "evicted_total": int(s[:, 3].sum()),
+            "admitted_total": int(s[:, 2].sum()),
+            "evicted_total": int(s[:, 3].sum()),
             "rejected_total": int(s[:, 4].sum()),
             "hit_rate_second_half": round(float(half[:, 0].mean()), 4),
             "served_rate_second_half": round(float(half[:, 1].mean()), 4),
@@ -491,7 +523,7 @@ def run_occupancy(spec, args, out) -> list[dict]:
             "hit_rate_meaning": HIT_MEANING,
             "served_rate_meaning": SERVED_MEANING,
             "machine": machine(),
-        }  # fmt: skip
+        }
         recs.append(rec)
         emit(rec, out)
     return recs
@@ -533,8 +565,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = sorted(set(args.impl.split(",")) - set(IMPLS))
     if bad:
         raise SystemExit(f"unknown impls {bad}; choose from {IMPLS}")
-    stream = Stream(slots=spec.E, alpha=spec.alpha, factor=args.universe_factor,
-                    drift=args.drift or max(spec.E // 1000, 1), seed=args.seed)  # fmt: skip
+    stream = Stream(
+        slots=spec.E,
+        alpha=spec.alpha,
+        factor=args.universe_factor,
+        drift=args.drift or max(spec.E // 1000, 1),
+        seed=args.seed,
+    )
     memory_line(spec, args, args.out)
     _, mc, agree = run_forward(spec, stream, args, args.out)
     if args.breakdown:

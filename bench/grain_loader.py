@@ -164,9 +164,13 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
     common["load_avg_1m"] = [min(loads), max(loads)]  # the 2 cores are shared: say how busy
     for (name, what), got in rates.items():
-        rec = {**common, "loader": name, "measure": what,
-               "median_samples_per_s": round(statistics.median(got)),
-               "samples_per_s": [round(r) for r in got]}  # fmt: skip
+        rec = {
+            **common,
+            "loader": name,
+            "measure": what,
+            "median_samples_per_s": round(statistics.median(got)),
+            "samples_per_s": [round(r) for r in got],
+        }
         line = json.dumps(rec)
         print(line, flush=True)
         if args.out:

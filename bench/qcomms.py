@@ -40,12 +40,29 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 def run(precision: str, args: argparse.Namespace, root: Path) -> dict:
     run_dir = root / precision
     argv = [
-        "--devices", "8", "--sharding", args.sharding, "--qcomms", precision,
-        "--num-train", str(args.num_train), "--num-eval", str(args.num_eval),
-        "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-        "--embedding-dim", "16", "--seed", str(args.seed),
-        "--run-dir", str(run_dir), "--no-checkpoint", "--quiet",
-    ]  # fmt: skip
+        "--devices",
+        "8",
+        "--sharding",
+        args.sharding,
+        "--qcomms",
+        precision,
+        "--num-train",
+        str(args.num_train),
+        "--num-eval",
+        str(args.num_eval),
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--embedding-dim",
+        "16",
+        "--seed",
+        str(args.seed),
+        "--run-dir",
+        str(run_dir),
+        "--no-checkpoint",
+        "--quiet",
+    ]
     if args.multi_hot:
         argv += ["--multi-hot", args.multi_hot]
     with contextlib.redirect_stdout(io.StringIO()):  # the job prints its summary too

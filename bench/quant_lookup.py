@@ -113,9 +113,15 @@ def _record(spec, dtype, impl, times, table_bytes, bytes_per_row, base) -> dict:
     read = spec.B * spec.T * spec.L * bytes_per_row
     med = statistics.median(times)
     rec = record(
-        BENCH, spec, impl, times, qdtype=dtype, table_bytes=table_bytes, bytes_read=read,
+        BENCH,
+        spec,
+        impl,
+        times,
+        qdtype=dtype,
+        table_bytes=table_bytes,
+        bytes_read=read,
         gbps=round(read / (med * 1e-3) / 1e9, 3),
-    )  # fmt: skip
+    )
     if base is not None:
         rec["speedup_vs_fp32"] = round(base["median_ms"] / med, 3)
         rec["table_bytes_ratio_vs_fp32"] = round(table_bytes / base["table_bytes"], 4)
@@ -137,9 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = True
     for spec in specs_from_args(args):
         records = run(
-            spec, args.qdtypes.split(","), impl=args.impl, reps=args.reps,
-            warmup=args.warmup, seed=args.seed,
-        )  # fmt: skip
+            spec,
+            args.qdtypes.split(","),
+            impl=args.impl,
+            reps=args.reps,
+            warmup=args.warmup,
+            seed=args.seed,
+        )
         ok &= all(r.get("within_bound", True) for r in records)
         gc.collect()
     return 0 if ok else 1

@@ -106,15 +106,21 @@ def torchrec_inputs(tables, constraints, batch: int) -> dict[str, torchrec_comm.
         ids = sum(batch * p for p in (pf * len(t.feature_names) if len(pf) == 1 else pf))
         item = 4 if t.data_type is DataType.FP32 else 2
         out[t.name] = torchrec_comm.TableInputs(
-            rows=t.num_embeddings, dim=t.embedding_dim, itemsize=item,
-            features=len(t.feature_names), ids=ids, bags=batch * len(t.feature_names),
-        )  # fmt: skip
+            rows=t.num_embeddings,
+            dim=t.embedding_dim,
+            itemsize=item,
+            features=len(t.feature_names),
+            ids=ids,
+            bags=batch * len(t.feature_names),
+        )
     return out
 
 
 def jaxrec_comm(stages: dict[str, int], topology: Topology) -> dict:
-    wire = sum(b * torchrec_comm.wire_factor(JAXREC_KINDS[k], topology.world_size)
-               for k, b in stages.items())  # fmt: skip
+    wire = sum(
+        b * torchrec_comm.wire_factor(JAXREC_KINDS[k], topology.world_size)
+        for k, b in stages.items()
+    )
     return {"stages": dict(stages), "operand": int(sum(stages.values())), "wire": int(wire)}
 
 
@@ -157,8 +163,9 @@ def run(
     seed: int = 0,
 ) -> dict:
     """Plans one configuration; the JSON record (see the module docstring)."""
-    topo = Topology(world_size=world, local_world_size=local, hbm_cap=int(hbm_gb * GB),
-                    batch_size=batch)  # fmt: skip
+    topo = Topology(
+        world_size=world, local_world_size=local, hbm_cap=int(hbm_gb * GB), batch_size=batch
+    )
     tables, constraints, scale = table_set(fraction, topo, num_tables=num_tables, seed=seed)
     planner = EmbeddingShardingPlanner(topo, constraints)
     start = time.perf_counter()
@@ -169,8 +176,9 @@ def run(
         plan, stats, error = None, e.stats, str(e).splitlines()[0]
     seconds = time.perf_counter() - start
     item = {t.name: 4 if t.data_type is DataType.FP32 else 2 for t in tables}
-    full = sum(t.num_embeddings * (t.embedding_dim * item[t.name] + STATE_BYTES_PER_ROW)
-               for t in tables)  # fmt: skip
+    full = sum(
+        t.num_embeddings * (t.embedding_dim * item[t.name] + STATE_BYTES_PER_ROW) for t in tables
+    )
     rec = {
         "bench": "scale",
         "date": datetime.date.today().isoformat(),
@@ -224,7 +232,7 @@ def run(
                 "natural_ids": g.natural_ids,
             }
             for g in sorted(p.groups, key=lambda g: (g.key[2], g.key[1]))
-        ],  # fmt: skip
+        ],
         step_estimate_ms=round(p.perf.total * 1e3, 3),
         tables_cut_by_rows=len(p.split),
     )
@@ -242,7 +250,7 @@ def run(
             world=world,
             local=local,
             batch=batch,
-        )  # fmt: skip
+        )
     )
     ragged = ragged_comm(tables, constraints, module, stats.capacities[""], topo, batch)
     rec.update(
@@ -271,8 +279,15 @@ def main(argv=None) -> int:
     for topo in args.topologies.split(","):
         world, local = (int(x) for x in topo.split("x"))
         for fraction in (float(x) for x in args.fractions.split(",")):
-            rec = run(fraction, world, local, hbm_gb=args.hbm_gb, batch=args.batch,
-                      num_tables=args.tables, seed=args.seed)  # fmt: skip
+            rec = run(
+                fraction,
+                world,
+                local,
+                hbm_gb=args.hbm_gb,
+                batch=args.batch,
+                num_tables=args.tables,
+                seed=args.seed,
+            )
             emit(rec, args.out)
     return 0
 

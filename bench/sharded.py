@@ -125,10 +125,12 @@ def shard(model, plan, mesh, spec: LookupSpec):
     """``DistributedModelParallel`` with the benchmark's input statistics and QComms."""
     p = QCOMMS["precision"]
     return d.DistributedModelParallel(
-        model, plan, mesh,
+        model,
+        plan,
+        mesh,
         pooling_factors={f"f{t}": float(spec.L) for t in range(spec.T)},
         qcomms=d.QCommsConfig(forward_precision=p, backward_precision=p),
-    )  # fmt: skip
+    )
 
 
 def local_batches(spec: LookupSpec, seed: int) -> list:
@@ -223,9 +225,20 @@ def plan_bytes(ebc, kjt, spec: LookupSpec) -> dict[str, dict[str, int]]:
 
 # ----- bytes: from the compiled program -----
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 COLLECTIVE = re.compile(
     r"=\s*(?P<result>.*?)\s(?P<op>all-to-all|all-gather|all-reduce|reduce-scatter|"
     r"collective-permute)(?P<start>-start)?\((?P<args>[^)]*)\)(?P<attrs>.*)$"
@@ -577,9 +590,14 @@ def gpu_compile_type(
         build, opt, loss_fn, (kjt, r), mesh, implementation=implementation
     )
     estimate = ds.planner_estimate(
-        plan, {"ebc": list(tables)}, world_size=WORLD, local_world_size=WORLD // hosts,
-        batch_size=spec.B, capacities={t.name: [spec.B * spec.L] for t in tables}, optimizer=opt,
-    )  # fmt: skip
+        plan,
+        {"ebc": list(tables)},
+        world_size=WORLD,
+        local_world_size=WORLD // hosts,
+        batch_size=spec.B,
+        capacities={t.name: [spec.B * spec.L] for t in tables},
+        optimizer=opt,
+    )
     return {
         "mesh": "x".join(map(str, mesh.devices.shape)),
         "comm_hlo_gpu": summarize(hlo_collectives(compiled.as_text())),

@@ -75,9 +75,12 @@ def build(spec: LookupSpec, make, overflow: str = "exact"):
     ebc = model.sparse_arch.embedding_bag_collection
     plan = d.construct_module_sharding_plan(ebc, gens, world_size=WORLD, local_size=WORLD)
     model = d.DistributedModelParallel(
-        model, d.ShardingPlan({"sparse_arch.embedding_bag_collection": plan}), mesh,
-        pooling_factors={f"f{t}": float(spec.L) for t in range(spec.T)}, overflow=overflow,
-    )  # fmt: skip
+        model,
+        d.ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        mesh,
+        pooling_factors={f"f{t}": float(spec.L) for t in range(spec.T)},
+        overflow=overflow,
+    )
     opt = CombinedOptimizer(optax.adam(1e-3), rowwise_adagrad(0.05))
     graphdef, state = train.init_train_state(model, opt)
     return make(graphdef, opt, bce), state, mesh

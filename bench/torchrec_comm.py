@@ -131,8 +131,14 @@ def plan_parts(
     """Every table's parts (``plan``: one module's ``{table: ParameterSharding}``)."""
     out = []
     for name, sharding in plan.items():
-        out += table_parts(sharding, inputs[name], world=world, local=local, batch=batch,
-                           pooled_itemsize=pooled_itemsize)  # fmt: skip
+        out += table_parts(
+            sharding,
+            inputs[name],
+            world=world,
+            local=local,
+            batch=batch,
+            pooled_itemsize=pooled_itemsize,
+        )
     return out
 
 

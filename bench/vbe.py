@@ -55,10 +55,11 @@ USER_KEYS = [f for f, *_, user in FEATURES if user]
 
 def tables():
     return [
-        jr.EmbeddingBagConfig(name=f"t_{f}", num_embeddings=rows, embedding_dim=dim,
-                              feature_names=[f])
+        jr.EmbeddingBagConfig(
+            name=f"t_{f}", num_embeddings=rows, embedding_dim=dim, feature_names=[f]
+        )
         for f, rows, dim, _, _ in FEATURES
-    ]  # fmt: skip
+    ]
 
 
 class Model(nnx.Module):
@@ -95,9 +96,11 @@ def local_batch(rng, batch: int, dup: int, users_cap: int):
         f: 2 * users_cap * pf + 64 if f in USER_KEYS else caps[f] for f, _, _, pf, _ in FEATURES
     }
     vbe = dedup_features(
-        plain, {k: user_of for k in USER_KEYS},
-        stride_per_key={k: users_cap for k in USER_KEYS}, capacities=vbe_caps,
-    )  # fmt: skip
+        plain,
+        {k: user_of for k in USER_KEYS},
+        stride_per_key={k: users_cap for k in USER_KEYS},
+        capacities=vbe_caps,
+    )
     return plain, vbe, rng.normal(size=batch).astype(np.float32)
 
 
@@ -141,10 +144,15 @@ def run_cpu(args) -> None:
         ]
         compiled = step.jitted.lower(state, batches[0]).compile()
         sent = all_to_all_bytes(compiled.as_text())
-        ids = float(np.mean([
-            int(np.sum(np.asarray(b[pick].segment_ids()) < b[pick].bag_offsets()[-1]))
-            for s in steps for b in s
-        ]))  # fmt: skip
+        ids = float(
+            np.mean(
+                [
+                    int(np.sum(np.asarray(b[pick].segment_ids()) < b[pick].bag_offsets()[-1]))
+                    for s in steps
+                    for b in s
+                ]
+            )
+        )
         state, loss, _ = step(state, batches[0])  # warm-up (compile)
         jax.block_until_ready(loss)
         times, losses = [], [float(loss)]
@@ -155,15 +163,24 @@ def run_cpu(args) -> None:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss))
         rec = {
-            "bench": "vbe", "mode": mode, "devices": 8, "batch_per_device": args.batch,
-            "duplication": args.dup, "user_bags_per_device": users_cap,
-            "features": [list(f) for f in FEATURES], "sharding": "row_wise",
-            "ids_per_device": ids, "all_to_all_bytes_per_device": sent,
+            "bench": "vbe",
+            "mode": mode,
+            "devices": 8,
+            "batch_per_device": args.batch,
+            "duplication": args.dup,
+            "user_bags_per_device": users_cap,
+            "features": [list(f) for f in FEATURES],
+            "sharding": "row_wise",
+            "ids_per_device": ids,
+            "all_to_all_bytes_per_device": sent,
             "capacities": model.ebc.capacity,
-            "step_ms_median": 1e3 * float(np.median(times)), "steps_timed": len(times),
-            "losses": losses, "machine": machine(), "jax_version": jax.__version__,
+            "step_ms_median": 1e3 * float(np.median(times)),
+            "steps_timed": len(times),
+            "losses": losses,
+            "machine": machine(),
+            "jax_version": jax.__version__,
             "date": datetime.date.today().isoformat(),
-        }  # fmt: skip
+        }
         if base is None:
             base = rec
         else:
@@ -196,11 +213,17 @@ def run_gpu(args) -> None:
         if not sent:
             raise RuntimeError("found no all-to-all in the H100 program's HLO text")
         rec = {
-            "bench": "vbe_deviceless", "mode": mode, "target": ds.TARGET, "topology": args.gpu,
-            "batch_per_device": args.batch, "duplication": args.dup,
-            "all_to_all_bytes_per_device": sent, "machine": machine(),
-            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
-        }  # fmt: skip
+            "bench": "vbe_deviceless",
+            "mode": mode,
+            "target": ds.TARGET,
+            "topology": args.gpu,
+            "batch_per_device": args.batch,
+            "duplication": args.dup,
+            "all_to_all_bytes_per_device": sent,
+            "machine": machine(),
+            "jax_version": jax.__version__,
+            "date": datetime.date.today().isoformat(),
+        }
         if base is None:
             base = rec
         else:

@@ -112,13 +112,22 @@ def main(argv=None) -> int:
     warm = batches(args, rng, args.warm)
     timed = batches(args, rng, args.reps)
 
-    result = {"bench": "zch_kernel", "cpu": cpu_model(),
-              "cpu_model_number": cpu_model_number(), "cores": os.cpu_count(),
-              "jax_version": jax.__version__, "slots": args.slots, "ways": args.ways,
-              "ids": args.ids, "alpha": args.alpha, "universe": args.universe,
-              "drift": args.drift, "policy": args.policy,
-              "admission": f"frequency({args.threshold})" if args.threshold else None,
-              "max_evictions": args.ids}  # fmt: skip
+    result = {
+        "bench": "zch_kernel",
+        "cpu": cpu_model(),
+        "cpu_model_number": cpu_model_number(),
+        "cores": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "slots": args.slots,
+        "ways": args.ways,
+        "ids": args.ids,
+        "alpha": args.alpha,
+        "universe": args.universe,
+        "drift": args.drift,
+        "policy": args.policy,
+        "admission": f"frequency({args.threshold})" if args.threshold else None,
+        "max_evictions": args.ids,
+    }
     program = jax.jit(fns["cpu_kernel"], donate_argnums=0)
     state = zi.empty_state(layout)
     for lo, hi, valid in warm:  # a full table, as in a long run
@@ -152,9 +161,10 @@ def main(argv=None) -> int:
         }
     same = all(
         np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(outputs["xla"]), jax.tree.leaves(outputs["cpu_kernel"]),
-                        strict=True)
-    )  # fmt: skip
+        for a, b in zip(
+            jax.tree.leaves(outputs["xla"]), jax.tree.leaves(outputs["cpu_kernel"]), strict=True
+        )
+    )
     result["bit_identical"] = same
     x, k = result["xla"], result["cpu_kernel"]
     result["compile_speedup"] = round(x["compile_s_median"] / k["compile_s_median"], 1)

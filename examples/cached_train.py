@@ -82,8 +82,10 @@ def main(argv=None) -> int:
     graphdef, state = train.init_train_state(model, opt)
     host = cache.HostTable.create(configs[0], opt.for_table("big"))
     rc = cache.RowCache(graphdef, opt, state, {"big": host}, params)
-    print(f"host table: {a.rows:,} rows ({host.nbytes / 2**20:.0f} MiB with its optimizer "
-          f"rows), {rc.tables['big'].slots:,} cached on the device")  # fmt: skip
+    print(
+        f"host table: {a.rows:,} rows ({host.nbytes / 2**20:.0f} MiB with its optimizer "
+        f"rows), {rc.tables['big'].slots:,} cached on the device"
+    )
 
     step = cache.CachedTrainStep(train.make_train_step(graphdef, opt, loss_fn), rc)
     pipeline = train.TrainPipeline(step, state, to_device=cache.prefetching(rc))
@@ -99,9 +101,11 @@ def main(argv=None) -> int:
         state = rc.discard_prefetched(pipeline.state)  # their rows loaded, not trained on
         seconds = time.perf_counter() - start
         st = rc.stats["big"]
-        print(f"{len(losses)} steps in {seconds:.1f} s, loss {float(losses[0]):.4f} -> "
-              f"{float(losses[-1]):.4f}; hit rate {st.hit_rate:.3f}, "
-              f"{st.misses / max(len(losses), 1):,.0f} rows fetched a step")  # fmt: skip
+        print(
+            f"{len(losses)} steps in {seconds:.1f} s, loss {float(losses[0]):.4f} -> "
+            f"{float(losses[-1]):.4f}; hit rate {st.hit_rate:.3f}, "
+            f"{st.misses / max(len(losses), 1):,.0f} rows fetched a step"
+        )
 
         # the checkpoint holds the logical tables: it restores into the all-device model
         state = rc.save(mgr, a.steps, state)

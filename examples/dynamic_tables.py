@@ -71,10 +71,11 @@ def parse_args(argv=None):
 
 def model_fn(args):
     tables = [
-        jr.EmbeddingBagConfig(name=f"t_{k}", embedding_dim=16, num_embeddings=args.slots,
-                              feature_names=[k])
+        jr.EmbeddingBagConfig(
+            name=f"t_{k}", embedding_dim=16, num_embeddings=args.slots, feature_names=[k]
+        )
         for k in KEYS
-    ]  # fmt: skip
+    ]
     index = {
         t.name: HashZchManagedCollisionModule(
             args.slots,
@@ -172,17 +173,24 @@ def main(argv=None):
             if (s + 1) % args.report_every == 0:
                 c = counters(graph, state)
                 want = counters(ref_graph, ref_state)
-                line = {"step": s + 1, "devices": world, "loss": float(loss),
-                        "reference_loss": float(ref_loss), "tables": c,
-                        "same_index_counters": c == want}  # fmt: skip
+                line = {
+                    "step": s + 1,
+                    "devices": world,
+                    "loss": float(loss),
+                    "reference_loss": float(ref_loss),
+                    "tables": c,
+                    "same_index_counters": c == want,
+                }
                 report.append(line)
                 occ = ", ".join(
                     f"{t} occupancy {v['occupancy']}/{args.slots} +{v['admitted']} "
                     f"-{v['evicted']} rejected {v['rejected']}"
                     for t, v in c.items()
                 )
-                print(f"step {s + 1:3d} on {world} devices: loss {float(loss):.5f} "
-                      f"(unsharded {float(ref_loss):.5f}); {occ}")  # fmt: skip
+                print(
+                    f"step {s + 1:3d} on {world} devices: loss {float(loss):.5f} "
+                    f"(unsharded {float(ref_loss):.5f}); {occ}"
+                )
             if s + 1 == args.checkpoint_at:  # save on 8 devices, go on with 4
                 with checkpoint.CheckpointManager(ckpt_dir, async_save=False) as mgr:
                     mgr.save(s + 1, graph, OPT, state)
@@ -194,8 +202,10 @@ def main(argv=None):
                 world, mesh = 4, mesh4
                 print(f"step {s + 1}: checkpoint on 8 devices restored on 4")
     diff = max(abs(r["loss"] - r["reference_loss"]) for r in report)
-    print(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s; largest loss difference "
-          f"from the unsharded reference {diff:.2e}")  # fmt: skip
+    print(
+        f"{args.steps} steps in {time.perf_counter() - t0:.1f} s; largest loss difference "
+        f"from the unsharded reference {diff:.2e}"
+    )
     return {"report": report, "max_loss_difference": diff}
 
 

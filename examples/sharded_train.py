@@ -66,14 +66,18 @@ class Model(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs):
         tables = [
             jaxrec.EmbeddingBagConfig(
-                name="product_table", embedding_dim=DIM, num_embeddings=ROWS,
+                name="product_table",
+                embedding_dim=DIM,
+                num_embeddings=ROWS,
                 feature_names=["product"],
             ),
             jaxrec.EmbeddingBagConfig(
-                name="user_table", embedding_dim=DIM, num_embeddings=ROWS,
+                name="user_table",
+                embedding_dim=DIM,
+                num_embeddings=ROWS,
                 feature_names=["user"],
             ),
-        ]  # fmt: skip
+        ]
         self.ebc = jaxrec.EmbeddingBagCollection(tables, rngs=rngs)
         self.hidden = nnx.Linear(2 * DIM, 16, rngs=rngs)
         self.out = nnx.Linear(16, 1, rngs=rngs)
@@ -94,13 +98,17 @@ def local_batch(rng: np.random.Generator, truth: dict) -> tuple:
     Ids are Zipf-distributed (a few popular products and users), so a few
     steps see the popular rows often enough to learn them.
     """
-    bags = {k: [(rng.zipf(1.3, rng.integers(1, MAX_IDS + 1)) - 1) % ROWS for _ in range(B)]
-            for k in ("product", "user")}  # fmt: skip
+    bags = {
+        k: [(rng.zipf(1.3, rng.integers(1, MAX_IDS + 1)) - 1) % ROWS for _ in range(B)]
+        for k in ("product", "user")
+    }
     y = np.asarray(
-        [np.tanh(truth["product"][p].mean() + truth["user"][u].mean())
-         for p, u in zip(bags["product"], bags["user"], strict=True)],
+        [
+            np.tanh(truth["product"][p].mean() + truth["user"][u].mean())
+            for p, u in zip(bags["product"], bags["user"], strict=True)
+        ],
         np.float32,
-    )  # fmt: skip
+    )
     kjt = jaxrec.KeyedJaggedTensor.from_lengths_sync(
         ["product", "user"],
         np.concatenate(bags["product"] + bags["user"]),

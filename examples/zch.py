@@ -177,8 +177,13 @@ def main(argv=None) -> dict:
             n = len(losses)
             free = np.asarray(stats["free"]).tolist()  # after the latest step
             rate = hits / (n * args.batch)
-            row = {"step": s + 1, "hit_rate": rate.tolist(), "evicted": evicted.tolist(),
-                   "free": free, "loss": float(np.mean(losses))}  # fmt: skip
+            row = {
+                "step": s + 1,
+                "hit_rate": rate.tolist(),
+                "evicted": evicted.tolist(),
+                "free": free,
+                "loss": float(np.mean(losses)),
+            }
             report.append(row)
             print(
                 f"{s + 2 - n:>5}-{s + 1:<5} {rate[0]:>8.3f} {rate[1]:>8.3f} "

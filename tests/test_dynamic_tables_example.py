@@ -7,15 +7,31 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).parents[1]
-TINY = ["--steps", "6", "--checkpoint-at", "3", "--report-every", "3", "--batch", "64",
-        "--slots", "256", "--window", "300", "--drift", "20"]  # fmt: skip
+TINY = [
+    "--steps",
+    "6",
+    "--checkpoint-at",
+    "3",
+    "--report-every",
+    "3",
+    "--batch",
+    "64",
+    "--slots",
+    "256",
+    "--window",
+    "300",
+    "--drift",
+    "20",
+]
 
 
 def test_dynamic_tables_example_matches_its_unsharded_reference():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "dynamic_tables.py"), *TINY],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "step 3: checkpoint on 8 devices restored on 4" in out

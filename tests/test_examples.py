@@ -28,8 +28,10 @@ for path in sys.argv[2:]:
 def test_every_example_answers_help_at_once_with_defaults():
     proc = subprocess.run(
         [sys.executable, "-c", HELP_DRIVER, str(ROOT / "examples"), *map(str, EXAMPLES)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {pathlib.Path(r["path"]).name: r for r in map(json.loads, proc.stdout.splitlines())}
     assert sorted(results) == [p.name for p in EXAMPLES]
@@ -45,8 +47,11 @@ def test_every_example_answers_help_at_once_with_defaults():
 def test_intro_example_prints_the_tutorial_numbers():
     out = subprocess.run(
         [sys.executable, "-W", "error", str(ROOT / "examples" / "intro.py")],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert "[[0.6299 0.5843 0.4988 0.6115]]" in out  # EmbeddingBag mean over ids [1, 3]
     assert "Lengths:  [3 4 2 2]" in out and "(2, 128)" in out
 
@@ -54,8 +59,11 @@ def test_intro_example_prints_the_tutorial_numbers():
 def test_sharded_train_example_runs():
     out = subprocess.run(
         [sys.executable, "-W", "error", str(ROOT / "examples" / "sharded_train.py")],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     assert "ShardedEmbeddingBagCollection" in out and "row_wise" in out
 
 
@@ -63,8 +71,21 @@ def test_cached_train_example_runs():
     """A small run: the cache warms (hits), and the restored all-device model predicts
     what the cached one does (the example exits 1 otherwise)."""
     out = subprocess.run(
-        [sys.executable, "-W", "error", str(ROOT / "examples" / "cached_train.py"),
-         "--rows", "20000", "--steps", "5", "--batch-size", "128"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-W",
+            "error",
+            str(ROOT / "examples" / "cached_train.py"),
+            "--rows",
+            "20000",
+            "--steps",
+            "5",
+            "--batch-size",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     assert "predictions equal: True" in out and "hit rate 0." in out

@@ -4,8 +4,22 @@ import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).parents[1]
-TINY = ["--steps", "30", "--batch", "32", "--zch-size", "64", "--window", "80", "--drift", "2",
-        "--interval", "5", "--report-every", "10"]  # fmt: skip
+TINY = [
+    "--steps",
+    "30",
+    "--batch",
+    "32",
+    "--zch-size",
+    "64",
+    "--window",
+    "80",
+    "--drift",
+    "2",
+    "--interval",
+    "5",
+    "--report-every",
+    "10",
+]
 
 
 def load():

@@ -33,8 +33,20 @@ def test_tiny_preset_records(capsys):
 def test_steady_state_flags(capsys):
     """``--algorithm lfu --warmup N``: the cases run LFU after N fresh warm-up steps,
     and the raw copies of the moved rows are timed beside them."""
-    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
-            "--algorithm", "lfu", "--warmup", "6"]  # fmt: skip
+    argv = [
+        "--preset",
+        "tiny",
+        "--reps",
+        "2",
+        "--alphas",
+        "1.05",
+        "--load-factors",
+        "0.1",
+        "--algorithm",
+        "lfu",
+        "--warmup",
+        "6",
+    ]
     assert cache.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     (case,) = [r for r in lines if "cached_step_ms" in r]
@@ -47,11 +59,19 @@ def test_staged_flag(capsys, monkeypatch):
     """``--staged``: the moves go through pinned host staging, as off the CPU."""
     made, real = [], jc.RowCache
     monkeypatch.setattr(jc, "RowCache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
-            "--staged"]  # fmt: skip
+    argv = [
+        "--preset",
+        "tiny",
+        "--reps",
+        "2",
+        "--alphas",
+        "1.05",
+        "--load-factors",
+        "0.1",
+        "--staged",
+    ]
     assert cache.main(argv) == 0
-    assert made and all(c._mover.paths == jc.MovePaths(inplace=False, pinned=True)
-                        for c in made)  # fmt: skip
+    assert made and all(c._mover.paths == jc.MovePaths(inplace=False, pinned=True) for c in made)
     assert not any(c._mover.inplace for c in made)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     (case,) = [r for r in lines if "cached_step_ms" in r]
@@ -91,8 +111,19 @@ def test_host_scaling_and_slot_maps(capsys):
     """``--host-scaling``: per slot maps and scale, the misses stay as built while the ids
     double, with host CPU, process CPU, wall times and bytes moved; the copy line has
     the pinned rates (or a reason for their absence)."""
-    argv = ["--preset", "tiny", "--host-scaling", "--hs-ids", "320", "--hs-misses", "32",
-            "--hs-scales", "1,2", "--reps", "2"]  # fmt: skip
+    argv = [
+        "--preset",
+        "tiny",
+        "--host-scaling",
+        "--hs-ids",
+        "320",
+        "--hs-misses",
+        "32",
+        "--hs-scales",
+        "1,2",
+        "--reps",
+        "2",
+    ]
     assert cache.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     copy = lines[0]["copy"]
@@ -108,8 +139,18 @@ def test_host_scaling_and_slot_maps(capsys):
 
 def test_slot_maps_flag(capsys):
     """``--slot-maps host``: the cases run the host planner and say so, with bytes moved."""
-    argv = ["--preset", "tiny", "--reps", "2", "--alphas", "1.05", "--load-factors", "0.1",
-            "--slot-maps", "host"]  # fmt: skip
+    argv = [
+        "--preset",
+        "tiny",
+        "--reps",
+        "2",
+        "--alphas",
+        "1.05",
+        "--load-factors",
+        "0.1",
+        "--slot-maps",
+        "host",
+    ]
     assert cache.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     (case,) = [r for r in lines if "cached_step_ms" in r]

@@ -14,8 +14,18 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cache_plan
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_processes_each_plan_half_the_shards():
-    cmd = [sys.executable, BENCH, "--rows", "50000", "--batch", "64", "--warmup", "2",
-           "--reps", "3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        BENCH,
+        "--rows",
+        "50000",
+        "--batch",
+        "64",
+        "--warmup",
+        "2",
+        "--reps",
+        "3",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     lines = [json.loads(x) for x in out.splitlines() if x.startswith('{"bench"')]
     one = [r for r in lines if r["processes"] == 1]

@@ -10,18 +10,31 @@ from jaxrec.cache import native
 
 
 def _op(module, run, ts, dur, op="op"):
-    return {"ph": "X", "name": op, "ts": ts, "dur": dur,
-            "args": {"hlo_module": module, "run_id": run, "hlo_op": op}}  # fmt: skip
+    return {
+        "ph": "X",
+        "name": op,
+        "ts": ts,
+        "dur": dur,
+        "args": {"hlo_module": module, "run_id": run, "hlo_op": op},
+    }
 
 
 def test_reading_made_up_events():
     events = [
-        *(e for i in range(4) for e in (_op("jit__step", f"s{i}", 100 * i, 30, "ffi_call.1"),
-                                         _op("jit__step", f"s{i}", 100 * i + 30, 20, "dot"))),
+        *(
+            e
+            for i in range(4)
+            for e in (
+                _op("jit__step", f"s{i}", 100 * i, 30, "ffi_call.1"),
+                _op("jit__step", f"s{i}", 100 * i + 30, 20, "dot"),
+            )
+        ),
         *(_op("jit__move_inplace", f"m{i}", 100 * i + 60, 30) for i in range(4)),
-        *({"ph": "X", "name": "jaxrec.cache.prepare", "ts": 100 * i + 40, "dur": 20}
-          for i in range(4)),
-    ]  # fmt: skip
+        *(
+            {"ph": "X", "name": "jaxrec.cache.prepare", "ts": 100 * i + 40, "dur": 20}
+            for i in range(4)
+        ),
+    ]
     runs = ct.program_runs(events)
     assert [r[:2] for r in runs["jit__step"]] == [(100 * i, 100 * i + 50) for i in range(4)]
     assert runs["jit__step"][0][2] == {"ffi_call.1": 30, "dot": 20}

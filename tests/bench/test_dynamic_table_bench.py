@@ -5,10 +5,42 @@ import json
 import dynamic_table
 import numpy as np
 
-TIMED = {"bench", "impl", "kind", "T", "E", "D", "B", "L", "alpha", "cpu", "machine", "median_ms",
-         "min_ms", "max_ms", "mean_ms", "ids_per_s", "ways", "universe", "drift"}  # fmt: skip
-ARGV = ["--preset", "tiny", "--reps", "2", "--warmup", "1", "--fill-steps", "20",
-        "--occ-steps", "12", "--occ-every", "4", "--breakdown"]  # fmt: skip
+TIMED = {
+    "bench",
+    "impl",
+    "kind",
+    "T",
+    "E",
+    "D",
+    "B",
+    "L",
+    "alpha",
+    "cpu",
+    "machine",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "mean_ms",
+    "ids_per_s",
+    "ways",
+    "universe",
+    "drift",
+}
+ARGV = [
+    "--preset",
+    "tiny",
+    "--reps",
+    "2",
+    "--warmup",
+    "1",
+    "--fill-steps",
+    "20",
+    "--occ-steps",
+    "12",
+    "--occ-every",
+    "4",
+    "--breakdown",
+]
 
 
 def test_tiny_preset_records(capsys):
@@ -18,8 +50,15 @@ def test_tiny_preset_records(capsys):
     for r in lines:
         assert r["bench"] == dynamic_table.BENCH and "error" not in r
         kinds.setdefault(r["kind"], []).append(r)
-    assert set(kinds) == {"memory", "forward", "forward_ratio", "breakdown", "train_step",
-                          "train_step_ratio", "occupancy"}  # fmt: skip
+    assert set(kinds) == {
+        "memory",
+        "forward",
+        "forward_ratio",
+        "breakdown",
+        "train_step",
+        "train_step_ratio",
+        "occupancy",
+    }
 
     (mem,) = kinds["memory"]
     assert (

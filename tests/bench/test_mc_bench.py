@@ -8,9 +8,27 @@ from specs import LookupSpec
 
 import jaxrec as jr
 
-REQUIRED = {"bench", "impl", "T", "E", "D", "B", "L", "alpha", "device_kind", "platform",
-            "jax_version", "median_ms", "min_ms", "max_ms", "mean_ms", "ids_per_s",
-            "collision_free_rate", "policy", "eviction_interval"}  # fmt: skip
+REQUIRED = {
+    "bench",
+    "impl",
+    "T",
+    "E",
+    "D",
+    "B",
+    "L",
+    "alpha",
+    "device_kind",
+    "platform",
+    "jax_version",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "mean_ms",
+    "ids_per_s",
+    "collision_free_rate",
+    "policy",
+    "eviction_interval",
+}
 
 
 def test_tiny_preset_records_and_agreement(capsys):
@@ -36,6 +54,7 @@ def test_raw_ids_and_modulo_collision_rate():
     v = np.asarray(kjts[0].values())
     assert v.dtype == np.int32 and v.min() >= 0 and v.size == 12
     # ids 1, 11 share row 1; id 2 owns row 2; the repeated id 3 owns row 3.
-    kjt = jr.KeyedJaggedTensor(["f"], np.array([1, 11, 2, 3, 3, 21], np.int32),
-                               lengths=[2, 2, 2], capacities=[6])  # fmt: skip
+    kjt = jr.KeyedJaggedTensor(
+        ["f"], np.array([1, 11, 2, 3, 3, 21], np.int32), lengths=[2, 2, 2], capacities=[6]
+    )
     assert mc.modulo_free_rate(kjt, 10) == 3 / 6

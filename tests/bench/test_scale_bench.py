@@ -10,18 +10,50 @@ from specs import LookupSpec
 
 from jaxrec import distributed as d
 
-REQUIRED = {"bench", "date", "cpu", "world", "local", "hbm_bytes", "batch_per_device",
-            "fraction", "tables", "fits", "planning_s", "padded_bytes_per_device",
-            "mean_unpadded_bytes_per_device", "padded_over_mean_unpadded", "tables_bytes",
-            "state_bytes", "buffers_bytes", "id_buffer_bytes", "groups", "sharding_types",
-            "jaxrec_comm", "torchrec_comm", "jaxrec_over_torchrec_operand",
-            "jaxrec_over_torchrec_wire"}  # fmt: skip
+REQUIRED = {
+    "bench",
+    "date",
+    "cpu",
+    "world",
+    "local",
+    "hbm_bytes",
+    "batch_per_device",
+    "fraction",
+    "tables",
+    "fits",
+    "planning_s",
+    "padded_bytes_per_device",
+    "mean_unpadded_bytes_per_device",
+    "padded_over_mean_unpadded",
+    "tables_bytes",
+    "state_bytes",
+    "buffers_bytes",
+    "id_buffer_bytes",
+    "groups",
+    "sharding_types",
+    "jaxrec_comm",
+    "torchrec_comm",
+    "jaxrec_over_torchrec_operand",
+    "jaxrec_over_torchrec_wire",
+}
 
 
 def test_tiny_scale_run(capsys, tmp_path):
     out = tmp_path / "scale.jsonl"
-    argv = ["--tables", "40", "--topologies", "8x4", "--fractions", "0.3,0.5",
-            "--hbm-gb", "2", "--batch", "64", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--tables",
+        "40",
+        "--topologies",
+        "8x4",
+        "--fractions",
+        "0.3,0.5",
+        "--hbm-gb",
+        "2",
+        "--batch",
+        "64",
+        "--out",
+        str(out),
+    ]
     assert scale.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [json.loads(x) for x in out.read_text().splitlines()] == lines
@@ -54,24 +86,46 @@ def test_table_set_is_seeded_and_scaled():
 
 
 @pytest.mark.parametrize(
-    "kind", ["table_wise", "row_wise", "column_wise", "data_parallel", "table_row_wise",
-             "table_column_wise", "grid_shard"],
-)  # fmt: skip
+    "kind",
+    [
+        "table_wise",
+        "row_wise",
+        "column_wise",
+        "data_parallel",
+        "table_row_wise",
+        "table_column_wise",
+        "grid_shard",
+    ],
+)
 def test_torchrec_scheme_equals_the_uniform_plans_of_bench_sharded(kind):
     """Per table, for any plan: summed over bench/sharded.py's uniform plans it gives the
     same operand and wire bytes as that script's per-type formulas."""
     spec = LookupSpec(T=8, E=100_000, D=64, B=512, L=10)
     gens, hosts = sharded.generators(kind, spec.T)
-    ebc_like = type("M", (), {"table_configs": [
-        scale.EmbeddingBagConfig(name=f"t{t}", num_embeddings=spec.E, embedding_dim=spec.D,
-                                 feature_names=[f"f{t}"]) for t in range(spec.T)]})  # fmt: skip
-    plan = d.construct_module_sharding_plan(ebc_like, gens, world_size=sharded.WORLD,
-                                            local_size=sharded.WORLD // hosts)  # fmt: skip
+    ebc_like = type(
+        "M",
+        (),
+        {
+            "table_configs": [
+                scale.EmbeddingBagConfig(
+                    name=f"t{t}",
+                    num_embeddings=spec.E,
+                    embedding_dim=spec.D,
+                    feature_names=[f"f{t}"],
+                )
+                for t in range(spec.T)
+            ]
+        },
+    )
+    plan = d.construct_module_sharding_plan(
+        ebc_like, gens, world_size=sharded.WORLD, local_size=sharded.WORLD // hosts
+    )
     inputs = dict.fromkeys(
         plan,
-        torchrec_comm.TableInputs(rows=spec.E, dim=spec.D, itemsize=4, features=1,
-                                  ids=spec.B * spec.L, bags=spec.B),
-    )  # fmt: skip
+        torchrec_comm.TableInputs(
+            rows=spec.E, dim=spec.D, itemsize=4, features=1, ids=spec.B * spec.L, bags=spec.B
+        ),
+    )
     local = sharded.WORLD // hosts if hosts > 1 else sharded.WORLD
     got = torchrec_comm.summarize(
         torchrec_comm.plan_parts(plan, inputs, world=sharded.WORLD, local=local, batch=spec.B)

@@ -6,8 +6,19 @@ import sharded
 
 
 def test_tiny_run_predicts_the_compiled_collectives(capsys):
-    argv = ["--E", "200", "--B", "8", "--T", "3", "--reps", "1", "--no-unsharded",
-            "--types", "row_wise,column_wise,data_parallel"]  # fmt: skip
+    argv = [
+        "--E",
+        "200",
+        "--B",
+        "8",
+        "--T",
+        "3",
+        "--reps",
+        "1",
+        "--no-unsharded",
+        "--types",
+        "row_wise,column_wise,data_parallel",
+    ]
     assert sharded.main(argv) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["impl"] for x in lines] == ["row_wise", "column_wise", "data_parallel"]
@@ -63,8 +74,9 @@ def test_gpu_compiled_collectives_match_their_operands():
         gathered = jax.lax.all_gather(g, "x", tiled=True)  # [6] s32 per device
         return sent * 2, gathered, jax.lax.psum(jnp.sum(a), "x")
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x")),
-                       out_specs=(P("x"), P(), P()), check_vma=False)  # fmt: skip
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P(), P()), check_vma=False
+    )
     a = deviceless.abstract((64, 100), jnp.float32, mesh, P("x"))
     g = deviceless.abstract((48,), jnp.int32, mesh, P("x"))
     text = jax.jit(fn).trace(a, g).lower().compile().as_text()

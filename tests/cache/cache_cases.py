@@ -31,13 +31,20 @@ B, MAX_LEN = 8, 3  # samples per batch (per device when sharded), ids per bag
 
 def configs():
     return [
-        jr.EmbeddingBagConfig(name="big", embedding_dim=8, num_embeddings=200,
-                              feature_names=["a", "b"]),
-        jr.EmbeddingBagConfig(name="mean", embedding_dim=6, num_embeddings=120,
-                              feature_names=["m"], pooling=jr.PoolingType.MEAN),
-        jr.EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=30,
-                              feature_names=["s"]),
-    ]  # fmt: skip
+        jr.EmbeddingBagConfig(
+            name="big", embedding_dim=8, num_embeddings=200, feature_names=["a", "b"]
+        ),
+        jr.EmbeddingBagConfig(
+            name="mean",
+            embedding_dim=6,
+            num_embeddings=120,
+            feature_names=["m"],
+            pooling=jr.PoolingType.MEAN,
+        ),
+        jr.EmbeddingBagConfig(
+            name="small", embedding_dim=4, num_embeddings=30, feature_names=["s"]
+        ),
+    ]
 
 
 class Model(nnx.Module):
@@ -83,8 +90,9 @@ def build(opt, tables=None, plan=None, mesh=None):
 
 def logical_plan(gens, mesh, params):
     """The plan of ``gens`` (generators per table) with the tables in ``params`` cached."""
-    plan = d.construct_module_sharding_plan(Model(configs(), rngs=nnx.Rngs(1)).ebc, gens,
-                                            world_size=mesh.size)  # fmt: skip
+    plan = d.construct_module_sharding_plan(
+        Model(configs(), rngs=nnx.Rngs(1)).ebc, gens, world_size=mesh.size
+    )
     for name, p in params.items():
         plan[name] = dataclasses.replace(
             plan[name], compute_kernel=d.EmbeddingComputeKernel.FUSED_UVM_CACHING, cache_params=p
@@ -94,13 +102,19 @@ def logical_plan(gens, mesh, params):
 
 def fused(plan):
     """``plan`` with every table in device memory (the all-device reference)."""
-    return d.EmbeddingModuleShardingPlan({k: dataclasses.replace(
-        p, compute_kernel=d.EmbeddingComputeKernel.FUSED, cache_params=None)
-        for k, p in plan.items()})  # fmt: skip
+    return d.EmbeddingModuleShardingPlan(
+        {
+            k: dataclasses.replace(
+                p, compute_kernel=d.EmbeddingComputeKernel.FUSED, cache_params=None
+            )
+            for k, p in plan.items()
+        }
+    )
 
 
-def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="device",
-                move_paths=None):  # fmt: skip
+def cached_twin(
+    opt, graphdef, state, params, plan=None, mesh=None, slot_maps="device", move_paths=None
+):
     """The cached model holding the same values as the all-device ``state``:
     ``(graphdef, state, RowCache)``; ``plan``: the logical plan with cached tables;
     ``slot_maps``: the device's by default (on a CPU, RowCache's default is the host's:
@@ -117,15 +131,20 @@ def cached_twin(opt, graphdef, state, params, plan=None, mesh=None, slot_maps="d
         if c.name in CACHED:
             e = logical.tables[f"ebc.embedding_bags.{c.name}"]
             state_rows = {f: x for f, x in e.items() if f not in ("weight", "count")}
-            hosts[c.name] = jc.HostTable.from_arrays(c, opt.for_table(c.name), e["weight"],
-                                                     state_rows)  # fmt: skip
+            hosts[c.name] = jc.HostTable.from_arrays(
+                c, opt.for_table(c.name), e["weight"], state_rows
+            )
     logical = jax.tree.map(jnp.copy, logical)  # the all-device step donates its arrays
     l2 = ckpt.logical_state(g2, opt, s2)
-    tables = {k: (l2.tables[k] if k.split(".")[-1] in CACHED else v)
-              for k, v in logical.tables.items()}  # fmt: skip
+    tables = {
+        k: (l2.tables[k] if k.split(".")[-1] in CACHED else v) for k, v in logical.tables.items()
+    }
     s2 = ckpt.place_state(g2, opt, s2, logical._replace(tables=tables))
-    return g2, s2, jc.RowCache(g2, opt, s2, hosts, params, slot_maps=slot_maps,
-                               move_paths=move_paths)  # fmt: skip
+    return (
+        g2,
+        s2,
+        jc.RowCache(g2, opt, s2, hosts, params, slot_maps=slot_maps, move_paths=move_paths),
+    )
 
 
 def logical_tables(graphdef, opt, state, cache=None):

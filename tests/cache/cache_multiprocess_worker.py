@@ -78,8 +78,12 @@ def tables(graphdef, state) -> dict[str, np.ndarray]:
 
 def main(process_id: int, port: int, directory: str) -> int:
     try:
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                                   local_device_ids=list(range(LOCAL)))  # fmt: skip
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=process_id,
+            local_device_ids=list(range(LOCAL)),
+        )
     except Exception as e:
         if "gloo" in str(e).lower():
             print(f"gloo CPU collectives unavailable: {e}", flush=True)
@@ -125,8 +129,9 @@ def main(process_id: int, port: int, directory: str) -> int:
         p = cache_a.prepare([local[i] for i in mine])
         s_a, loss, _ = step_a(s_a, p._replace(batch=d.shard_batch(p.batch, mesh)))
         got_a.append(float(loss))
-    pipe = train.TrainPipeline(step_b, s_b, depth=2, to_device=jc.prefetching(
-        cache_b, lambda b: d.shard_batch(b, mesh)))  # fmt: skip
+    pipe = train.TrainPipeline(
+        step_b, s_b, depth=2, to_device=jc.prefetching(cache_b, lambda b: d.shard_batch(b, mesh))
+    )
     it = iter([[local[i] for i in mine] for local in batches])
     got_b, diffs = [], {}
     for _ in batches:
@@ -137,8 +142,9 @@ def main(process_id: int, port: int, directory: str) -> int:
             for name in CACHED:
                 host = cache_b.tables[name].host
                 lo, hi = host.rows
-                diffs[f"b.mid.{name}"] = float(np.max(np.abs(
-                    host.fields["weight"] - want_mid[name][lo:hi]), initial=0))  # fmt: skip
+                diffs[f"b.mid.{name}"] = float(
+                    np.max(np.abs(host.fields["weight"] - want_mid[name][lo:hi]), initial=0)
+                )
     s_b = pipe.state
     want_b = tables(graphdef, state)  # after the same batches
 
@@ -156,8 +162,9 @@ def main(process_id: int, port: int, directory: str) -> int:
     # process 0's ids crowd big's last shard (owned by process 1): both refuse the batch,
     # as a too-small cache on both (callers may catch it to shrink their batches)
     try:
-        cache_a.prepare([crowded(i) if process_id == 0 else local_batch(rng, 3)
-                         for i in range(LOCAL)])  # fmt: skip
+        cache_a.prepare(
+            [crowded(i) if process_id == 0 else local_batch(rng, 3) for i in range(LOCAL)]
+        )
     except jc.CacheTooSmallError as e:
         refused.append(str(e)[:200])
     state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
@@ -178,8 +185,9 @@ def main(process_id: int, port: int, directory: str) -> int:
         for name in CACHED:
             host = cache.tables[name].host
             lo, hi = host.rows
-            diffs[f"{run}.{name}[{lo}:{hi}]"] = float(np.max(np.abs(
-                host.fields["weight"] - w[name][lo:hi]), initial=0))  # fmt: skip
+            diffs[f"{run}.{name}[{lo}:{hi}]"] = float(
+                np.max(np.abs(host.fields["weight"] - w[name][lo:hi]), initial=0)
+            )
     # the pipelined model restores the checkpoint and trains on as the reference does
     for name in CACHED:  # (its host rows zeroed first: the restore must fill them)
         cache_b.tables[name].host.fields["weight"][:] = 0
@@ -187,8 +195,9 @@ def main(process_id: int, port: int, directory: str) -> int:
     for name in CACHED:
         host = cache_b.tables[name].host
         lo, hi = host.rows
-        diffs[f"b.restored.{name}"] = float(np.max(np.abs(
-            host.fields["weight"] - want[name][lo:hi]), initial=0))  # fmt: skip
+        diffs[f"b.restored.{name}"] = float(
+            np.max(np.abs(host.fields["weight"] - want[name][lo:hi]), initial=0)
+        )
     local = [local_batch(rng, 3) for _ in range(WORLD)]
     state, loss, _ = step(state, d.shard_batch([local[i] for i in mine], mesh))
     p = cache_b.prepare([local[i] for i in mine])
@@ -205,14 +214,29 @@ def main(process_id: int, port: int, directory: str) -> int:
     # each process plans (and counts) only the shards it owns
     stats = {t: [cache_a.stats[t].misses, cache_a.stats[t].evictions] for t in CACHED}
     owns = {t: [m is not None for m in cache_a.tables[t].maps] for t in CACHED}
-    ok = (got_a == ref and got_b == ref[:STEPS] and all(v == 0 for v in diffs.values())
-          and len(refused) == 2 and closed and after_restore[0] == after_restore[1]
-          and all((m > 0 and e > 0) == any(owns[t]) for t, (m, e) in stats.items()))  # fmt: skip
+    ok = (
+        got_a == ref
+        and got_b == ref[:STEPS]
+        and all(v == 0 for v in diffs.values())
+        and len(refused) == 2
+        and closed
+        and after_restore[0] == after_restore[1]
+        and all((m > 0 and e > 0) == any(owns[t]) for t, (m, e) in stats.items())
+    )
     rows = {t: list(cache_a.tables[t].host.rows) for t in CACHED}
-    report = {"process": process_id, "ok": ok, "losses": ref, "prepared": got_a,
-              "pipelined": got_b, "max_abs_diff": diffs, "refused": refused,
-              "after_restore": after_restore, "stats": stats, "rows": rows,
-              "owns": owns}  # fmt: skip
+    report = {
+        "process": process_id,
+        "ok": ok,
+        "losses": ref,
+        "prepared": got_a,
+        "pipelined": got_b,
+        "max_abs_diff": diffs,
+        "refused": refused,
+        "after_restore": after_restore,
+        "stats": stats,
+        "rows": rows,
+        "owns": owns,
+    }
     print(json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("done")
     return 0 if ok else 1

@@ -121,7 +121,10 @@ def test_a_cache_is_not_checkpointed_without_its_host_table(tmp_path):
     graphdef, state = build(opt)
     g2, s2, cache = cached_twin(opt, graphdef, state, params)
     assert {c.name: c.cached_rows for c in jc.cached_configs(cache_cases.configs(), params)} == {
-        "big": 200, "mean": 120, "small": None}  # fmt: skip
+        "big": 200,
+        "mean": 120,
+        "small": None,
+    }
     mgr = ckpt.CheckpointManager(tmp_path, async_save=False)
     with pytest.raises(ValueError, match=r"\['big', 'mean'\] are device caches.*RowCache.save"):
         mgr.save(1, g2, opt, s2)

@@ -35,8 +35,11 @@ def cached_model(slot_maps: str, algorithm: str = "lru"):
     state, RowCache)``; host tables drawn from their own seeds."""
     model = track_touched_rows(Model(jc.cached_configs(configs(), PARAMS), rngs=nnx.Rngs(1)))
     graphdef, state = train.init_train_state(model, OPT)
-    hosts = {c.name: jc.HostTable.create(c, OPT.for_table(c.name), seed=i)
-             for i, c in enumerate(configs()) if c.name in CACHED}  # fmt: skip
+    hosts = {
+        c.name: jc.HostTable.create(c, OPT.for_table(c.name), seed=i)
+        for i, c in enumerate(configs())
+        if c.name in CACHED
+    }
     params = {t: dataclasses.replace(p, algorithm=algorithm) for t, p in PARAMS.items()}
     return graphdef, state, jc.RowCache(graphdef, OPT, state, hosts, params, slot_maps=slot_maps)
 
@@ -64,8 +67,11 @@ def looked_up(batches) -> dict[str, int]:
     feats = {"big": ("a", "b"), "mean": ("m",)}
     out = {}
     for t, fs in feats.items():
-        ids = [np.asarray(kjt[f].values())[: int(np.sum(kjt[f].lengths()))]
-               for kjt, _ in batches for f in fs]  # fmt: skip
+        ids = [
+            np.asarray(kjt[f].values())[: int(np.sum(kjt[f].lengths()))]
+            for kjt, _ in batches
+            for f in fs
+        ]
         out[t] = len(np.unique(np.concatenate(ids)))
     return out
 
@@ -143,8 +149,9 @@ def test_publishes_between_prefetched_steps(tmp_path, inner):
     trained after it: evictions count when loaded. (With LFU here, recording them when
     prepared instead loses rows of ``big`` and fails this test; tried.)"""
     graphdef, state, cache = cached_model("host", "lfu")
-    tracker = ckpt.ModelDeltaTracker(ckpt.CheckpointManager(str(tmp_path / "run"),
-                                                            async_save=False))  # fmt: skip
+    tracker = ckpt.ModelDeltaTracker(
+        ckpt.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    )
     state = cache.save_base(tracker, 0, state).state
     rng = np.random.default_rng(7)
     it = iter([local_batch(rng) for _ in range(10)])
@@ -174,8 +181,10 @@ def drop_marked_slots(monkeypatch):
     real = row_cache_module.marked
 
     def unmarked(graphdef, state):
-        return {k: (v[:0] if k.split(".")[-1] in CACHED else v)
-                for k, v in real(graphdef, state).items()}  # fmt: skip
+        return {
+            k: (v[:0] if k.split(".")[-1] in CACHED else v)
+            for k, v in real(graphdef, state).items()
+        }
 
     monkeypatch.setattr(row_cache_module, "marked", unmarked)
 
@@ -188,8 +197,9 @@ def test_a_delta_missing_either_part_is_caught(drop, tmp_path, monkeypatch, inne
     graphdef, state, cache = cached_model("host")
     step = jc.CachedTrainStep(inner, cache)
     rng = np.random.default_rng(5)
-    tracker = ckpt.ModelDeltaTracker(ckpt.CheckpointManager(str(tmp_path / "run"),
-                                                            async_save=False))  # fmt: skip
+    tracker = ckpt.ModelDeltaTracker(
+        ckpt.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    )
     state = cache.save_base(tracker, 0, state).state
     drop(monkeypatch)
     for _ in range(6):

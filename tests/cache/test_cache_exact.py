@@ -56,9 +56,14 @@ def run_pair(opt, params, steps=STEPS, seed=0, numpy_only=False, slot_maps="devi
 # maps on the device (the default), on the host with the C++ passes and with numpy
 @pytest.mark.parametrize(
     "name,algorithm,maps",
-    [("sgd", "lru", "device"), ("rowwise_adagrad", "lfu", "device"), ("adam", "lru", "device"),
-     ("rowwise_adagrad", "lru", "host"), ("rowwise_adagrad", "lfu", "numpy")],
-)  # fmt: skip
+    [
+        ("sgd", "lru", "device"),
+        ("rowwise_adagrad", "lfu", "device"),
+        ("adam", "lru", "device"),
+        ("rowwise_adagrad", "lru", "host"),
+        ("rowwise_adagrad", "lfu", "numpy"),
+    ],
+)
 def test_unsharded_exact(name, algorithm, maps, monkeypatch):
     numpy_only = maps == "numpy"
     if numpy_only:
@@ -133,8 +138,9 @@ def test_a_refused_host_field_leaves_the_cache_valid(inplace):
     opt = optimizer(optim.rowwise_adagrad(0.3))
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
     graphdef, state = build(opt)
-    g2, s2, cache = cached_twin(opt, graphdef, state, params,
-                                move_paths=jc.MovePaths(inplace=inplace))  # fmt: skip
+    g2, s2, cache = cached_twin(
+        opt, graphdef, state, params, move_paths=jc.MovePaths(inplace=inplace)
+    )
     assert cache._mover.inplace == inplace
     step = train.make_train_step(graphdef, opt, loss_fn)
     cstep = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)

@@ -39,8 +39,9 @@ def test_prefetched_equals_unprefetched(depth, inplace):
     batches = [local_batch(rng) for _ in range(10)]
     runs = []
     for prefetch in (False, True):
-        g2, s2, cache = cached_twin(opt, graphdef, state, params,
-                                    move_paths=jc.MovePaths(inplace=inplace))  # fmt: skip
+        g2, s2, cache = cached_twin(
+            opt, graphdef, state, params, move_paths=jc.MovePaths(inplace=inplace)
+        )
         assert cache._mover.inplace == inplace
         step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
         losses = []
@@ -144,8 +145,10 @@ def test_pinned_host_staging(sharded):
             assert staging.shard_shape((2 * n,)) == (n,) and sorted(p.staged.fill_pos[i]) == [0, 1]
         # the compiled gather of evicted rows: n rows out of each device, no collectives
         arrays = [b.array for b in m.buffers]
-        pos = [m._global(i, {j: np.zeros(n, np.int32) for j in range(2)}, n, m.chunks[i])
-               for i in range(len(arrays))]  # fmt: skip
+        pos = [
+            m._global(i, {j: np.zeros(n, np.int32) for j in range(2)}, n, m.chunks[i])
+            for i in range(len(arrays))
+        ]
         gather = functools.partial(mover._gather, tuple(m.specs))
         out = jax.jit(gather, out_shardings=m.staging).lower(arrays, pos).compile()
         assert not any(c in out.as_text() for c in COLLECTIVES)
@@ -172,8 +175,7 @@ def _staged_sgd_cache(load_factor):
     opt = optimizer(optim.sgd(0.1))
     graphdef, state = build(opt)
     params = {t: jc.CacheParams(load_factor=load_factor) for t in CACHED}
-    _, s2, cache = cached_twin(opt, graphdef, state, params,
-                               move_paths=jc.MovePaths(inplace=False))  # fmt: skip
+    _, s2, cache = cached_twin(opt, graphdef, state, params, move_paths=jc.MovePaths(inplace=False))
     return s2, cache
 
 
@@ -239,8 +241,15 @@ def test_planning_threads_give_the_same_batches(monkeypatch):
     runs = []
     for threads in (1, 4):  # (host slot maps: the device's plan every table at once)
         g2, s2, cache = cached_twin(opt, graphdef, state, params)
-        cache = jc.RowCache(g2, opt, s2, {t.name: t.host for t in cache.tables.values()},
-                            params, threads=threads, slot_maps="host")  # fmt: skip
+        cache = jc.RowCache(
+            g2,
+            opt,
+            s2,
+            {t.name: t.host for t in cache.tables.values()},
+            params,
+            threads=threads,
+            slot_maps="host",
+        )
         assert cache._threads == (1 if threads == 1 else len(CACHED))
         step = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn, donate=False), cache)
         ids = []
@@ -280,8 +289,7 @@ def _twin(sparse=None, move_paths=None):
     opt = optimizer(sparse or optim.rowwise_adagrad(0.3))
     params = {t: jc.CacheParams(load_factor=0.3) for t in CACHED}
     graphdef, state = build(opt)
-    return (opt, graphdef, state,
-            *cached_twin(opt, graphdef, state, params, move_paths=move_paths))  # fmt: skip
+    return (opt, graphdef, state, *cached_twin(opt, graphdef, state, params, move_paths=move_paths))
 
 
 def _stopped_pipeline(inplace, monkeypatch, steps, batches, depth=2):
@@ -439,8 +447,9 @@ def test_evaluation_between_pipeline_segments():
         assert cache._prepared == cache._loaded  # nothing prefetched past the segment
         e = local_batch(rng)
         pipe.state, e2 = cache.load_batch(pipe.state, e)
-        np.testing.assert_array_equal(np.asarray(evaluate2(pipe.state, e2)),
-                                      np.asarray(evaluate(state, e)))  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(evaluate2(pipe.state, e2)), np.asarray(evaluate(state, e))
+        )
     assert len(trained) == 12
     s2 = cache.flush(pipe.state)
     assert_tables_equal(logical_tables(g2, opt, s2, cache), logical_tables(graphdef, opt, state))

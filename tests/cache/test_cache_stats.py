@@ -87,13 +87,15 @@ def test_the_planner_caches_the_table_measured_to_miss_less():
     the tie goes to the first table (``uniform``); with the measured rates, the planner
     caches ``skewed``, whose misses cost less."""
     rows, batch = 2_000_000, 4096
-    tables = [jr.EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=64)
-              for n in ("uniform", "skewed")]  # fmt: skip
+    tables = [
+        jr.EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=64)
+        for n in ("uniform", "skewed")
+    ]
     rng = np.random.default_rng(2)
     stats = {
         "uniform": measure_miss_rates([rng.integers(0, rows, batch) for _ in range(100)], rows),
         "skewed": measure_miss_rates([zipf_ids(rng, rows, batch, 1.05) for _ in range(100)], rows),
-    }  # fmt: skip
+    }
     lf = 0.2
     assert (
         stats["skewed"].expected_miss_rate(lf, rows)
@@ -109,8 +111,9 @@ def test_the_planner_caches_the_table_measured_to_miss_less():
             )
             for t in tables
         }
-        planner = EmbeddingShardingPlanner(Topology(world_size=1, batch_size=batch, hbm_cap=cap),
-                                           cons)  # fmt: skip
+        planner = EmbeddingShardingPlanner(
+            Topology(world_size=1, batch_size=batch, hbm_cap=cap), cons
+        )
         p = planner.plan(tables).plan[""]
         return sorted(n for n, ps in p.items() if ps.compute_kernel is UVM)
 

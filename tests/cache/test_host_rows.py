@@ -72,7 +72,7 @@ def test_host_rows_drawn_with_the_device_build_s_values(monkeypatch):
             num_embeddings=3000,
             weight_init_min=-0.5,
             weight_init_max=0.25,
-        ),  # fmt: skip
+        ),
     ]
 
     class M(nnx.Module):

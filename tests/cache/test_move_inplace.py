@@ -57,7 +57,12 @@ def test_row_outside_the_host_table_is_refused():
     pos = np.array([[1]], np.int32)
     rows = np.array([[10]], np.int64).view(np.int32)  # one past the end
     with pytest.raises(Exception, match="filled row outside the table"):
-        out, done = move([jax.numpy.zeros((4, 4))], np.array([[-1]], np.int32), pos,
-                         np.zeros((1, 2), np.int32), rows)  # fmt: skip
+        out, done = move(
+            [jax.numpy.zeros((4, 4))],
+            np.array([[-1]], np.int32),
+            pos,
+            np.zeros((1, 2), np.int32),
+            rows,
+        )
         jax.block_until_ready(done)
     assert not host.any()

@@ -23,8 +23,11 @@ def _buffer(mesh, spec):
 
 
 def _move(fill_slots, fill_rows, evict_slots, evict_rows):
-    return {"t": Move(*(np.array(x, np.int64) for x in
-                        (fill_slots, fill_rows, evict_slots, evict_rows)))}  # fmt: skip
+    return {
+        "t": Move(
+            *(np.array(x, np.int64) for x in (fill_slots, fill_rows, evict_slots, evict_rows))
+        )
+    }
 
 
 def test_replicated_rows_fill_every_replica_and_read_back_once():
@@ -35,8 +38,12 @@ def test_replicated_rows_fill_every_replica_and_read_back_once():
     host = {"t": {"weight": np.random.default_rng(0).normal(size=(40, DIM)).astype(np.float32)}}
     want_host = host["t"]["weight"].copy()
     m = mover.Mover([buf], host)
-    assert [(x.lo, x.hi, x.first) for x in m.lanes[0]] == [(0, 8, 0), (0, 8, 0), (8, 16, 2),
-                                                            (8, 16, 2)]  # fmt: skip
+    assert [(x.lo, x.hi, x.first) for x in m.lanes[0]] == [
+        (0, 8, 0),
+        (0, 8, 0),
+        (8, 16, 2),
+        (8, 16, 2),
+    ]
     staged = m.stage(_move([1, 9, 12], [3, 5, 7], [1, 9], [20, 30]), host)
     (new,), pending = m.apply([buf.array], staged)
     pending.write_back()

@@ -23,8 +23,10 @@ OWNERS = np.array([0, 1, 0, 1])  # interleaved: each process owns non-adjacent s
 
 def table(algorithm, owner=None) -> CachedTable:
     """The table as process ``owner`` sees it (its shards' maps only); None: all."""
-    maps = [SlotMap(SHARD_ROWS, SLOTS, algorithm) if owner in (None, OWNERS[s]) else None
-            for s in range(SHARDS)]  # fmt: skip
+    maps = [
+        SlotMap(SHARD_ROWS, SLOTS, algorithm) if owner in (None, OWNERS[s]) else None
+        for s in range(SHARDS)
+    ]
     host = SimpleNamespace(config=SimpleNamespace(num_embeddings=ROWS))
     return CachedTable("t", "t", host, ("f",), SHARD_ROWS, SLOTS, maps, OWNERS)
 

@@ -32,8 +32,9 @@ def _check_step(program, layout, state, ref, ids, valid):
     np.testing.assert_array_equal(np.asarray(plan.slots), slots)
     nf, ne = int(plan.n_fill), int(plan.n_evict)
     assert nf == len(fills) and ne == len(evicts)
-    got_fills = list(zip(np.asarray(plan.fill_slots)[:nf], np.asarray(plan.fill_rows)[:nf],
-                         strict=True))  # fmt: skip
+    got_fills = list(
+        zip(np.asarray(plan.fill_slots)[:nf], np.asarray(plan.fill_rows)[:nf], strict=True)
+    )
     assert [tuple(map(int, f)) for f in got_fills] == fills
     got_ev = zip(np.asarray(plan.evict_slots)[:ne], np.asarray(plan.evict_rows)[:ne], strict=True)
     assert [tuple(map(int, e)) for e in got_ev] == evicts
@@ -117,8 +118,9 @@ def test_several_tables_are_kept_together_or_refused_together(implementation):
     states = tuple(p.state for p in plans)
     h = sets.set_hash_np(np.arange(10_000)) % a.sets
     over = np.flatnonzero(h == 0)[:33].astype(np.int32)  # 33 rows of one 32-slot set
-    again = program(states, [jnp.asarray(over), jnp.asarray(fits[1] + 1000)],
-                    [jnp.ones(33, bool), ones[1]])  # fmt: skip
+    again = program(
+        states, [jnp.asarray(over), jnp.asarray(fits[1] + 1000)], [jnp.ones(33, bool), ones[1]]
+    )
     assert [bool(p.overflow) for p in again] == [True, False]
     for before, p in zip(states, again, strict=True):  # b fit, and is put back too
         for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(p.state), strict=True):

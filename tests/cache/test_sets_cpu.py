@@ -33,8 +33,9 @@ def _programs(layout):
 
 
 def _assert_same(a: sets.SetPlan, b: sets.SetPlan):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
-                            strict=True):  # fmt: skip
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
+    ):
         assert x.dtype == y.dtype and x.shape == y.shape, path
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
 

@@ -165,8 +165,9 @@ def test_out_of_range_ids_as_without_cache():
     kjt, y = local_batch(np.random.default_rng(5))
     values = np.asarray(kjt.values()).copy()
     values[0], values[1] = 999, -3  # feature "a" (table "big") has bags in sample 0
-    bad = jr.KeyedJaggedTensor(kjt.keys(), values, lengths=kjt.lengths(),
-                               capacities=kjt.capacity_per_key())  # fmt: skip
+    bad = jr.KeyedJaggedTensor(
+        kjt.keys(), values, lengths=kjt.lengths(), capacities=kjt.capacity_per_key()
+    )
     assert int(np.asarray(kjt.lengths())[0]) >= 2
     _, want, _ = train.make_train_step(graphdef, opt, loss_fn)(state, (bad, y))
     _, got, _ = jc.CachedTrainStep(train.make_train_step(g2, opt, loss_fn), cache)(s2, (bad, y))
@@ -190,8 +191,10 @@ def test_host_tables_checked():
     for message, hosts in cases.items():
         with pytest.raises(ValueError, match=message):
             jc.RowCache(g2, opt, s2, hosts, jc.CacheParams())
-    shared = [dataclasses.replace(c, feature_names=["a"]) if c.name == "small" else c
-              for c in jc.cached_configs(configs(), params)]  # fmt: skip
+    shared = [
+        dataclasses.replace(c, feature_names=["a"]) if c.name == "small" else c
+        for c in jc.cached_configs(configs(), params)
+    ]
     g3, s3 = build(opt, shared)
     with pytest.raises(ValueError, match=r"feature 'a' of cached table 'big' is also read by"):
         jc.RowCache(g3, opt, s3, {"big": ok}, jc.CacheParams())

@@ -46,8 +46,12 @@ from jaxrec.embedding import CombinedOptimizer  # noqa: E402
 
 WORLD = 4
 GLOO_UNAVAILABLE = 77
-MIXED = {"t1": d.row_wise(), "t2": d.table_wise(2), "t3": d.column_wise([1, 2]),
-         "t4": d.data_parallel()}  # fmt: skip
+MIXED = {
+    "t1": d.row_wise(),
+    "t2": d.table_wise(2),
+    "t3": d.column_wise([1, 2]),
+    "t4": d.data_parallel(),
+}
 
 
 def build(opt, gens, mesh):
@@ -119,8 +123,13 @@ def main(process_id: int, port: int, directory: str) -> int:
         str(w.message) for w in caught if "skipping damaged checkpoint step 2" in str(w.message)
     ]
     results["warned"] = len(skipped) == 1
-    report = {"process": process_id, "equal": results, "ok": all(results.values()),
-              "resumed": step, "warning": skipped[:1]}  # fmt: skip
+    report = {
+        "process": process_id,
+        "equal": results,
+        "ok": all(results.values()),
+        "resumed": step,
+        "warning": skipped[:1],
+    }
     print(json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("done")
     return 0 if report["ok"] else 1

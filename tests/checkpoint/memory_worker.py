@@ -61,10 +61,11 @@ def _shapes(rows: int) -> list[tuple[int, int]]:
 class Model(nnx.Module):
     def __init__(self, rows: int):
         configs = [
-            jr.EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n,
-                                  feature_names=[f"f{i}"])
+            jr.EmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"]
+            )
             for i, (n, dim) in enumerate(_shapes(rows))
-        ]  # fmt: skip
+        ]
         self.ebc = jr.EmbeddingBagCollection(configs, rngs=nnx.Rngs(0))
 
 
@@ -78,8 +79,12 @@ def build(rows: int, gens: dict):
 
 def main(directory: str, megabytes: float) -> None:
     rows = int(megabytes * 2**20 / (4 * (64 + 64 + 16 + 4) + 4 * 3))
-    saved_plan = {"t0": d.row_wise(), "t1": d.column_wise([0, 3, 5, 6]),
-                  "t2": d.table_wise(2), "t3": d.table_wise(7)}  # fmt: skip
+    saved_plan = {
+        "t0": d.row_wise(),
+        "t1": d.column_wise([0, 3, 5, 6]),
+        "t2": d.table_wise(2),
+        "t3": d.table_wise(7),
+    }
     graphdef, state = build(rows, saved_plan)
     state = jax.tree.map(lambda x: x + 1, state)  # momentum nonzero
     size = sum(x.nbytes for x in jax.tree.leaves((state.tables, state.opt_state.sparse)))

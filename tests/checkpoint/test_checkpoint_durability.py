@@ -21,8 +21,12 @@ TIMEOUT_S = 120
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    paths = [HERE, os.path.join(HERE, "..", "distributed"), os.path.join(HERE, ".."),
-             env.get("PYTHONPATH")]  # fmt: skip
+    paths = [
+        HERE,
+        os.path.join(HERE, "..", "distributed"),
+        os.path.join(HERE, ".."),
+        env.get("PYTHONPATH"),
+    ]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     return env
 
@@ -60,8 +64,9 @@ def test_a_returned_save_survives_the_exit(exited, mode, code):
 
 def test_a_kill_mid_save_leaves_the_previous_step(tmp_path):
     cmd = [sys.executable, WORKER, str(tmp_path), "kill"]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         lines = []
         for line in proc.stdout:

@@ -31,8 +31,9 @@ def _truncate(path):
 
 
 def _table_chunk(step_dir, field="weight"):
-    return sorted(glob.glob(os.path.join(step_dir, "tables", "0", field, "*", "c", "**", "*"),
-                            recursive=True))[-1]  # fmt: skip
+    return sorted(
+        glob.glob(os.path.join(step_dir, "tables", "0", field, "*", "c", "**", "*"), recursive=True)
+    )[-1]
 
 
 def _dense_chunk(step_dir):
@@ -43,17 +44,24 @@ def _dense_chunk(step_dir):
 DAMAGE = {  # name: (damage(step_dir) -> the damaged file, what the error says)
     "bit flip in a table": (lambda d: _flip(p := _table_chunk(d)) or p, "Digest mismatch"),
     "bit flip in an optimizer state": (
-        lambda d: _flip(p := _table_chunk(d, "momentum1"), at=5) or p, "Digest mismatch"),
+        lambda d: _flip(p := _table_chunk(d, "momentum1"), at=5) or p,
+        "Digest mismatch",
+    ),
     "truncated table chunk": (lambda d: _truncate(p := _table_chunk(d)) or p, "Not enough data"),
     "deleted table chunk": (lambda d: os.remove(p := _table_chunk(d)) or p, "is missing"),
     "deleted piece metadata": (
-        lambda d: os.remove(p := glob.glob(f"{d}/tables/0/weight/*/zarr.json")[0])
-        or os.path.dirname(p), "cannot open"),
+        lambda d: (
+            os.remove(p := glob.glob(f"{d}/tables/0/weight/*/zarr.json")[0]) or os.path.dirname(p)
+        ),
+        "cannot open",
+    ),
     "bit flip in a dense leaf": (lambda d: _flip(p := _dense_chunk(d)) or p, "Digest mismatch"),
     "bit flip in meta.json": (
-        lambda d: _flip(p := os.path.join(d, "meta.json"), at=200) or p, "meta.json"),
+        lambda d: _flip(p := os.path.join(d, "meta.json"), at=200) or p,
+        "meta.json",
+    ),
     "deleted meta.json": (lambda d: os.remove(p := os.path.join(d, "meta.json")) or p, "missing"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +119,15 @@ def _tables_drawn_before_philox(graphdef, state):
     for i, t in enumerate(ebc.table_configs):
         n = t.num_embeddings * t.embedding_dim
         chunks = [
-            jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, i), c), (16384,),
-                               jnp.float32, t.get_weight_init_min(), t.get_weight_init_max())
+            jax.random.uniform(
+                jax.random.fold_in(jax.random.fold_in(key, i), c),
+                (16384,),
+                jnp.float32,
+                t.get_weight_init_min(),
+                t.get_weight_init_max(),
+            )
             for c in range(-(-n // 16384))
-        ]  # fmt: skip
+        ]
         flat = np.concatenate([np.asarray(c) for c in chunks])[:n]
         old[f"embedding_bags.{t.name}.weight"] = flat.reshape(t.num_embeddings, t.embedding_dim)
     ebc.load_state_dict(old)

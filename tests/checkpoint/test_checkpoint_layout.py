@@ -88,8 +88,11 @@ def test_tables_sharing_a_state_need_one_count():
     logical = filled(ckpt.logical_state(graphdef, OPT, state), seed=0)
     logical.tables["ebc.embedding_bags.t3"]["count"] = np.int32(4)
     t1, t3 = "'ebc.embedding_bags.t1'", "'ebc.embedding_bags.t3'"
-    with pytest.raises(ValueError, match=rf"tables \[{t1}, {t3}\] share one optimizer state.*"
-                       rf"different optimizer step counts \{{{t1}: 7, {t3}: 4\}}"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"tables \[{t1}, {t3}\] share one optimizer state.*"
+        rf"different optimizer step counts \{{{t1}: 7, {t3}: 4\}}",
+    ):
         ckpt.place_state(graphdef, OPT, state, logical)
 
 
@@ -99,8 +102,12 @@ def test_per_table_optimizers_round_trip(tmp_path):
         optax.adam(0.01), optim.rowwise_adagrad(0.1), per_table={"t3": optim.adam(0.05)}
     )
     graphdef, state, _ = build("unsharded", opt)
-    assert set(state.opt_state.sparse) == {"ebc/fp32_d8", "ebc/fp32_d8#1", "ebc/fp32_d6",
-                                           "ebc/fp32_d4"}  # fmt: skip
+    assert set(state.opt_state.sparse) == {
+        "ebc/fp32_d8",
+        "ebc/fp32_d8#1",
+        "ebc/fp32_d6",
+        "ebc/fp32_d4",
+    }
     step = train.make_train_step(graphdef, opt, loss_fn)
     data = [samples(10 + i) for i in range(3)]
     for i in range(2):
@@ -134,8 +141,12 @@ def test_per_table_optimizers_round_trip(tmp_path):
         assert_equal(host(ckpt.logical_state(graphdef, opt, restored)), final)
 
         # Sharded: t1 and t3 in different buffers (t3 column-wise in 4-wide shards).
-        plan = {"t1": d.row_wise(), "t2": d.row_wise(), "t3": d.column_wise([1, 2]),
-                "t4": d.data_parallel()}  # fmt: skip
+        plan = {
+            "t1": d.row_wise(),
+            "t2": d.row_wise(),
+            "t3": d.column_wise([1, 2]),
+            "t4": d.data_parallel(),
+        }
         graphdef, target, _ = build("row_wise_8", opt, plan=plan)
         restored = mgr.restore(graphdef, opt, target, step=2)
         assert_equal(host(ckpt.logical_state(graphdef, opt, restored)), saved)
@@ -160,12 +171,16 @@ class TwoCollections(nnx.Module):
 def test_nested_pooled_and_sequence_collections(tmp_path):
     """Tables are keyed by module path and prefix; an EmbeddingCollection reshards too."""
     model = TwoCollections(rngs=nnx.Rngs(1))
-    gens = {"sparse.ebc": PLANS["mixed"][0],
-            "sparse.ec": {"t1": d.row_wise(), "t2": d.column_wise([6, 2])}}  # fmt: skip
+    gens = {
+        "sparse.ebc": PLANS["mixed"][0],
+        "sparse.ec": {"t1": d.row_wise(), "t2": d.column_wise([6, 2])},
+    }
     plan = d.ShardingPlan(
-        {k: d.construct_module_sharding_plan(getattr(model.sparse, k[7:]), g, world_size=8)
-         for k, g in gens.items()}
-    )  # fmt: skip
+        {
+            k: d.construct_module_sharding_plan(getattr(model.sparse, k[7:]), g, world_size=8)
+            for k, g in gens.items()
+        }
+    )
     model = d.DistributedModelParallel(model, plan, mesh_1d())
     graphdef, state = train.init_train_state(model, OPT)
     logical = filled(ckpt.logical_state(graphdef, OPT, state), seed=2)

@@ -16,8 +16,9 @@ MEGABYTES = 400  # logical tables and state; the sharded layout pads it to about
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_peak_host_memory_is_bounded(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    codes, outputs = run_processes([[sys.executable, WORKER, str(tmp_path), str(MEGABYTES)]],
-                                   env, 300)  # fmt: skip
+    codes, outputs = run_processes(
+        [[sys.executable, WORKER, str(tmp_path), str(MEGABYTES)]], env, 300
+    )
     assert codes == [0], outputs[0][-3000:]
     out = json.loads(next(ln for ln in outputs[0].splitlines() if ln.startswith("{")))
     assert out["equal"], out

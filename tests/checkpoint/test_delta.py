@@ -46,7 +46,7 @@ class Model(nnx.Module):
                     feature_names=["f1", "f3"],
                     pooling=jr.PoolingType.MEAN,
                 ),
-            ],  # fmt: skip
+            ],
             rngs=nnx.Rngs(0),
         )
         self.head = nnx.Linear(32, 1, rngs=nnx.Rngs(1))

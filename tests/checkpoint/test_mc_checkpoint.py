@@ -31,13 +31,15 @@ class Model(nnx.Module):
         ]
         mcc = ManagedCollisionCollection(
             {
-                "u": MCHManagedCollisionModule(10, eviction_policy=LRU_EvictionPolicy(),
-                                               eviction_interval=2),
-                "i": MCHManagedCollisionModule(12, eviction_policy=DistanceLFU_EvictionPolicy(),
-                                               eviction_interval=3),
+                "u": MCHManagedCollisionModule(
+                    10, eviction_policy=LRU_EvictionPolicy(), eviction_interval=2
+                ),
+                "i": MCHManagedCollisionModule(
+                    12, eviction_policy=DistanceLFU_EvictionPolicy(), eviction_interval=3
+                ),
             },
             tables,
-        )  # fmt: skip
+        )
         ebc = jr.EmbeddingBagCollection(tables, rngs=rngs)
         self.mc = ManagedCollisionEmbeddingBagCollection(ebc, mcc, True, rngs=rngs)
         self.head = nnx.Linear(8, 1, rngs=rngs)

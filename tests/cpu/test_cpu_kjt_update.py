@@ -38,15 +38,18 @@ def _kjt(rng):
         v[2:12] = n // 2  # a hot row: >= 8 ids (the kernel sums those during its scan)
         values.append(v)
     return jr.KeyedJaggedTensor(
-        ["a", "b", "c"], np.concatenate(values).astype(np.int32),
+        ["a", "b", "c"],
+        np.concatenate(values).astype(np.int32),
         rng.random(3 * CAP).astype(np.float32),
-        lengths=np.concatenate(lengths).astype(np.int32), capacities=[CAP] * 3,
-    )  # fmt: skip
+        lengths=np.concatenate(lengths).astype(np.int32),
+        capacities=[CAP] * 3,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize(("dtype", "dim", "weighted"), [(jnp.float32, 12, True),
-                                                        (jnp.bfloat16, 7, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "dim", "weighted"), [(jnp.float32, 12, True), (jnp.bfloat16, 7, False)]
+)
 def test_kjt_update_matches_xla(name, dtype, dim, weighted):
     opt = OPTIMIZERS[name]
     rng = np.random.default_rng(dim)
@@ -74,8 +77,9 @@ def test_kjt_update_matches_xla(name, dtype, dim, weighted):
     tol = 2e-6 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of a nearby value
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=tol, atol=tol)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+        )
     touched = np.zeros(60, bool)
     rows, _, _, valid = pooled_grad_sources(kjt, SLOTS)
     touched[np.asarray(rows)[np.asarray(valid)]] = True
@@ -88,6 +92,13 @@ def test_kjt_update_declines_what_it_cannot_take():
     kjt = _kjt(np.random.default_rng(0))
     with pytest.raises(NotImplementedError, match="no CPU kernel"):
         cpu.kjt_backward_update_cpu(
-            opt, jnp.zeros((60, 4)), opt.init(60, 4), jnp.zeros((B, 12)), kjt, SLOTS, (0, 4, 8),
-            is_weighted=False, dep=0.0,
-        )  # fmt: skip
+            opt,
+            jnp.zeros((60, 4)),
+            opt.init(60, 4),
+            jnp.zeros((B, 12)),
+            kjt,
+            SLOTS,
+            (0, 4, 8),
+            is_weighted=False,
+            dep=0.0,
+        )

@@ -58,8 +58,9 @@ def test_embedding_bag_matches_xla(dtype, dim):
 
 def test_embedding_bag_empty_and_vmap_and_grad():
     w = jnp.ones((5, 8), jnp.float32)
-    empty = embedding_bag(w, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), 3, None,
-                          implementation="cpu")  # fmt: skip
+    empty = embedding_bag(
+        w, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), 3, None, implementation="cpu"
+    )
     np.testing.assert_array_equal(empty, np.zeros((3, 8)))
     rows, seg = jnp.asarray([0, 1, 1, 4]), jnp.asarray([0, 0, 2, 2])
     ws = jnp.arange(2 * 5 * 8, dtype=jnp.float32).reshape(2, 5, 8)

@@ -51,8 +51,11 @@ def test_threaded_lookup_and_update_match_xla_on_every_call():
 
     def steps(impl):
         table, state = w, opt.init(R, D)
-        fn = jax.jit(lambda t, s: backward_update(opt, t, s, out_grad, seg, scale, rows, valid,
-                                                  implementation=impl))  # fmt: skip
+        fn = jax.jit(
+            lambda t, s: backward_update(
+                opt, t, s, out_grad, seg, scale, rows, valid, implementation=impl
+            )
+        )
         for _ in range(3):
             table, state = fn(table, state)
         return table, state

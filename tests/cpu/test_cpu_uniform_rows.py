@@ -43,8 +43,9 @@ def _check(ints, floats, rows, cols, *, key=KEY, dtypes=(jnp.bfloat16,), jit=Tru
     want = _XLA(key, ints, floats, rows=rows, cols=cols, dtype=jnp.float32)
     out = None
     for dtype in (jnp.float32, *dtypes):
-        got = (_CPU if jit else uniform_rows_cpu)(key, ints, floats, rows=rows, cols=cols,
-                                                  dtype=dtype)  # fmt: skip
+        got = (_CPU if jit else uniform_rows_cpu)(
+            key, ints, floats, rows=rows, cols=cols, dtype=dtype
+        )
         assert got.shape == (rows, cols) and got.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(_bits(got), _bits(want.astype(dtype)), err_msg=str(dtype))
         out = np.asarray(got) if out is None else out
@@ -83,8 +84,9 @@ def test_matches_xla_bit_for_bit(cols):
 def test_half_precision_as_the_reference_casts(dtype):
     if dtype == jnp.float16 and not _f16():
         with pytest.raises(NotImplementedError):
-            uniform_rows_cpu(KEY, *map(jnp.asarray, _pieces(150, 20)), rows=150, cols=20,
-                             dtype=dtype)  # fmt: skip
+            uniform_rows_cpu(
+                KEY, *map(jnp.asarray, _pieces(150, 20)), rows=150, cols=20, dtype=dtype
+            )
         return
     ints, floats = map(jnp.asarray, _pieces(150, 20))
     want = _XLA(KEY, ints, floats, rows=150, cols=20, dtype=dtype)
@@ -152,8 +154,9 @@ def test_matches_known_answers():
     # mid = half = 0.5 gives u itself, exactly: the top 23 bits of each word.
     def words(ints, rows, cols, key):
         floats = jnp.array([(0.5, 0.5)], jnp.float32)
-        got = uniform_rows_cpu(key, jnp.array(ints, jnp.int32), floats, rows=rows, cols=cols,
-                               dtype=jnp.float32)  # fmt: skip
+        got = uniform_rows_cpu(
+            key, jnp.array(ints, jnp.int32), floats, rows=rows, cols=cols, dtype=jnp.float32
+        )
         return (np.asarray(got).astype(np.float64) * 2**23).astype(np.uint32)
 
     # Random123's kat_vectors, Philox4x32-10, counter 0 and key 0.

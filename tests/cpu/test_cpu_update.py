@@ -22,9 +22,10 @@ OPTIMIZERS = {
     "sgd_decouple": optim.sgd(0.1, weight_decay=0.1, weight_decay_mode="DECOUPLE"),
     "rowwise_adagrad": optim.rowwise_adagrad(0.1),
     "rowwise_adagrad_l2": optim.rowwise_adagrad(0.05, weight_decay=0.01, weight_decay_mode="L2"),
-    "adagrad_l2": optim.adagrad(optax.linear_schedule(0.1, 0.01, 10), weight_decay=0.1,
-                                weight_decay_mode="L2"),
-}  # fmt: skip
+    "adagrad_l2": optim.adagrad(
+        optax.linear_schedule(0.1, 0.01, 10), weight_decay=0.1, weight_decay_mode="L2"
+    ),
+}
 
 
 def _inputs(rng, r, d, c, n, dtype, opt):
@@ -62,8 +63,9 @@ def test_backward_update_matches_xla(name, dtype, dim):
     tol = 2e-6 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of a nearby value
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=tol, atol=tol)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+        )
     np.testing.assert_array_equal(np.asarray(got[0])[untouched], np.asarray(args[0])[untouched])
 
 
@@ -105,11 +107,17 @@ def test_the_kernel_is_picked_by_the_optimizer_kind():
 class _Model(nnx.Module):
     def __init__(self, *, rngs):
         tables = [
-            jr.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40,
-                                  feature_names=["a", "b"]),
-            jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=20,
-                                  feature_names=["c"], pooling=jr.PoolingType.MEAN),
-        ]  # fmt: skip
+            jr.EmbeddingBagConfig(
+                name="t1", embedding_dim=8, num_embeddings=40, feature_names=["a", "b"]
+            ),
+            jr.EmbeddingBagConfig(
+                name="t2",
+                embedding_dim=8,
+                num_embeddings=20,
+                feature_names=["c"],
+                pooling=jr.PoolingType.MEAN,
+            ),
+        ]
         self.ebc = jr.EmbeddingBagCollection(tables, True, rngs=rngs)
         self.head = nnx.Linear(24, 1, rngs=rngs)
 
@@ -127,9 +135,12 @@ def _batch(rng, b=6, cap=24):
         v[1] = v[0]  # duplicates
         values.append(v)
     kjt = jr.KeyedJaggedTensor(
-        keys, np.concatenate(values).astype(np.int32), rng.random(3 * cap).astype(np.float32),
-        lengths=np.concatenate(lengths).astype(np.int32), capacities=[cap] * 3,
-    )  # fmt: skip
+        keys,
+        np.concatenate(values).astype(np.int32),
+        rng.random(3 * cap).astype(np.float32),
+        lengths=np.concatenate(lengths).astype(np.int32),
+        capacities=[cap] * 3,
+    )
     return kjt, jnp.asarray(rng.standard_normal(b), jnp.float32)
 
 
@@ -174,8 +185,9 @@ def test_update_per_shard_in_shard_map():
     def per_shard(impl):
         def f(table, m, out_grad, seg, scale, rows, valid):
             st = state._replace(momentum1=m)
-            t, st = backward_update(opt, table, st, out_grad, seg, scale, rows, valid,
-                                    implementation=impl)  # fmt: skip
+            t, st = backward_update(
+                opt, table, st, out_grad, seg, scale, rows, valid, implementation=impl
+            )
             return t, st.momentum1
 
         in_specs = (spec, spec, jax.P(), spec, spec, spec, spec)

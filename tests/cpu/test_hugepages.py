@@ -54,9 +54,12 @@ def _glibc() -> tuple[int, ...]:
 def _run(**env) -> dict:
     environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "TEST_FIRST_PID")}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env={**environ, **env}, capture_output=True, text=True,
+        [sys.executable, "-c", SCRIPT],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -41,7 +41,7 @@ class Model(nnx.Module):
         tables = [
             jr.EmbeddingBagConfig(
                 name=t, embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{t}"]
-            )  # fmt: skip
+            )
             for t in PLAN
         ]
         self.ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
@@ -71,8 +71,16 @@ def main(mode: str, rows: int) -> int:
     growth = (peak_kib() - before) * 1024
     table_bytes = len(PLAN) * rows * DIM * 4
     buffers = sum(v.get_value().nbytes for v in model.ebc.weights.values())
-    print(json.dumps({"mode": mode, "table_bytes": table_bytes, "buffer_bytes": buffers,
-                      "peak_growth": growth}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "table_bytes": table_bytes,
+                "buffer_bytes": buffers,
+                "peak_growth": growth,
+            }
+        )
+    )
     return 0
 
 

@@ -111,9 +111,11 @@ def main(process_id: int, port: int) -> int:
     drawn_as_eager = all(
         np.array_equal(built[k], np.asarray(v)) for k, v in eager.ebc.state_dict().items()
     ) and all(
-        np.array_equal(a, np.asarray(b)) for a, b in
-        zip(dense_params(model), jax.tree.leaves(nnx.state(eager, nnx.Param)), strict=True)
-    )  # fmt: skip
+        np.array_equal(a, np.asarray(b))
+        for a, b in zip(
+            dense_params(model), jax.tree.leaves(nnx.state(eager, nnx.Param)), strict=True
+        )
+    )
     opt = optimizer()
     graphdef, state = train.init_train_state(model, opt)
     step = train.make_train_step(graphdef, opt, loss_fn)
@@ -148,8 +150,13 @@ def main(process_id: int, port: int) -> int:
         ),
     }
     ok = drawn_as_eager and all(v <= TOL for v in diffs.values())
-    report = {"process": process_id, "losses": losses, "max_abs_diff": diffs,
-              "drawn_as_eager": drawn_as_eager, "ok": ok}  # fmt: skip
+    report = {
+        "process": process_id,
+        "losses": losses,
+        "max_abs_diff": diffs,
+        "drawn_as_eager": drawn_as_eager,
+        "ok": ok,
+    }
     print(json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("done")  # neither process leaves the other mid-collective
     return 0 if ok else 1

@@ -23,12 +23,15 @@ def tables():
             name="t1", embedding_dim=8, num_embeddings=50, feature_names=["f1", "f2"]
         ),
         jr.EmbeddingBagConfig(
-            name="t2", embedding_dim=6, num_embeddings=37, feature_names=["f3"],
+            name="t2",
+            embedding_dim=6,
+            num_embeddings=37,
+            feature_names=["f3"],
             pooling=jr.PoolingType.MEAN,
         ),
         jr.EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=20, feature_names=["f4"]),
         jr.EmbeddingBagConfig(name="t4", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
-    ]  # fmt: skip
+    ]
 
 
 def mesh_1d():
@@ -65,10 +68,11 @@ def batches(rng, world=8, weighted=False, empty_key_on=(2,)):
         bags = {}
         for k in KEYS:
             bags[k] = [
-                [] if (k == "f3" and dev in empty_key_on) or rng.random() < 0.2
+                []
+                if (k == "f3" and dev in empty_key_on) or rng.random() < 0.2
                 else rng.integers(0, ROWS[k], int(rng.integers(1, 5))).tolist()
                 for _ in range(B)
-            ]  # fmt: skip
+            ]
             bags[k][1] = bags[k][1] + bags[k][1][:1]  # a duplicate id
         ws = {k: [rng.uniform(0.5, 2, len(b)).tolist() for b in bags[k]] for k in KEYS}
         for k in KEYS:
@@ -100,10 +104,13 @@ def uneven_columns(widths, ranks=None, hosts=None):
         else:
             kind, size = d.ShardingType.GRID_SHARD, -(-t.num_embeddings // local_size)
             blocks = [
-                [(i * size, min(size, t.num_embeddings - i * size), h * local_size + i)
-                 for i in range(local_size) if i * size < t.num_embeddings]
+                [
+                    (i * size, min(size, t.num_embeddings - i * size), h * local_size + i)
+                    for i in range(local_size)
+                    if i * size < t.num_embeddings
+                ]
                 for h in hosts
-            ]  # fmt: skip
+            ]
         per_col = [[b] for b in blocks] if hosts is None else blocks
         spec = tuple(
             d.ShardMetadata(shard_offsets=(r0, c0), shard_sizes=(nr, w), placement=rank)
@@ -111,9 +118,11 @@ def uneven_columns(widths, ranks=None, hosts=None):
             for r0, nr, rank in col
         )
         return d.ParameterSharding(
-            sharding_type=kind, compute_kernel=d.EmbeddingComputeKernel.FUSED,
-            ranks=tuple(sorted({x.placement for x in spec})), sharding_spec=spec,
-        )  # fmt: skip
+            sharding_type=kind,
+            compute_kernel=d.EmbeddingComputeKernel.FUSED,
+            ranks=tuple(sorted({x.placement for x in spec})),
+            sharding_spec=spec,
+        )
 
     return gen
 

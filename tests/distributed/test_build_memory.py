@@ -20,9 +20,13 @@ ROWS = 500_000  # four tables of 500k x 128 fp32: 1 GB
 def _run(mode: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
-        [sys.executable, WORKER, mode, str(ROWS)], capture_output=True, text=True, env=env,
-        timeout=600, check=False,
-    )  # fmt: skip
+        [sys.executable, WORKER, mode, str(ROWS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

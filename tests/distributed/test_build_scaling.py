@@ -27,7 +27,7 @@ def _tables(n):
             num_embeddings=40 + 7 * i,
             feature_names=[f"f{i}"],
             pooling=jr.PoolingType.MEAN if i % 3 == 0 else jr.PoolingType.SUM,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -53,9 +53,11 @@ def _batch(tables, mesh):
     for _ in range(mesh.size):
         lengths = rng.integers(0, 3, 4 * len(tables))
         values = np.concatenate(
-            [rng.integers(0, t.num_embeddings, lengths[4 * i : 4 * i + 4].sum())
-             for i, t in enumerate(tables)]
-        )  # fmt: skip
+            [
+                rng.integers(0, t.num_embeddings, lengths[4 * i : 4 * i + 4].sum())
+                for i, t in enumerate(tables)
+            ]
+        )
         kjt = jr.KeyedJaggedTensor.from_lengths_sync(
             keys, values, lengths, capacities={k: 8 for k in keys}
         )
@@ -87,9 +89,10 @@ def _step_equations(n_tables, mesh, plan_for):
 def _plan(gen):
     def plan_for(tables):
         ebc = d.construct_module_sharding_plan(
-            Model(tables, rngs=nnx.Rngs(0)).ebc, {t.name: gen(i) for i, t in enumerate(tables)},
+            Model(tables, rngs=nnx.Rngs(0)).ebc,
+            {t.name: gen(i) for i, t in enumerate(tables)},
             world_size=8,
-        )  # fmt: skip
+        )
         return d.ShardingPlan({"ebc": ebc})
 
     return plan_for

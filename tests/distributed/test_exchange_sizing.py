@@ -140,9 +140,13 @@ def _skewed(kjt, rng):
     values = np.asarray(kjt.values()).copy()
     values[:] = rng.integers(0, 6, values.shape[0])
     return jr.KeyedJaggedTensor.from_parts(
-        kjt.keys(), jnp.asarray(values), kjt.lengths(), kjt.weights_or_none(),
-        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
-    )  # fmt: skip
+        kjt.keys(),
+        jnp.asarray(values),
+        kjt.lengths(),
+        kjt.weights_or_none(),
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
 
 
 def test_measured_capacities_absorb_skew():

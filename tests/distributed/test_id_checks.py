@@ -10,9 +10,11 @@ from jaxrec.xla.bounds import BoundsCheckMode, collect_checks
 def _kjt():
     # f1: bags [0, 9], [12]; f2: bags [3], [-1, 4]; f3 (unchecked): [100]; capacity 4 each
     return jr.KeyedJaggedTensor.from_lengths_sync(
-        ["f1", "f2", "f3"], [0, 9, 12, 3, -1, 4, 100], [2, 1, 1, 2, 1, 0],
+        ["f1", "f2", "f3"],
+        [0, 9, 12, 3, -1, 4, 100],
+        [2, 1, 1, 2, 1, 0],
         capacities={"f1": 4, "f2": 4, "f3": 4},
-    )  # fmt: skip
+    )
 
 
 def test_counts_and_first_bad_id_per_feature_and_table():

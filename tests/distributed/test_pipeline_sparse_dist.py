@@ -44,9 +44,11 @@ def _setup(make, **kwargs):
     model = PooledAndSequence(rngs=nnx.Rngs(1))
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     plan = d.ShardingPlan(
-        {k: d.construct_module_sharding_plan(getattr(model, k), p, world_size=8, local_size=8)
-         for k, p in (("ebc", PLAN), ("ec", EC_PLAN))}
-    )  # fmt: skip
+        {
+            k: d.construct_module_sharding_plan(getattr(model, k), p, world_size=8, local_size=8)
+            for k, p in (("ebc", PLAN), ("ec", EC_PLAN))
+        }
+    )
     model = d.DistributedModelParallel(model, plan, mesh, capacity=2)
     opt = CombinedOptimizer(optax.adam(0.01), optim.rowwise_adagrad(0.1))
     graphdef, state = train.init_train_state(model, opt)

@@ -80,8 +80,9 @@ def test_feature_processed_and_managed_collision_wrappers():
     eager = Wrapped()
     fp_plan = d.construct_module_sharding_plan(
         eager.fp.embedding_bag_collection(),
-        {"t1": d.data_parallel(), "t2": d.column_wise([1, 2, 3])}, world_size=8,
-    )  # fmt: skip
+        {"t1": d.data_parallel(), "t2": d.column_wise([1, 2, 3])},
+        world_size=8,
+    )
     mc_plan = d.construct_module_sharding_plan(
         eager.mc.embedding_bag_collection, {"t3": d.row_wise()}, world_size=8
     )
@@ -141,8 +142,13 @@ def _dlrm_batches(rows, world, seed):
         kjt = jr.KeyedJaggedTensor.from_lengths_sync(
             keys, values, np.full(4 * len(rows), 2), capacities={k: 8 for k in keys}
         )
-        out.append((rng.normal(size=(4, 4)).astype(np.float32), kjt,
-                    rng.integers(0, 2, 4).astype(np.float32)))  # fmt: skip
+        out.append(
+            (
+                rng.normal(size=(4, 4)).astype(np.float32),
+                kjt,
+                rng.integers(0, 2, 4).astype(np.float32),
+            )
+        )
     return out
 
 
@@ -201,8 +207,12 @@ def test_an_abstract_model_without_its_constructor_is_refused():
 def test_tables_with_an_init_fn_are_refused_by_shard():
     class One(nnx.Module):
         def __init__(self):
-            t = jr.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=16,
-                                      init_fn=lambda k, s, dt: jnp.ones(s, dt))  # fmt: skip
+            t = jr.EmbeddingBagConfig(
+                name="t",
+                embedding_dim=4,
+                num_embeddings=16,
+                init_fn=lambda k, s, dt: jnp.ones(s, dt),
+            )
             self.ebc = jr.EmbeddingBagCollection([t], rngs=nnx.Rngs(0))
 
     make = One

@@ -194,9 +194,13 @@ def _with_wide_id(kjt, wide: bool):
     ids[p] = 2**32 + ids[p] if wide else -1
     values = to_id_words(ids) if wide else ids.astype(np.int32)
     return KeyedJaggedTensor.from_parts(
-        kjt.keys(), values, np.asarray(kjt.lengths()), kjt.weights_or_none(),
-        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
-    )  # fmt: skip
+        kjt.keys(),
+        values,
+        np.asarray(kjt.lengths()),
+        kjt.weights_or_none(),
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
 
 
 def test_id_words_batch_equals_wide_ids_dropped():

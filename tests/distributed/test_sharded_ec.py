@@ -23,7 +23,7 @@ def ec_tables():
         jr.EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=37, feature_names=["f3"]),
         jr.EmbeddingConfig(name="t3", embedding_dim=4, num_embeddings=20, feature_names=["f4"]),
         jr.EmbeddingConfig(name="t4", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
-    ]  # fmt: skip
+    ]
 
 
 def _valid(jt):
@@ -55,18 +55,26 @@ def loss_fn(model, batch):
 
 PLANS = {  # every sharding type, and data-parallel, across the two cases
     "1d": (
-        {"t1": d.row_wise(), "t2": d.column_wise([3, 6, 0]), "t3": d.table_wise(5),
-         "t4": d.data_parallel()},
+        {
+            "t1": d.row_wise(),
+            "t2": d.column_wise([3, 6, 0]),
+            "t3": d.table_wise(5),
+            "t4": d.data_parallel(),
+        },
         mesh_1d,
         1,
     ),
     "2d": (
-        {"t1": d.grid_shard([0, 1]), "t2": d.table_row_wise(1), "t3": d.table_column_wise(0, 2),
-         "t4": d.table_wise(6)},
+        {
+            "t1": d.grid_shard([0, 1]),
+            "t2": d.table_row_wise(1),
+            "t3": d.table_column_wise(0, 2),
+            "t4": d.table_wise(6),
+        },
         mesh_2d,
         2,
     ),
-}  # fmt: skip
+}
 STEPS = 2
 
 
@@ -106,9 +114,10 @@ def unsharded():
 
 
 @pytest.mark.parametrize(
-    ("case", "capacity"), [("1d", 1), ("2d", None), ("2d", 1)],
+    ("case", "capacity"),
+    [("1d", 1), ("2d", None), ("2d", 1)],
     ids=["1d-overflow", "2d-statistics", "2d-overflow"],
-)  # fmt: skip
+)
 def test_sequence_training_equals_unsharded(unsharded, case, capacity):
     """Forward rows (and ids) per device, losses, tables and dense params after training.
 

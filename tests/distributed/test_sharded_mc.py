@@ -33,10 +33,12 @@ def _collection():
             32, eviction_policy=LFU_EvictionPolicy(), eviction_interval=2, input_hash_size=80
         ),
         "u": MCHManagedCollisionModule(
-            24, eviction_policy=DistanceLFU_EvictionPolicy(), eviction_interval=3,
+            24,
+            eviction_policy=DistanceLFU_EvictionPolicy(),
+            eviction_interval=3,
             input_hash_func=hash_ids,
         ),
-    }  # fmt: skip
+    }
     return ManagedCollisionCollection(modules, configs), configs
 
 

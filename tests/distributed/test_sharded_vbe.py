@@ -52,9 +52,12 @@ def global_batch(plain, ys):
     parts = {k: [p[k] for p in plain] for k in KEYS}
     lengths = np.concatenate([np.asarray(jt.lengths()) for k in KEYS for jt in parts[k]])
     values = np.concatenate(
-        [np.asarray(jt.values())[: int(np.asarray(jt.lengths()).sum())] for k in KEYS
-         for jt in parts[k]]
-    )  # fmt: skip
+        [
+            np.asarray(jt.values())[: int(np.asarray(jt.lengths()).sum())]
+            for k in KEYS
+            for jt in parts[k]
+        ]
+    )
     caps = {k: CAP * len(plain) for k in KEYS}
     kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths, capacities=caps)
     return kjt, jnp.asarray(np.concatenate(ys))

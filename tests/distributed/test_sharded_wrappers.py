@@ -23,22 +23,33 @@ class Wrapped(nnx.Module):
 
     def __init__(self):
         fp_tables = [
-            jr.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=50,
-                                  feature_names=["f1", "f2"]),
-            jr.EmbeddingBagConfig(name="t2", embedding_dim=6, num_embeddings=37,
-                                  feature_names=["f3"], pooling=jr.PoolingType.MEAN),
-        ]  # fmt: skip
+            jr.EmbeddingBagConfig(
+                name="t1", embedding_dim=8, num_embeddings=50, feature_names=["f1", "f2"]
+            ),
+            jr.EmbeddingBagConfig(
+                name="t2",
+                embedding_dim=6,
+                num_embeddings=37,
+                feature_names=["f3"],
+                pooling=jr.PoolingType.MEAN,
+            ),
+        ]
         ebc = jr.EmbeddingBagCollection(fp_tables, is_weighted=True, rngs=nnx.Rngs(0))
         pw = {f: jm.PositionWeightedModule(3) for f in ("f1", "f2", "f3")}
         for i, m in enumerate(pw.values()):
             m.position_weight.set_value(jnp.linspace(0.5, 1.5, 3) + i)
         self.fp = jm.FeatureProcessedEmbeddingBagCollection(ebc, pw)
-        mc_tables = [jr.EmbeddingBagConfig(name="t3", embedding_dim=4, num_embeddings=16,
-                                           feature_names=["f4"])]  # fmt: skip
+        mc_tables = [
+            jr.EmbeddingBagConfig(
+                name="t3", embedding_dim=4, num_embeddings=16, feature_names=["f4"]
+            )
+        ]
         mch = jm.MCHManagedCollisionModule(
-            16, eviction_policy=jm.LFU_EvictionPolicy(), eviction_interval=1,
+            16,
+            eviction_policy=jm.LFU_EvictionPolicy(),
+            eviction_interval=1,
             history_capacity=128,
-        )  # fmt: skip
+        )
         self.mc = jm.ManagedCollisionEmbeddingBagCollection(
             jr.EmbeddingBagCollection(mc_tables, rngs=nnx.Rngs(1)),
             jm.ManagedCollisionCollection({"t3": mch}, mc_tables),
@@ -71,8 +82,9 @@ def test_wrapped_collections_train_as_unsharded():
     model = Wrapped()
     fp_plan = d.construct_module_sharding_plan(
         model.fp.embedding_bag_collection(),
-        {"t1": d.data_parallel(), "t2": d.column_wise([1, 2, 3])}, world_size=8,
-    )  # fmt: skip
+        {"t1": d.data_parallel(), "t2": d.column_wise([1, 2, 3])},
+        world_size=8,
+    )
     mc_plan = d.construct_module_sharding_plan(
         model.mc.embedding_bag_collection, {"t3": d.row_wise()}, world_size=8
     )

@@ -39,9 +39,12 @@ def words_kjt(keys, bags, cap):
     pos = np.clip(np.asarray(idx.values()), 0, max(len(ids) - 1, 0))
     values = words[pos] if len(ids) else np.zeros((pos.shape[0], 2), np.uint32)
     return jr.KeyedJaggedTensor.from_parts(
-        keys, jnp.asarray(values), idx.lengths(),
-        capacities=idx.capacity_per_key(), stride=idx.stride(),
-    )  # fmt: skip
+        keys,
+        jnp.asarray(values),
+        idx.lengths(),
+        capacities=idx.capacity_per_key(),
+        stride=idx.stride(),
+    )
 
 
 def drifting_id(i: int) -> int:
@@ -96,14 +99,19 @@ def _collection():
             64, ways=4, admission=jm.FrequencyAdmission(threshold=2)
         ),  # LRU
         "u": jm.HashZchManagedCollisionModule(
-            32, ways=2, eviction_config=jm.HashZchEvictionConfig(policy=Policy.LFU_EVICTION),
+            32,
+            ways=2,
+            eviction_config=jm.HashZchEvictionConfig(policy=Policy.LFU_EVICTION),
             input_hash_seed=7,
         ),
         "v": jm.HashZchManagedCollisionModule(
-            32, ways=4, eviction_config=jm.HashZchEvictionConfig(
-                policy=Policy.SINGLE_TTL_EVICTION, single_ttl=1),
+            32,
+            ways=4,
+            eviction_config=jm.HashZchEvictionConfig(
+                policy=Policy.SINGLE_TTL_EVICTION, single_ttl=1
+            ),
         ),
-    }  # fmt: skip
+    }
     return jm.ManagedCollisionCollection(modules, configs), configs
 
 
@@ -149,8 +157,9 @@ def test_bad_collections_say_what_to_fix():
     odd = jm.ManagedCollisionCollection({"t": jm.HashZchManagedCollisionModule(24, ways=4)}, cfg)
     with pytest.raises(ValueError, match="must split evenly over the 8 shards"):
         d.ShardedHashZchCollection(odd, mesh)
-    mch = jm.MCHManagedCollisionModule(24, eviction_policy=jm.LFU_EvictionPolicy(),
-                                       eviction_interval=1)  # fmt: skip
+    mch = jm.MCHManagedCollisionModule(
+        24, eviction_policy=jm.LFU_EvictionPolicy(), eviction_interval=1
+    )
     with pytest.raises(TypeError, match="dynamic tables only"):
         d.ShardedHashZchCollection(jm.ManagedCollisionCollection({"t": mch}, cfg), mesh)
     two = [dataclasses.replace(cfg[0], name="u", feature_names=["b"]), *cfg]
@@ -175,22 +184,25 @@ class Model(nnx.Module):
 
     def __init__(self):
         tables = [
-            jr.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=64,
-                                  feature_names=["a", "b"]),
-            jr.EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=32,
-                                  feature_names=["c"]),
-        ]  # fmt: skip
+            jr.EmbeddingBagConfig(
+                name="t", embedding_dim=4, num_embeddings=64, feature_names=["a", "b"]
+            ),
+            jr.EmbeddingBagConfig(
+                name="u", embedding_dim=4, num_embeddings=32, feature_names=["c"]
+            ),
+        ]
         lfu = jm.HashZchEvictionConfig(policy=Policy.LFU_EVICTION)
         mcc = jm.ManagedCollisionCollection(
             {
                 "t": jm.HashZchManagedCollisionModule(
                     64, ways=4, admission=jm.FrequencyAdmission(threshold=2), max_evictions=48
                 ),
-                "u": jm.HashZchManagedCollisionModule(32, ways=2, eviction_config=lfu,
-                                                      max_evictions=32),
+                "u": jm.HashZchManagedCollisionModule(
+                    32, ways=2, eviction_config=lfu, max_evictions=32
+                ),
             },
             tables,
-        )  # fmt: skip
+        )
         ebc = jr.EmbeddingBagCollection(
             tables, bounds_check_mode=BoundsCheckMode.IGNORE, rngs=nnx.Rngs(0)
         )
@@ -209,9 +221,10 @@ def loss_fn(model, batch):
 def sharded_model(mesh):
     model = Model()
     plan = d.construct_module_sharding_plan(
-        model.mc.embedding_bag_collection, {"t": d.row_wise(), "u": d.row_wise()},
+        model.mc.embedding_bag_collection,
+        {"t": d.row_wise(), "u": d.row_wise()},
         world_size=mesh.size,
-    )  # fmt: skip
+    )
     model = d.DistributedModelParallel(model, d.ShardingPlan({"mc": plan}), mesh)
     assert isinstance(model.mc.managed_collision_collection, d.ShardedHashZchCollection)
     graphdef, state = train.init_train_state(model, OPT)

@@ -79,6 +79,10 @@ def criteo_planned_build(*, dim=128):
 
 
 CASES = (
-    Case(name="criteo_planned_build_8x80gb", target="build_cases:criteo_planned_build",
-         kwargs={}, timeout_s=600.0),
-)  # fmt: skip
+    Case(
+        name="criteo_planned_build_8x80gb",
+        target="build_cases:criteo_planned_build",
+        kwargs={},
+        timeout_s=600.0,
+    ),
+)

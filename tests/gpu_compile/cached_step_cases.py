@@ -38,8 +38,12 @@ BATCH, IDS_PER_BAG = 8192, 20
 
 
 def _layout(rows: int, load_factor: float, algorithm: str) -> sets.SetLayout:
-    return sets.set_layout(rows, 1, jc.slots_per_shard(rows, 1, jc.CacheParams(
-        load_factor=load_factor)), CacheAlgorithm(algorithm))  # fmt: skip
+    return sets.set_layout(
+        rows,
+        1,
+        jc.slots_per_shard(rows, 1, jc.CacheParams(load_factor=load_factor)),
+        CacheAlgorithm(algorithm),
+    )
 
 
 def _state(layout: sets.SetLayout, mesh) -> sets.SlotState:
@@ -59,8 +63,15 @@ def _facts(layout, tables: int, ids_scanned: int, dim: int, seconds: float) -> d
     }
 
 
-def plan_table(*, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, batch=BATCH,
-               ids_per_bag=IDS_PER_BAG):  # fmt: skip
+def plan_table(
+    *,
+    algorithm="lru",
+    rows=ROWS,
+    dim=DIM,
+    load_factor=LOAD_FACTOR,
+    batch=BATCH,
+    ids_per_bag=IDS_PER_BAG,
+):
     """One table's ``plan_sets`` (state donated, as ``RowCache`` runs it)."""
     layout = _layout(rows, load_factor, algorithm)
     mesh = deviceless.mesh(deviceless.topology("1x1x1"))
@@ -77,14 +88,21 @@ def plan_table(*, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, 
     return compiled, _facts(layout, 1, n, dim, time.perf_counter() - t0)
 
 
-def plan_batch(*, tables=2, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR,
-               batch=BATCH, ids_per_bag=IDS_PER_BAG):  # fmt: skip
+def plan_batch(
+    *,
+    tables=2,
+    algorithm="lru",
+    rows=ROWS,
+    dim=DIM,
+    load_factor=LOAD_FACTOR,
+    batch=BATCH,
+    ids_per_bag=IDS_PER_BAG,
+):
     """``device_maps._plan_batch`` over ``tables`` tables, one feature each in one KJT."""
     layout = _layout(rows, load_factor, algorithm)
     mesh = deviceless.mesh(deviceless.topology("1x1x1"))
     cap = batch * ids_per_bag  # each table's feature: its static slice of the values
-    routes = tuple(device_maps._Route(f"t{i}", layout, ((0, i * cap, cap),))
-                   for i in range(tables))  # fmt: skip
+    routes = tuple(device_maps._Route(f"t{i}", layout, ((0, i * cap, cap),)) for i in range(tables))
     n = tables * cap  # the KJT's values: every table's ids
     states = tuple(_state(layout, mesh) for _ in routes)
     values = (deviceless.abstract((n,), jnp.int32, mesh),)
@@ -99,8 +117,9 @@ def plan_batch(*, tables=2, algorithm="lru", rows=ROWS, dim=DIM, load_factor=LOA
     return compiled, _facts(layout, tables, n, dim, time.perf_counter() - t0)
 
 
-def cached_step(*, tables=4, rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, batch=BATCH,
-                ids_per_bag=IDS_PER_BAG):  # fmt: skip
+def cached_step(
+    *, tables=4, rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, batch=BATCH, ids_per_bag=IDS_PER_BAG
+):
     """The DLRM train step (row-wise Adagrad) on ``tables`` cached tables' slot tables."""
     logical = sc._tables([rows] * tables, dim)
     params = {t.name: jc.CacheParams(load_factor=load_factor) for t in logical}
@@ -130,12 +149,28 @@ def cached_step(*, tables=4, rows=ROWS, dim=DIM, load_factor=LOAD_FACTOR, batch=
 PLAN_TIMEOUT_S, STEP_TIMEOUT_S = 300.0, 600.0
 # The step first: one worker compiles it while the other takes the plans.
 CASES = (
-    Case(name="cached_step_4_tables", target="cached_step_cases:cached_step",
-         kwargs={"tables": 4}, timeout_s=STEP_TIMEOUT_S),
-    Case(name="plan_table_lru", target="cached_step_cases:plan_table",
-         kwargs={"algorithm": "lru"}, timeout_s=PLAN_TIMEOUT_S),
-    Case(name="plan_table_lfu", target="cached_step_cases:plan_table",
-         kwargs={"algorithm": "lfu"}, timeout_s=PLAN_TIMEOUT_S),
-    Case(name="plan_batch_2_tables", target="cached_step_cases:plan_batch",
-         kwargs={"tables": 2}, timeout_s=PLAN_TIMEOUT_S),
-)  # fmt: skip
+    Case(
+        name="cached_step_4_tables",
+        target="cached_step_cases:cached_step",
+        kwargs={"tables": 4},
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+    Case(
+        name="plan_table_lru",
+        target="cached_step_cases:plan_table",
+        kwargs={"algorithm": "lru"},
+        timeout_s=PLAN_TIMEOUT_S,
+    ),
+    Case(
+        name="plan_table_lfu",
+        target="cached_step_cases:plan_table",
+        kwargs={"algorithm": "lfu"},
+        timeout_s=PLAN_TIMEOUT_S,
+    ),
+    Case(
+        name="plan_batch_2_tables",
+        target="cached_step_cases:plan_batch",
+        kwargs={"tables": 2},
+        timeout_s=PLAN_TIMEOUT_S,
+    ),
+)

@@ -109,9 +109,15 @@ def fused_update(*, optimizer, dim, dtype="float32", block_rows=8, num_warps=4, 
     occurrences = _s((ids,), "int32")
     out_grad = _s((BAGS, dim), "float32")
     return compile_abstract(
-        fn, table, state, out_grad, occurrences, _s((ids,), "float32"), occurrences,
+        fn,
+        table,
+        state,
+        out_grad,
+        occurrences,
+        _s((ids,), "float32"),
+        occurrences,
         _s((ids,), "bool"),
-    )  # fmt: skip
+    )
 
 
 def update(*, optimizer, dim, dtype="float32", state_rows=False):

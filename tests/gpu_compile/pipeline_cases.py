@@ -53,14 +53,20 @@ def entry_schedule(text: str) -> list[tuple[str, str, str, str]]:
 def ahead_window(text: str) -> dict:
     """Where the next batch's ids ``all-to-all`` starts and ends, and what runs between."""
     ops = entry_schedule(text)
-    starts = [i for i, (_, _, op, rest) in enumerate(ops)
-              if op == "all-to-all-start" and AHEAD_SCOPE in rest]  # fmt: skip
+    starts = [
+        i
+        for i, (_, _, op, rest) in enumerate(ops)
+        if op == "all-to-all-start" and AHEAD_SCOPE in rest
+    ]
     if len(starts) != 1:
         return {"starts": len(starts)}
     start = starts[0]
     name = ops[start][0]
-    done = next(i for i, (_, _, op, rest) in enumerate(ops) if op == "all-to-all-done"
-                and rest.startswith(name + ")"))  # fmt: skip
+    done = next(
+        i
+        for i, (_, _, op, rest) in enumerate(ops)
+        if op == "all-to-all-done" and rest.startswith(name + ")")
+    )
     between: dict[str, int] = {}
     for _, _, op, _ in ops[start + 1 : done]:
         if op in COMPUTE:
@@ -106,6 +112,9 @@ def sparse_dist_step(*, batch=256, ids_per_bag=4):
 
 
 CASES = (
-    Case(name="sparse_dist_step_1x1x8", target="pipeline_cases:sparse_dist_step",
-         timeout_s=STEP_TIMEOUT_S),
-)  # fmt: skip
+    Case(
+        name="sparse_dist_step_1x1x8",
+        target="pipeline_cases:sparse_dist_step",
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+)

@@ -33,10 +33,33 @@ EBC_PATH = "sparse_arch.embedding_bag_collection"
 DENSE = 13  # Criteo's dense features
 # MLPerf DLRM-DCNv2's 26 Criteo 1TB tables (rows): 105 GB in fp32 at dim 128.
 CRITEO_ROWS = (
-    40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956,
-    405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152,
-    12_973, 108, 36,
-)  # fmt: skip
+    40_000_000,
+    39_060,
+    17_295,
+    7_424,
+    20_265,
+    3,
+    7_122,
+    1_543,
+    63,
+    40_000_000,
+    3_067_956,
+    405_282,
+    10,
+    2_209,
+    11_938,
+    155,
+    4,
+    976,
+    14,
+    40_000_000,
+    40_000_000,
+    40_000_000,
+    590_152,
+    12_973,
+    108,
+    36,
+)
 # One table per sharding type (1x1x8) and the host-based ones across 2 hosts (1x2x4).
 PLANS = {
     "1x1x8": {
@@ -124,12 +147,22 @@ def _kernels(compiled) -> dict[str, int]:
     """Custom calls of the GPU program: Pallas (Triton) kernels, and jaxrec's CPU FFI targets
     (which must never land in a GPU program: the lowering platform picks the branch)."""
     text = compiled.as_text()
-    return {"triton": text.count('custom_call_target="__gpu$xla.gpu.triton"'),
-            "cpu_ffi": text.count('custom_call_target="jaxrec_')}  # fmt: skip
+    return {
+        "triton": text.count('custom_call_target="__gpu$xla.gpu.triton"'),
+        "cpu_ffi": text.count('custom_call_target="jaxrec_'),
+    }
 
 
-def dlrm_unsharded(*, rows=10_000_000, num_tables=8, dim=128, batch=4096, ids_per_bag=20,
-                   implementation=None, bounds_check=None):  # fmt: skip
+def dlrm_unsharded(
+    *,
+    rows=10_000_000,
+    num_tables=8,
+    dim=128,
+    batch=4096,
+    ids_per_bag=20,
+    implementation=None,
+    bounds_check=None,
+):
     """One H100: 8 tables of 10M x 128 fp32 (41 GB), row-wise Adagrad, batch 4096 x 20 ids."""
     tables = _tables([rows] * num_tables, dim)
     mesh = ds.gpu_mesh("1x1x1")
@@ -152,8 +185,9 @@ def dlrm_unsharded(*, rows=10_000_000, num_tables=8, dim=128, batch=4096, ids_pe
     return compiled, facts
 
 
-def _sharded(tables, plan, topology, batch, ids_per_bag, implementation, bounds_check,
-             exchange="padded"):  # fmt: skip
+def _sharded(
+    tables, plan, topology, batch, ids_per_bag, implementation, bounds_check, exchange="padded"
+):
     mesh = ds.gpu_mesh(topology)
     opt = _optimizer()
 
@@ -163,9 +197,13 @@ def _sharded(tables, plan, topology, batch, ids_per_bag, implementation, bounds_
 
     t0 = time.perf_counter()
     compiled, state = ds.compile_train_step(
-        build, opt, _loss, _local_batch(tables, batch, ids_per_bag), mesh,
+        build,
+        opt,
+        _loss,
+        _local_batch(tables, batch, ids_per_bag),
+        mesh,
         implementation=implementation,
-    )  # fmt: skip
+    )
     seconds = time.perf_counter() - t0
     _, hosts, local = (int(x) for x in topology.split("x"))
     estimate = ds.planner_estimate(
@@ -186,8 +224,17 @@ def _sharded(tables, plan, topology, batch, ids_per_bag, implementation, bounds_
     return compiled, facts
 
 
-def dlrm_sharded(*, topology="1x1x8", rows=10_000_000, dim=128, batch=4096, ids_per_bag=20,
-                 implementation=None, bounds_check=None, exchange="padded"):  # fmt: skip
+def dlrm_sharded(
+    *,
+    topology="1x1x8",
+    rows=10_000_000,
+    dim=128,
+    batch=4096,
+    ids_per_bag=20,
+    implementation=None,
+    bounds_check=None,
+    exchange="padded",
+):
     """One table (10M x 128) per sharding type of ``PLANS[topology]``, on 8 H100s
     (``exchange="ragged"``: ids and pooled blocks by ``ragged_all_to_all``)."""
     gens = PLANS[topology]
@@ -221,15 +268,35 @@ def dlrm_planned(*, batch=4096, ids_per_bag=20, implementation=None, bounds_chec
 _NOW: dict = {}
 STEP_TIMEOUT_S = 600.0  # a sharded step compiles in ~30 s on 2 busy cores
 CASES = (
-    Case(name="dlrm_unsharded_1gpu", target="step_cases:dlrm_unsharded", kwargs=_NOW,
-         timeout_s=STEP_TIMEOUT_S),
-    Case(name="dlrm_unsharded_1gpu_pallas", target="step_cases:dlrm_unsharded",
-         kwargs={**_NOW, "implementation": "pallas"}, timeout_s=STEP_TIMEOUT_S),
-    Case(name="dlrm_sharded_1x1x8_every_type", target="step_cases:dlrm_sharded",
-         kwargs={**_NOW, "topology": "1x1x8"}, timeout_s=STEP_TIMEOUT_S),
+    Case(
+        name="dlrm_unsharded_1gpu",
+        target="step_cases:dlrm_unsharded",
+        kwargs=_NOW,
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+    Case(
+        name="dlrm_unsharded_1gpu_pallas",
+        target="step_cases:dlrm_unsharded",
+        kwargs={**_NOW, "implementation": "pallas"},
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+    Case(
+        name="dlrm_sharded_1x1x8_every_type",
+        target="step_cases:dlrm_sharded",
+        kwargs={**_NOW, "topology": "1x1x8"},
+        timeout_s=STEP_TIMEOUT_S,
+    ),
     # the ragged exchange (ids and pooled blocks) has the padded one's buffers
-    Case(name="dlrm_sharded_1x2x4_host_types", target="step_cases:dlrm_sharded",
-         kwargs={**_NOW, "topology": "1x2x4", "exchange": "ragged"}, timeout_s=STEP_TIMEOUT_S),
-    Case(name="dlrm_planned_8x80gb", target="step_cases:dlrm_planned", kwargs=_NOW,
-         timeout_s=STEP_TIMEOUT_S),
-)  # fmt: skip
+    Case(
+        name="dlrm_sharded_1x2x4_host_types",
+        target="step_cases:dlrm_sharded",
+        kwargs={**_NOW, "topology": "1x2x4", "exchange": "ragged"},
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+    Case(
+        name="dlrm_planned_8x80gb",
+        target="step_cases:dlrm_planned",
+        kwargs=_NOW,
+        timeout_s=STEP_TIMEOUT_S,
+    ),
+)

@@ -20,8 +20,10 @@ def results():
     require_deviceless()
     got = run_cases(cached_step_cases.CASES)
     for name, r in got.items():  # shown with -s
-        print(f"\n{name}: {'ok' if r.ok else r.error} in {r.seconds or 0:.1f} s, "
-              f"memory {r.memory}, facts {r.facts}")  # fmt: skip
+        print(
+            f"\n{name}: {'ok' if r.ok else r.error} in {r.seconds or 0:.1f} s, "
+            f"memory {r.memory}, facts {r.facts}"
+        )
     return got
 
 

@@ -28,9 +28,12 @@ SLOTS, WAYS, IDS = 10_000_000, 16, 8192 * 20
 def index_step(*, policy="lru", admission=0):
     eviction = HashZchEvictionConfig(policy=HashZchEvictionPolicyName[f"{policy.upper()}_EVICTION"])
     layout = zi.ZchLayout(
-        slots=SLOTS, ways=WAYS, total_buckets=SLOTS // WAYS, eviction=eviction,
+        slots=SLOTS,
+        ways=WAYS,
+        total_buckets=SLOTS // WAYS,
+        eviction=eviction,
         admission=FrequencyAdmission(threshold=admission) if admission else None,
-    )  # fmt: skip
+    )
     mesh = deviceless.mesh(deviceless.topology("1x1x1"))
     state = deviceless.abstract_like(jax.eval_shape(lambda: zi.empty_state(layout)), mesh)
     words = [deviceless.abstract((IDS,), jnp.uint32, mesh) for _ in range(2)]
@@ -44,8 +47,12 @@ def index_step(*, policy="lru", admission=0):
         .compile(compiler_options=deviceless.COMPILER_OPTIONS)
     )
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    facts = {"compile_s": round(time.perf_counter() - t0, 2), "state_bytes": state_bytes,
-             "ids": IDS, "ways": WAYS}  # fmt: skip
+    facts = {
+        "compile_s": round(time.perf_counter() - t0, 2),
+        "state_bytes": state_bytes,
+        "ids": IDS,
+        "ways": WAYS,
+    }
     return compiled, facts
 
 

@@ -20,10 +20,13 @@ def tables():
     return [
         jr.EmbeddingBagConfig(name="t1", embedding_dim=10, num_embeddings=30, feature_names=["f1"]),
         jr.EmbeddingBagConfig(
-            name="t2", embedding_dim=16, num_embeddings=40, feature_names=["f2", "f3"],
+            name="t2",
+            embedding_dim=16,
+            num_embeddings=40,
+            feature_names=["f2", "f3"],
             pooling=jr.PoolingType.MEAN,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def bags(seed=0):

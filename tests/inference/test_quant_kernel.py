@@ -38,21 +38,31 @@ def case(seed, dim, dtype, weighted, padding=3):
     rows = jnp.asarray(np.concatenate(ids), jnp.int32)
     seg = np.concatenate([np.repeat(np.arange(len(lengths)), lengths), np.full(padding, 99)])
     scale = rng.uniform(0.5, 2, rows.shape[0]) if weighted else np.ones(rows.shape[0])
-    return (q, rows, jnp.asarray(ends - lengths, jnp.int32), jnp.asarray(ends, jnp.int32),
-            jnp.asarray(scale, jnp.float32), jnp.asarray(seg, jnp.int32))  # fmt: skip
+    return (
+        q,
+        rows,
+        jnp.asarray(ends - lengths, jnp.int32),
+        jnp.asarray(ends, jnp.int32),
+        jnp.asarray(scale, jnp.float32),
+        jnp.asarray(seg, jnp.int32),
+    )
 
 
 @pytest.mark.parametrize(
     "dim,dtype,weighted,mean,segments",
-    [(10, "int8", True, False, True), (6, "int4", False, True, False),
-     (20, "int4", True, True, True)],
-)  # fmt: skip
+    [
+        (10, "int8", True, False, True),
+        (6, "int4", False, True, False),
+        (20, "int4", True, True, True),
+    ],
+)
 def test_interpret_matches_reference(dim, dtype, weighted, mean, segments):
     q, rows, starts, ends, scale, seg = case(0, dim, dtype, weighted)
     seg = seg if segments else None
     kw = dict(dim=dim, dtype=dtype, mean=mean)
-    got = quant_pooled_lookup(q, rows, starts, ends, scale, seg, interpret=True,
-                              tiling=Tiling(block_rows=4), **kw)  # fmt: skip
+    got = quant_pooled_lookup(
+        q, rows, starts, ends, scale, seg, interpret=True, tiling=Tiling(block_rows=4), **kw
+    )
     want = quant_pooled_lookup_reference(q, rows, starts, ends, scale, seg, **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert not np.asarray(got)[np.asarray(LENGTHS) == 0].any()  # empty bags: zeros
@@ -81,10 +91,11 @@ def test_dispatch_pallas_equals_xla(dtype):
         b = bags()
         features = kjt(b, weights_for(b))
         outs = [
-            jit_call(QuantEmbeddingBagCollection.from_float(ebc, "int8", implementation=i),
-                     features).values()
+            jit_call(
+                QuantEmbeddingBagCollection.from_float(ebc, "int8", implementation=i), features
+            ).values()
             for i in ("xla", "pallas")
-        ]  # fmt: skip
+        ]
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
@@ -99,8 +110,13 @@ def test_fp16_rows_fall_back_to_xla():
 @pytest.mark.parametrize("dtype,segments", [("int8", True), ("int4", False)])
 def test_lowers_for_cuda(dtype, segments):
     q, rows, starts, ends, scale, seg = case(4, 20, dtype, True)
-    fn = functools.partial(quant_pooled_lookup, dim=20, dtype=dtype, mean=not segments,
-                           tiling=Tiling(block_rows=16, num_warps=2))  # fmt: skip
+    fn = functools.partial(
+        quant_pooled_lookup,
+        dim=20,
+        dtype=dtype,
+        mean=not segments,
+        tiling=Tiling(block_rows=16, num_warps=2),
+    )
     text = jax.jit(fn).trace(q, rows, starts, ends, scale, seg if segments else None)
     text = text.lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
@@ -115,6 +131,8 @@ def test_compiled_on_gpu(dim, dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     starts2, ends2 = ranges_from_segments(seg, len(LENGTHS))
     np.testing.assert_allclose(
-        quant_pooled_lookup(q, rows, starts2, ends2, scale, seg, dim=dim, dtype=dtype), want,
-        rtol=1e-5, atol=1e-4,
-    )  # fmt: skip
+        quant_pooled_lookup(q, rows, starts2, ends2, scale, seg, dim=dim, dtype=dtype),
+        want,
+        rtol=1e-5,
+        atol=1e-4,
+    )

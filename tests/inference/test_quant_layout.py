@@ -128,9 +128,13 @@ def test_matches_fbgemm_tbe_inference_forward(dtype):
     want = tbe(torch.tensor(ids, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32))
     seg = np.repeat(np.arange(3), np.diff(offsets))
     got = quant_embedding_bag(
-        jnp.asarray(q), jnp.asarray(ids, jnp.int32), jnp.asarray(seg, jnp.int32), 3,
-        dim=dim, dtype=dtype,
-    )  # fmt: skip
+        jnp.asarray(q),
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(seg, jnp.int32),
+        3,
+        dim=dim,
+        dtype=dtype,
+    )
     np.testing.assert_allclose(got, want.float().numpy(), rtol=1e-5, atol=1e-5)
 
 

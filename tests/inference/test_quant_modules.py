@@ -50,8 +50,11 @@ def test_per_table_dtype_and_state_dict():
 
 def test_no_dequantized_table_in_compiled_lookup():
     """The lookup gathers packed rows and dequantizes only those: no [E, D] float array."""
-    cfg = [jr.EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=1000,
-                                 feature_names=["f1", "f2", "f3"])]  # fmt: skip
+    cfg = [
+        jr.EmbeddingBagConfig(
+            name="t", embedding_dim=16, num_embeddings=1000, feature_names=["f1", "f2", "f3"]
+        )
+    ]
     ebc = jr.EmbeddingBagCollection(cfg, rngs=nnx.Rngs(0))
     q = QuantEmbeddingBagCollection.from_float(ebc, "int8")
     graphdef, state = nnx.split(q)
@@ -66,8 +69,11 @@ def test_no_dequantized_table_in_compiled_lookup():
 
 
 def test_ec_within_bound():
-    cfg = [jr.EmbeddingConfig(name="t", embedding_dim=10, num_embeddings=40,
-                              feature_names=["f2", "f3"])]  # fmt: skip
+    cfg = [
+        jr.EmbeddingConfig(
+            name="t", embedding_dim=10, num_embeddings=40, feature_names=["f2", "f3"]
+        )
+    ]
     ec = jr.EmbeddingCollection(cfg, need_indices=True, rngs=nnx.Rngs(3))
     q = QuantEmbeddingCollection.from_float(ec, "int4")
     features = kjt(bags())
@@ -85,10 +91,19 @@ def test_ec_within_bound():
 
 
 def _dlrm():
-    ebc = jr.EmbeddingBagCollection(tables()[:1] + [
-        jr.EmbeddingBagConfig(name="t2", embedding_dim=10, num_embeddings=40,
-                              feature_names=["f2", "f3"], pooling=jr.PoolingType.MEAN)
-    ], rngs=nnx.Rngs(0))  # fmt: skip
+    ebc = jr.EmbeddingBagCollection(
+        tables()[:1]
+        + [
+            jr.EmbeddingBagConfig(
+                name="t2",
+                embedding_dim=10,
+                num_embeddings=40,
+                feature_names=["f2", "f3"],
+                pooling=jr.PoolingType.MEAN,
+            )
+        ],
+        rngs=nnx.Rngs(0),
+    )
     return models.DLRM(ebc, 3, [8, 10], [6, 1], rngs=nnx.Rngs(1))
 
 

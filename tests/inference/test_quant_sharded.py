@@ -36,9 +36,11 @@ def tables(cls=jr.EmbeddingBagConfig, **kw):
 # t1 row-wise, t2 table-wise, t3 column-wise (own scale/bias per shard; 6 and 2
 # columns, the second padded to 6), t4 data-parallel
 MIXED = {
-    "t1": d.row_wise(), "t2": d.table_wise(3), "t3": uneven_columns([6, 2], ranks=[6, 1]),
+    "t1": d.row_wise(),
+    "t2": d.table_wise(3),
+    "t3": uneven_columns([6, 2], ranks=[6, 1]),
     "t4": d.data_parallel(),
-}  # fmt: skip
+}
 
 
 def mesh():
@@ -114,11 +116,17 @@ def test_shard_quant_model_from_float_and_dmp():
     assert isinstance(float_sharded.ebc, ShardedQuantEmbeddingBagCollection)
     run = nnx.jit(lambda mod, k: mod(k))
     got, got_f = np.asarray(run(sharded, batch)), np.asarray(run(float_sharded, batch))
-    emb_bound = np.concatenate([
-        pooled_bound(np.asarray(model.ebc.state_dict()[f"embedding_bags.{t}.weight"]), "int4",
-                     glob_bags[f]) for t, f in (("t1", "f1"), ("t1", "f2"), ("t2", "f3"),
-                                                ("t3", "f4"), ("t4", "f1"))
-    ], axis=1)  # fmt: skip
+    emb_bound = np.concatenate(
+        [
+            pooled_bound(
+                np.asarray(model.ebc.state_dict()[f"embedding_bags.{t}.weight"]),
+                "int4",
+                glob_bags[f],
+            )
+            for t, f in (("t1", "f1"), ("t1", "f2"), ("t2", "f3"), ("t3", "f4"), ("t4", "f1"))
+        ],
+        axis=1,
+    )
     head = np.abs(np.asarray(model.head.kernel.get_value()))[:, 0]
     out_bound = 2 * emb_bound @ head + 1e-5
     assert_within(got, want, out_bound)
@@ -132,9 +140,10 @@ def test_sharded_ec_equals_unsharded():
     ec = jr.EmbeddingCollection(tables(jr.EmbeddingConfig), rngs=nnx.Rngs(2))
     q = QuantEmbeddingCollection.from_float(ec, "int8")
     plan = d.construct_module_sharding_plan(
-        q, {"t1": d.row_wise(), "t2": d.table_wise(5), "t3": d.table_wise(0),
-            "t4": d.data_parallel()}, world_size=8,
-    )  # fmt: skip
+        q,
+        {"t1": d.row_wise(), "t2": d.table_wise(5), "t3": d.table_wise(0), "t4": d.data_parallel()},
+        world_size=8,
+    )
     local, _, _ = batches(2)
     out = ShardedQuantEmbeddingCollection(q, plan, m)(d.shard_batch(local, m))
     for dev in (0, 5):

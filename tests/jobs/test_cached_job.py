@@ -87,13 +87,13 @@ def test_cached_training_equals_all_device_training(tmp_path):
     (their rows restored into host tables, the caches empty)."""
     common = ["--batch-size", "128", "--epochs", "2"]
     whole, _ = _run(tmp_path / "whole", *common, "--no-checkpoint")
-    fresh, _ = _run(tmp_path / "fresh", *common, *CACHED, "--cache-load-factor", "0.3",
-                    "--no-checkpoint")  # fmt: skip
+    fresh, _ = _run(
+        tmp_path / "fresh", *common, *CACHED, "--cache-load-factor", "0.3", "--no-checkpoint"
+    )
     assert sorted(fresh["cached_tables"]) == ["t_cat_0", "t_cat_1", "t_cat_2"]
     assert fresh["steps"] == 48 and fresh["eval"] == whole["eval"]
     _run(tmp_path / "cut", *common, "--max-steps", "30", "--checkpoint-every", "10")
-    cached, _ = _run(tmp_path / "cut", *common, *CACHED, "--cache-load-factor", "0.3",
-                     "--resume")  # fmt: skip
+    cached, _ = _run(tmp_path / "cut", *common, *CACHED, "--cache-load-factor", "0.3", "--resume")
     assert sorted(cached["cached_tables"]) == ["t_cat_0", "t_cat_1", "t_cat_2"]
     assert all(c["hit_rate"] < 1 for c in cached["cached_tables"].values())
     assert "cached_tables" not in whole and cached["steps"] == whole["steps"] == 48

@@ -11,9 +11,21 @@ import pytest
 from jaxrec.jobs.train_dlrm import main
 
 CODE = "import sys; from jaxrec.jobs.train_dlrm import main; sys.exit(main(sys.argv[1:]))"
-COMMON = ["--num-train", "4096", "--num-eval", "512", "--batch-size", "32", "--quiet",
-          "--dynamic-tables", "2048", "--dynamic-admission", "2",
-          "--dynamic-eviction", "lfu"]  # fmt: skip
+COMMON = [
+    "--num-train",
+    "4096",
+    "--num-eval",
+    "512",
+    "--batch-size",
+    "32",
+    "--quiet",
+    "--dynamic-tables",
+    "2048",
+    "--dynamic-admission",
+    "2",
+    "--dynamic-eviction",
+    "lfu",
+]
 
 
 def _run(argv):
@@ -26,8 +38,19 @@ def _run(argv):
 
 def test_dynamic_tables_train_sharded_and_resume_on_fewer_devices(tmp_path):
     run_dir = tmp_path / "run"
-    first = _run([*COMMON, "--devices", "8", "--max-steps", "6", "--checkpoint-every", "3",
-                  "--run-dir", str(run_dir)])  # fmt: skip
+    first = _run(
+        [
+            *COMMON,
+            "--devices",
+            "8",
+            "--max-steps",
+            "6",
+            "--checkpoint-every",
+            "3",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["devices"] == 8 and summary["sharding"] == "row_wise"
@@ -37,8 +60,9 @@ def test_dynamic_tables_train_sharded_and_resume_on_fewer_devices(tmp_path):
         assert 0 < c["occupancy"] <= 2048 and min(c.values()) >= 0
     # Frequency admission: ids seen once are rejected, so some table rejected ids.
     assert any(c["rejected"] > 0 for c in tables.values())
-    again = _run([*COMMON, "--devices", "4", "--max-steps", "8", "--resume",
-                  "--run-dir", str(run_dir)])  # fmt: skip
+    again = _run(
+        [*COMMON, "--devices", "4", "--max-steps", "8", "--resume", "--run-dir", str(run_dir)]
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["devices"] == 4 and resumed["steps"] == 8

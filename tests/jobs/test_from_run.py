@@ -16,9 +16,22 @@ from jaxrec.jobs.train_dlrm import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
-    "--num-train", "1024", "--num-eval", "256", "--batch-size", "128", "--max-steps", "4",
-    "--embedding-dim", "4", "--dense-arch", "8,4", "--over-arch", "8,1", "--quiet",
-]  # fmt: skip
+    "--num-train",
+    "1024",
+    "--num-eval",
+    "256",
+    "--batch-size",
+    "128",
+    "--max-steps",
+    "4",
+    "--embedding-dim",
+    "4",
+    "--dense-arch",
+    "8,4",
+    "--over-arch",
+    "8,1",
+    "--quiet",
+]
 
 
 def test_train_export_serve(tmp_path):

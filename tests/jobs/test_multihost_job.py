@@ -113,8 +113,7 @@ def test_two_processes_with_cached_tables_equal_one_process(tmp_path):
     flags += ["--cache-tables", "all", "--cache-load-factor", "0.6", "--eval-every", "3"]
     one, two = tmp_path / "one", tmp_path / "two"
     # (the host's fully associative slot maps, as two processes plan: the same hit rates)
-    assert main([*flags, "--devices", "8", "--cache-slot-maps", "host",
-                 "--run-dir", str(one)]) == 0  # fmt: skip
+    assert main([*flags, "--devices", "8", "--cache-slot-maps", "host", "--run-dir", str(one)]) == 0
     _run_two_processes([*flags, "--run-dir", str(two)])
 
     want = json.loads((one / "summary.json").read_text())

@@ -90,8 +90,18 @@ def test_command_line_run_restarts_with_huge_pages(tmp_path):
     large buffers on huge pages from the first touch); main(argv) from Python does not."""
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     want = hugepages.huge_page_env(env) is not None  # glibc, THP not [never]
-    cmd = [sys.executable, "-m", "jaxrec.jobs.dlrm_cli", *TINY, "--max-steps", "2",
-           "--no-checkpoint", "--quiet", "--run-dir", str(tmp_path / "cli")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxrec.jobs.dlrm_cli",
+        *TINY,
+        "--max-steps",
+        "2",
+        "--no-checkpoint",
+        "--quiet",
+        "--run-dir",
+        str(tmp_path / "cli"),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -22,9 +22,13 @@ def empty_batch(capacity, weighted=False):
         return jr.KeyedJaggedTensor.from_lengths_sync(KEYS, [], [], weights=w, stride=0)
     w = np.zeros(3 * capacity, np.float32) if weighted else None
     return jr.KeyedJaggedTensor(
-        KEYS, np.zeros(3 * capacity, np.int32), w, lengths=np.zeros(0, np.int32), stride=0,
+        KEYS,
+        np.zeros(3 * capacity, np.int32),
+        w,
+        lengths=np.zeros(0, np.int32),
+        stride=0,
         capacities=[capacity] * 3,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -33,10 +37,15 @@ def empty_batch(capacity, weighted=False):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_embedding_bag_collection(impl, capacity, jit, weighted):
     tables = [  # two groups (d4, d3); t0 is MEAN and read by two features
-        jr.EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=6,
-                              feature_names=["f0", "f2"], pooling=jr.PoolingType.MEAN),
+        jr.EmbeddingBagConfig(
+            name="t0",
+            embedding_dim=4,
+            num_embeddings=6,
+            feature_names=["f0", "f2"],
+            pooling=jr.PoolingType.MEAN,
+        ),
         jr.EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=6, feature_names=["f1"]),
-    ]  # fmt: skip
+    ]
     ebc = jr.EmbeddingBagCollection(
         tables, weighted, rngs=nnx.Rngs(0), implementation=impl, bounds_check_mode="FATAL"
     )

@@ -190,8 +190,10 @@ def test_sequence_collection_reads_admitted_rows_and_zeros_for_the_rest():
     )
     first = to_id_words(np.array([2**40 + 1, 2**40 + 1, 5, 2**50, 5], np.int64))
     second = to_id_words(np.array([2**40 + 1, 7, 5, 2**50, 2**62], np.int64))
-    kjts = [jr.KeyedJaggedTensor.from_lengths_sync(["f"], jnp.asarray(w), [2, 3])
-            for w in (first, second)]  # fmt: skip
+    kjts = [
+        jr.KeyedJaggedTensor.from_lengths_sync(["f"], jnp.asarray(w), [2, 3])
+        for w in (first, second)
+    ]
     model.ensure_buffers(kjts[0])
     for kjt in kjts:  # 2**50 is admitted on its second sighting; 7 and 2**62 are not
         out, remapped = model(kjt)

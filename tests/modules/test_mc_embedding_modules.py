@@ -32,10 +32,13 @@ def bag_tables():
             name="t1", embedding_dim=4, num_embeddings=16, feature_names=["a", "b"]
         ),
         jr.EmbeddingBagConfig(
-            name="t2", embedding_dim=8, num_embeddings=8, feature_names=["c"],
+            name="t2",
+            embedding_dim=8,
+            num_embeddings=8,
+            feature_names=["c"],
             pooling=jr.PoolingType.MEAN,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def make_mcc(tables, policy=LFU_EvictionPolicy, interval=2):
@@ -135,8 +138,10 @@ def test_train_step_equals_remap_reset_then_plain_step(policy):
     ref_state = ref_state._replace(params=jax.tree.map(jnp.copy, state.params))  # same head
     step = train.make_train_step(graphdef, opt, loss_fn, has_aux=True)
     ref_step = train.make_train_step(ref_graphdef, opt, loss_fn, has_aux=True)
-    tables = {g: np.array(v.get_value()) for g, v in
-              state.tables["sparse"]["_embedding_module"]["weights"].items()}  # fmt: skip
+    tables = {
+        g: np.array(v.get_value())
+        for g, v in state.tables["sparse"]["_embedding_module"]["weights"].items()
+    }
     sparse = {k.split("/")[-1]: v for k, v in copy_np(state.opt_state.sparse).items()}
     group = {"t1": "fp32_d4", "t2": "fp32_d8"}
     configs = {t.name: t for t in bag_tables()}
@@ -168,15 +173,19 @@ def test_train_step_equals_remap_reset_then_plain_step(policy):
         state, loss, remapped = step(state, (kjt, y))
         np.testing.assert_array_equal(np.asarray(remapped.values()), np.asarray(rows_kjt.values()))
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-        got = {g: np.array(v.get_value()) for g, v in
-               state.tables["sparse"]["_embedding_module"]["weights"].items()}  # fmt: skip
+        got = {
+            g: np.array(v.get_value())
+            for g, v in state.tables["sparse"]["_embedding_module"]["weights"].items()
+        }
         got_sparse = {k.split("/")[-1]: v for k, v in copy_np(state.opt_state.sparse).items()}
         for g in got:
             want = np.asarray(ref_state.tables["ebc"]["weights"][g].get_value())
             np.testing.assert_allclose(got[g], want, rtol=1e-6, atol=1e-7)
-            np.testing.assert_allclose(got_sparse[g].momentum1,
-                                       np.asarray(ref_state.opt_state.sparse[f"ebc/{g}"].momentum1),
-                                       rtol=1e-6)  # fmt: skip
+            np.testing.assert_allclose(
+                got_sparse[g].momentum1,
+                np.asarray(ref_state.opt_state.sparse[f"ebc/{g}"].momentum1),
+                rtol=1e-6,
+            )
         # Evicted rows this batch did not read: exactly the fresh draw, momentum initial.
         # Rows neither evicted nor read: bit-identical to before the step.
         read = looked_up(rows_kjt)
@@ -253,8 +262,9 @@ def test_eval_calls_reset_nothing_and_keep_the_mapping():
 
 def test_sequence_collection_trains_and_returns_remapped_ids():
     rng = np.random.default_rng(3)
-    tables = [jr.EmbeddingConfig(name="s", embedding_dim=4, num_embeddings=12,
-                                 feature_names=["a", "b"])]  # fmt: skip
+    tables = [
+        jr.EmbeddingConfig(name="s", embedding_dim=4, num_embeddings=12, feature_names=["a", "b"])
+    ]
 
     class SeqModel(nnx.Module):
         def __init__(self, rngs):
@@ -284,8 +294,11 @@ def test_sequence_collection_trains_and_returns_remapped_ids():
         state, _, out = step(state, kjt)
         w1 = np.asarray(weights(state).get_value())
         acc = np.asarray(state.opt_state.sparse["mc/_embedding_module/fp32_d4"].momentum1)
-        evicted = np.asarray(state.rest["mc"]["_managed_collision_collection"]
-                             ["managed_collision_modules"]["s"]["evicted"].get_value())  # fmt: skip
+        evicted = np.asarray(
+            state.rest["mc"]["_managed_collision_collection"]["managed_collision_modules"]["s"][
+                "evicted"
+            ].get_value()
+        )
         evicted = set(evicted[evicted != EVICTION_FILL].tolist())
         read = set()
         for k in ("a", "b"):
@@ -309,12 +322,16 @@ def test_validation_errors():
     ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"same tables: only in the embedding collection \['t2'\]"):
         ManagedCollisionEmbeddingBagCollection(ebc, make_mcc(tables[:1]))
-    other = [tables[0], jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=8,
-                                              feature_names=["z"])]  # fmt: skip
+    other = [
+        tables[0],
+        jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=8, feature_names=["z"]),
+    ]
     with pytest.raises(ValueError, match=r"table 't2' reads features \['c'\]"):
         ManagedCollisionEmbeddingBagCollection(ebc, make_mcc(other))
-    bigger = [tables[0], jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=9,
-                                               feature_names=["c"])]  # fmt: skip
+    bigger = [
+        tables[0],
+        jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=9, feature_names=["c"]),
+    ]
     with pytest.raises(ValueError, match=r"num_embeddings=8 but .* output_size\(\)=9"):
         ManagedCollisionEmbeddingBagCollection(ebc, make_mcc(bigger))
     with pytest.raises(TypeError, match="needs an EmbeddingCollection"):

@@ -145,9 +145,14 @@ def test_offset_history_overflow_and_capped_evictions_match_reference():
 
 def test_mch_residual_range():
     m = MCHManagedCollisionModule(
-        8, eviction_policy=LFU_EvictionPolicy(), eviction_interval=2, input_hash_size=500,
-        mch_size=5, output_global_offset=10, history_capacity=2 * C,
-    )  # fmt: skip
+        8,
+        eviction_policy=LFU_EvictionPolicy(),
+        eviction_interval=2,
+        input_hash_size=500,
+        mch_size=5,
+        output_global_offset=10,
+        history_capacity=2 * C,
+    )
     assert m.output_size() == 13 and m.input_size() == 500
 
     def residual(k):
@@ -245,9 +250,13 @@ def test_eviction_interval_and_history():
 
 def test_rebuild_with_output_id_range_and_open_slots():
     m = MCHManagedCollisionModule(
-        20, eviction_policy=LRU_EvictionPolicy(decay_exponent=2.0), eviction_interval=4,
-        input_hash_size=1000, history_capacity=64, name="user",
-    )  # fmt: skip
+        20,
+        eviction_policy=LRU_EvictionPolicy(decay_exponent=2.0),
+        eviction_interval=4,
+        input_hash_size=1000,
+        history_capacity=64,
+        name="user",
+    )
     s = m.rebuild_with_output_id_range((40, 48))
     assert (s.zch_size, s.output_global_offset, s.name) == (8, 40, "user")
     assert s.eviction_policy == m.eviction_policy and s.history_ids.shape == (64,)

@@ -23,14 +23,20 @@ def tables(mean_item=False):
             name="t_user", embedding_dim=8, num_embeddings=200, feature_names=["user_hist"]
         ),
         jr.EmbeddingBagConfig(
-            name="t_geo", embedding_dim=8, num_embeddings=30, feature_names=["user_geo"],
+            name="t_geo",
+            embedding_dim=8,
+            num_embeddings=30,
+            feature_names=["user_geo"],
             pooling=jr.PoolingType.MEAN,
         ),
         jr.EmbeddingBagConfig(
-            name="t_item", embedding_dim=4, num_embeddings=100, feature_names=["item"],
+            name="t_item",
+            embedding_dim=4,
+            num_embeddings=100,
+            feature_names=["item"],
             pooling=jr.PoolingType.MEAN if mean_item else jr.PoolingType.SUM,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def batch(rng, weighted=False, users=USERS):
@@ -135,9 +141,13 @@ def test_vbe_backward_runs_on_the_small_batch():
 
 def test_sequence_collection_refuses_vbe():
     ec = jr.EmbeddingCollection(
-        [jr.EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=200,
-                            feature_names=["user_hist"])], rngs=nnx.Rngs(0),
-    )  # fmt: skip
+        [
+            jr.EmbeddingConfig(
+                name="t", embedding_dim=4, num_embeddings=200, feature_names=["user_hist"]
+            )
+        ],
+        rngs=nnx.Rngs(0),
+    )
     _, vbe, _ = batch(np.random.default_rng(4))
     with pytest.raises(NotImplementedError, match="variable batch per key"):
         ec(vbe.permute([0]))

@@ -37,8 +37,10 @@ def dropped(bags):
 
 
 def tables(cls, dims=(DIM, DIM)):
-    return [cls(name=f"t{i}", embedding_dim=d, num_embeddings=ROWS, feature_names=[k])
-            for i, (k, d) in enumerate(zip(KEYS, dims, strict=True))]  # fmt: skip
+    return [
+        cls(name=f"t{i}", embedding_dim=d, num_embeddings=ROWS, feature_names=[k])
+        for i, (k, d) in enumerate(zip(KEYS, dims, strict=True))
+    ]
 
 
 def test_words_batch_is_wide():
@@ -50,9 +52,11 @@ def test_words_batch_is_wide():
 @pytest.mark.parametrize("impl", ["xla", None])
 def test_ebc_drops_wide_ids(mode, impl, caplog):
     ebc = jr.EmbeddingBagCollection(
-        tables(jr.EmbeddingBagConfig), rngs=nnx.Rngs(0), bounds_check_mode=mode,
+        tables(jr.EmbeddingBagConfig),
+        rngs=nnx.Rngs(0),
+        bounds_check_mode=mode,
         implementation=impl,
-    )  # fmt: skip
+    )
     want = np.asarray(ebc(kjt_of(dropped(BAGS))).values())
     with caplog.at_level(logging.WARNING, logger="jaxrec"):
         got = np.asarray(jax.block_until_ready(ebc(kjt_of(BAGS)).values()))
@@ -86,9 +90,10 @@ def test_ec_drops_wide_ids(mode):
 
 def test_fatal_names_the_feature():
     ebc = jr.EmbeddingBagCollection(  # two dims: one lookup (and one check) per feature
-        tables(jr.EmbeddingBagConfig, dims=(DIM, 2 * DIM)), rngs=nnx.Rngs(0),
+        tables(jr.EmbeddingBagConfig, dims=(DIM, 2 * DIM)),
+        rngs=nnx.Rngs(0),
         bounds_check_mode="FATAL",
-    )  # fmt: skip
+    )
     only_f1 = {"f0": [[1], [2]], "f1": [[3, 2**40], [5]]}
     with pytest.raises(Exception, match=r"1 ids out of range in pooled lookup of \['f1'\]"):
         jax.block_until_ready(ebc(kjt_of(only_f1)).values())
@@ -116,9 +121,11 @@ def test_quantized_collections_drop_wide_ids():
 
 def test_feature_processed_ebc_drops_wide_ids():
     ebc = jr.EmbeddingBagCollection(
-        tables(jr.EmbeddingBagConfig), is_weighted=True, rngs=nnx.Rngs(0),
+        tables(jr.EmbeddingBagConfig),
+        is_weighted=True,
+        rngs=nnx.Rngs(0),
         bounds_check_mode="IGNORE",
-    )  # fmt: skip
+    )
     fp = FeatureProcessedEmbeddingBagCollection(
         ebc, {k: PositionWeightedModule(max_feature_length=12) for k in KEYS}
     )

@@ -49,9 +49,16 @@ def _layout(slots, ways, total, offset, row_offset, seed, policy, admission):
         adm = FrequencyAdmission(threshold=admission[1])
     elif admission:
         adm = ProbabilityAdmission(probability=admission[1])
-    return zi.ZchLayout(slots=slots, ways=ways, total_buckets=total, bucket_offset=offset,
-                        row_offset=row_offset, seed=seed, eviction=eviction,
-                        admission=adm)  # fmt: skip
+    return zi.ZchLayout(
+        slots=slots,
+        ways=ways,
+        total_buckets=total,
+        bucket_offset=offset,
+        row_offset=row_offset,
+        seed=seed,
+        eviction=eviction,
+        admission=adm,
+    )
 
 
 # slots, ways, total_buckets, bucket_offset, row_offset, seed, policy, admission, C, E
@@ -114,9 +121,17 @@ def test_calls_match_xla_and_the_reference(case):
     layout = _layout(*lay)
     xla, cpu = _programs(layout, e)
     slots, ways, total, offset, row_offset, seed, policy, admission = lay
-    ref = ReferenceZch(slots, ways, total_buckets=total, bucket_offset=offset,
-                       row_offset=row_offset, seed=seed, policy=policy,
-                       ttl=2 if policy == "ttl" else None, admission=admission)  # fmt: skip
+    ref = ReferenceZch(
+        slots,
+        ways,
+        total_buckets=total,
+        bucket_offset=offset,
+        row_offset=row_offset,
+        seed=seed,
+        policy=policy,
+        ttl=2 if policy == "ttl" else None,
+        admission=admission,
+    )
     text = cpu.lower(zi.empty_state(layout), *_words(np.zeros(c, np.uint64)), jnp.ones(c, bool))
     assert cpu_zch.TRAIN_TARGET in text.as_text()
     rng = np.random.default_rng(sum(case[:2]) + c)
@@ -140,8 +155,9 @@ def test_calls_match_xla_and_the_reference(case):
         state = got.state
         remap_x, remap_c = (f(state, lo, hi, jnp.asarray(valid)) for f in _remaps(layout))
         np.testing.assert_array_equal(np.asarray(remap_c), np.asarray(remap_x))
-        np.testing.assert_array_equal(np.asarray(remap_c), ref.remap([int(i) for i in ids],
-                                                                     valid.tolist()))  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(remap_c), ref.remap([int(i) for i in ids], valid.tolist())
+        )
     assert seen["admitted"] > 0
     assert seen["evicted"] > 0 or policy == "ttl" or slots >= 256
 
@@ -154,8 +170,9 @@ def test_any_state_matches_xla(policy):
     layout = _layout(64, 8, 16, 4, 10, 2, policy, ("freq", 3))
     xla, cpu = _programs(layout, 70)
     rng = np.random.default_rng(len(policy))
-    pool = np.concatenate([np.arange(40, dtype=np.uint64),
-                           np.uint64(2**63) + np.arange(40, dtype=np.uint64)])  # fmt: skip
+    pool = np.concatenate(
+        [np.arange(40, dtype=np.uint64), np.uint64(2**63) + np.arange(40, dtype=np.uint64)]
+    )
     big = np.iinfo(np.int32).max
     for it in range(12):
         held = rng.choice(pool, 64)
@@ -190,8 +207,7 @@ def test_donated_state_is_updated_in_place():
     """Donated, the state's buffers are the kernel's results: no copy in the program, the
     same buffer pointers after the call; the program lowered for CUDA is the XLA one."""
     layout = _layout(4096, 16, 256, 0, 0, 0, "lfu", ("freq", 2))
-    program = jax.jit(functools.partial(zi.train_step, layout, max_evictions=256),
-                      donate_argnums=0)  # fmt: skip
+    program = jax.jit(functools.partial(zi.train_step, layout, max_evictions=256), donate_argnums=0)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 2**40, 256).astype(np.uint64)
     args = (zi.empty_state(layout), *_words(ids), jnp.ones(256, bool))

@@ -48,10 +48,11 @@ def batch(dtype):
 
 def make_ebc(impl, mode):
     tables = [
-        jr.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
-                              feature_names=[k])
+        jr.EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[k]
+        )
         for i, k in enumerate(KEYS)
-    ]  # fmt: skip
+    ]
     return jr.EmbeddingBagCollection(
         tables, rngs=nnx.Rngs(0), bounds_check_mode=mode, implementation=impl
     )
@@ -207,9 +208,26 @@ def test_ids_in_range_static_and_traced_bounds(dtype, num):
     from jaxrec.xla.bounds import ids_in_range
 
     info = np.iinfo(dtype)
-    ids = np.unique(np.asarray([info.min, info.min + 1, -1, 0, 1, 4, 5, 127, 199, 200,
-                                info.max // 2 + 1, info.max - 1, info.max], np.int64)
-                    .clip(info.min, info.max)).astype(dtype)  # fmt: skip
+    ids = np.unique(
+        np.asarray(
+            [
+                info.min,
+                info.min + 1,
+                -1,
+                0,
+                1,
+                4,
+                5,
+                127,
+                199,
+                200,
+                info.max // 2 + 1,
+                info.max - 1,
+                info.max,
+            ],
+            np.int64,
+        ).clip(info.min, info.max)
+    ).astype(dtype)
     want = [0 <= int(i) < num for i in ids]
     assert np.asarray(ids_in_range(jnp.asarray(ids), num)).tolist() == want
     traced = jax.jit(ids_in_range)(jnp.asarray(ids), jnp.asarray(num, jnp.int32))

@@ -26,8 +26,12 @@ def np_philox(c, k):
         if r:
             k0, k1 = (k0 + np.uint64(W0)) & MASK, (k1 + np.uint64(W1)) & MASK
         p0, p1 = c[0] * np.uint64(M0), c[2] * np.uint64(M1)
-        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & MASK, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
-             p0 & MASK]  # fmt: skip
+        c = [
+            (p1 >> np.uint64(32)) ^ c[1] ^ k0,
+            p1 & MASK,
+            (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+            p0 & MASK,
+        ]
     return [x.astype(np.uint32) for x in c]
 
 
@@ -79,20 +83,28 @@ def test_pieces_equal_the_numpy_reference(implementation):
     want = np.zeros((70, 12), np.float32)
     for p in _pieces():
         want[p.offset : p.offset + p.nrows, : p.width] = np_values(
-            words, p.stream, range(p.row0, p.row0 + p.nrows), range(p.col0, p.col0 + p.width),
-            p.lo, p.hi,
-        )  # fmt: skip
+            words,
+            p.stream,
+            range(p.row0, p.row0 + p.nrows),
+            range(p.col0, p.col0 + p.width),
+            p.lo,
+            p.hi,
+        )
     np.testing.assert_array_equal(got, want)
     assert not got[30:35].any() and not got[35:52, 7:].any() and not got[61:].any()
 
 
 def test_a_block_of_rows_and_columns_equals_the_same_block_of_the_whole_table():
     key = jax.random.key(3)
-    whole = np.asarray(init.uniform_rows(key, [init.TablePiece(0, 100, 4, 0, 0, 10, -1, 1)],
-                                         100, 10, jnp.float32))  # fmt: skip
+    whole = np.asarray(
+        init.uniform_rows(key, [init.TablePiece(0, 100, 4, 0, 0, 10, -1, 1)], 100, 10, jnp.float32)
+    )
     for r0, nr, c0, w in [(0, 100, 0, 10), (13, 40, 0, 10), (99, 1, 9, 1), (50, 20, 3, 6)]:
-        block = np.asarray(init.uniform_rows(key, [init.TablePiece(0, nr, 4, r0, c0, w, -1, 1)],
-                                             nr, w + 2, jnp.float32))  # fmt: skip
+        block = np.asarray(
+            init.uniform_rows(
+                key, [init.TablePiece(0, nr, 4, r0, c0, w, -1, 1)], nr, w + 2, jnp.float32
+            )
+        )
         np.testing.assert_array_equal(block[:, :w], whole[r0 : r0 + nr, c0 : c0 + w])
         assert not block[:, w:].any()
 
@@ -113,7 +125,7 @@ def test_values_are_uniform_in_bounds_and_streams_independent():
     draw = lambda s: np.asarray(  # noqa: E731
         init.uniform_rows(
             key, [init.TablePiece(0, 300, s, 0, 0, 200, -0.5, 0.25)], 300, 200, jnp.float32
-        )  # fmt: skip
+        )
     )
     x, y = draw(0), draw(1)
     assert x.min() >= -0.5 and x.max() < 0.25
@@ -153,7 +165,7 @@ def _tables(sizes, dim=8):
     return [
         jr.EmbeddingBagConfig(
             name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"]
-        )  # fmt: skip
+        )
         for i, n in enumerate(sizes)
     ]
 
@@ -163,11 +175,16 @@ def test_a_table_s_values_do_not_depend_on_its_group():
     leaves it as is."""
     a = jr.EmbeddingBagCollection(_tables([30, 40, 50]), rngs=nnx.Rngs(0))
     mixed = _tables([30, 40, 50])
-    mixed[0] = jr.EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=30,
-                                     feature_names=["f0"])  # fmt: skip
-    mixed[1] = jr.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40,
-                                     feature_names=["f1"],
-                                     init_fn=lambda k, s, d: jnp.full(s, 0.5, d))  # fmt: skip
+    mixed[0] = jr.EmbeddingBagConfig(
+        name="t0", embedding_dim=4, num_embeddings=30, feature_names=["f0"]
+    )
+    mixed[1] = jr.EmbeddingBagConfig(
+        name="t1",
+        embedding_dim=8,
+        num_embeddings=40,
+        feature_names=["f1"],
+        init_fn=lambda k, s, d: jnp.full(s, 0.5, d),
+    )
     b = jr.EmbeddingBagCollection(mixed, rngs=nnx.Rngs(0))
     assert len(a.groups) == 1 and len(b.groups) == 2
     key = "embedding_bags.t2.weight"
@@ -207,8 +224,11 @@ def test_the_xla_path_s_temporaries_do_not_grow_with_the_buffer():
         f = lambda k, i, fl, rows=rows: philox.uniform_rows_xla(  # noqa: E731
             k, i, fl, rows=rows, cols=16, dtype=jnp.float32
         )
-        args = (jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((3, 6), jnp.int32),
-                jax.ShapeDtypeStruct((3, 2), jnp.float32))  # fmt: skip
+        args = (
+            jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((3, 6), jnp.int32),
+            jax.ShapeDtypeStruct((3, 2), jnp.float32),
+        )
         stats = jax.jit(f).trace(*args).lower().compile().memory_analysis()
         assert stats.output_size_in_bytes == rows * 16 * 4
         temps.append(stats.temp_size_in_bytes)

@@ -162,9 +162,11 @@ def test_wide_lengths_stay_invalid(impl):
     # 2**31 + 1 as uint32 runs past the capacity; narrowed without care it would
     # wrap to a negative length, which leaves the later bag valid.
     kjt = jr.KeyedJaggedTensor(
-        ["a"], jnp.arange(4, dtype=jnp.int32), lengths=jnp.asarray([1, 2**31 + 1, 1], jnp.uint32),
+        ["a"],
+        jnp.arange(4, dtype=jnp.int32),
+        lengths=jnp.asarray([1, 2**31 + 1, 1], jnp.uint32),
         capacities=[4],
-    )  # fmt: skip
+    )
     table = jnp.arange(20.0).reshape(10, 2)
     slot = [FeatureSlot(key="a", row_offset=0, num_embeddings=10)]
     got = jax.jit(
@@ -239,10 +241,11 @@ def test_single_table_lookups_follow_the_rule():
 class Model(nnx.Module):
     def __init__(self, impl):
         tables = [
-            jr.EmbeddingBagConfig(name=f"t{k}", embedding_dim=4, num_embeddings=ROWS,
-                                  feature_names=[k])
+            jr.EmbeddingBagConfig(
+                name=f"t{k}", embedding_dim=4, num_embeddings=ROWS, feature_names=[k]
+            )
             for k in KEYS
-        ]  # fmt: skip
+        ]
         self.ebc = jr.EmbeddingBagCollection(
             tables, rngs=nnx.Rngs(0), bounds_check_mode="IGNORE", implementation=impl
         )

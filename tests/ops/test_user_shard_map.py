@@ -43,11 +43,11 @@ def _per_device(fn, implementation, **kw):
 def test_lookups_run_per_device_and_match_unsharded(fn, implementation):
     run, (table, values, lengths) = _per_device(fn, implementation)
     got = np.asarray(run(table, values, lengths))
-    halves = [(np.asarray(values)[i * 6 : (i + 1) * 6], np.asarray(lengths)[i * 4 : (i + 1) * 4])
-              for i in range(2)]  # fmt: skip
-    want = np.concatenate(
-        [np.asarray(fn(table, v, n, implementation="xla")) for v, n in halves]
-    )  # fmt: skip
+    halves = [
+        (np.asarray(values)[i * 6 : (i + 1) * 6], np.asarray(lengths)[i * 4 : (i + 1) * 4])
+        for i in range(2)
+    ]
+    want = np.concatenate([np.asarray(fn(table, v, n, implementation="xla")) for v, n in halves])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

@@ -77,10 +77,11 @@ def _kjt(seed):
 
 SLOTS = [
     FeatureSlot(key="a", row_offset=0, num_embeddings=TABLE_ROWS[0]),
-    FeatureSlot(key="c", row_offset=TABLE_ROWS[0], num_embeddings=TABLE_ROWS[1],
-                pooling=PoolingType.MEAN),
+    FeatureSlot(
+        key="c", row_offset=TABLE_ROWS[0], num_embeddings=TABLE_ROWS[1], pooling=PoolingType.MEAN
+    ),
     FeatureSlot(key="b", row_offset=TABLE_ROWS[0], num_embeddings=TABLE_ROWS[1]),
-]  # fmt: skip
+]
 
 
 def test_grouped_lookup_pallas_equals_xla_and_gradients_flow():

@@ -136,9 +136,16 @@ def test_balanced_fused_backward_compiled_on_skewed_ids(name, piece_len):
     grad = rng.normal(size=(segments, dim)).astype(np.float32)
     opt = {"sgd": optim.sgd, "rowwise_adagrad": optim.rowwise_adagrad, "adam": optim.adam}[name]
     got_t, got_s = fused_backward_update(
-        opt(0.01), jnp.asarray(table), opt(0.01).init(rows, dim), jnp.asarray(grad),
-        seg, scale, ids, valid, piece_len=piece_len,
-    )  # fmt: skip
+        opt(0.01),
+        jnp.asarray(table),
+        opt(0.01).init(rows, dim),
+        jnp.asarray(grad),
+        seg,
+        scale,
+        ids,
+        valid,
+        piece_len=piece_len,
+    )
     counts = np.bincount(ids[valid], minlength=rows)
     touched = np.flatnonzero(counts)
     summed = np.zeros((rows, dim))

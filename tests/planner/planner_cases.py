@@ -52,8 +52,9 @@ def padded_table_bytes(plan: ShardingPlan, tables, world: int, state_per_row) ->
     return total
 
 
-def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
-            weighted: bool = False) -> dict:  # fmt: skip
+def recount(
+    tables, layout, world: int, batch: int, means, caps, calls: int = 0, weighted: bool = False
+) -> dict:
     """The sharded exchange's buffers and collective bytes per device, recounted from
     ``build_layout`` (numpy and math, independent of the planner's bookkeeping).
 
@@ -82,11 +83,19 @@ def recount(tables, layout, world: int, batch: int, means, caps, calls: int = 0,
     conf = {t.name: t for t in tables}
     owner = {f: t for t in tables for f in t.feature_names}
     ids_of = {t.name: sum(caps[f] for f in t.feature_names) for t in tables}
-    out = {"buffers": 0.0, "ids_all_to_all": 0, "blocks": 0, "row_sum_values": 0,
-           "row_sum_bytes": 0, "capacities": {}}  # fmt: skip
+    out = {
+        "buffers": 0.0,
+        "ids_all_to_all": 0,
+        "blocks": 0,
+        "row_sum_values": 0,
+        "row_sum_bytes": 0,
+        "capacities": {},
+    }
     for g in layout.groups:
-        exp = [math.fsum(means[s.key] * s.nrows / owner[s.key].num_embeddings for s in slots)
-               for slots in g.slots]  # fmt: skip
+        exp = [
+            math.fsum(means[s.key] * s.nrows / owner[s.key].num_embeddings for s in slots)
+            for slots in g.slots
+        ]
         natural = max(sum(caps[s.key] for s in slots) for slots in g.slots)
         c = fast_path_capacity(max(exp), natural)
         s = max(1, max(len(x) for x in g.slots))

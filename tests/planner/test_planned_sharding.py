@@ -25,12 +25,15 @@ def _tables():
             name="t1", embedding_dim=8, num_embeddings=50, feature_names=["f1", "f2"]
         ),
         jr.EmbeddingBagConfig(
-            name="t2", embedding_dim=6, num_embeddings=37, feature_names=["f3"],
+            name="t2",
+            embedding_dim=6,
+            num_embeddings=37,
+            feature_names=["f3"],
             pooling=jr.PoolingType.MEAN,
         ),
         jr.EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=20, feature_names=["f4"]),
         jr.EmbeddingBagConfig(name="t4", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
-    ]  # fmt: skip
+    ]
 
 
 class Model(nnx.Module):
@@ -57,8 +60,10 @@ def _batches(seed):
     rng = np.random.default_rng(seed)
     local, glob, ys = [], {k: [] for k in KEYS}, []
     for _ in range(WORLD):
-        bags = {k: [rng.integers(0, ROWS[k], int(rng.integers(0, 4))).tolist() for _ in range(B)]
-                for k in KEYS}  # fmt: skip
+        bags = {
+            k: [rng.integers(0, ROWS[k], int(rng.integers(0, 4))).tolist() for _ in range(B)]
+            for k in KEYS
+        }
         y = rng.normal(size=B).astype(np.float32)
         ys.append(y)
         local.append((_kjt(bags, {k: CAP for k in KEYS}), y))
@@ -77,8 +82,10 @@ MIXED = {
 
 def test_planned_model_matches_unsharded():
     mesh = jax.make_mesh((WORLD,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    caps = [ParameterConstraints(feature_capacities=[CAP] * n, **kw)
-            for n, kw in ((2, {}), (1, {}), (1, {}), (1, {}))]  # fmt: skip
+    caps = [
+        ParameterConstraints(feature_capacities=[CAP] * n, **kw)
+        for n, kw in ((2, {}), (1, {}), (1, {}), (1, {}))
+    ]
     free = {t: c for t, c in zip(("t1", "t2", "t3", "t4"), caps, strict=True)}
     auto = plan_for_model(Model(), mesh, batch_size=B, constraints=free)
     mixed = plan_for_model(Model(), mesh, batch_size=B, constraints=MIXED)
@@ -115,8 +122,10 @@ def test_uneven_row_pieces_train_as_unsharded():
     """The planner cuts these small tables into uneven row pieces over the 8 ranks (its
     balancing); one row-wise Adagrad step under that plan equals the unsharded step."""
     mesh = jax.make_mesh((WORLD,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    cons = {t: ParameterConstraints(feature_capacities=[CAP] * n, pooling_factors=[1.5] * n)
-            for t, n in (("t1", 2), ("t2", 1), ("t3", 1), ("t4", 1))}  # fmt: skip
+    cons = {
+        t: ParameterConstraints(feature_capacities=[CAP] * n, pooling_factors=[1.5] * n)
+        for t, n in (("t1", 2), ("t2", 1), ("t3", 1), ("t4", 1))
+    }
     plan = plan_for_model(Model(), mesh, batch_size=B, constraints=cons)
     sizes = {n: {s.shard_sizes[0] for s in p.sharding_spec} for n, p in plan.plan["ebc"].items()}
     assert any(len(v) > 1 for v in sizes.values()), sizes  # uneven pieces
@@ -126,12 +135,13 @@ def test_uneven_row_pieces_train_as_unsharded():
 
 def _seq_tables():
     return [
-        jr.EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=50,
-                           feature_names=["f1", "f2"]),
+        jr.EmbeddingConfig(
+            name="t1", embedding_dim=8, num_embeddings=50, feature_names=["f1", "f2"]
+        ),
         jr.EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=37, feature_names=["f3"]),
         jr.EmbeddingConfig(name="t3", embedding_dim=4, num_embeddings=20, feature_names=["f4"]),
         jr.EmbeddingConfig(name="t4", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),
-    ]  # fmt: skip
+    ]
 
 
 class SeqModel(nnx.Module):
@@ -156,12 +166,18 @@ def test_planned_sequence_model_trains_as_unsharded():
     """A model of EmbeddingCollections only is planned (every type the sharded EC runs),
     sharded by DistributedModelParallel and trained two steps as unsharded."""
     mesh = jax.make_mesh((WORLD,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    cons = {t: dataclasses.replace(c, feature_capacities=[CAP] * (2 if t == "t1" else 1))
-            for t, c in MIXED.items()}  # fmt: skip
+    cons = {
+        t: dataclasses.replace(c, feature_capacities=[CAP] * (2 if t == "t1" else 1))
+        for t, c in MIXED.items()
+    }
     plan = plan_for_model(SeqModel(), mesh, batch_size=B, constraints=cons)
     kinds = {n: p.sharding_type.value for n, p in plan.plan["ec"].items()}
-    assert kinds == {"t1": "row_wise", "t2": "column_wise", "t3": "table_wise",
-                     "t4": "data_parallel"}  # fmt: skip
+    assert kinds == {
+        "t1": "row_wise",
+        "t2": "column_wise",
+        "t3": "table_wise",
+        "t4": "data_parallel",
+    }
     opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     loss_fn = lambda m, b: (0.05 * m(b[0]) - 1.0) ** 2
     data = [_batches(s) for s in (2, 3)]

@@ -73,8 +73,9 @@ def test_per_device_memory_never_exceeds_capacity(seed, opt):
 def test_infeasible_error_explains():
     topo = Topology(world_size=4, hbm_cap=2 * GiB, batch_size=64)
     tables = [_cfg("huge", 20_000_000, 64), _cfg("ok", 1000, 64)]
-    cons = {"huge": ParameterConstraints(sharding_types=["table_wise", "column_wise"],
-                                         hbm_only=True)}  # fmt: skip
+    cons = {
+        "huge": ParameterConstraints(sharding_types=["table_wise", "column_wise"], hbm_only=True)
+    }
     with pytest.raises(PlannerError) as e:
         EmbeddingShardingPlanner(topo, cons, optimizer="adam").plan(tables)
     msg = str(e.value)
@@ -198,9 +199,12 @@ def test_statistics_sized_buffers_beat_the_worst_case():
     """Default id buffers are sized from the expected load (pooling factors), a little
     above it; capacity= at least the natural payload gives the worst-case buffers."""
     tables = [_cfg("a", 1_000_000, 64), _cfg("b", 1_000_000, 64)]
-    cons = {t: ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[50.0],
-                                    feature_capacities=[1024 * 80])
-            for t in ("a", "b")}  # fmt: skip
+    cons = {
+        t: ParameterConstraints(
+            sharding_types=["row_wise"], pooling_factors=[50.0], feature_capacities=[1024 * 80]
+        )
+        for t in ("a", "b")
+    }
     topo = Topology(world_size=8, batch_size=1024)
     sized, _ = _plan(tables, topo, constraints=cons)
     worst, _ = _plan(tables, topo, constraints=cons, capacity=10**9)
@@ -296,15 +300,25 @@ def test_comm_estimate_matches_the_exchange(kind):
     hosts = 2 if kind in ("table_row_wise", "table_column_wise", "grid_shard") else 1
     topo = Topology(world_size=8, local_world_size=8 // hosts, batch_size=512)
     ebc_like = type("M", (), {"table_configs": tables})
-    plan = construct(ebc_like, {f"t{t}": gen(t) for t in range(8)}, world_size=8,
-                     local_size=8 // hosts)  # fmt: skip
-    cons = {t.name: ParameterConstraints(feature_capacities=[512 * 10], pooling_factors=[10.0])
-            for t in tables}  # fmt: skip
+    plan = construct(
+        ebc_like, {f"t{t}": gen(t) for t in range(8)}, world_size=8, local_size=8 // hosts
+    )
+    cons = {
+        t.name: ParameterConstraints(feature_capacities=[512 * 10], pooling_factors=[10.0])
+        for t in tables
+    }
     stats = EmbeddingShardingPlanner(topo, cons).estimate(ShardingPlan({"": plan}), tables)
     got = comm_bytes(stats.placement, topo)
     feats = [f"f{t}" for t in range(8)]
-    want = recount(tables, build_layout(tables, plan, 8), 8, 512,
-                   dict.fromkeys(feats, 5120.0), dict.fromkeys(feats, 5120), calls=1)  # fmt: skip
+    want = recount(
+        tables,
+        build_layout(tables, plan, 8),
+        8,
+        512,
+        dict.fromkeys(feats, 5120.0),
+        dict.fromkeys(feats, 5120),
+        calls=1,
+    )
     ids, blocks, gather, row_sums = BENCH_BYTES[kind]
     assert got == {
         "ids_all_to_all": ids,

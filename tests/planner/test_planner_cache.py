@@ -28,9 +28,34 @@ ST = ShardingType
 UVM = EmbeddingComputeKernel.FUSED_UVM_CACHING
 
 # MLPerf DLRM's 26 Criteo Terabyte tables (ids capped at 40M), scaled up below.
-CRITEO_TB = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10,
-             2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108,
-             36]  # fmt: skip
+CRITEO_TB = [
+    39884406,
+    39043,
+    17289,
+    7420,
+    20263,
+    3,
+    7120,
+    1543,
+    63,
+    38532951,
+    2953546,
+    403346,
+    10,
+    2208,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    39979771,
+    25641295,
+    39664984,
+    585935,
+    12972,
+    108,
+    36,
+]
 ROW = 128 * 4 + 4  # dim 128 fp32 and one row-wise Adagrad float
 
 
@@ -41,9 +66,7 @@ def _cfg(name, rows, dim, **kw):
 def test_constraints_kernels():
     c = ParameterConstraints(compute_kernels=["fused_uvm_caching"])
     assert c.cache_only and c.allows(ST.ROW_WISE) and not c.allows(ST.DATA_PARALLEL)
-    assert ParameterConstraints().kernels(ST.TABLE_WISE) == (
-        EmbeddingComputeKernel.FUSED, UVM
-    )  # fmt: skip
+    assert ParameterConstraints().kernels(ST.TABLE_WISE) == (EmbeddingComputeKernel.FUSED, UVM)
     never = ParameterConstraints(hbm_only=True)
     assert never.kernels(ST.ROW_WISE) == (EmbeddingComputeKernel.FUSED,)
     assert not never.allows_caching and ParameterConstraints().allows_caching
@@ -127,9 +150,11 @@ def test_cached_table_priced_by_hand():
 
     def plan(stats=None):
         cons = ParameterConstraints(
-            sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"],
-            cache_params=CacheParams(load_factor=lf), cache_statistics=stats,
-        )  # fmt: skip
+            sharding_types=["row_wise"],
+            compute_kernels=["fused_uvm_caching"],
+            cache_params=CacheParams(load_factor=lf),
+            cache_statistics=stats,
+        )
         planner = EmbeddingShardingPlanner(topo, {"t": cons}, optimizer="rowwise_adagrad")
         ps = planner.plan([t]).plan[""]["t"]
         assert ps.compute_kernel is UVM and ps.cache_params.load_factor == lf
@@ -171,16 +196,20 @@ def test_slot_maps_priced_on_one_host_and_on_two():
     on the device), recounted by hand."""
     rows, dim, lf, n, batch = 1000, 64, 0.25, 4, 512
     t = _cfg("t", rows, dim)
-    cons = {"t": ParameterConstraints(
-        sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"],
-        cache_params=CacheParams(load_factor=lf),
-    )}  # fmt: skip
+    cons = {
+        "t": ParameterConstraints(
+            sharding_types=["row_wise"],
+            compute_kernels=["fused_uvm_caching"],
+            cache_params=CacheParams(load_factor=lf),
+        )
+    }
     row = dim * 4 + 4  # columns and one row-wise Adagrad float
     shard, slots = rows // n, math.ceil(lf * rows / n)
     placed = {}
     for hosts in (1, 2):
-        topo = Topology(world_size=n, local_world_size=n // hosts, batch_size=batch,
-                        ddr_cap=64 * 2**20)  # fmt: skip
+        topo = Topology(
+            world_size=n, local_world_size=n // hosts, batch_size=batch, ddr_cap=64 * 2**20
+        )
         assert topo.num_hosts == hosts
         planner = EmbeddingShardingPlanner(topo, cons, optimizer="rowwise_adagrad")
         ps = planner.plan([t]).plan[""]["t"]
@@ -220,8 +249,9 @@ def _criteo(times: float, hbm: float) -> list:
     """The Criteo TB tables scaled so that with row-wise Adagrad state they hold at least
     ``times * hbm`` bytes."""
     scale = math.ceil(times * hbm / (sum(CRITEO_TB) * ROW))
-    return [_cfg(f"t{i}", r * scale, 128, feature_names=(f"f{i}",))
-            for i, r in enumerate(CRITEO_TB)]  # fmt: skip
+    return [
+        _cfg(f"t{i}", r * scale, 128, feature_names=(f"f{i}",)) for i, r in enumerate(CRITEO_TB)
+    ]
 
 
 def _by_hand(plan: ShardingPlan, tables, n: int, hosts: int) -> tuple[float, float, float]:
@@ -266,13 +296,13 @@ def test_goal_tables_several_times_the_device_memory(hosts, times, lf):
     """8 x 80 GiB per host with 2 TiB of host memory each; tables ``times`` x the HBM of
     one host (26 Criteo-like tables, dim 128, row-wise Adagrad)."""
     n = 8 * hosts
-    topo = Topology(world_size=n, local_world_size=8, hbm_cap=80 * GiB, ddr_cap=2048 * GiB,
-                    batch_size=4096)  # fmt: skip
+    topo = Topology(
+        world_size=n, local_world_size=8, hbm_cap=80 * GiB, ddr_cap=2048 * GiB, batch_size=4096
+    )
     tables = _criteo(times, 8 * 80 * GiB)
     total = sum(t.num_embeddings for t in tables) * ROW
     assert total >= times * 8 * 80 * GiB
-    cons = {t.name: ParameterConstraints(cache_params=CacheParams(load_factor=lf))
-            for t in tables}  # fmt: skip
+    cons = {t.name: ParameterConstraints(cache_params=CacheParams(load_factor=lf)) for t in tables}
     planner = EmbeddingShardingPlanner(topo, cons, optimizer="rowwise_adagrad")
     plan = planner.plan(tables)
     placed = planner.last_placement
@@ -290,8 +320,10 @@ def test_goal_tables_several_times_the_device_memory(hosts, times, lf):
     assert 8 * host <= 0.9 * 2048 * GiB  # per host
     fused = sum(
         s.shard_sizes[0] * (s.shard_sizes[1] * 4 + 4)
-        for ps in p.values() if ps.compute_kernel is not UVM for s in ps.sharding_spec
-    )  # fmt: skip
+        for ps in p.values()
+        if ps.compute_kernel is not UVM
+        for s in ps.sharding_spec
+    )
     assert fused <= n * 0.85 * 80 * GiB < total  # the rest lives in host memory
 
 
@@ -305,8 +337,9 @@ def test_goal_four_times_one_hosts_memory_is_refused_naming_host_memory():
     message names host memory (``ddr_cap >=``) only from plans that do."""
     topo = Topology(world_size=8, hbm_cap=80 * GiB, ddr_cap=2048 * GiB, batch_size=4096)
     tables = _criteo(4, 8 * 80 * GiB)
-    cons = {t.name: ParameterConstraints(cache_params=CacheParams(load_factor=0.15))
-            for t in tables}  # fmt: skip
+    cons = {
+        t.name: ParameterConstraints(cache_params=CacheParams(load_factor=0.15)) for t in tables
+    }
     with pytest.raises(PlannerError) as e:
         EmbeddingShardingPlanner(topo, cons, optimizer="rowwise_adagrad").plan(tables)
     msg = str(e.value)
@@ -335,8 +368,9 @@ def test_a_table_one_step_fills_is_not_cached(batch, cacheable):
     }
 
     def used(kernels):
-        cons = dict(only, small=ParameterConstraints(sharding_types=["table_wise"],
-                                                     compute_kernels=kernels))  # fmt: skip
+        cons = dict(
+            only, small=ParameterConstraints(sharding_types=["table_wise"], compute_kernels=kernels)
+        )
         planner = EmbeddingShardingPlanner(Topology(world_size=1, batch_size=batch), cons)
         planner.plan(tables)
         return planner.last_placement.hbm

@@ -18,8 +18,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _run(*args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "jaxrec.distributed.planner", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_dry_run_example_json(tmp_path):

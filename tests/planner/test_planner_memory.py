@@ -66,16 +66,20 @@ def test_buffer_estimate_recounts_the_layout(hosts, opt, calls):
         shaped, _generators(hosts), world_size=world, local_size=local
     )
     topo = Topology(world_size=world, local_world_size=local, batch_size=B)
-    cons = {t.name: ParameterConstraints(feature_capacities=[CAP] * len(t.feature_names),
-                                         pooling_factors=[1.0])
-            for t in tables}  # fmt: skip
+    cons = {
+        t.name: ParameterConstraints(
+            feature_capacities=[CAP] * len(t.feature_names), pooling_factors=[1.0]
+        )
+        for t in tables
+    }
     stats = EmbeddingShardingPlanner(topo, cons, optimizer=opt).estimate(
         ShardingPlan({"": module}), tables
     )
     layout = build_layout(tables, module, world)
     feats = [f for t in tables for f in t.feature_names]
-    want = recount(tables, layout, world, B, dict.fromkeys(feats, float(B)),
-                   dict.fromkeys(feats, CAP), calls)  # fmt: skip
+    want = recount(
+        tables, layout, world, B, dict.fromkeys(feats, float(B)), dict.fromkeys(feats, CAP), calls
+    )
     assert stats.placement.memory[2] == pytest.approx(want["buffers"], rel=1e-9)
     assert stats.capacities == {"": want["capacities"]}
     comm = comm_bytes(stats.placement, topo)
@@ -91,11 +95,17 @@ def test_row_sum_values_count_only_for_row_wise_optimizers_on_column_splits():
     Here 20 column-split tables on two ranks with sparse inputs (0.1 ids per bag,
     capacity 96) make the row sums the larger; with Adam, or split by rows, there
     are none."""
-    tables = [jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=1_000_000, embedding_dim=64,
-                                    feature_names=[f"f{i}"]) for i in range(20)]  # fmt: skip
+    tables = [
+        jr.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=1_000_000, embedding_dim=64, feature_names=[f"f{i}"]
+        )
+        for i in range(20)
+    ]
     topo = Topology(world_size=8, batch_size=B)
-    cons = {t.name: ParameterConstraints(feature_capacities=[CAP], pooling_factors=[0.1])
-            for t in tables}  # fmt: skip
+    cons = {
+        t.name: ParameterConstraints(feature_capacities=[CAP], pooling_factors=[0.1])
+        for t in tables
+    }
     shaped = nnx.eval_shape(lambda: jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0)))
 
     def stats(gen, opt):
@@ -131,20 +141,26 @@ def test_split_plan_recounts_the_layout():
     tables, cons, means, caps = [], {}, {}, {}
     for i in range(24):
         rows = 2_000_000 if i < 2 else int(rng.integers(100, 200_000))
-        t = jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=32,
-                                  feature_names=[f"f{i}"])  # fmt: skip
+        t = jr.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=rows, embedding_dim=32, feature_names=[f"f{i}"]
+        )
         pf = float(rng.choice([1.0, 4.0, 30.0]))
         tables.append(t)
-        cons[t.name] = ParameterConstraints(pooling_factors=[pf], feature_capacities=[64 * 40],
-                                            is_weighted=i == 5)  # fmt: skip
+        cons[t.name] = ParameterConstraints(
+            pooling_factors=[pf], feature_capacities=[64 * 40], is_weighted=i == 5
+        )
         means[f"f{i}"], caps[f"f{i}"] = min(B * pf, 64 * 40), 64 * 40
     topo = Topology(world_size=8, batch_size=B, hbm_cap=8 * 2**30)
     planner = EmbeddingShardingPlanner(topo, cons)
     plan = planner.plan(tables)
     placed = planner.last_placement
     module = plan.plan[""]
-    cut = [n for n, p in module.items() if p.sharding_type is d.ShardingType.ROW_WISE
-           and len({s.shard_sizes[0] for s in p.sharding_spec}) > 1]  # fmt: skip
+    cut = [
+        n
+        for n, p in module.items()
+        if p.sharding_type is d.ShardingType.ROW_WISE
+        and len({s.shard_sizes[0] for s in p.sharding_spec}) > 1
+    ]
     assert {"t0", "t1"} & set(cut) and len(cut) >= 3  # large tables set no padding
     layout = build_layout(tables, module, 8)
     want = recount(tables, layout, 8, B, means, caps, calls=1, weighted=True)

@@ -24,8 +24,10 @@ SIZES = [40_000_000, 20_000_000, 10_000_000, 5_000_000, 1_000_000]
 
 
 def _tables(sizes, dim=64):
-    return [jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=dim)
-            for i, n in enumerate(sizes)]  # fmt: skip
+    return [
+        jr.EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=dim)
+        for i, n in enumerate(sizes)
+    ]
 
 
 def _plan(tables, topo, cons=None, scale=True):
@@ -35,8 +37,11 @@ def _plan(tables, topo, cons=None, scale=True):
 
 
 def _factors(plan):
-    return {n: ps.cache_params.load_factor for n, ps in plan.plan[""].items()
-            if ps.compute_kernel is UVM}  # fmt: skip
+    return {
+        n: ps.cache_params.load_factor
+        for n, ps in plan.plan[""].items()
+        if ps.compute_kernel is UVM
+    }
 
 
 def test_spare_device_memory_goes_to_the_cache_within_the_devices():
@@ -85,9 +90,14 @@ def test_the_budget_goes_where_misses_drop_most():
     so the memory goes to the uniform one."""
     tables = _tables([30_000_000, 30_000_000])
     stats = {"t0": ZipfCacheStatistics(alpha=1.2), "t1": None}
-    cons = {n: ParameterConstraints(compute_kernels=["fused_uvm_caching"],
-                                    cache_params=CacheParams(load_factor=0.1),
-                                    cache_statistics=s) for n, s in stats.items()}  # fmt: skip
+    cons = {
+        n: ParameterConstraints(
+            compute_kernels=["fused_uvm_caching"],
+            cache_params=CacheParams(load_factor=0.1),
+            cache_statistics=s,
+        )
+        for n, s in stats.items()
+    }
     row = 64 * 4 + 4
     topo = Topology(world_size=1, hbm_cap=int(0.5 * 30_000_000 * row / 0.85), batch_size=4096)
     plan, _, _ = _plan(tables, topo, cons)
@@ -104,7 +114,8 @@ def test_alike_tables_share_the_memory():
     # 1.6 tables' rows (a load factor of 0.4 each) and, with one host, their device slot
     # maps: 4 bytes per row of every table and 8 per slot
     maps = 4 * 30_000_000 * 4 + 1.6 * 30_000_000 * 8
-    topo = Topology(world_size=1, hbm_cap=int((1.6 * 30_000_000 * row + maps) / 0.85),
-                    batch_size=4096)  # fmt: skip
+    topo = Topology(
+        world_size=1, hbm_cap=int((1.6 * 30_000_000 * row + maps) / 0.85), batch_size=4096
+    )
     f = sorted(_factors(_plan(tables, topo, cons)[0]).values())
     assert f[0] > 0.3 and f[-1] / f[0] < 1.5, f  # each raised, within a rung of the others

@@ -17,8 +17,19 @@ from jaxrec.sparse import (
     to_id_words,
 )
 
-EXTREMES_I64 = [0, 1, -1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32 - 1, 2**32,
-                2**63 - 1, -(2**63)]  # fmt: skip
+EXTREMES_I64 = [
+    0,
+    1,
+    -1,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    -(2**31) - 1,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    -(2**63),
+]
 EXTREMES_U64 = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
 
 
@@ -52,8 +63,12 @@ def test_id_words_round_trip(dtype):
 def test_in_graph_words_of_narrow_ids_extend_like_int64(dtype):
     info = np.iinfo(dtype)
     rng = np.random.default_rng(1)
-    ids = np.concatenate([rng.integers(info.min, info.max, 100, dtype=dtype, endpoint=True),
-                          np.asarray([info.min, info.max, 0], dtype)])  # fmt: skip
+    ids = np.concatenate(
+        [
+            rng.integers(info.min, info.max, 100, dtype=dtype, endpoint=True),
+            np.asarray([info.min, info.max, 0], dtype),
+        ]
+    )
     lo, hi = jax.jit(id_words)(jnp.asarray(ids))
     want = to_id_words(ids.astype(np.int64))  # sign- or zero-extended by numpy
     np.testing.assert_array_equal(np.stack([lo, hi], 1), want)

@@ -64,9 +64,12 @@ LENGTHS = np.asarray([2, 1, 1, 2], np.int32)
 def device_kjt(bad):
     w = np.asarray([0.5, bad, 2.0, 1.5, 0.25, bad], np.float32)
     kjt = jr.KeyedJaggedTensor(
-        ["a", "b"], jnp.asarray(VALUES), jnp.asarray(w), lengths=jnp.asarray(LENGTHS),
+        ["a", "b"],
+        jnp.asarray(VALUES),
+        jnp.asarray(w),
+        lengths=jnp.asarray(LENGTHS),
         capacities=[3, 3],
-    )  # fmt: skip
+    )
     return kjt, w
 
 
@@ -109,9 +112,12 @@ def test_device_weights_are_reported_and_dropped(impl, bad, caplog):
 def test_padding_weights_are_not_checked(caplog):
     w = np.asarray([0.5, 1.0, np.nan, 2.0, np.nan, np.nan], np.float32)  # NaN only in padding
     kjt = jr.KeyedJaggedTensor(
-        ["a", "b"], jnp.asarray(VALUES), jnp.asarray(w), lengths=jnp.asarray([1, 1, 1, 0]),
+        ["a", "b"],
+        jnp.asarray(VALUES),
+        jnp.asarray(w),
+        lengths=jnp.asarray([1, 1, 1, 0]),
         capacities=[3, 3],
-    )  # fmt: skip
+    )
     ebc = jr.EmbeddingBagCollection(TABLES, True, rngs=nnx.Rngs(0), bounds_check_mode="FATAL")
     got = jax.block_until_ready(ebc(kjt).values())
     assert np.all(np.isfinite(got))

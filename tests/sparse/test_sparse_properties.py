@@ -197,11 +197,22 @@ def broken(draw):
     values, lengths, w = values.astype(np.int32), lengths.copy(), w.copy()
     defect = draw(
         st.sampled_from(
-            ["negative", "too_many", "too_few", "float_values", "float_lengths",
-             "weights_nan", "weights_inf", "weights_int_array", "weights_shape", "stride",
-             "bool_values", "2d_values"]
+            [
+                "negative",
+                "too_many",
+                "too_few",
+                "float_values",
+                "float_lengths",
+                "weights_nan",
+                "weights_inf",
+                "weights_int_array",
+                "weights_shape",
+                "stride",
+                "bool_values",
+                "2d_values",
+            ]
         )
-    )  # fmt: skip
+    )
     i = draw(st.integers(0, len(lengths) - 1))
     if defect == "negative":
         lengths[i] = -draw(st.integers(1, 5))

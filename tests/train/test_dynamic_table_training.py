@@ -41,11 +41,14 @@ def zeros(key, shape, dtype):
 def tables():
     return [
         jr.EmbeddingBagConfig(
-            name=f"t_{k}", embedding_dim=DIM, num_embeddings=SLOTS, feature_names=[k],
+            name=f"t_{k}",
+            embedding_dim=DIM,
+            num_embeddings=SLOTS,
+            feature_names=[k],
             init_fn=zeros,
         )
         for k in KEYS
-    ]  # fmt: skip
+    ]
 
 
 class Model(nnx.Module):
@@ -56,11 +59,14 @@ class Model(nnx.Module):
         )
         mcs = {
             c.name: HashZchManagedCollisionModule(
-                SLOTS, ways=WAYS, eviction_config=HashZchEvictionConfig(policy=policy),
-                admission=admission, input_hash_seed=i,
+                SLOTS,
+                ways=WAYS,
+                eviction_config=HashZchEvictionConfig(policy=policy),
+                admission=admission,
+                input_hash_seed=i,
             )
             for i, c in enumerate(cfgs)
-        }  # fmt: skip
+        }
         self.sparse = ManagedCollisionEmbeddingBagCollection(
             ebc, ManagedCollisionCollection(mcs, cfgs), rngs=rngs
         )
@@ -98,9 +104,12 @@ def as_kjt(bags):
         lengths += [len(b) for b in bags[k]]
         caps.append(CAP)
     return jr.KeyedJaggedTensor.from_parts(
-        list(KEYS), jnp.asarray(np.concatenate(values)), jnp.asarray(lengths, jnp.int32),
-        capacities=caps, stride=B,
-    )  # fmt: skip
+        list(KEYS),
+        jnp.asarray(np.concatenate(values)),
+        jnp.asarray(lengths, jnp.int32),
+        capacities=caps,
+        stride=B,
+    )
 
 
 class Reference:

@@ -52,8 +52,11 @@ def expected_row(table, call, row):
     key = jax.random.fold_in(
         jax.random.fold_in(jax.random.fold_in(KEY, call), NAMES.index(table)), row
     )
-    return np.asarray(jax.random.uniform(key, (DIMS[table],), jnp.float32, -1 / SIZES[table] ** 0.5,
-                                         1 / SIZES[table] ** 0.5))  # fmt: skip
+    return np.asarray(
+        jax.random.uniform(
+            key, (DIMS[table],), jnp.float32, -1 / SIZES[table] ** 0.5, 1 / SIZES[table] ** 0.5
+        )
+    )
 
 
 def tables_np(state):
@@ -83,8 +86,9 @@ def test_reset_rows_get_fresh_weights_and_state_in_the_step(opt_name):
         kjt, y = random_batch(rng)
         state, _, _ = step(state, (kjt, y, no_resets()))
     kjt, y = random_batch(rng)
-    looked_up = {k: set(np.asarray(kjt[k].values())[: int(kjt[k].lengths().sum())].tolist())
-                 for k in KEYS}  # fmt: skip
+    looked_up = {
+        k: set(np.asarray(kjt[k].values())[: int(kjt[k].lengths().sum())].tolist()) for k in KEYS
+    }
     t1_seen = sorted(looked_up["a"] | looked_up["b"])
     # t1: one row the batch reads, one it does not; negatives and fill are ignored.
     t1_unseen = next(r for r in range(30) if r not in t1_seen)
@@ -130,8 +134,11 @@ def test_reset_rows_get_fresh_weights_and_state_in_the_step(opt_name):
     got, want = tables_np(state), tables_np(ref_state)
     for g in got:
         np.testing.assert_allclose(got[g], want[g], rtol=1e-6, atol=1e-7)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 sparse_np(state), sparse_np(ref_state))  # fmt: skip
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        sparse_np(state),
+        sparse_np(ref_state),
+    )
     # Reset rows the batch did not read hold exactly the fresh draw; their state is initial.
     np.testing.assert_array_equal(got["fp32_d4"][t1_unseen], expected_row("t1", call, t1_unseen))
     assert not np.array_equal(got["fp32_d4"][t1_seen[0]], expected_row("t1", call, t1_seen[0]))
@@ -151,9 +158,13 @@ def test_init_rows_per_row_and_with_init_fn():
     b = init_rows(cfg, KEY, rows[::-1])  # position in the list does not matter
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[::-1])
     assert np.all(np.abs(np.asarray(a)) <= 0.1) and a.dtype == jnp.float32
-    ones = jr.EmbeddingBagConfig(name="u", embedding_dim=3, num_embeddings=10,
-                                 init_fn=lambda k, s, d: jnp.full(s, 0.5, d),
-                                 data_type=jr.DataType.BF16)  # fmt: skip
+    ones = jr.EmbeddingBagConfig(
+        name="u",
+        embedding_dim=3,
+        num_embeddings=10,
+        init_fn=lambda k, s, d: jnp.full(s, 0.5, d),
+        data_type=jr.DataType.BF16,
+    )
     c = init_rows(ones, KEY, rows)
     assert (
         c.shape == (3, 3) and c.dtype == jnp.bfloat16 and np.all(np.asarray(c, np.float32) == 0.5)
@@ -181,8 +192,11 @@ def test_reset_outside_a_train_step_writes_weights_only():
 def test_reset_step_stays_in_place(skip_nonfinite):
     """A 4M x 128 table with 1024 reset rows a step: updated in place, no table-sized
     temporary (also when the non-finite guard may write reset rows back)."""
-    tables = [jr.EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=4_000_000,
-                                    feature_names=["f"])]  # fmt: skip
+    tables = [
+        jr.EmbeddingBagConfig(
+            name="big", embedding_dim=128, num_embeddings=4_000_000, feature_names=["f"]
+        )
+    ]
 
     class Big(nnx.Module):
         def __init__(self, rngs):
@@ -197,8 +211,12 @@ def test_reset_step_stays_in_place(skip_nonfinite):
     opt = CombinedOptimizer(optax.sgd(0.1), optim.rowwise_adagrad(0.1))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Big(nnx.Rngs(0))))
     state = jax.eval_shape(lambda: train.init_train_state(Big(nnx.Rngs(0)), opt)[1])
-    kjt = jr.KeyedJaggedTensor(["f"], jnp.zeros(4096 * 20, jnp.int32),
-                               lengths=jnp.full((4096,), 20), capacities=(4096 * 20,))  # fmt: skip
+    kjt = jr.KeyedJaggedTensor(
+        ["f"],
+        jnp.zeros(4096 * 20, jnp.int32),
+        lengths=jnp.full((4096,), 20),
+        capacities=(4096 * 20,),
+    )
     rows = jnp.zeros((1024,), jnp.int32)
     step = train.make_train_step(graphdef, opt, big_loss, skip_nonfinite=skip_nonfinite)
     mem = step.lower(state, (kjt, rows)).compile().memory_analysis()

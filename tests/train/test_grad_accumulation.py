@@ -29,13 +29,16 @@ SPARSE = {"rowwise_adagrad": lambda: optim.rowwise_adagrad(0.1), "adam": lambda:
 
 def dlrm():
     tables = [
-        jr.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40,
-                              feature_names=["f1"]),
-        jr.EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=25,
-                              feature_names=["f2"], pooling=jr.PoolingType.MEAN),
-        jr.EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=60,
-                              feature_names=["f3"]),
-    ]  # fmt: skip
+        jr.EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f1"]),
+        jr.EmbeddingBagConfig(
+            name="t2",
+            embedding_dim=8,
+            num_embeddings=25,
+            feature_names=["f2"],
+            pooling=jr.PoolingType.MEAN,
+        ),
+        jr.EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=60, feature_names=["f3"]),
+    ]
     ebc = jr.EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
     return models.DLRM(ebc, DENSE, [16, 8], [8, 1], rngs=nnx.Rngs(1))
 
@@ -48,8 +51,9 @@ def zipf_bags(rng, n_bags, rows):
 def kjt_of(bags, cap):
     lengths = [len(b) for k in KEYS for b in bags[k]]
     values = [i for k in KEYS for b in bags[k] for i in b]
-    return jr.KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths,
-                                                  capacities={k: cap for k in KEYS})  # fmt: skip
+    return jr.KeyedJaggedTensor.from_lengths_sync(
+        KEYS, values, lengths, capacities={k: cap for k in KEYS}
+    )
 
 
 def micro_and_concat(rng, k):
@@ -62,8 +66,11 @@ def micro_and_concat(rng, k):
         for f in KEYS:
             all_bags[f] += bags[f]
         micro.append((jnp.asarray(dense[i]), kjt_of(bags, CAP), jnp.asarray(y[i])))
-    concat = (jnp.asarray(dense.reshape(k * B, DENSE)), kjt_of(all_bags, k * CAP),
-              jnp.asarray(y.reshape(k * B)))  # fmt: skip
+    concat = (
+        jnp.asarray(dense.reshape(k * B, DENSE)),
+        kjt_of(all_bags, k * CAP),
+        jnp.asarray(y.reshape(k * B)),
+    )
     return micro, concat
 
 
@@ -76,8 +83,10 @@ def assert_close(got, want, rtol=2e-5, atol=1e-6):
 
 
 def max_table_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in
-               zip(jax.tree.leaves(a.tables), jax.tree.leaves(b.tables), strict=True))  # fmt: skip
+    return max(
+        float(np.max(np.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a.tables), jax.tree.leaves(b.tables), strict=True)
+    )
 
 
 def bce_with_aux(reduction):
@@ -91,8 +100,9 @@ def bce_with_aux(reduction):
     return loss
 
 
-@pytest.mark.parametrize(("opt_name", "k", "reduction"),
-                         [("rowwise_adagrad", 2, "sum"), ("adam", 4, "mean")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("opt_name", "k", "reduction"), [("rowwise_adagrad", 2, "sum"), ("adam", 4, "mean")]
+)
 def test_accumulated_step_equals_concatenated_step(opt_name, k, reduction):
     """Tables, every optimizer state and dense params after one accumulated step equal one
     plain step on the concatenated batch; k plain steps differ (so this test can fail)."""
@@ -160,19 +170,23 @@ def test_concat_bags_equals_the_concatenated_batch():
     rng = np.random.default_rng(6)
     caps = {"a": 12, "b": 9}  # bags of 0..3 ids, 3 bags per micro-batch
     micro_bags = [
-        {f: [rng.integers(0, 2**40, int(rng.integers(0, 4))).tolist() for _ in range(3)]
-         for f in caps}
+        {
+            f: [rng.integers(0, 2**40, int(rng.integers(0, 4))).tolist() for _ in range(3)]
+            for f in caps
+        }
         for _ in range(3)
-    ]  # fmt: skip
+    ]
 
     def kjt_of_bags(bags, scale):
         keys = list(caps)
         vals = [i for f in keys for b in bags[f] for i in b]
         return jr.KeyedJaggedTensor.from_lengths_sync(
-            keys, np.asarray(vals, np.int64), [len(b) for f in keys for b in bags[f]],
+            keys,
+            np.asarray(vals, np.int64),
+            [len(b) for f in keys for b in bags[f]],
             weights=np.arange(len(vals), dtype=np.float32) + 0.5,
             capacities={f: scale * c for f, c in caps.items()},
-        )  # fmt: skip
+        )
 
     kjts = [kjt_of_bags(b, 1) for b in micro_bags]
     merged = concat_bags(train.stack_micro_batches(kjts))
@@ -192,9 +206,12 @@ def test_mismatched_micro_batches_are_refused():
     micro, _ = micro_and_concat(rng, 2)
     dense, kjt, y = micro[1]
     other_caps = jr.KeyedJaggedTensor.from_parts(
-        kjt.keys(), jnp.pad(kjt.values(), (0, 3)), kjt.lengths(),
-        capacities=(CAP + 3, CAP, CAP), stride=kjt.stride(),
-    )  # fmt: skip
+        kjt.keys(),
+        jnp.pad(kjt.values(), (0, 3)),
+        kjt.lengths(),
+        capacities=(CAP + 3, CAP, CAP),
+        stride=kjt.stride(),
+    )
     with pytest.raises(ValueError, match="(?s)micro-batch 1 differs .* capacities and stride"):
         train.stack_micro_batches([micro[0], (dense, other_caps, y)])
     with pytest.raises(ValueError, match=r"leaf \[0\] differs in shape"):
@@ -207,8 +224,9 @@ def test_mismatched_micro_batches_are_refused():
     with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
         train.make_accumulating_train_step(graphdef, opt, loss_fn, micro_batches=0)
     with pytest.raises(ValueError, match="loss_reduction must be 'mean' or 'sum'"):
-        train.make_accumulating_train_step(graphdef, opt, loss_fn, micro_batches=2,
-                                           loss_reduction="avg")  # fmt: skip
+        train.make_accumulating_train_step(
+            graphdef, opt, loss_fn, micro_batches=2, loss_reduction="avg"
+        )
     step = train.make_accumulating_train_step(graphdef, opt, loss_fn, micro_batches=3)
     with pytest.raises(ValueError, match="needs leading size 3"):
         step(state, train.stack_micro_batches(micro))
@@ -263,7 +281,8 @@ def test_sharded_accumulation_equals_unsharded_concatenated():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for name, fields in want.tables.items():
         for field, v in fields.items():
-            np.testing.assert_allclose(got.tables[name][field], v, rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{name}.{field}")  # fmt: skip
+            np.testing.assert_allclose(
+                got.tables[name][field], v, rtol=1e-4, atol=1e-6, err_msg=f"{name}.{field}"
+            )
     assert_close(got.params, want.params, rtol=1e-4)
     assert_close(got.dense_opt, want.dense_opt, rtol=1e-4)

@@ -58,9 +58,13 @@ def bad_id(local):
     start = kjt.capacity_offsets()[kjt.keys().index("f2")]
     assert int(kjt["f2"].lengths().sum()) > 0
     values[start] = 50  # t1 has 50 rows
-    kjt = jr.KeyedJaggedTensor.from_parts(kjt.keys(), jnp.asarray(values), kjt.lengths(),
-                                          capacities=kjt.capacity_per_key(),
-                                          stride=kjt.stride())  # fmt: skip
+    kjt = jr.KeyedJaggedTensor.from_parts(
+        kjt.keys(),
+        jnp.asarray(values),
+        kjt.lengths(),
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
     return [*local[:5], (kjt, y), *local[6:]]
 
 

@@ -40,9 +40,13 @@ def jaxrec_warnings(caplog) -> list[str]:
 def with_values(kjt, values, weights=None):
     w = kjt.weights_or_none() if weights is None else jnp.asarray(weights)
     return jr.KeyedJaggedTensor.from_parts(
-        kjt.keys(), jnp.asarray(values), kjt.lengths(), w,
-        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
-    )  # fmt: skip
+        kjt.keys(),
+        jnp.asarray(values),
+        kjt.lengths(),
+        w,
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
 
 
 # ----- the compiled step has no host callback -----

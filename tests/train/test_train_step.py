@@ -61,8 +61,11 @@ def test_sequence_collection_called_twice():
     expect = dense_sgd_step(before, lambda m, b: m(b[0]), batch)
     state, _, _ = step(state, batch)
     got = snapshot(train.merge_model(graphdef, state))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got,
-                 jax.tree.map(np.asarray, expect))  # fmt: skip
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        got,
+        jax.tree.map(np.asarray, expect),
+    )
 
 
 def test_untouched_rows_never_change_and_state_is_donated():
@@ -143,8 +146,11 @@ def test_mixed_optimizers_in_one_stacked_group():
 
 def _abstract_step(dense_autodiff: bool, **step_kwargs):
     """Compiles a step for a 4M x 128 fp32 table without allocating it."""
-    tables = [jr.EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=4_000_000,
-                                    feature_names=["f"])]  # fmt: skip
+    tables = [
+        jr.EmbeddingBagConfig(
+            name="big", embedding_dim=128, num_embeddings=4_000_000, feature_names=["f"]
+        )
+    ]
 
     class Big(nnx.Module):
         def __init__(self, rngs):
@@ -155,8 +161,12 @@ def _abstract_step(dense_autodiff: bool, **step_kwargs):
     abstract = nnx.eval_shape(lambda: Big(nnx.Rngs(0)))
     graphdef = nnx.graphdef(abstract)
     state = jax.eval_shape(lambda: train.init_train_state(Big(nnx.Rngs(0)), opt)[1])
-    kjt = jr.KeyedJaggedTensor(["f"], jnp.zeros(4096 * 20, jnp.int32),
-                               lengths=jnp.full((4096,), 20), capacities=(4096 * 20,))  # fmt: skip
+    kjt = jr.KeyedJaggedTensor(
+        ["f"],
+        jnp.zeros(4096 * 20, jnp.int32),
+        lengths=jnp.full((4096,), 20),
+        capacities=(4096 * 20,),
+    )
 
     def loss_fn(m, kjt):
         return jnp.sum(m.head(m.ebc(kjt).values()))

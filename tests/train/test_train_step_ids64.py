@@ -20,9 +20,13 @@ def as_words(kjt, extra=None):
     for p, x in (extra or {}).items():
         ids[p] = x
     return jr.KeyedJaggedTensor.from_parts(
-        kjt.keys(), jnp.asarray(to_id_words(ids)), kjt.lengths(), kjt.weights_or_none(),
-        capacities=kjt.capacity_per_key(), stride=kjt.stride(),
-    )  # fmt: skip
+        kjt.keys(),
+        jnp.asarray(to_id_words(ids)),
+        kjt.lengths(),
+        kjt.weights_or_none(),
+        capacities=kjt.capacity_per_key(),
+        stride=kjt.stride(),
+    )
 
 
 def run(model, loss_fn, batches, sparse):
@@ -65,9 +69,12 @@ def test_sequence_model_on_words_with_wide_ids_equals_them_dropped():
     ids = np.asarray(kjt.values()).copy()
     ids[pos] = -1
     dropped = jr.KeyedJaggedTensor.from_parts(
-        kjt.keys(), jnp.asarray(ids), kjt.lengths(), capacities=kjt.capacity_per_key(),
+        kjt.keys(),
+        jnp.asarray(ids),
+        kjt.lengths(),
+        capacities=kjt.capacity_per_key(),
         stride=kjt.stride(),
-    )  # fmt: skip
+    )
     loss = lambda m, b: m(b[0])
     model = lambda: SeqModel(rngs=nnx.Rngs(0))
     _, want = run(model(), loss, [(dropped,)], optim.sgd(0.1))

@@ -32,8 +32,13 @@ CASES = {
     "lars_sgd": ({"learning_rate": 0.5, "weight_decay": 0.01}, {"weight_decay": 0.01}),
 }
 # Rows each feature touches in each stacked group: (group, key, row offset).
-READS = [("fp32_d4", "a", 0), ("fp32_d4", "b", 0), ("fp32_d4", "d", 30), ("fp32_d4", "b", 30),
-         ("fp32_d8", "c", 0)]  # fmt: skip
+READS = [
+    ("fp32_d4", "a", 0),
+    ("fp32_d4", "b", 0),
+    ("fp32_d4", "d", 30),
+    ("fp32_d4", "b", 30),
+    ("fp32_d8", "c", 0),
+]
 
 
 def touched(kjt, group):
