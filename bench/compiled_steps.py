@@ -43,7 +43,8 @@ def program_text(hlo: str) -> list[str]:
     return out
 
 
-def dump(out: pathlib.Path) -> None:
+def dump(out: pathlib.Path, only: set[str] | None = None) -> None:
+    """This checkout's programs (``only``: those names, e.g. ``ebc_row_wise``, ``ec_2d_1``)."""
     root = pathlib.Path.cwd()
     for p in (root, root / "bench", root / "tests", root / "tests" / "distributed"):
         sys.path.insert(0, str(p))
@@ -55,9 +56,15 @@ def dump(out: pathlib.Path) -> None:
     from jaxrec import distributed as d
     from jaxrec import train
 
+    names = [f"ebc_{k}" for k in bench_sharded.TYPES] + [f"ec_{c}_{n}" for c, n in EC_CASES]
+    only = set(names) if only is None else only
+    if only - set(names):
+        raise SystemExit(f"--only: unknown {sorted(only - set(names))}; choose from {names}")
     out.mkdir(parents=True, exist_ok=True)
     spec = bench_sharded.LookupSpec(**EBC_SPEC)
     for kind in bench_sharded.TYPES:
+        if f"ebc_{kind}" not in only:
+            continue
         gens, hosts = bench_sharded.generators(kind, spec.T)
         mesh = bench_sharded.mesh_for(hosts)
         model = bench_sharded.Model(bench_sharded.build_jaxrec(spec, seed=0))
@@ -75,6 +82,8 @@ def dump(out: pathlib.Path) -> None:
         print(f"ebc {kind}", flush=True)
     local = ec_cases.batches(np.random.default_rng(5))[0]
     for case, capacity in EC_CASES:
+        if f"ec_{case}_{capacity}" not in only:
+            continue
         gens, make_mesh, hosts = ec_cases.PLANS[case]
         mesh = make_mesh()
         opt = ec_cases._optimizer()
@@ -110,11 +119,12 @@ def main(argv=None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--dump", type=pathlib.Path, help="write this checkout's programs here")
     g.add_argument("--compare", type=pathlib.Path, nargs=2, metavar=("A", "B"))
+    p.add_argument("--only", help="--dump only these programs (comma list; default: all)")
     a = p.parse_args(argv)
     if a.dump:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        dump(a.dump)
+        dump(a.dump, set(a.only.split(",")) if a.only else None)
         return 0
     return compare(*a.compare)
 

@@ -1,11 +1,13 @@
-"""bench/compiled_steps.py: programs that differ only in source locations compare equal;
-one changed instruction, or a missing program, is reported (exit 1)."""
+"""bench/compiled_steps.py: a dumped program carries no source locations; programs that
+differ only in those compare equal; one changed instruction, or a missing program, is
+reported (exit 1); an unknown program name is refused."""
 
 import json
 import os
 import subprocess
 import sys
 
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "compiled_steps.py")
 
 HLO = """HloModule jit__step, is_scheduled=true
@@ -57,3 +59,19 @@ def test_a_changed_instruction_or_a_missing_program_is_reported(tmp_path):
     assert rc == 1
     assert rows[0] == {"program": "p.hlo", "lines": [10, 10], "lines_differ": 1}
     assert rows[1]["program"] == "q.hlo" and rows[1]["missing_in"].endswith("b")
+
+
+def test_dump_writes_the_program_without_source_locations(tmp_path):
+    cmd = [sys.executable, BENCH, "--dump", str(tmp_path), "--only", "ebc_data_parallel"]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ebc_data_parallel.hlo"]
+    text = (tmp_path / "ebc_data_parallel.hlo").read_text()
+    assert text.startswith("HloModule") and "ENTRY" in text and "all-reduce" in text
+    assert "metadata=" not in text and "FileNames" not in text and ".py" not in text
+
+
+def test_an_unknown_program_is_refused(tmp_path):
+    cmd = [sys.executable, BENCH, "--dump", str(tmp_path), "--only", "ebc_row_wise,ebc_nope"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "unknown ['ebc_nope']" in res.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything is written
